@@ -1,0 +1,3 @@
+from harli_train.cli import main
+
+main()

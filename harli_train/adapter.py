@@ -1,0 +1,117 @@
+"""LoRA adapters in the PEFT format: `adapter_config.json` + `adapter_model.safetensors`, peft's key names.
+
+peft stores `base_model.model.<module path>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r], with
+scale = lora_alpha / r. Our module paths equal transformers' Llama ones, so the mapping is a prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from harli_train.model.llama import LORA_TARGETS, LlamaForCausalLM
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be loaded into this model."""
+
+
+def adapter_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in model.lora_modules().items():
+        if m.has_lora:
+            out[f"{_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
+            out[f"{_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+    return out
+
+
+def _lora_settings(model: LlamaForCausalLM) -> tuple[int, float, float, list[str]]:
+    mods = [m for m in model.lora_modules().values() if m.has_lora]
+    if not mods:
+        raise AdapterError("the model carries no LoRA adapter to save")
+    targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.lora_modules().items() if m.has_lora},
+                     key=LORA_TARGETS.index)
+    return mods[0].rank, mods[0].alpha, mods[0].dropout, targets
+
+
+def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str = "") -> Path:
+    """Write the adapter so that `peft.PeftModel.from_pretrained(base, out_dir)` loads it."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank, alpha, dropout, targets = _lora_settings(model)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        "revision": None,
+    }
+    # Write to temporaries and rename, so an interrupted save never leaves a half-written adapter.
+    tmp_w, tmp_c = out / (WEIGHTS_NAME + ".tmp"), out / (CONFIG_NAME + ".tmp")
+    save_file(adapter_state_dict(model), str(tmp_w), metadata={"format": "pt"})
+    tmp_c.write_text(json.dumps(config, indent=2))
+    tmp_w.replace(out / WEIGHTS_NAME)
+    tmp_c.replace(out / CONFIG_NAME)
+    return out
+
+
+def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
+    """Attach the adapter stored in `adapter_dir` (PEFT format) to `model`; returns its config."""
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir)
+    cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise AdapterError(f"adapter directory {path}: {p.name} not found")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{cfg_path}: invalid JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise AdapterError(f"{cfg_path}: rsLoRA / DoRA adapters are not supported")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    state = load_file(str(w_path))
+    modules = model.lora_modules()
+    found = {}
+    for key, t in state.items():
+        stem = key.removeprefix(_PREFIX)
+        for suffix in (".lora_A.weight", ".lora_B.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
+            if stem.endswith(suffix):
+                name, which = stem[: -len(suffix)], suffix.split(".")[1]
+                break
+        else:
+            raise AdapterError(f"{w_path}: unexpected tensor {key!r}")
+        if name not in modules:
+            raise AdapterError(f"{w_path}: {key!r} names no projection layer of this model "
+                               "(adapter made for another model?)")
+        found.setdefault(name, {})[which] = t
+    for name, pair in found.items():
+        m = modules[name]
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"{w_path}: {name} has only {sorted(pair)}")
+        if pair["lora_A"].shape != (rank, m.in_features) or pair["lora_B"].shape != (m.out_features, rank):
+            raise AdapterError(
+                f"{w_path}: {name} has shapes {tuple(pair['lora_A'].shape)}/{tuple(pair['lora_B'].shape)}, "
+                f"expected ({rank}, {m.in_features})/({m.out_features}, {rank}): adapter made for another model?"
+            )
+    if not found:
+        raise AdapterError(f"{w_path}: no LoRA tensors in the file")
+    # Everything checked: only now touch the model, so a bad adapter leaves it as it was.
+    for name, pair in found.items():
+        m = modules[name]
+        m.add_lora(rank, alpha, float(config.get("lora_dropout", 0.0)))
+        with torch.no_grad():
+            m.lora_A.copy_(pair["lora_A"])
+            m.lora_B.copy_(pair["lora_B"])
+    return config

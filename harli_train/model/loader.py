@@ -1,0 +1,116 @@
+"""Build a model from a named preset (seeded random weights) or a local Hugging Face directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from harli_train.model.config import PRESETS, ModelConfig, ModelError
+from harli_train.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on a GPU and fp32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ModelError(f"unknown dtype {name!r} (expected one of auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def is_preset(source: str) -> bool:
+    return source in PRESETS
+
+
+def model_config(source: str) -> ModelConfig:
+    if source in PRESETS:
+        return ModelConfig(**{**PRESETS[source].to_dict()})
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelError(
+            f"model {source!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory"
+        )
+    return ModelConfig.from_hf_dir(path)
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> LlamaForCausalLM:
+    """The frozen base model in `dtype` on `device`, in eval mode, with no adapter attached."""
+    device = torch.device(device)
+    cfg = model_config(source)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # to_empty leaves buffers uninitialised: recompute the rope table.
+    model.model.rotary_emb.__init__(cfg)
+    model.model.rotary_emb.to(device)
+    if source in PRESETS:
+        log.warning("model %r is a preset with RANDOM weights (seed %d): for benchmarks and tests only", source, seed)
+        init_random_weights(model, seed)
+    else:
+        load_hf_weights(model, Path(source).expanduser())
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Seeded N(0, std) weights (transformers' initializer_range), ones for norms, zeros for biases."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise ModelError(
+            f"model directory {path}: no weights found (looked for model.safetensors, "
+            "model.safetensors.index.json and *.safetensors)"
+        )
+    return found
+
+
+@torch.no_grad()
+def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for shard in _shard_files(path):
+        if not shard.is_file():
+            raise ModelError(f"model directory {path}: shard {shard.name} listed in the index is missing")
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in params:
+                    if "rotary_emb" in key:
+                        continue
+                    raise ModelError(f"{shard}: unexpected tensor {key!r} (not a Llama-family weight)")
+                t = f.get_tensor(key)
+                if t.shape != params[key].shape:
+                    raise ModelError(f"{shard}: {key} has shape {tuple(t.shape)}, expected {tuple(params[key].shape)}")
+                params[key].copy_(t)
+                loaded.add(key)
+    missing = [k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ModelError(f"model directory {path}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

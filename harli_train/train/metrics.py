@@ -1,0 +1,50 @@
+"""Training metrics: one JSON line per optimizer step, and a console line every `log_every` steps."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    def __init__(self, path: Path, total_steps: int, log_every: int, resume_step: int | None = None,
+                 quiet: bool = False):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step is not None and path.is_file():
+            # A run that died after its last checkpoint logged steps that the resumed run will redo.
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+        self.file = open(path, "w")
+        self.file.writelines(line + "\n" for line in kept)
+        self.total_steps, self.log_every, self.quiet = total_steps, max(1, log_every), quiet
+        self.start = time.perf_counter()
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if not self.quiet and (step % self.log_every == 0 or step == self.total_steps):
+            elapsed = time.perf_counter() - self.start
+            print(
+                f"step {step:>6}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
+                f"mem {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}  [{elapsed:,.0f}s]",
+                file=sys.stderr, flush=True,
+            )
+
+    def close(self) -> None:
+        self.file.close()

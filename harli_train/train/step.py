@@ -1,0 +1,100 @@
+"""One optimizer step as a generator of micro-steps, so that a runtime can interleave it with decode steps.
+
+The forward pass of each micro-batch runs in chunks of `layers_per_microstep` layers; each chunk's inputs
+are cut from the autograd graph (detached leaves that require grad), so the backward pass can run chunk by
+chunk in reverse, carrying the gradient of the boundary tensors by hand. This changes when work is launched,
+never what is computed: gradients equal those of one whole-graph backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+
+from harli_train import kernels
+from harli_train.model.llama import LlamaForCausalLM
+
+IGNORE_INDEX = -100
+
+
+@dataclass(slots=True)
+class MicroStep:
+    """What the micro-step just launched: `phase` is fwd, loss, bwd or optim; layers [start, stop)."""
+
+    phase: str
+    micro_batch: int
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss_sum: torch.Tensor  # sum of token losses over the step (fp32, on device)
+    target_tokens: int
+    input_tokens: int
+
+
+def _leaf(t: torch.Tensor | None, grad: bool = True) -> torch.Tensor | None:
+    return None if t is None else t.detach().requires_grad_(grad)
+
+
+def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
+
+
+def train_step(
+    model: LlamaForCausalLM,
+    batches: list[dict],
+    layers_per_microstep: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Generator[MicroStep, None, StepResult]:
+    """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
+
+    The loss is normalised by the target tokens of the whole step, so gradient accumulation gives the
+    same gradient as one large batch. Leaves gradients in the LoRA parameters; the caller steps the optimizer.
+    """
+    total_targets = sum(int(b["num_target_tokens"]) for b in batches)
+    if total_targets == 0:
+        raise ValueError("a training step has no target tokens (every label is ignored)")
+    device = model.lm_head.weight.device
+    bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    input_tokens = 0
+    for mb, batch in enumerate(batches):
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        input_tokens += ids.numel()
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+        cos, sin = model.rope(positions)
+        # Forward, chunk by chunk; each chunk keeps its own autograd graph.
+        saved = []
+        hidden, residual = model.embed(ids), None
+        for start, stop in bounds:
+            # The embedding is frozen: the first chunk needs no gradient for its input.
+            h_in, r_in = _leaf(hidden, start > 0), _leaf(residual)
+            with autocast():
+                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin)
+            saved.append((h_in, r_in, hidden, residual))
+            yield MicroStep("fwd", mb, start, stop)
+        # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
+        h_in, r_in = _leaf(hidden), _leaf(residual)
+        with autocast():
+            normed = model.final_norm(h_in, r_in)
+            shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
+            mb_loss, _ = kernels.linear_cross_entropy(shifted, model.lm_head.weight, labels[:, 1:].reshape(-1),
+                                                      IGNORE_INDEX)
+        (mb_loss / total_targets).backward()
+        loss_sum += mb_loss.detach().float()
+        grads = (h_in.grad, r_in.grad)
+        yield MicroStep("loss", mb, model.config.num_layers, model.config.num_layers)
+        # Backward, chunk by chunk in reverse.
+        for (start, stop), (h_in, r_in, h_out, r_out) in zip(reversed(bounds), reversed(saved)):
+            outs = [h_out] if r_out is None else [h_out, r_out]
+            torch.autograd.backward(outs, list(grads[: len(outs)]))
+            grads = (h_in.grad, None if r_in is None else r_in.grad)
+            yield MicroStep("bwd", mb, start, stop)
+        del saved
+    return StepResult(loss_sum=loss_sum, target_tokens=total_targets, input_tokens=input_tokens)

@@ -1,0 +1,204 @@
+"""The LoRA trainer: setup / train / save_checkpoint, with the step cut into yieldable micro-steps."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.adapter import save_adapter
+from harli_train.config import RecipeConfig, recipe_to_dict
+from harli_train.data.dataset import load_examples
+from harli_train.data.loader import DataLoader
+from harli_train.data.tokenizer import load_tokenizer
+from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
+from harli_train.train.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from harli_train.train.metrics import MetricsLogger, memory_gib
+from harli_train.train.schedule import lr_at
+from harli_train.train.step import MicroStep, StepResult, train_step
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA GPU is available (use 'auto' or 'cpu')")
+    return torch.device(name)
+
+
+class Trainer:
+    """Trains a LoRA adapter as a recipe says.
+
+    `setup()` loads the model, data and optimizer (and a checkpoint when resuming); `micro_steps()` yields
+    after every launched chunk of work until training is done, which is how the co-location runtime drives
+    it; `train()` simply drains that generator. Checkpoints hold the adapter, optimizer, schedule position,
+    data position and RNG, so a resumed run continues the same loss curve.
+    """
+
+    def __init__(self, cfg: RecipeConfig, model: LlamaForCausalLM | None = None, quiet: bool = False):
+        self.cfg = cfg
+        self.out_dir = Path(cfg.output.dir)
+        self.model = model
+        self.quiet = quiet
+        self.step = 0
+        self.total_steps = 0
+        self.last_loss = float("nan")
+        self.interrupted = False
+        self._micro_steps = 0
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def setup(self, resume: str | Path | None = None) -> None:
+        cfg = self.cfg
+        self.device = resolve_device(cfg.train.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        torch.manual_seed(cfg.train.seed)
+        if self.model is None:
+            self.model = load_model(cfg.model.name, self.dtype, self.device, seed=cfg.model.seed)
+        model = self.model
+        kernels.set_backend(cfg.train.kernels)
+        self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
+        examples = load_examples(cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples)
+        self.loader = DataLoader(examples, cfg.train.batch_size, cfg.data.seq_len, self.tokenizer.pad_id,
+                                 packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+        if cfg.train.steps is not None:
+            self.total_steps = cfg.train.steps
+        else:
+            self.total_steps = max(1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum))
+        model.add_lora(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed)
+        state = self._load_checkpoint(find_checkpoint(Path(resume))) if resume is not None else None
+        model.train()
+        self.params = model.lora_parameters()
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                           eps=cfg.train.eps, weight_decay=cfg.train.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.tokens_seen = 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.loader.load_state_dict(state["loader"])
+            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+            set_rng_state(state["rng"])
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _write_recipe(self.out_dir / "recipe.yaml", cfg)
+        self.metrics = MetricsLogger(self.out_dir / "metrics.jsonl", self.total_steps, cfg.train.log_every,
+                                     resume_step=self.step if state is not None else None, quiet=self.quiet)
+        n_params = sum(p.numel() for p in self.params)
+        log.info("LoRA r=%d on %s: %.2fM trainable parameters; %d steps on %s (%s)", cfg.lora.rank,
+                 ",".join(cfg.lora.targets), n_params / 1e6, self.total_steps, self.device, self.dtype)
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Replace the fresh adapter with the checkpoint's; refuse one made with other LoRA settings."""
+        expected = {n: (m.rank, m.alpha) for n, m in self.model.lora_modules().items() if m.has_lora}
+        state = load_checkpoint(path, self.model)
+        found = {n: (m.rank, m.alpha) for n, m in self.model.lora_modules().items() if m.has_lora}
+        if found != expected:
+            raise CheckpointError(
+                f"checkpoint {path} was made with other LoRA settings (rank, alpha or targets) than "
+                f"this recipe; resume with the recipe it was trained with ({path.parent.parent / 'recipe.yaml'})"
+            )
+        log.info("resuming from %s at step %d", path, state["step"])
+        return state
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def micro_steps(self) -> Generator[MicroStep, None, None]:
+        """Run the remaining steps, yielding after each micro-step; checkpoints on the recipe's interval."""
+        cfg = self.cfg.train
+        while not self.done:
+            self._loader_state = self.loader.state_dict()
+            self._rng_state = rng_state()
+            t0 = time.perf_counter()
+            batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
+            result: StepResult = yield from train_step(self.model, batches, cfg.layers_per_microstep, self._autocast)
+            lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            clip = cfg.clip_grad_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            yield MicroStep("optim", len(batches) - 1)
+            self.step += 1
+            self.tokens_seen += result.input_tokens
+            self.last_loss = result.loss_sum.item() / result.target_tokens
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.metrics.log({
+                "step": self.step, "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": result.input_tokens, "target_tokens": result.target_tokens,
+                "tokens_per_s": result.input_tokens / dt, "step_s": dt, "memory_gib": memory_gib(self.device),
+                "epoch": self.loader.epoch, "tokens_seen": self.tokens_seen,
+            })
+            every = self.cfg.output.checkpoint_every
+            if every and self.step % every == 0 and not self.done:
+                self.save_checkpoint()
+
+    def train(self) -> dict[str, Any]:
+        """Drain the micro-steps. Ctrl-C or SIGTERM stops after checkpointing the last completed step."""
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            for _ in self.micro_steps():
+                pass
+        except KeyboardInterrupt:
+            self.interrupt()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return self.finish()
+
+    def interrupt(self) -> None:
+        """Abandon the step in flight (its gradients and data), so the checkpoint is at a step boundary."""
+        self.interrupted = True
+        self.optimizer.zero_grad(set_to_none=True)
+        if getattr(self, "_loader_state", None) is not None:
+            self.loader.load_state_dict(self._loader_state)
+            set_rng_state(self._rng_state)
+        log.warning("interrupted: checkpointing step %d", self.step)
+
+    def finish(self) -> dict[str, Any]:
+        ckpt = self.save_checkpoint() if self.step > 0 else None
+        adapter_dir = save_adapter(self.model, self.out_dir / "adapter", base_model=self.cfg.model.name)
+        self.metrics.close()
+        return {"steps": self.step, "total_steps": self.total_steps, "loss": self.last_loss,
+                "adapter": str(adapter_dir), "checkpoint": str(ckpt) if ckpt else None,
+                "interrupted": self.interrupted}
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "optimizer": self.optimizer.state_dict(),
+                 "loader": self.loader.state_dict(), "rng": rng_state(), "recipe": recipe_to_dict(self.cfg)}
+        return save_checkpoint(self.out_dir, self.step, self.model, state, self.cfg.model.name,
+                               self.cfg.output.keep_checkpoints)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _write_recipe(path: Path, cfg: RecipeConfig) -> None:
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe_to_dict(cfg), sort_keys=False))

@@ -1,0 +1,22 @@
+import os
+
+import pytest
+import torch
+
+# Tests run on the CPU; keep torch from oversubscribing the 2 cores CI has.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def tiny_hf_dir(tmp_path):
+    """A small random transformers Llama saved as a local HF directory; returns (path, hf_model)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path / "hf_model"
+    model.save_pretrained(path)
+    return path, model
