@@ -1,0 +1,63 @@
+"""Shared by the GPU benchmarks: where results go, environment facts, a table printer."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT", "bench_out"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda)
+    return env
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    path = out_dir() / name
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return path
+
+
+def run_child(args: list[str], timeout: float) -> dict[str, Any]:
+    """Run `python <args>` in a fresh process (clean peak-memory counters); it prints one JSON line last."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    sys.stderr.write(proc.stderr[-4000:])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)

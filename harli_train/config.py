@@ -1,0 +1,401 @@
+"""Recipe configuration: a YAML recipe file (plus command-line overrides) turned into checked dataclasses.
+
+Every key is declared once, as a dataclass field whose metadata holds its rule (kind, limit, optional);
+`__post_init__` applies the rules, so a section built in code is checked exactly like one read from a file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
+POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixed split at N SMs
+OVERRIDE_SOURCE = "command line override"
+_UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
+
+
+class RecipeError(ValueError):
+    """A recipe the trainer cannot use; names the file (or command line), the key, expected and found."""
+
+    def __init__(self, where: str, key: str, expected: str, found: str):
+        self.where, self.key, self.expected, self.found = where, key, expected, found
+        super().__init__(f"{where}: {key + ': ' if key else ''}expected {expected}, got {found}")
+
+
+class _Mismatch(ValueError):
+    """A value of the wrong kind; its message, if any, says more than the kind's noun can."""
+
+
+def _did_you_mean(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+# Kinds: a noun for messages and a coercion that raises _Mismatch.
+def _as_float(v: Any) -> float:
+    # PyYAML reads `1e-4` (no dot) as a string, so numeric strings are numbers here.
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise _Mismatch()
+    try:
+        return float(v)
+    except ValueError:
+        raise _Mismatch() from None
+
+
+def _exactly(kind: type) -> Callable[[Any], Any]:
+    def coerce(v: Any) -> Any:
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):  # `steps: true` is no int
+            raise _Mismatch()
+        return v
+
+    return coerce
+
+
+def _as_pair(v: Any) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise _Mismatch()
+    return (_as_float(v[0]), _as_float(v[1]))
+
+
+def _as_targets(v: Any) -> list[str]:
+    names = [v] if isinstance(v, str) else v
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise _Mismatch()
+    chosen: set[str] = set()
+    for name in names:
+        if name not in PROJECTIONS and name not in TARGET_GROUPS:
+            raise _Mismatch(f"unknown {name!r}{_did_you_mean(name, [*PROJECTIONS, *TARGET_GROUPS])}")
+        chosen.update(TARGET_GROUPS.get(name, (name,)))
+    return [p for p in PROJECTIONS if p in chosen]  # canonical order, no duplicates
+
+
+def _as_path(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise _Mismatch()
+    return str(Path(v).expanduser().resolve())
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "int": ("an integer", _exactly(int)),
+    "float": ("a number", _as_float),
+    "bool": ("true or false", _exactly(bool)),
+    "str": ("a string", _exactly(str)),
+    "pair": ("a pair of numbers", _as_pair),
+    "targets": (f"a list of projections among {', '.join([*PROJECTIONS, *TARGET_GROUPS])}", _as_targets),
+    "path": ("a path", _as_path),  # in a recipe file, relative to the file's folder
+}
+
+
+# Limits: words that follow the kind's noun, and the test behind them.
+@dataclass(frozen=True, slots=True)
+class Limit:
+    text: str
+    test: Callable[[Any], bool]
+
+
+def above(lo: float) -> Limit:
+    return Limit(f"> {lo}", lambda v: v > lo)
+
+
+def at_least(lo: float) -> Limit:
+    return Limit(f">= {lo}", lambda v: v >= lo)
+
+
+def within(lo: float, hi: float, open_top: bool = False) -> Limit:
+    if open_top:
+        return Limit(f"in [{lo}, {hi})", lambda v: lo <= v < hi)
+    return Limit(f"in [{lo}, {hi}]", lambda v: lo <= v <= hi)
+
+
+def among(*choices: str) -> Limit:
+    return Limit(f"among {', '.join(choices)}", lambda v: v in choices)
+
+
+EXISTS = Limit("that exists", lambda path: Path(path).exists())
+_BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair))
+
+
+def _is_policy(v: str) -> bool:
+    static = re.fullmatch(r"static:(\d+)", v)
+    return 1 <= int(static.group(1)) <= 1024 if static else v in POLICIES
+
+
+_POLICY = Limit(f"among {', '.join(POLICIES)}, static:N (N = 1..1024)", _is_policy)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    kind: str
+    limit: Limit | None = None
+    optional: bool = False
+
+    def expectation(self) -> str:
+        text = _KINDS[self.kind][0] + (f" {self.limit.text}" if self.limit else "")
+        return text + (" or null" if self.optional else "")
+
+    def apply(self, dotted: str, value: Any) -> Any:
+        """The value coerced to the rule's kind; RecipeError naming `dotted` if it does not fit."""
+        if value is None and self.optional:
+            return None
+        try:
+            value = _KINDS[self.kind][1](value)
+        except _Mismatch as e:
+            detail = f" ({e})" if str(e) else ""
+            raise RecipeError(_UNPLACED, dotted, self.expectation(), _describe(value) + detail) from None
+        if self.limit and not self.limit.test(value):
+            raise RecipeError(_UNPLACED, dotted, self.expectation(), repr(value))
+        return value
+
+
+def key(default: Any, kind: str, limit: Limit | None = None, optional: bool = False) -> Any:
+    """A recipe key: a dataclass field carrying its Rule. `default=MISSING` makes the key required."""
+    meta = {"rule": Rule(kind, limit, optional)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _validate(section: Any, name: str) -> None:
+    for f in fields(section):
+        setattr(section, f.name, f.metadata["rule"].apply(f"{name}.{f.name}", getattr(section, f.name)))
+
+
+@dataclass(slots=True)
+class ModelSection:
+    """Which base model: a preset name (harli_train/model/config.py PRESETS) or a local Hugging Face folder.
+    dtype `auto` means bfloat16 on a GPU, float32 on the CPU."""
+
+    name: str = key("tiny", "str")
+    dtype: str = key("auto", "str", among("auto", "float32", "bfloat16", "float16"))
+    seed: int = key(0, "int", at_least(0))  # seed of a preset's random weights
+
+    def __post_init__(self) -> None:
+        _validate(self, "model")
+
+
+@dataclass(slots=True)
+class LoraSection:
+    """Adapter shape and the projections it is attached to."""
+
+    rank: int = key(8, "int", above(0))
+    alpha: float = key(16.0, "float", above(0))
+    dropout: float = key(0.0, "float", within(0, 1, open_top=True))
+    targets: list[str] = key(list(PROJECTIONS), "targets")
+
+    def __post_init__(self) -> None:
+        _validate(self, "lora")
+
+
+@dataclass(slots=True)
+class DataSection:
+    """Training data: a file or folder, how to read it and how to cut it into sequences."""
+
+    path: str = key(MISSING, "path", EXISTS)
+    format: str = key("auto", "str", among("auto", "prompt_completion", "text"))
+    seq_len: int = key(512, "int", at_least(2))
+    packing: bool = key(True, "bool")
+    shuffle: bool = key(True, "bool")
+    max_examples: int | None = key(None, "int", above(0), optional=True)
+
+    def __post_init__(self) -> None:
+        _validate(self, "data")
+
+
+@dataclass(slots=True)
+class TrainSection:
+    """Optimiser, schedule and step budget; exactly one of `steps` and `epochs` is set."""
+
+    batch_size: int = key(8, "int", above(0))
+    grad_accum: int = key(1, "int", above(0))
+    steps: int | None = key(None, "int", above(0), optional=True)
+    epochs: float | None = key(None, "float", above(0), optional=True)
+    lr: float = key(2e-4, "float", above(0))
+    schedule: str = key("cosine", "str", among("cosine", "linear", "constant"))
+    warmup_steps: int = key(0, "int", at_least(0))
+    min_lr_ratio: float = key(0.0, "float", within(0, 1))
+    weight_decay: float = key(0.0, "float", at_least(0))
+    betas: tuple[float, float] = key((0.9, 0.999), "pair", _BETAS)
+    eps: float = key(1e-8, "float", above(0))
+    clip_grad_norm: float | None = key(1.0, "float", at_least(0), optional=True)  # 0 or null: no clipping
+    seed: int = key(0, "int", at_least(0))
+    layers_per_microstep: int = key(1, "int", at_least(1))
+    kernels: str = key("auto", "str", among("auto", "triton", "torch"))
+    device: str = key("auto", "str", among("auto", "cpu", "cuda"))
+    log_every: int = key(10, "int", at_least(1))
+
+    def __post_init__(self) -> None:
+        _validate(self, "train")
+        if (self.steps is None) == (self.epochs is None):
+            found = "neither" if self.steps is None else f"both (steps={self.steps}, epochs={self.epochs})"
+            raise RecipeError(_UNPLACED, "train.steps", "exactly one of train.steps and train.epochs", found)
+        if self.steps is not None and self.warmup_steps >= self.steps:
+            expected = f"an integer < train.steps ({self.steps})"
+            raise RecipeError(_UNPLACED, "train.warmup_steps", expected, repr(self.warmup_steps))
+        if self.clip_grad_norm == 0:
+            self.clip_grad_norm = None
+
+
+@dataclass(slots=True)
+class OutputSection:
+    """Where checkpoints go; `{recipe_stem}` in `dir` is replaced by the recipe file's stem."""
+
+    dir: str = key("runs/{recipe_stem}", "str")
+    checkpoint_every: int = key(0, "int", at_least(0))  # 0: only at exit
+    keep_checkpoints: int = key(2, "int", at_least(1))
+
+    def __post_init__(self) -> None:
+        _validate(self, "output")
+
+
+@dataclass(slots=True)
+class ColocationSection:
+    """Sharing the GPU with decode: the SM policy, the TPOT objective and the request load."""
+
+    policy: str = key("harli", "str", _POLICY)
+    tpot_ms: float = key(50.0, "float", above(0))
+    margin: float = key(0.1, "float", within(0, 0.9))
+    trace: str | None = key(None, "path", EXISTS, optional=True)
+    rate: float | None = key(None, "float", above(0), optional=True)  # requests/s
+    duration_s: float = key(60.0, "float", above(0))
+    prompt_len: int = key(512, "int", at_least(1))
+    output_len: int = key(128, "int", at_least(1))
+    max_batch: int = key(64, "int", at_least(1))
+    profile: str | None = key(None, "path", optional=True)
+
+    def __post_init__(self) -> None:
+        _validate(self, "colocation")
+
+    @property
+    def static_sms(self) -> int | None:
+        """The SM count of a `static:N` policy, else None."""
+        return int(self.policy.split(":")[1]) if self.policy.startswith("static:") else None
+
+
+SECTIONS: dict[str, type] = dict(
+    model=ModelSection,
+    lora=LoraSection,
+    data=DataSection,
+    train=TrainSection,
+    output=OutputSection,
+    colocation=ColocationSection,
+)
+
+
+@dataclass(slots=True)
+class RecipeConfig:
+    """A whole recipe; `source` is the recipe file it came from."""
+
+    model: ModelSection
+    lora: LoraSection
+    data: DataSection
+    train: TrainSection
+    output: OutputSection
+    colocation: ColocationSection
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        out = self.output.dir.replace("{recipe_stem}", Path(self.source).stem)
+        self.output.dir = str(Path(out).expanduser().resolve())
+
+
+def _check_key(section: str, name: str | None, where: str) -> None:
+    if section not in SECTIONS:
+        unknown = f"unknown {section!r}{_did_you_mean(section, list(SECTIONS))}"
+        raise RecipeError(where, section, f"a section among {', '.join(SECTIONS)}", unknown)
+    valid = [f.name for f in fields(SECTIONS[section])]
+    if name is not None and name not in valid:
+        unknown = f"unknown {name!r}{_did_you_mean(name, valid)}"
+        raise RecipeError(where, f"{section}.{name}", f"a key among {', '.join(valid)}", unknown)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Parse `section.key=value` strings (values: YAML scalars or flow sequences) into {dotted key: value}."""
+    parsed: dict[str, Any] = {}
+    for text in overrides:
+        dotted, eq, raw = text.partition("=")
+        section, dot, name = dotted.strip().partition(".")
+        if not eq or not dot or not name or "." in name:
+            raise RecipeError(OVERRIDE_SOURCE, "", "section.key=value (e.g. train.lr=3e-4)", repr(text))
+        _check_key(section, name, OVERRIDE_SOURCE)
+        try:
+            parsed[f"{section}.{name}"] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise RecipeError(OVERRIDE_SOURCE, dotted, "a YAML value", repr(raw)) from None
+    return parsed
+
+
+def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    where = str(path)
+    if not path.is_file():
+        raise RecipeError(where, "", "a YAML recipe file", f"nothing at {path.resolve()}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(where, "", "a readable UTF-8 text file", f"{type(e).__name__}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line, problem = (f"line {mark.line + 1}" if mark else ""), getattr(e, "problem", None) or e
+        raise RecipeError(where, line, "valid YAML", f"a syntax error: {problem}") from None
+    tree = {} if tree is None else tree
+    if not isinstance(tree, dict):
+        raise RecipeError(where, "", f"a mapping of sections ({', '.join(SECTIONS)})", _describe(tree))
+    for section, body in tree.items():
+        _check_key(str(section), None, where)
+        if body is not None and not isinstance(body, dict):
+            raise RecipeError(where, str(section), "a mapping of keys", _describe(body))
+        for name in body or {}:
+            _check_key(section, str(name), where)
+    return {section: dict(body or {}) for section, body in tree.items()}
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Read a recipe file, apply `section.key=value` overrides, and return the checked RecipeConfig.
+
+    Overrides apply before any value is checked, so an override can fix a bad value in the file.
+    Relative paths in the file resolve against the file's folder; in overrides, against the working folder.
+    """
+    path = Path(path)
+    where = str(path)
+    tree = _read_yaml(path)
+    origin: dict[str, str] = {}
+    for dotted, value in parse_overrides(overrides).items():
+        section, name = dotted.split(".")
+        tree.setdefault(section, {})[name] = value
+        origin[dotted] = OVERRIDE_SOURCE
+    sections: dict[str, Any] = {}
+    try:
+        for section, cls in SECTIONS.items():
+            values = tree.get(section, {})
+            for f in fields(cls):
+                dotted, value = f"{section}.{f.name}", values.get(f.name)
+                rule: Rule = f.metadata["rule"]
+                if f.default is MISSING and f.default_factory is MISSING and f.name not in values:
+                    raise RecipeError(_UNPLACED, dotted, rule.expectation(), "nothing (the key is required)")
+                if rule.kind == "path" and isinstance(value, str) and dotted not in origin:
+                    values[f.name] = str(path.parent / Path(value).expanduser())  # absolute stays absolute
+            sections[section] = cls(**values)
+    except RecipeError as e:
+        raise RecipeError(origin.get(e.key, where), e.key, e.expected, e.found) from None
+    return RecipeConfig(**sections, source=str(path.resolve()))
+
+
+def recipe_to_dict(cfg: RecipeConfig) -> dict[str, dict[str, Any]]:
+    """Every key as plain data (paths resolved, tuples as lists): `yaml.safe_dump` of it loads back equal."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        values = {f.name: getattr(section, f.name) for f in fields(section)}
+        out[name] = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
+    return out

@@ -1,0 +1,138 @@
+"""The trainer: micro-steps equal a whole step, resume continues the same curve, the quickstart learns."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from harli_train.cli import main
+from harli_train.config import load_recipe
+from harli_train.model import load_model
+from harli_train.train.step import train_step
+from harli_train.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+
+
+def _drain(gen):
+    phases = []
+    try:
+        while True:
+            phases.append(next(gen).phase)
+    except StopIteration as stop:
+        return stop.value, phases
+
+
+def _batch(seed, b=2, t=24, vocab=320):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 259, (b, t), generator=g)
+    labels = ids.clone()
+    labels[:, : t // 3] = -100
+    return {"input_ids": ids, "labels": labels, "num_target_tokens": int((labels[:, 1:] != -100).sum())}
+
+
+def _model():
+    m = load_model("tiny", torch.float32, "cpu", seed=1)
+    m.add_lora(4, 8.0, 0.0, seed=2)
+    with torch.no_grad():
+        for p in m.lora_parameters():
+            p.normal_(0, 0.05)  # non-zero B so every gradient is non-trivial
+    return m
+
+
+def _grads(m):
+    return [p.grad.clone() for p in m.lora_parameters()]
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_micro_stepped_step_equals_whole_graph_step(per_chunk):
+    batches = [_batch(1), _batch(2)]
+    m = _model()
+    # Reference: one ordinary forward/backward over both micro-batches, mean over all target tokens.
+    total = sum(b["num_target_tokens"] for b in batches)
+    for b in batches:
+        logits = m.logits(m(b["input_ids"]))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b["labels"][:, 1:].reshape(-1),
+                               ignore_index=-100, reduction="sum")
+        (loss / total).backward()
+    ref = _grads(m)
+    m.zero_grad(set_to_none=True)
+    result, phases = _drain(train_step(m, batches, per_chunk))
+    n_chunks = -(-m.config.num_layers // per_chunk)
+    assert phases.count("fwd") == 2 * n_chunks and phases.count("bwd") == 2 * n_chunks
+    assert result.target_tokens == total
+    for got, want in zip(_grads(m), ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _recipe(tmp_path, **over):
+    base = {"train.steps": 12, "train.batch_size": 4, "data.seq_len": 64, "output.checkpoint_every": 5,
+            "lora.dropout": 0.1, "train.log_every": 100, "output.dir": str(tmp_path / "run"), "train.device": "cpu"}
+    base.update(over)
+    return load_recipe(QUICKSTART, [f"{k}={v}" for k, v in base.items()])
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
+    full = Trainer(_recipe(tmp_path, **{"output.dir": str(tmp_path / "full")}), quiet=True)
+    full.setup()
+    full.train()
+    want = _losses(tmp_path / "full")
+    assert len(want) == 12
+
+    # Interrupted in the middle of step 8 (after 7 completed steps), as Ctrl-C would.
+    part = Trainer(_recipe(tmp_path), quiet=True)
+    part.setup()
+    for ms in part.micro_steps():
+        if part.step == 7 and ms.phase == "bwd":
+            part.interrupt()
+            break
+    summary = part.finish()
+    assert summary["interrupted"] and summary["steps"] == 7 and Path(summary["checkpoint"]).name == "step_000007"
+
+    resumed = Trainer(_recipe(tmp_path), quiet=True)
+    resumed.setup(resume=tmp_path / "run")
+    assert resumed.step == 7
+    resumed.train()
+    got = _losses(tmp_path / "run")
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_checkpoints_rotate_and_final_adapter_is_written(tmp_path):
+    cfg = _recipe(tmp_path, **{"output.checkpoint_every": 2, "output.keep_checkpoints": 2, "train.steps": 7})
+    t = Trainer(cfg, quiet=True)
+    t.setup()
+    summary = t.train()
+    run = Path(cfg.output.dir)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000006", "step_000007"]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and (run / "recipe.yaml").is_file()
+    assert summary["steps"] == 7
+    rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"} <= set(rec)
+
+
+@pytest.mark.slow
+def test_quickstart_loss_falls(tmp_path):
+    result = CliRunner().invoke(main, [str(QUICKSTART), f"output.dir={tmp_path / 'qs'}", "--quiet"])
+    assert result.exit_code == 0, result.output
+    losses = _losses(tmp_path / "qs")
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.5 * first, (first, last)
+    assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_cli_reports_bad_recipe_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: fast\n")
+    result = CliRunner().invoke(main, [str(bad)])
+    assert result.exit_code != 0
+    assert "bad.yaml" in result.output and "train.lr" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, [str(tmp_path / "missing.yaml")])
+    assert result.exit_code != 0 and "missing.yaml" in result.output
