@@ -70,7 +70,7 @@ def test_micro_stepped_step_equals_whole_graph_step(per_chunk):
 
 
 def _recipe(tmp_path, **over):
-    base = {"train.steps": 12, "train.batch_size": 4, "data.seq_len": 64, "output.checkpoint_every": 5,
+    base = {"train.steps": 12, "train.warmup_steps": 2, "train.batch_size": 4, "data.seq_len": 64, "output.checkpoint_every": 5,
             "lora.dropout": 0.1, "train.log_every": 100, "output.dir": str(tmp_path / "run"), "train.device": "cpu"}
     base.update(over)
     return load_recipe(QUICKSTART, [f"{k}={v}" for k, v in base.items()])
@@ -130,7 +130,8 @@ def test_quickstart_loss_falls(tmp_path):
 
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("train:\n  lr: fast\n")
+    data = ROOT / "recipes" / "data" / "quickstart.jsonl"
+    bad.write_text(f"data:\n  path: {data}\ntrain:\n  lr: fast\n")
     result = CliRunner().invoke(main, [str(bad)])
     assert result.exit_code != 0
     assert "bad.yaml" in result.output and "train.lr" in result.output and "Traceback" not in result.output

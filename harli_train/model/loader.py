@@ -63,10 +63,16 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device | str, seed
 
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
-    """Seeded N(0, std) weights (transformers' initializer_range), ones for norms, zeros for biases."""
+    """Seeded N(0, std) weights (transformers' initializer_range), ones for norms, zeros for biases.
+
+    An untied head gets std 1/sqrt(hidden) instead: with std 0.02 behind a frozen unit-weight norm the logits
+    of a small preset cannot spread enough for an adapter to push the loss below ~3 nats.
+    """
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name == "lm_head.weight":
+            p.normal_(0.0, model.config.hidden_size**-0.5, generator=gen)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
