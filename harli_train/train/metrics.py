@@ -1,4 +1,4 @@
-"""Training metrics: one JSON line per optimizer step, and a console line every `log_every` steps."""
+"""Training metrics: one JSON line per optimizer step; a progress bar on a terminal, log lines elsewhere."""
 
 from __future__ import annotations
 
@@ -32,19 +32,31 @@ class MetricsLogger:
         self.file.writelines(line + "\n" for line in kept)
         self.total_steps, self.log_every, self.quiet = total_steps, max(1, log_every), quiet
         self.start = time.perf_counter()
+        self.progress = None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[status]}"), transient=False)
+            self.task = self.progress.add_task("train", total=total_steps, completed=resume_step or 0, status="")
+            self.progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.quiet:
+            return
         step = record["step"]
-        if not self.quiet and (step % self.log_every == 0 or step == self.total_steps):
+        status = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+                  f"{record['tokens_per_s']:,.0f} tok/s  {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+        elif step % self.log_every == 0 or step == self.total_steps:
             elapsed = time.perf_counter() - self.start
-            print(
-                f"step {step:>6}/{self.total_steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                f"mem {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}  [{elapsed:,.0f}s]",
-                file=sys.stderr, flush=True,
-            )
+            print(f"step {step:>6}/{self.total_steps}  {status}  [{elapsed:,.0f}s]", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
         self.file.close()
