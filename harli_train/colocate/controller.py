@@ -1,0 +1,238 @@
+"""Per-step choice of the SM partition: the least decode needs to meet the TPOT objective.
+
+Before each decode step the controller asks the predictor for the smallest inference share whose
+predicted latency beside the trainer fits ``tpot_s * (1 - margin)``. It grows decode's share at once
+when a step needs it and shrinks it only after ``hysteresis_steps`` consecutive steps that would all
+allow a smaller one (then to the largest of those), so the partition does not flap. When no share
+fits, decode gets the whole GPU and the trainer pauses. On a time-sliced ladder (no green contexts)
+the trainer runs a micro-step between decode steps only while step + micro-step fit the budget.
+Every decision is logged with its prediction and, once observed, the measured latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import IO, Any
+
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.sm import Partition, SMLadder
+
+
+@dataclass(slots=True)
+class Decision:
+    """What to run the next decode step on, and why."""
+
+    partition: Partition
+    predicted_s: float  # corrected prediction of the decode step on ``partition``
+    pause_trainer: bool
+    reason: str
+    mode: str  # "spatial", "exclusive" (whole GPU, trainer paused) or "alternate" (time slicing)
+    corun: bool  # whether the prediction assumes the trainer running beside decode
+    raw_s: float  # uncorrected prediction, for the residual correction
+    batch: int
+    kv_tokens: int
+    step: int
+
+
+class Controller:
+    """Chooses a ladder rung per decode step from the predictor; logs every decision."""
+
+    def __init__(
+        self,
+        predictor: LatencyPredictor,
+        ladder: SMLadder,
+        tpot_s: float,
+        margin: float = 0.1,
+        hysteresis_steps: int = 8,
+        train_slice_s: float = 0.0,
+        log_path: str | os.PathLike | None = None,
+        log_limit: int = 100_000,
+    ) -> None:
+        if tpot_s <= 0 or not 0 <= margin < 1:
+            raise ValueError(f"need tpot_s > 0 and 0 <= margin < 1, got tpot_s={tpot_s}, margin={margin}")
+        self.predictor, self.ladder = predictor, ladder
+        self.tpot_s, self.margin = tpot_s, margin
+        self.budget_s = tpot_s * (1.0 - margin)
+        self.hysteresis_steps = max(int(hysteresis_steps), 1)
+        self.train_slice_s = train_slice_s
+        self.log: deque[dict[str, Any]] = deque(maxlen=log_limit)
+        self._spatial = [(p.index, p.infer_sms) for p in ladder.spatial]
+        self._full = ladder.full
+        # Start safe: decode alone on the whole GPU (spatial) or the trainer paused (time slicing).
+        self._cur = -1 if ladder.time_sliced else ladder.full.index
+        self._streak = 0  # consecutive steps that would allow a smaller share
+        self._streak_max = -1  # the largest share any of those steps needed
+        self._step = 0
+        self._open: dict[int, dict[str, Any]] = {}  # logged decisions not yet measured, by step
+        self._max_open = 64  # a runtime may decide a few steps ahead of reading their timings
+        self._file: IO[str] | None = open(log_path, "a") if log_path else None
+
+    def set_objective(self, tpot_s: float, margin: float | None = None) -> None:
+        self.tpot_s = tpot_s
+        self.margin = self.margin if margin is None else margin
+        self.budget_s = tpot_s * (1.0 - self.margin)
+
+    # --- deciding --------------------------------------------------------------------------------------
+
+    def decide(self, batch: int, kv_tokens: int) -> Decision:
+        """The partition for the next decode step of ``batch`` sequences reading ``kv_tokens`` tokens."""
+        if self.ladder.time_sliced:
+            d = self._decide_alternate(batch, kv_tokens)
+        else:
+            d = self._decide_spatial(batch, kv_tokens)
+        self._step += 1
+        entry = {
+            "step": d.step,
+            "batch": batch,
+            "kv_tokens": kv_tokens,
+            "mode": d.mode,
+            "infer_sms": d.partition.infer_sms,
+            "train_sms": d.partition.train_sms,
+            "pause_trainer": d.pause_trainer,
+            "predicted_s": d.predicted_s,
+            "measured_s": None,
+            "budget_s": self.budget_s,
+            "reason": d.reason,
+        }
+        self.log.append(entry)
+        self._open[d.step] = entry
+        if len(self._open) > self._max_open:  # never observed: write it without a measurement
+            self._write(self._open.pop(next(iter(self._open))))
+        return d
+
+    def _target(self, batch: int, kv_tokens: int) -> tuple[int, float]:
+        """Index and prediction of the smallest spatial rung within budget; (-1, inf) when none is."""
+        predict, budget = self.predictor.predict, self.budget_s
+        for index, sms in self._spatial:
+            t = predict(batch, kv_tokens, sms, True)
+            if t <= budget:
+                return index, t
+        return -1, float("inf")
+
+    def _decide_spatial(self, batch: int, kv_tokens: int) -> Decision:
+        target, t_target = self._target(batch, kv_tokens)
+        full = self._full.index
+        want = full if target < 0 else target
+        cur = self._cur
+        if want >= cur:
+            reason = "grow: smaller shares miss the budget" if want > cur else "hold"
+            self._cur, self._streak, self._streak_max = want, 0, -1
+        else:
+            self._streak += 1
+            self._streak_max = max(self._streak_max, want)
+            if self._streak >= self.hysteresis_steps:
+                reason = f"shrink after {self._streak} steps that allow it"
+                self._cur, self._streak, self._streak_max = self._streak_max, 0, -1
+            else:
+                reason = f"hysteresis: keep share ({self._streak}/{self.hysteresis_steps} steps could shrink)"
+        part = self.ladder.partitions[self._cur]
+        if part.exclusive:
+            return self._exclusive(part, batch, kv_tokens, target < 0, reason)
+        t = (
+            t_target
+            if part.index == target
+            else self.predictor.predict(batch, kv_tokens, part.infer_sms, True)
+        )
+        if t > self.budget_s:  # the model now puts a held (larger) share over budget: take the target at once
+            self._cur, self._streak, self._streak_max = want, 0, -1
+            part, t, reason = (
+                self.ladder.partitions[want],
+                t_target,
+                "held share over budget: take the target",
+            )
+        return self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens)
+
+    def _exclusive(
+        self, part: Partition, batch: int, kv_tokens: int, infeasible: bool, reason: str
+    ) -> Decision:
+        t = self.predictor.predict(batch, kv_tokens, part.infer_sms, False)
+        if infeasible:
+            reason = (
+                f"no share meets {self.budget_s * 1e3:.3f} ms beside the trainer: whole GPU, trainer paused"
+            )
+            if t > self.budget_s:
+                reason += f"; alone it still needs {t * 1e3:.3f} ms"
+        return self._decision(part, t, True, reason, "exclusive", False, batch, kv_tokens)
+
+    def _decide_alternate(self, batch: int, kv_tokens: int) -> Decision:
+        """Time slicing: pause at once when step + micro-step overrun; resume after the hysteresis."""
+        part = self._full
+        t = self.predictor.predict(batch, kv_tokens, part.infer_sms, False)
+        fits = t + self.train_slice_s <= self.budget_s
+        paused = self._cur == -1
+        if not fits:
+            self._cur, self._streak = -1, 0
+            reason = (
+                f"step {t * 1e3:.3f} ms + micro-step {self.train_slice_s * 1e3:.3f} ms over budget: pause"
+            )
+        elif paused:
+            self._streak += 1
+            if self._streak >= self.hysteresis_steps:
+                self._cur, self._streak = part.index, 0
+                reason = f"resume after {self.hysteresis_steps} steps with room for a micro-step"
+            else:
+                reason = f"hysteresis: stay paused ({self._streak}/{self.hysteresis_steps})"
+        else:
+            reason = "alternate: room for a micro-step"
+        return self._decision(part, t, self._cur == -1, reason, "alternate", False, batch, kv_tokens)
+
+    def _decision(self, part, t, pause, reason, mode, corun, batch, kv_tokens) -> Decision:
+        corr = self.predictor.correction(part.infer_sms, corun)
+        return Decision(part, t, pause, reason, mode, corun, t / corr, batch, kv_tokens, self._step)
+
+    # --- feedback and logging --------------------------------------------------------------------------
+
+    def observe(self, decision: Decision, measured_s: float) -> None:
+        """Record the measured latency of a decided step and feed the predictor's residual correction."""
+        self.predictor.observe(decision.partition.infer_sms, decision.corun, measured_s, decision.raw_s)
+        entry = self._open.pop(decision.step, None)
+        if entry is None:  # observed late: the entry was already written without a measurement
+            entry = {
+                "step": decision.step,
+                "infer_sms": decision.partition.infer_sms,
+                "predicted_s": decision.predicted_s,
+                "late": True,
+            }
+            self.log.append(entry)
+        entry["measured_s"] = measured_s
+        entry["error_pct"] = 100.0 * (decision.predicted_s / measured_s - 1.0) if measured_s > 0 else None
+        entry["violated"] = measured_s > self.tpot_s
+        self._write(entry)
+
+    def observe_train_slice(self, seconds: float, alpha: float = 0.2) -> None:
+        """EWMA of the trainer's micro-step duration, which time slicing must fit between steps."""
+        self.train_slice_s += alpha * (seconds - self.train_slice_s) if self.train_slice_s else seconds
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(entry) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """Steps, objective violations, paused fraction and prediction error over the kept log."""
+        entries = [e for e in self.log if "batch" in e]
+        measured = [e for e in entries if e.get("measured_s")]
+        errs = [abs(e["error_pct"]) for e in measured if e.get("error_pct") is not None]
+        return {
+            "steps": len(entries),
+            "violations": sum(1 for e in measured if e["violated"]),
+            "paused_fraction": sum(e["pause_trainer"] for e in entries) / max(len(entries), 1),
+            "mean_infer_sms": sum(e["infer_sms"] for e in entries) / max(len(entries), 1),
+            "observed_mape_pct": sum(errs) / len(errs) if errs else None,
+        }
+
+    def close(self) -> None:
+        for entry in self._open.values():
+            self._write(entry)
+        self._open.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,286 @@
+"""Two-stage linear model of a decode step's latency on an SM share, alone and beside the trainer.
+
+Stage 1 (solo), for a step of ``b`` sequences reading ``kv`` bytes of KV cache on ``s`` SMs::
+
+    t_solo = A[s] + C[s] * kv  +  g1 * b/s + g2 * b^2/s + g3 * b^3/s + g4 * b
+
+``A[s]`` is the weight read at the bandwidth share ``s`` can draw plus launch overhead (the weights are
+fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for the KV read, the ``b/s``
+terms are the batch's compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
+per-sequence work that does not scale with SMs. The bandwidth is fitted per share because it saturates
+sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
+figures in DESIGN.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
+
+Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary share::
+
+    t_corun = t_solo * (1 + intensity * (D[s] + e1 * b + e2 * kv))
+
+``D[s]`` is the bandwidth and L2 contention at that split; ``intensity`` scales it for a lighter or
+heavier trainer than the profiled one. Both stages are linear least squares (numpy), weighted to minimise
+relative error. At run time every share's terms are folded into one tuple of floats, so a prediction is
+a handful of Python multiplications (about 1 us), corrected online by an EWMA of measured/predicted
+latency per (share, co-run).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+N_GLOBAL = 4  # b/s, b^2/s, b^3/s, b
+RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
+
+
+@dataclass(slots=True)
+class LatencyPredictor:
+    """Fitted two-stage model; ``predict`` is pure Python over precomputed per-share tuples."""
+
+    total_sms: int
+    kv_bytes_per_token: float
+    shares: list[int]  # profiled inference SM counts, ascending
+    share_params: dict[int, list[float]]  # sms -> [A, C, D]
+    solo_global: list[float]  # g1..g4
+    slow_global: list[float]  # e1, e2
+    batch_max: int
+    alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio
+    intensity: float = 1.0
+    fit_report: dict[str, Any] = field(default_factory=dict)
+    _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
+    _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> [solo, corun]
+
+    def __post_init__(self) -> None:
+        if not self.shares:
+            raise ValueError("a predictor needs at least one profiled SM share")
+        self.shares = sorted(self.shares)
+        self._rows = {s: self._fold(s) for s in self.shares}
+
+    # --- fitting ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def fit(
+        cls, samples: Sequence[dict], total_sms: int, kv_bytes_per_token: float, alpha: float = 0.1
+    ) -> LatencyPredictor:
+        """Fit both stages to profile samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``."""
+        solo = [r for r in samples if not r["corun"]]
+        corun = [r for r in samples if r["corun"]]
+        # A share's A and C need at least two KV sizes; thinner shares are interpolated from neighbours.
+        kv_sizes: dict[int, set] = {}
+        for r in solo:
+            kv_sizes.setdefault(int(r["infer_sms"]), set()).add(r["kv_tokens"])
+        shares = sorted(s for s, kvs in kv_sizes.items() if len(kvs) >= 2)
+        skipped = sorted(set(kv_sizes) - set(shares))
+        if not shares:
+            raise ValueError("no SM share has solo samples at two KV sizes to fit stage 1")
+        solo = [r for r in solo if int(r["infer_sms"]) in shares]
+        col = {s: i for i, s in enumerate(shares)}
+        k = len(shares)
+
+        # Only the batch terms the grid can pin down: a cubic needs 4 batch sizes, b vs b/s two shares.
+        n_batches = len({r["batch"] for r in solo})
+        used = [j < min(3, n_batches - 1) for j in range(3)] + [n_batches > 1 and k > 1]
+        X = np.zeros((len(solo), 2 * k + N_GLOBAL))
+        y = np.array([float(r["latency_s"]) for r in solo])
+        for i, r in enumerate(solo):
+            b, s = float(r["batch"]), float(r["infer_sms"])
+            X[i, col[int(s)]] = 1.0
+            X[i, k + col[int(s)]] = float(r["kv_tokens"]) * kv_bytes_per_token
+            X[i, 2 * k :] = (b / s, b * b / s, b**3 / s, b)
+        X[:, 2 * k :] *= np.array(used, dtype=float)  # an all-zero column gets a zero coefficient
+        coef = _weighted_lstsq(X, y, 1.0 / y)
+        params = {s: [float(coef[col[s]]), float(coef[k + col[s]]), 0.0] for s in shares}
+        pred = cls(
+            total_sms,
+            kv_bytes_per_token,
+            shares,
+            params,
+            [float(c) for c in coef[2 * k :]],
+            [0.0, 0.0],
+            max(int(r["batch"]) for r in solo),
+            alpha=alpha,
+        )
+        if corun:
+            pred._fit_stage2(solo, corun)
+        pred.fit_report = {
+            "skipped_shares": skipped,
+            "n_solo": len(solo),
+            "n_corun": len(corun),
+            **pred.evaluate(samples, prefix="fit_"),
+        }
+        return pred
+
+    def _fit_stage2(self, solo: list[dict], corun: list[dict]) -> None:
+        """Slowdown over the *measured* solo latency of the same point where the profile has it."""
+        measured = {(r["batch"], r["kv_tokens"], r["infer_sms"]): float(r["latency_s"]) for r in solo}
+        shares = sorted({int(r["infer_sms"]) for r in corun})
+        col = {s: i for i, s in enumerate(shares)}
+        k = len(shares)
+        X = np.zeros((len(corun), k + 2))
+        ratio = np.empty(len(corun))
+        for i, r in enumerate(corun):
+            key = (r["batch"], r["kv_tokens"], r["infer_sms"])
+            ref = measured.get(key) or self.predict(
+                r["batch"], r["kv_tokens"], r["infer_sms"], False, raw=True
+            )
+            ratio[i] = float(r["latency_s"]) / ref
+            X[i, col[int(r["infer_sms"])]] = 1.0
+            X[i, k:] = (float(r["batch"]), float(r["kv_tokens"]) * self.kv_bytes_per_token)
+        coef = _weighted_lstsq(X, ratio - 1.0, 1.0 / ratio)
+        self.slow_global = [float(coef[k]), float(coef[k + 1])]
+        fitted = {s: float(coef[col[s]]) for s in shares}
+        for s in self.shares:  # solo-only shares (the full GPU) borrow the nearest co-run share's D
+            nearest = min(shares, key=lambda c: abs(c - s))
+            self.share_params[s][2] = fitted.get(s, fitted[nearest])
+        self._rows = {s: self._fold(s) for s in self.shares}
+
+    # --- prediction ------------------------------------------------------------------------------------
+
+    def _params_at(self, sms: int) -> list[float]:
+        """A, C, D at an SM count, interpolated in 1/s between profiled shares (conservative below them)."""
+        if sms in self.share_params:
+            return self.share_params[sms]
+        shares = self.shares
+        if sms < shares[0]:
+            a, c, d = self.share_params[shares[0]]
+            scale = shares[0] / sms  # fewer SMs than ever profiled: assume the reads slow down in proportion
+            return [a * scale, c * scale, d]
+        if sms > shares[-1]:
+            return self.share_params[shares[-1]]
+        hi = bisect.bisect_left(shares, sms)
+        s_lo, s_hi = shares[hi - 1], shares[hi]
+        w = (1 / sms - 1 / s_hi) / (1 / s_lo - 1 / s_hi)
+        lo, up = self.share_params[s_lo], self.share_params[s_hi]
+        return [w * x + (1 - w) * z for x, z in zip(lo, up, strict=True)]
+
+    def _fold(self, sms: int) -> tuple[float, ...]:
+        """Per-share coefficients over (1, kv_bytes, b, b^2, b^3) and the slowdown over (1, b, kv_bytes)."""
+        a, c, d = self._params_at(sms)
+        g1, g2, g3, g4 = self.solo_global
+        e1, e2 = self.slow_global
+        kvb = self.kv_bytes_per_token
+        return (a, c * kvb, g1 / sms + g4, g2 / sms, g3 / sms, d, e1, e2 * kvb)
+
+    def _row(self, sms: int) -> tuple[float, ...]:
+        row = self._rows.get(sms)
+        if row is None:
+            row = self._rows[sms] = self._fold(sms)
+        return row
+
+    def predict(
+        self, batch: int, kv_tokens: int, infer_sms: int, corun: bool = True, raw: bool = False
+    ) -> float:
+        """Seconds for one decode step of ``batch`` sequences reading ``kv_tokens`` cached tokens in all."""
+        row = self._rows.get(infer_sms) or self._row(infer_sms)
+        b = batch if batch <= self.batch_max else self.batch_max
+        t = row[0] + row[1] * kv_tokens + b * (row[2] + b * (row[3] + b * row[4]))
+        if batch > b:  # past the profiled batches: assume linear growth, which overestimates (safe side)
+            t *= batch / b
+        if corun:
+            t *= 1.0 + self.intensity * (row[5] + row[6] * batch + row[7] * kv_tokens)
+        if raw:
+            return t
+        corr = self._corr.get(infer_sms)
+        return t if corr is None else t * corr[corun]
+
+    def predict_all_shares(
+        self, batch: int, kv_tokens: int, corun: bool = True, shares: Iterable[int] | None = None
+    ) -> list[tuple[int, float]]:
+        """``(sms, seconds)`` for every share (the profiled ones unless given), ascending in SMs."""
+        return [(s, self.predict(batch, kv_tokens, s, corun)) for s in (shares or self.shares)]
+
+    # --- online correction -----------------------------------------------------------------------------
+
+    def observe(self, infer_sms: int, corun: bool, measured_s: float, raw_predicted_s: float) -> float:
+        """Fold a measured step latency into the share's correction; returns the new correction factor.
+
+        ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``).
+        """
+        raw = raw_predicted_s
+        if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
+            return self.correction(infer_sms, corun)
+        ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
+        corr = self._corr.setdefault(infer_sms, [1.0, 1.0])
+        corr[corun] += self.alpha * (ratio - corr[corun])
+        return corr[corun]
+
+    def correction(self, infer_sms: int, corun: bool) -> float:
+        corr = self._corr.get(infer_sms)
+        return 1.0 if corr is None else corr[corun]
+
+    def reset_corrections(self) -> None:
+        self._corr.clear()
+
+    # --- evaluation and persistence --------------------------------------------------------------------
+
+    def evaluate(self, samples: Sequence[dict], prefix: str = "") -> dict[str, float]:
+        """Mean and max absolute percentage error of the uncorrected model, solo and co-run."""
+        out: dict[str, float] = {}
+        for name, want in (("solo", False), ("corun", True)):
+            errs = [
+                abs(
+                    self.predict(r["batch"], r["kv_tokens"], r["infer_sms"], want, raw=True) / r["latency_s"]
+                    - 1
+                )
+                for r in samples
+                if bool(r["corun"]) == want
+            ]
+            if errs:
+                out[f"{prefix}{name}_mape_pct"] = 100.0 * sum(errs) / len(errs)
+                out[f"{prefix}{name}_max_ape_pct"] = 100.0 * max(errs)
+                out[f"{prefix}{name}_n"] = len(errs)
+        return out
+
+    def effective_bandwidth(self) -> dict[int, float]:
+        """Bytes/s each profiled share drew for the KV read (1 / C[s])."""
+        return {s: (1.0 / p[1] if p[1] > 0 else math.inf) for s, p in self.share_params.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_sms": self.total_sms,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "shares": list(self.shares),
+            "share_params": {str(s): list(p) for s, p in self.share_params.items()},
+            "solo_global": list(self.solo_global),
+            "slow_global": list(self.slow_global),
+            "batch_max": self.batch_max,
+            "alpha": self.alpha,
+            "intensity": self.intensity,
+            "fit_report": dict(self.fit_report),
+            "corrections": {str(s): list(c) for s, c in self._corr.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LatencyPredictor:
+        pred = cls(
+            int(d["total_sms"]),
+            float(d["kv_bytes_per_token"]),
+            [int(s) for s in d["shares"]],
+            {int(s): [float(x) for x in p] for s, p in d["share_params"].items()},
+            [float(x) for x in d["solo_global"]],
+            [float(x) for x in d["slow_global"]],
+            int(d["batch_max"]),
+            alpha=float(d.get("alpha", 0.1)),
+            intensity=float(d.get("intensity", 1.0)),
+            fit_report=dict(d.get("fit_report", {})),
+        )
+        pred._corr = {int(s): [float(x) for x in c] for s, c in d.get("corrections", {}).items()}
+        return pred
+
+
+def _weighted_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Least squares of ``w * (X @ c - y)`` with columns scaled to unit range (KV bytes reach 1e10)."""
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, *_ = np.linalg.lstsq((X / scale) * w[:, None], y * w, rcond=None)
+    return coef / scale
+
+
+def split_samples(samples: Sequence[dict], train_fraction: float = 0.7, seed: int = 0) -> tuple[list, list]:
+    """A seeded random split into fitting and held-out samples."""
+    idx = np.random.default_rng(seed).permutation(len(samples))
+    n = int(round(train_fraction * len(samples)))
+    return [samples[i] for i in idx[:n]], [samples[i] for i in idx[n:]]
