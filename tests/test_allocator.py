@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from harli_train import memory
 from harli_train.memory import (
     ActivationSwapper,
     PagePool,
@@ -25,6 +24,7 @@ from harli_train.memory import (
     PoolExhausted,
     QuotaExceeded,
     TrainerMemory,
+    native,
 )
 
 PAGE = 4096  # host pages as small as the OS allows keep the tests fast
@@ -46,7 +46,7 @@ class Spec:
 def test_library_loads_and_picks_the_host_backend_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert not memory.cuda_driver_available()
+    assert not native.cuda_driver_available()
     with PagePool(8 * PAGE, host_page_bytes=PAGE) as pool:
         assert (pool.backend, pool.device.type, pool.page_bytes, pool.budget_pages) == (
             "host",
@@ -65,13 +65,13 @@ def test_library_loads_and_picks_the_host_backend_without_a_gpu():
 
 
 def test_a_missing_native_library_is_a_clear_error(monkeypatch):
-    memory._lib.cache_clear()
-    monkeypatch.setattr(memory, "native_library_path", lambda: None)
+    native._lib.cache_clear()
+    monkeypatch.setattr(native, "native_library_path", lambda: None)
     try:
         with pytest.raises(PoolError, match=r"harli_train._vmm\) is not built: run `pip install -e .`"):
             host_pool(4)
     finally:
-        memory._lib.cache_clear()
+        native._lib.cache_clear()
 
 
 def test_map_unmap_remap_semantics():
@@ -145,7 +145,7 @@ print("unreachable", flush=True)
 
 def test_touching_an_unmapped_page_faults_like_an_illegal_address():
     child = subprocess.run(
-        [sys.executable, "-c", _FAULT_CHILD, memory.native_library_path()],
+        [sys.executable, "-c", _FAULT_CHILD, native.native_library_path()],
         capture_output=True,
         text=True,
         timeout=60,
@@ -182,7 +182,7 @@ def test_exhaustion_is_a_clear_error_and_leaves_the_pool_consistent():
 
 
 def test_torch_allocator_pair_maps_whole_pages_of_the_bound_tenant():
-    lib = memory._lib()
+    lib = native._lib()
     with host_pool(16) as pool:
         trainer = pool.add_tenant("trainer", quota_pages=6)
         lib.hvmm_torch_bind(None, -1)
@@ -282,7 +282,7 @@ def test_kv_growth_asks_the_trainer_to_give_pages_back():
 
 def test_random_alloc_free_reclaim_sequences_keep_the_books():
     rng = random.Random(1234)
-    lib = memory._lib()
+    lib = native._lib()
     with host_pool(40) as pool:
         kv, trainer = pool.add_tenant("kv"), pool.add_tenant("trainer", quota_pages=25)
         regions = [pool.reserve(kv, 30)] + [pool.reserve(trainer, 10) for _ in range(3)]

@@ -1,0 +1,296 @@
+"""Saved activations stashed per layer in pool pages; when the KV cache is short, the pool asks the swapper
+to ``reclaim(n_pages)`` and it spills layers outside its window to host memory."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .native import PagePool, PoolExhausted, Region, Tenant
+
+# torch's allocator aligns blocks to 512 bytes; stashed tensors get the same alignment, so kernels that pick
+# code paths by pointer alignment (cuBLAS, MKL) take the same ones and results stay bit-identical.
+_STASH_ALIGN = 512
+
+
+@dataclass(slots=True, eq=False)
+class _Stash:
+    """One layer's saved activations: a reserved range filled front to back, mapped as a prefix."""
+
+    region: Region
+    flat: torch.Tensor | None = None  # uint8 view of the range, made once page 0 is mapped
+    used: int = 0  # bytes filled
+    mapped: int = 0  # pages mapped: [0, mapped)
+    live: int = 0  # saved tensors autograd still holds
+    host: torch.Tensor | None = None  # the spilled bytes while the pages are unmapped, or until `ready`
+    ready: Any = None  # event of an in-flight copy back to the device
+
+
+class _Saved:
+    """A saved tensor as autograd holds it: a place in its layer's stash."""
+
+    __slots__ = ("swapper", "layer", "offset", "span", "shape", "stride", "dtype", "__weakref__")
+
+    def __init__(
+        self,
+        swapper: ActivationSwapper,
+        layer: int,
+        offset: int,
+        span: int,
+        t: torch.Tensor,
+        stride: tuple[int, ...],
+    ):
+        self.swapper, self.layer, self.offset, self.span = swapper, layer, offset, span
+        self.shape, self.stride, self.dtype = tuple(t.shape), stride, t.dtype
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.swapper._drop(self.layer)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class ActivationSwapper:
+    """Saved activations of layer i live in layer i's stash in pool pages; `reclaim` spills whole stashes
+    of layers outside the window to (pinned) host memory on a side stream and unmaps their pages.
+
+    Wrap each layer's forward in ``with swapper.layer(i):``. Every saved tensor there that is not a
+    parameter (nor one of `exclude`'s storages) and has at least `min_bytes` is copied into the stash and
+    autograd keeps only its place. The range stays reserved while spilled, so when backward unpacks layer
+    i its pages are mapped again at the same addresses and the bytes copied back; the `lookahead` layers
+    below are prefetched on the side stream. Results are bit-identical to running without the swapper.
+    A stash is reused once autograd has dropped all its tensors. `layer_bytes` bounds one layer's saved
+    bytes; what does not fit stays an ordinary tensor. One trainer stream is assumed.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        tenant: Tenant,
+        *,
+        layer_bytes: int,
+        window: int = 1,
+        lookahead: int = 1,
+        exclude: Iterable[torch.Tensor] = (),
+        min_bytes: int = 4096,
+    ):
+        self.pool, self.tenant = pool, tenant
+        self.layer_pages = -(-layer_bytes // pool.page_bytes)
+        self.window, self.lookahead, self.min_bytes = window, lookahead, min_bytes
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._cuda = pool.backend == "cuda"
+        self._stashes: dict[int, _Stash] = {}
+        self._seen: dict[int, tuple[Any, int, Any]] = {}  # id(tensor) -> (ref, version, ref to _Saved)
+        self._current: int | None = None
+        self._backward = False
+        self._lock = threading.RLock()
+        self._stream: Any = None
+        self._side: Any = None
+        self.stats = {
+            "stashed_bytes": 0,
+            "passthrough_bytes": 0,
+            "swap_out_bytes": 0,
+            "swap_in_bytes": 0,
+            "swap_outs": 0,
+            "swap_ins": 0,
+            "reclaimed_pages": 0,
+            "reclaim_seconds": 0.0,
+        }
+        pool.register_reclaimer(tenant, self.reclaim)
+
+    @contextlib.contextmanager
+    def layer(self, index: int) -> Iterator[None]:
+        """Stash what layer `index` saves for backward."""
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index), self._unpack):
+            yield
+
+    @property
+    def resident_pages(self) -> int:
+        return sum(s.mapped for s in self._stashes.values())
+
+    # -- autograd hooks ---------------------------------------------------------------------------------
+    def _pack(self, layer: int, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if (
+            nbytes < max(self.min_bytes, 1)
+            or t.device != self.pool.device
+            or (t.requires_grad and t.is_leaf)
+            or isinstance(t, torch.nn.Parameter)
+            or isinstance(t._base, torch.nn.Parameter)
+            or t.untyped_storage().data_ptr() in self._exclude
+        ):
+            # Parameters (and views of them, like a frozen weight's transpose) stay where they are; detached,
+            # since autograd must not get back a tensor that refers to its own graph (a reference cycle).
+            return t.detach()
+        with self._lock:
+            self._current, self._backward = layer, False
+            seen = self._seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == t._version and seen[2]() is not None:
+                return seen[2]()  # the same tensor saved twice (e.g. by two ops of the layer)
+            stride = t.stride() if t.is_contiguous() else _contiguous_strides(t.shape)
+            span = (1 + sum((n - 1) * s for n, s in zip(t.shape, stride, strict=True))) * t.element_size()
+            stash = self._stash(layer)
+            offset = -(-stash.used // _STASH_ALIGN) * _STASH_ALIGN
+            if offset + span > stash.region.nbytes:
+                self.stats["passthrough_bytes"] += nbytes
+                return t.detach()
+            self._ensure_resident(layer)
+            self._ensure_mapped(stash, layer, -(-(offset + span) // self.pool.page_bytes))
+            if self._cuda and self._stream is None:
+                self._stream = torch.cuda.current_stream(self.pool.device)
+            self._view(stash, offset, span, t.dtype, t.shape, stride).copy_(t)
+            stash.used, stash.live = offset + span, stash.live + 1
+            saved = _Saved(self, layer, offset, span, t, stride)
+            self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
+            self.stats["stashed_bytes"] += span
+            return saved
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        with self._lock:
+            self._current, self._backward = saved.layer, True
+            self._ensure_resident(saved.layer)
+            for lower in range(saved.layer - 1, saved.layer - 1 - self.lookahead, -1):
+                with contextlib.suppress(PoolExhausted):  # prefetch is best effort; unpack maps for real
+                    self._bring_back(lower)
+            stash = self._stashes[saved.layer]
+            return self._view(stash, saved.offset, saved.span, saved.dtype, saved.shape, saved.stride)
+
+    def _drop(self, layer: int) -> None:
+        with self._lock:
+            stash = self._stashes[layer]
+            stash.live -= 1
+            if stash.live == 0:  # nothing refers to the bytes any more: refill from the start
+                stash.used, stash.host = 0, None
+                self._seen = {k: v for k, v in self._seen.items() if v[2]() is not None}
+
+    # -- stash management -------------------------------------------------------------------------------
+    @staticmethod
+    def _view(
+        stash: _Stash, offset: int, span: int, dtype: torch.dtype, shape: Any, stride: Any
+    ) -> torch.Tensor:
+        return stash.flat[offset : offset + span].view(dtype).as_strided(shape, stride)
+
+    def _stash(self, layer: int) -> _Stash:
+        if layer not in self._stashes:
+            self._stashes[layer] = _Stash(self.pool.reserve(self.tenant, self.layer_pages))
+        return self._stashes[layer]
+
+    def _ensure_mapped(self, stash: _Stash, layer: int, n_pages: int) -> None:
+        if n_pages <= stash.mapped:
+            return
+        pages = range(stash.mapped, n_pages)
+        try:
+            stash.region.map(pages)
+        except PoolExhausted:
+            # Spill this trainer's far layers first, then take idle pages from the other tenants.
+            self._spill(len(pages), protect=self._window() | {layer})
+            self.pool.reclaim(len(pages), requester=self.tenant)
+            try:
+                stash.region.map(pages)
+            except PoolExhausted as e:
+                raise type(e)(
+                    f"trainer activations of layer {layer} need {len(pages)} more pages: {e}"
+                ) from None
+        stash.mapped = n_pages
+        if stash.flat is None:
+            stash.flat = stash.region.as_tensor()
+
+    def _bring_back(self, layer: int) -> None:
+        """Map a spilled stash again and start copying its bytes back (on the side stream on CUDA)."""
+        stash = self._stashes.get(layer)
+        if stash is None or stash.host is None or stash.ready is not None or stash.mapped:
+            return
+        self._ensure_mapped(stash, layer, -(-stash.used // self.pool.page_bytes))
+        dst = stash.flat[: stash.used]
+        if self._cuda:
+            side = self._side_stream()
+            with torch.cuda.stream(side):
+                dst.copy_(stash.host, non_blocking=True)
+                stash.ready = torch.cuda.Event()
+                stash.ready.record(side)
+        else:
+            dst.copy_(stash.host)
+            stash.host = None
+        self.stats["swap_in_bytes"] += stash.used
+        self.stats["swap_ins"] += 1
+
+    def _ensure_resident(self, layer: int) -> None:
+        stash = self._stashes.get(layer)
+        if stash is None:
+            return
+        if stash.host is not None and not stash.mapped:
+            self._bring_back(layer)
+        if stash.ready is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(stash.ready)
+            stash.ready, stash.host = None, None
+
+    def _side_stream(self) -> Any:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.pool.device)
+        return self._side
+
+    def _window(self) -> set[int]:
+        """Layers to keep: the current one, and in backward the `window` layers it needs next."""
+        if self._current is None:
+            return set()
+        below = self.window if self._backward else 0
+        return set(range(self._current - below, self._current + 1))
+
+    def reclaim(self, n_pages: int) -> int:
+        """Pool callback: spill stashes of layers outside the window until n_pages are free; returns pages
+        freed. Blocks until the copies (and the trainer's queued work) are done."""
+        with self._lock:
+            return self._spill(n_pages, protect=self._window())
+
+    def _spill(self, n_pages: int, protect: set[int]) -> int:
+        # Empty stashes cost nothing to unmap; then the lowest layers, which backward needs last.
+        order = sorted(self._stashes.items(), key=lambda kv: (kv[1].used > 0, kv[0]))
+        chosen, pages = [], 0
+        for index, stash in order:
+            if pages >= n_pages:
+                break
+            if index not in protect and stash.mapped:
+                chosen.append(stash)
+                pages += stash.mapped
+        if not chosen:
+            return 0
+        t0 = time.perf_counter()
+        copies = [s for s in chosen if s.used > 0]
+        if self._cuda:
+            side = self._side_stream()
+            # Also orders the unmap after every queued trainer kernel that may still read the pages.
+            side.wait_stream(self._stream or torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(side):
+                for s in copies:
+                    s.host = torch.empty(s.used, dtype=torch.uint8, pin_memory=True)
+                    s.host.copy_(s.flat[: s.used], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            done.synchronize()
+        else:
+            for s in copies:
+                s.host = s.flat[: s.used].clone()
+        for s in chosen:
+            s.region.unmap(range(s.mapped))
+            s.mapped, s.ready = 0, None
+        self.stats["swap_out_bytes"] += sum(s.used for s in copies)
+        self.stats["swap_outs"] += len(copies)
+        self.stats["reclaimed_pages"] += pages
+        self.stats["reclaim_seconds"] += time.perf_counter() - t0
+        return pages

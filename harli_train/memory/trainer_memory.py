@@ -1,0 +1,69 @@
+"""The trainer's torch allocations, routed into the pool through ``torch.cuda.MemPool``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .native import PagePool, PoolError, Tenant, _check, _lib, native_library_path
+
+
+class TrainerMemory:
+    """The trainer's torch allocations routed into the pool (CUDA backend only).
+
+    Inside ``scope()`` torch allocates through a ``torch.cuda.MemPool`` whose pluggable allocator is the
+    library's ``hvmm_torch_alloc``/``hvmm_torch_free``: every segment is whole pool pages of `tenant`.
+    A live MemPool never hands its cached segments back (pytorch#145168), so these pages return to the
+    pool only at ``close()``; the pages the trainer gives back on demand are the ActivationSwapper's.
+    """
+
+    def __init__(self, pool: PagePool, tenant: Tenant):
+        if pool.backend != "cuda":
+            raise PoolError(
+                "TrainerMemory needs the CUDA backend: torch's pluggable allocator serves only CUDA "
+                "tensors (on the host backend call hvmm_torch_alloc/hvmm_torch_free directly)"
+            )
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        if "expandable_segments:true" in conf.replace(" ", "").lower():
+            raise PoolError(
+                "TrainerMemory: torch's MemPool needs expandable segments off; unset "
+                "expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF"
+            )
+        self.pool, self.tenant = pool, tenant
+        _check(_lib().hvmm_torch_bind(pool._handle, tenant.id))
+        self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            native_library_path(), "hvmm_torch_alloc", "hvmm_torch_free"
+        )
+        self.mempool: Any = torch.cuda.MemPool(self._allocator.allocator())
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Route allocations to the pool: those on the current stream from any thread (so backward's
+        autograd threads are covered) when it is not the default stream, else this thread's."""
+        dev = self.pool.device.index
+        by_stream = torch.cuda.current_stream(dev).cuda_stream != 0 and hasattr(
+            torch._C, "_cuda_beginAllocateCurrentStreamToPool"
+        )
+        begin = (
+            torch._C._cuda_beginAllocateCurrentStreamToPool
+            if by_stream
+            else torch._C._cuda_beginAllocateCurrentThreadToPool
+        )
+        begin(dev, self.mempool.id)
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
+            torch._C._cuda_releasePool(dev, self.mempool.id)
+
+    def close(self) -> None:
+        """Drop the MemPool so torch frees its segments into the pool. Every tensor allocated in scope()
+        must be dead by now (torch frees survivors with cudaFree otherwise: pytorch#146431)."""
+        self.mempool = None
+        torch.cuda.synchronize(self.pool.device)
+        torch.cuda.empty_cache()
+        _check(_lib().hvmm_torch_bind(None, -1))
