@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # works without an install, too
 import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -83,7 +83,8 @@ def run_ours(args) -> dict:
     overrides = [f"model.name={args.model}", f"train.kernels={args.kernels}", f"train.batch_size={args.batch}",
                  f"data.seq_len={args.seq}", f"train.steps={args.warmup + args.steps}", "train.warmup_steps=1",
                  f"output.dir={common.out_dir() / ('run_' + args.kernels)}", "output.checkpoint_every=0",
-                 f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}", "train.log_every=1000"]
+                 f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}", "train.log_every=1000",
+                 "colocation.trace=null"]
     if not torch.cuda.is_available():
         overrides.append("model.dtype=float32")
     cfg = load_recipe(ROOT / "recipes" / "llama-8b-lora.yaml", overrides)
