@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# Triton kernels run in the CPU interpreter; the variable must be set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests run on the CPU; keep torch from oversubscribing the 2 cores CI has.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -65,3 +65,11 @@ def linear_cross_entropy(
     logits = F.linear(hidden, weight).float()
     loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     return loss, (labels != ignore_index).sum()
+
+
+def lora_linear_group(
+    x: torch.Tensor,
+    members: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float]],
+) -> list[torch.Tensor]:
+    # LoRA linears sharing one input (q/k/v, gate/up); members are (weight, bias, lora_a, lora_b, scale).
+    return [lora_linear(x, w, b, a, b_, s) for w, b, a, b_, s in members]

@@ -63,3 +63,11 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         lora = f", lora_rank={self.rank}, lora_alpha={self.alpha}" if self.has_lora else ""
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{lora}"
+
+
+def grouped_forward(x: torch.Tensor, layers: tuple[LoRALinear, ...]) -> list[torch.Tensor]:
+    """Apply several projections of the same input (q/k/v, gate/up); fused when all carry plain adapters."""
+    fusable = all(m.has_lora and not (m.dropout > 0.0 and m.training) for m in layers)
+    if not fusable:
+        return [m(x) for m in layers]
+    return kernels.lora_linear_group(x, [(m.weight, m.bias, m.lora_A, m.lora_B, m.scale) for m in layers])

@@ -16,7 +16,7 @@ from torch import nn
 
 from harli_train import kernels
 from harli_train.model.config import ModelConfig
-from harli_train.model.linear import LoRALinear
+from harli_train.model.linear import LoRALinear, grouped_forward
 from harli_train.model.rope import RotaryEmbedding
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,9 +52,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn_ctx: AttentionContext | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = grouped_forward(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = kernels.apply_rope(q, k, cos, sin)
         if attn_ctx is not None:
             o = attn_ctx.attend(self.layer_idx, q, k, v)
@@ -74,7 +75,8 @@ class MLP(nn.Module):
         self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = grouped_forward(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(kernels.swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):

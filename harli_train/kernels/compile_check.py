@@ -1,0 +1,162 @@
+"""Compile every Triton kernel for a GPU architecture on a machine without a GPU.
+
+The launchers run forward and backward on meta tensors (no data, no device) while `JITFunction.run` is
+swapped for a recorder; each distinct launch is then compiled ahead of time (`triton.compile` with the
+wheel's own ptxas) for the target. This catches what the CPU interpreter cannot: lowering errors, tl.dot
+shape rules, shared-memory overflow, register spills. TRITON_INTERPRET must be unset (the kernels must
+be JIT functions), so tests run it in a subprocess:
+
+    python -m harli_train.kernels.compile_check [--arch 90] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from harli_train.kernels.launch_config import sm_budget
+
+
+def record_launches(fn: Callable[[], None], target: GPUTarget) -> list[tuple]:
+    """Runs fn with every Triton launch recorded instead of executed: [(jit_fn, src, options)].
+
+    Arguments are bound by the JIT's own binder for `target`, so signatures, constexprs and the alignment /
+    divisibility specialisation match what a real launch would compile (meta tensors count as aligned).
+    """
+    backend = make_backend(target)
+    launches: list[tuple] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization,
+                                                                options)
+        launches.append((self, ASTSource(self, signature, constexprs, attrs), options))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        fn()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def _fwd_bwd(fn: Callable, *inputs: torch.Tensor) -> None:
+    outs = fn(*inputs)
+    outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,)) if o.is_floating_point()]
+    grads = [torch.empty_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+
+
+def llama_workload(tokens: int = 4096, hidden: int = 4096, q_size: int = 4096, kv_size: int = 1024,
+                   inter: int = 14336, vocab: int = 128256, rank: int = 16, head_dim: int = 128,
+                   dtype: torch.dtype = torch.bfloat16) -> None:
+    """Forward and backward of every op at one model's shapes, on meta tensors."""
+    from harli_train.kernels.linear_cross_entropy import linear_cross_entropy
+    from harli_train.kernels.lora_linear import lora_linear, lora_linear_group
+    from harli_train.kernels.rms_norm import add_rms_norm, rms_norm
+    from harli_train.kernels.rope import apply_rope
+    from harli_train.kernels.swiglu import swiglu
+
+    def t(*shape, dt=dtype, grad=True):
+        return torch.empty(shape, dtype=dt, device="meta", requires_grad=grad)
+
+    w_norm = t(hidden, grad=False)
+    _fwd_bwd(lambda x: rms_norm(x, w_norm, 1e-5), t(tokens, hidden))
+    _fwd_bwd(lambda x, r: add_rms_norm(x, r, w_norm, 1e-5), t(tokens, hidden), t(tokens, hidden))
+    _fwd_bwd(lambda x: rms_norm(x, t(hidden), 1e-5), t(tokens, hidden))  # with a weight gradient
+    seq = max(tokens // 4, 1)
+    cos = t(1, seq, head_dim, dt=torch.float32, grad=False)
+    _fwd_bwd(lambda q, k: apply_rope(q, k, cos, cos), t(tokens // seq, seq, q_size // head_dim, head_dim),
+             t(tokens // seq, seq, kv_size // head_dim, head_dim))
+    _fwd_bwd(swiglu, t(tokens, inter), t(tokens, inter))
+
+    def member(n_in, n_out):
+        return (t(n_out, n_in, grad=False), None, t(rank, n_in, dt=torch.float32),
+                t(n_out, rank, dt=torch.float32), 2.0)
+
+    _fwd_bwd(lambda x: lora_linear(x, *member(inter, hidden)), t(tokens, inter))
+    _fwd_bwd(lambda x: lora_linear_group(x, [member(hidden, q_size), member(hidden, kv_size),
+                                             member(hidden, kv_size)]), t(tokens, hidden))
+    _fwd_bwd(lambda x: lora_linear_group(x, [member(hidden, inter)] * 2), t(tokens, hidden))
+    labels = torch.empty(tokens, dtype=torch.int64, device="meta")
+    _fwd_bwd(lambda h: linear_cross_entropy(h, t(vocab, hidden, grad=False), labels)[0], t(tokens, hidden))
+
+
+def default_workloads() -> list[Callable[[], None]]:
+    """Llama-3-8B in bf16 on the whole GPU and on 32 SMs, and a tiny fp32 / fp16 model (test shapes)."""
+    tiny = dict(tokens=37, hidden=48, q_size=48, kv_size=24, inter=80, vocab=203, rank=8, head_dim=12)
+
+    def on_sms(n, **kw):
+        def run():
+            with sm_budget(n):
+                llama_workload(**kw)
+        return run
+
+    return [on_sms(132), on_sms(32), on_sms(132, dtype=torch.float32, **tiny),
+            on_sms(132, dtype=torch.float16, **tiny)]
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def compile_all(arch: int = 90, workloads: list[Callable[[], None]] | None = None) -> list[dict]:
+    """Compiles every distinct recorded launch for sm_<arch>; returns one row per compiled variant."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_check needs JIT kernels: unset TRITON_INTERPRET")
+    target = GPUTarget("cuda", arch, 32)
+    seen, rows = set(), []
+    for workload in workloads or default_workloads():
+        for jit_fn, src, options in record_launches(workload, target):
+            key = (jit_fn.__name__, repr(src.signature), repr(src.constants), repr(src.attrs), repr(options))
+            if key in seen:
+                continue
+            seen.add(key)
+            kernel = triton.compile(src, target=target, options=options.__dict__)
+            usage = _resource_usage(kernel.asm["cubin"])
+            constexprs = {jit_fn.arg_names[k[0]]: str(v) for k, v in src.constants.items() if len(k) == 1}
+            rows.append(dict(kernel=jit_fn.__name__, constexprs=constexprs, num_warps=options.num_warps,
+                             num_stages=options.num_stages, shared_bytes=kernel.metadata.shared, **usage))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args()
+    rows = compile_all(args.arch)
+    for r in rows:
+        print(f"{r['kernel']:28s} regs={r.get('reg', '?'):>4} local={r.get('local', '?'):>3} "
+              f"smem={r['shared_bytes']:>6} warps={r['num_warps']} stages={r['num_stages']} "
+              f"{r['constexprs']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [r for r in rows if r.get("local", 0) or r.get("stack", 0) > 64]
+    print(f"compiled {len(rows)} kernel variants for sm_{args.arch}; {len(bad)} with spills (stack > 64 B)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""LoRA linear: y = x W^T + b + s (x A^T) B^T with W, b frozen and A [r, in], B [out, r] trained.
+
+The big GEMMs (x W^T, dY W, dA, dB) stay in cuBLAS. Triton fuses the rank-r parts cuBLAS cannot:
+the shrink (x A^T -> [M, r], split over K to fill the SMs we own) and the expand (y += s z B^T over y's
+tiles, in place, persistent). A group variant serves q/k/v or gate/up: one shrink reads x once for every
+member's A, and the backward adds every member's rank-r term into dx with one expand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from harli_train.kernels.common import check_dtype, compute_dtype, new_output
+from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
+
+
+# X: [M, K] strides (sxm, sxk); W: [R, K] strides (swr, swk), read as W^T [K, R];
+# OUT: [SPLIT_K, M, R] fp32 partial sums (strides sos, som, sor) or, with SPLIT_K == 1, [M, R] in its own
+# dtype (sos unused). OUT[k] = scale * X[:, k-th share of K] @ W^T. Grid (M tiles, SPLIT_K, R tiles).
+@triton.jit
+def _lora_shrink_kernel(
+    X, sxm, sxk, W, swr, swk, OUT, sos, som, sor,
+    M, K, R, scale,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m[:, None] < M
+    r_mask = offs_r[None, :] < R
+    x_ptrs = X + offs_m[:, None] * sxm + offs_k[None, :] * sxk
+    w_ptrs = W + offs_r[None, :] * swr + offs_k[:, None] * swk
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # Split s takes K-blocks s, s + SPLIT_K, ...
+    for k0 in tl.range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptrs + k0 * sxk, mask=m_mask & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0 * swk, mask=r_mask & k_mask[:, None], other=0.0)
+        acc = tl.dot(x, w, acc)
+    out_ptrs = OUT + pid_k * sos + offs_m[:, None] * som + offs_r[None, :] * sor
+    tl.store(out_ptrs, (acc * scale).to(OUT.dtype.element_ty), mask=m_mask & r_mask)
+
+
+# Z: [M, R] strides (szm, szr); W: [R, N] strides (swr, swn); Y: [M, N] row stride sym, column stride 1.
+# Y += scale * Z @ W, read-modify-write of each [BLOCK_M, BLOCK_N] tile of Y; persistent over the tiles.
+@triton.jit
+def _lora_expand_kernel(
+    Z, szm, szr, W, swr, swn, Y, sym,
+    M, N, R, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    offs_r = tl.arange(0, BLOCK_R)
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0)):
+        offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m[:, None] < M
+        n_mask = offs_n[None, :] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in tl.range(0, R, BLOCK_R):
+            rr = r0 + offs_r
+            r_mask = rr < R
+            z_ptrs = Z + offs_m[:, None] * szm + rr[None, :] * szr
+            w_ptrs = W + rr[:, None] * swr + offs_n[None, :] * swn
+            z = tl.load(z_ptrs, mask=m_mask & r_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=r_mask[:, None] & n_mask, other=0.0)
+            acc = tl.dot(z, w, acc)
+        y_ptrs = Y + offs_m[:, None] * sym + offs_n[None, :]
+        y = tl.load(y_ptrs, mask=m_mask & n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + scale * acc).to(Y.dtype.element_ty), mask=m_mask & n_mask)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # shape [M, K], any strides
+    w: torch.Tensor,  # shape [R, K], any strides (A itself, or B^T as a view)
+    scale: float,
+    out: torch.Tensor | None = None,  # shape [M, R], any strides; x's dtype when allocated here
+) -> torch.Tensor:
+    """out = scale * x @ w^T, the rank-R projection, reading x once."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], f"lora_shrink: {x.shape} @ {w.shape}^T"
+    assert x.dtype == w.dtype, f"lora_shrink: x {x.dtype} and w {w.dtype} must match"
+    check_dtype("lora_shrink x", x)
+    (m, k), r = x.shape, w.shape[0]
+    out = new_output((m, r), x.dtype, x.device) if out is None else out
+    assert out.shape == (m, r)
+    if m == 0 or r == 0:
+        return out
+    cfg = get_config("lora_shrink", (m, k, r), num_sms(), x.dtype)
+    split = cfg["SPLIT_K"]
+    # With several K splits each writes fp32 partials, summed below in a fixed order (deterministic).
+    target = out if split == 1 else torch.empty((split, m, r), dtype=torch.float32, device=x.device)
+    sos = 0 if split == 1 else target.stride(0)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), split, triton.cdiv(r, cfg["BLOCK_R"]))
+    _lora_shrink_kernel[grid](
+        x, *x.stride(), w, *w.stride(), target, sos, *target.stride()[-2:],
+        m, k, r, scale,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=cfg["BLOCK_R"], SPLIT_K=split,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        out.copy_(target.sum(0))
+    return out
+
+
+def lora_expand_(
+    y: torch.Tensor,  # shape [M, N], column stride 1; updated in place
+    z: torch.Tensor,  # shape [M, R], any strides
+    w: torch.Tensor,  # shape [R, N], any strides (B^T as a view, or A)
+    scale: float,
+) -> torch.Tensor:
+    """y += scale * z @ w, in place; returns y."""
+    assert y.dim() == 2 and y.stride(1) == 1, "lora_expand_: y must be [M, N] with unit column stride"
+    assert z.shape == (y.shape[0], w.shape[0]) and w.shape[1] == y.shape[1], \
+        f"lora_expand_: {y.shape} += {z.shape} @ {w.shape}"
+    assert z.dtype == w.dtype, f"lora_expand_: z {z.dtype} and w {w.dtype} must match"
+    check_dtype("lora_expand_ y", y)
+    (m, n), r = y.shape, z.shape[1]
+    if y.numel() == 0 or r == 0:
+        return y
+    cfg = get_config("lora_expand", (m, n, r), num_sms(), z.dtype)
+    _lora_expand_kernel[(cfg["num_programs"],)](
+        z, *z.stride(), w, *w.stride(), y, y.stride(0),
+        m, n, r, scale,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+class LoRALinearGroupFunction(torch.autograd.Function):
+    """Members i = 0..G-1 share the input x:  y_i = x W_i^T + b_i + s_i (x A_i^T) B_i^T.
+
+    With A = [A_0; A_1; ...] stacked [sum r, in], XA = x A^T [M, sum r] and XA_i its column block:
+        forward   XA    = x A^T                          (Triton shrink: x read once; saved)
+                  y_i   = x W_i^T + b_i                  (cuBLAS)
+                  y_i  += s_i XA_i B_i^T                 (Triton expand, in place)
+        backward  dYB_i = s_i dY_i B_i                   (Triton shrink) -> dYB = [dYB_0 | dYB_1 | ...]
+                  dA    = dYB^T x,   dA_i its row block  (cuBLAS)
+                  dB_i  = s_i dY_i^T XA_i                (cuBLAS)
+                  dx    = sum_i dY_i W_i                 (cuBLAS, accumulating)
+                  dx   += dYB A                          (Triton expand, one pass over dx for all members)
+    Only rank-r intermediates (XA, dYB) are kept. W_i and b_i are frozen: they get no gradient.
+    GEMMs run in autocast's dtype when it is on (the fp32 A, B masters are cast), else in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scales: tuple[float, ...], *params: torch.Tensor):
+        dt = compute_dtype(x)
+        weights, biases = params[0::4], params[1::4]
+        ranks = [a.shape[0] for a in params[2::4]]
+        x2 = x.reshape(-1, x.shape[-1]).to(dt)
+        a_cat = torch.cat([a.to(dt) for a in params[2::4]]) if len(scales) > 1 else params[2].to(dt)
+        bs = [b.to(dt) for b in params[3::4]]
+        xa = lora_shrink(x2, a_cat, 1.0)
+        outs, off = [], 0
+        for w, bias, b, s, r in zip(weights, biases, bs, scales, ranks, strict=True):
+            y = F.linear(x2, w.to(dt), None if bias is None else bias.to(dt))
+            lora_expand_(y, xa[:, off : off + r], b.t(), s)
+            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+            off += r
+        ctx.save_for_backward(x2, xa, a_cat, *weights, *bs)
+        ctx.num_sms = num_sms()
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        ctx.scales, ctx.ranks, ctx.x_meta = scales, ranks, (x.shape, x.dtype)
+        return tuple(outs)
+
+    @staticmethod
+    @with_forward_budget
+    def backward(ctx, *dys: torch.Tensor | None):
+        x2, xa, a_cat, *rest = ctx.saved_tensors
+        n = len(ctx.scales)
+        weights, bs = rest[:n], rest[n:]
+        need = ctx.needs_input_grad
+        dt, m = x2.dtype, x2.shape[0]
+        dys = [None if d is None else d.reshape(m, d.shape[-1]).to(dt) for d in dys]
+        grads: list[torch.Tensor | None] = [None] * (2 + 4 * n)
+        if need[0] or any(need[4::4]):  # dYB feeds dx and dA only
+            dyb = new_output((m, a_cat.shape[0]), dt, x2.device)
+            off = 0
+            for dy, b, s, r in zip(dys, bs, ctx.scales, ctx.ranks, strict=True):
+                if dy is None:
+                    dyb[:, off : off + r].zero_()
+                else:
+                    lora_shrink(dy, b.t(), s, out=dyb[:, off : off + r])
+                off += r
+        if any(need[4::4]):
+            for i, da in enumerate((dyb.t() @ x2).split(ctx.ranks)):
+                grads[4 + 4 * i] = da if need[4 + 4 * i] else None
+        off = 0
+        for i, (dy, s, r) in enumerate(zip(dys, ctx.scales, ctx.ranks, strict=True)):
+            if need[5 + 4 * i]:
+                grads[5 + 4 * i] = (
+                    torch.zeros_like(bs[i]) if dy is None else (dy.t() @ xa[:, off : off + r]).mul_(s)
+                )
+            off += r
+        if need[0]:
+            dx = None
+            for dy, w in zip(dys, weights, strict=True):
+                if dy is not None:
+                    dx = dy @ w.to(dt) if dx is None else dx.addmm_(dy, w.to(dt))
+            dx = torch.zeros(x2.shape, dtype=dt, device=x2.device) if dx is None else dx
+            lora_expand_(dx, dyb, a_cat, 1.0)
+            grads[0] = dx.view(ctx.x_meta[0]).to(ctx.x_meta[1])
+        return tuple(grads)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton LoRA linear of x [..., in]: x W^T + b + scale (x A^T) B^T."""
+    return LoRALinearGroupFunction.apply(x, (float(scale),), weight, bias, lora_a, lora_b)[0]
+
+
+def lora_linear_group(
+    x: torch.Tensor,
+    members: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float]],
+) -> list[torch.Tensor]:
+    """Triton LoRA linears sharing x, e.g. q/k/v: members are (weight, bias, lora_a, lora_b, scale)."""
+    flat = [t for weight, bias, a, b, _ in members for t in (weight, bias, a, b)]
+    return list(LoRALinearGroupFunction.apply(x, tuple(float(m[4]) for m in members), *flat))
