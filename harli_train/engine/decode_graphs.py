@@ -1,0 +1,96 @@
+"""Whole decode steps (all layers and the LM head) captured as CUDA graphs, one per (partition, batch bucket).
+
+A graph replays on the SMs of the stream it was captured on (a green context's stream confines it), so each
+SM partition gets its own set. All graphs read one set of static input buffers and write one logits buffer;
+a step copies its inputs in (padding rows get slot -1 and context 0, which the kernels skip), replays, and
+samples from the logits before the next step can overwrite them.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from harli_train.engine.attention import AttentionMetadata, PagedAttention
+from harli_train.engine.engine_config import EngineConfig
+from harli_train.model import LlamaForCausalLM
+
+
+class DecodeGraphs:
+    """The graphs and the static buffers they read: `capture` per partition, `replay` per step."""
+
+    def __init__(self, model: LlamaForCausalLM, attn: PagedAttention, config: EngineConfig,
+                 device: torch.device):
+        self.model, self.attn = model, attn
+        self.buckets = config.graph_batch_sizes
+        max_bs, width = self.buckets[-1], config.max_blocks_per_seq
+        # Pinned host staging and its device copy: int64 rows (input ids, positions, slots) and int32 rows
+        # (context length, then the block table), so a step's inputs go over in two copies.
+        self.host_i64 = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=True)
+        self.host_i32 = torch.zeros((max_bs, width + 1), dtype=torch.int32, pin_memory=True)
+        self.dev_i64 = torch.zeros((3, max_bs), dtype=torch.int64, device=device)
+        self.dev_i32 = torch.zeros((max_bs, width + 1), dtype=torch.int32, device=device)
+        self.block_tables = self.dev_i32[:, 1:]  # row stride width + 1; the kernels take strides
+        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # kernels want it dense
+        self.logits = torch.empty((max_bs, model.config.vocab_size), dtype=model.lm_head.weight.dtype,
+                                  device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def bucket(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def _metadata(self, bs: int, num_sms: int) -> AttentionMetadata:
+        return AttentionMetadata(False, self.dev_i64[2, :bs], self.block_tables[:bs], self.context_lens[:bs],
+                                 num_sms=num_sms)
+
+    def _forward(self, bs: int, num_sms: int) -> None:
+        self.attn.meta = self._metadata(bs, num_sms)
+        ids, pos = self.dev_i64[0, :bs, None], self.dev_i64[1, :bs, None]
+        hidden = self.model(ids, pos, self.attn)
+        torch.mm(hidden[:, 0], self.model.lm_head.weight.t(), out=self.logits[:bs])
+
+    @torch.inference_mode()
+    def capture(self, key: str, stream: torch.cuda.Stream, num_sms: int) -> None:
+        """Capture every bucket on `stream` (largest first, so smaller graphs reuse its memory)."""
+        self.dev_i64.zero_()
+        self.dev_i64[2].fill_(-1)  # slot -1: the warm-up and capture runs write nothing to the cache
+        self.context_lens.zero_()
+        torch.cuda.synchronize()  # the zeroing above (and the cache's) ran on another stream
+        for bs in reversed(self.buckets):
+            with torch.cuda.stream(stream):
+                self._forward(bs, num_sms)  # warm-up: compiles kernels, sets up cuBLAS outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self._forward(bs, num_sms)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[(key, bs)] = graph
+        torch.cuda.synchronize()
+        self.attn.meta = None
+
+    def replay(self, key: str, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
+               context_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """Run one decode step of n = len(input_ids) sequences on partition `key`; returns logits [n, V]
+        (a view of the shared buffer: read it before the next replay). Call on the partition's stream."""
+        n = len(input_ids)
+        bs = self.bucket(n)
+        host = self.host_i64.numpy()
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        host[2, :n] = slots
+        host[:, n:bs] = 0
+        host[2, n:bs] = -1
+        tables = self.host_i32.numpy()
+        tables[:n, 0] = context_lens
+        tables[n:bs, 0] = 0
+        tables[:n, 1:1 + block_tables.shape[1]] = block_tables
+        # Earlier replays finished (their tokens were read), so the pinned buffers are free to reuse.
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_i32[:bs].copy_(self.host_i32[:bs], non_blocking=True)
+        self.context_lens[:bs].copy_(self.dev_i32[:bs, 0])
+        self.graphs[(key, bs)].replay()
+        return self.logits[:n]

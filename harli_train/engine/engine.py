@@ -1,0 +1,221 @@
+"""The decode engine: requests in, one scheduled step at a time, tokens out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from harli_train.engine.block_manager import BlockManager
+from harli_train.engine.engine_config import EngineConfig, EngineError
+from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage, kv_cache_blocks
+from harli_train.engine.metrics import EngineMetrics, StepRecord
+from harli_train.engine.runner import DEFAULT_PARTITION, ModelRunner
+from harli_train.engine.sampling_params import SamplingParams
+from harli_train.engine.scheduler import Scheduler
+from harli_train.engine.sequence import Sequence, SequenceStatus
+from harli_train.model import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class RequestRefused(EngineError):
+    """A request that can never run in this engine (too long for the model length or the whole cache);
+    `seq` is its sequence, finished with finish_reason 'refused' and `error` set."""
+
+    def __init__(self, message: str, seq: Sequence):
+        super().__init__(message)
+        self.seq = seq
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one `step()` did; `latency_s` spans scheduling, the model, sampling and bookkeeping."""
+
+    kind: str  # "prefill", "decode" or "idle" (nothing to run)
+    num_seqs: int = 0
+    num_tokens: int = 0
+    kv_tokens: int = 0
+    latency_s: float = 0.0
+    finished: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+def _eos_ids(model: LlamaForCausalLM) -> set[int]:
+    eos = model.config.eos_token_id
+    return set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+class DecodeEngine:
+    """Serves `model` (frozen, no adapter attached) from a paged KV cache with continuous batching.
+
+    Drive it with `add_request` + `step()` (one prefill or decode step per call, on the partition named),
+    or `generate()` / `run_until_done()`. `stream` is where steps run (a green-context stream for a partial
+    GPU); `add_partition` registers more streams, each with its own decode graphs.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
+                 stream: torch.cuda.Stream | None = None, num_sms: int | None = None,
+                 storage: KVStorage | None = None, tokenizer=None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.model, self.tokenizer, self.clock = model, tokenizer, clock
+        self.config = cfg = config or EngineConfig()
+        if any(m.has_lora for m in model.lora_modules().values()):
+            raise EngineError("the engine serves the base model: pass a model object with no LoRA adapter "
+                              "attached (it may share its weight tensors with the trainer's)")
+        self.device = model.lm_head.weight.device
+        on_gpu = self.device.type == "cuda"
+        # As in harli_train.kernels: "auto" is Triton on a GPU and the torch reference on the CPU, where the
+        # interpreter would be slow; "triton" on the CPU needs TRITON_INTERPRET=1.
+        self.use_triton = cfg.kernels == "triton" or (cfg.kernels == "auto" and on_gpu)
+        if on_gpu and not self.use_triton and not cfg.enforce_eager:
+            raise EngineError("engine config: kernels='torch' on a GPU needs enforce_eager=True (no graphs)")
+        spec = KVCacheSpec.for_model(model.config, cfg.block_size, model.lm_head.weight.dtype)
+        if storage is None:
+            storage = TensorKVStorage(spec, kv_cache_blocks(model, cfg, spec), self.device)
+        self.storage = storage
+        self.block_manager = BlockManager(storage.num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                          cfg.max_blocks_per_seq)
+        self.scheduler = Scheduler(cfg, self.block_manager, _eos_ids(model))
+        self.runner = ModelRunner(model, cfg, self.block_manager, storage, self.use_triton, seed=cfg.seed)
+        self.runner.add_partition(DEFAULT_PARTITION, stream, num_sms)
+        self.metrics = EngineMetrics(clock())
+        self._next_id = 0
+        log.info("decode engine: %d KV blocks of %d tokens (%.2f GiB), %s kernels, %s", storage.num_blocks,
+                 cfg.block_size, storage.num_blocks * spec.bytes_per_block / 2**30,
+                 "triton" if self.use_triton else "torch",
+                 "CUDA graphs" if self.runner.use_graphs else "eager")
+
+    def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
+        """Make `step(partition=key)` run on `stream` (`num_sms` SMs); captures that partition's graphs."""
+        self.runner.add_partition(key, stream, num_sms)
+
+    def grow_kv_blocks(self, num_blocks: int) -> None:
+        """The storage now holds `num_blocks` blocks (it mapped more pages): hand the new ones out."""
+        self.block_manager.grow(num_blocks)
+
+    def shrink_kv_blocks(self, num_blocks: int) -> bool:
+        """Stop using blocks >= `num_blocks` so the storage may unmap them; False (nothing changed) when one
+        of them holds a live sequence's K/V. Call between steps, before unmapping."""
+        return self.block_manager.shrink(num_blocks)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("a text prompt needs an engine built with a tokenizer (or pass token ids)")
+            ids = self.tokenizer.encode(prompt)
+            bos = getattr(self.tokenizer, "bos_id", None)
+            return ([bos] if bos is not None else []) + ids
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Queue a request; raises RequestRefused (others are untouched) if it could never run here."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        seq = Sequence(self._next_id, ids, params, self.clock() if arrival_time is None else arrival_time,
+                       request_id)
+        self._next_id += 1
+        problem = self._refusal(seq)
+        if problem is not None:
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "refused", problem
+            seq.finish_time = self.clock()
+            self.metrics.add_finished(seq)
+            log.warning("%s", problem)
+            raise RequestRefused(problem, seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def _refusal(self, seq: Sequence) -> str | None:
+        cfg, n, m = self.config, seq.num_prompt_tokens, seq.params.max_tokens
+        where = f"request {seq.request_id} refused"
+        if n == 0:
+            return f"{where}: the prompt is empty"
+        if n + m > cfg.max_model_len:
+            return (f"{where}: prompt of {n} tokens + max_tokens {m} = {n + m} exceeds max_model_len "
+                    f"{cfg.max_model_len}")
+        need = self.block_manager.blocks_for(n + m - 1)  # the last drawn token is never cached
+        if need > self.block_manager.num_blocks:
+            return (f"{where}: it needs {need} KV blocks ({n + m - 1} tokens, {cfg.block_size} per block) "
+                    f"but the whole cache has {self.block_manager.num_blocks}")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def peek(self) -> tuple[str, int, int]:
+        """(kind, sequences, KV tokens) of the step `step()` would run now ("prefill", "decode" or "idle"),
+        without running it: what a controller sizes the next step's partition from."""
+        return self.scheduler.peek()
+
+    def abort_all(self) -> int:
+        """Drop every queued and running request (blocks freed, finish_reason 'aborted', not recorded in
+        the metrics); returns how many."""
+        return len(self.scheduler.abort_all())
+
+    def reset_metrics(self) -> None:
+        """Start the metrics afresh (e.g. after a warm-up)."""
+        self.metrics = EngineMetrics(self.clock())
+
+    def synthetic_decode(self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION) -> None:
+        """A decode step of `batch` x `kv_len` that touches no request and no cached value: for profiling
+        step latency (launched, not waited for, on a GPU)."""
+        self.runner.synthetic_decode(batch, kv_len, partition)
+
+    # ---- stepping -----------------------------------------------------------------------------------------
+    def step(self, partition: str = DEFAULT_PARTITION) -> StepResult:
+        """Schedule and run one step (prefill or decode) on `partition`; returns what happened."""
+        if partition not in self.runner.partitions:  # checked before scheduling changes any state
+            raise EngineError(f"unknown partition {partition!r} (known: {', '.join(self.runner.partitions)})")
+        t0 = self.clock()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return StepResult("idle")
+        kv_tokens = sum(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens, strict=True))
+        tokens = self.runner.run(batch, partition)
+        now = self.clock()
+        finished = self.scheduler.postprocess(batch, tokens, now)
+        kind = "prefill" if batch.is_prefill else "decode"
+        result = StepResult(kind, len(batch.seqs), sum(batch.num_tokens), kv_tokens, now - t0, finished,
+                            batch.preempted)
+        self.metrics.add_step(StepRecord(
+            len(self.metrics.steps), t0 - self.metrics.t0, kind, partition, result.num_seqs,
+            result.num_tokens, kv_tokens, result.latency_s * 1e3, self.block_manager.num_free,
+            len(batch.preempted)))
+        for seq in finished:
+            self.metrics.add_finished(seq)
+        return result
+
+    def run_until_done(self, partition: str = DEFAULT_PARTITION) -> list[Sequence]:
+        """Step until every queued request has finished; returns them in finishing order."""
+        done: list[Sequence] = []
+        while self.has_unfinished():
+            result = self.step(partition)
+            if result.kind == "idle":
+                raise EngineError("engine: requests are queued but none can be scheduled (cache too small?)")
+            done.extend(result.finished)
+        return done
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Sequence]:
+        """Run `prompts` to completion; returns their sequences in prompt order (refused ones finished with
+        finish_reason 'refused' and `error` set, the others unaffected)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs: list[Sequence] = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            try:
+                seqs.append(self.add_request(prompt, p))
+            except RequestRefused as e:
+                seqs.append(e.seq)
+        self.run_until_done()
+        return seqs
+
+    def decode_text(self, seq: Sequence) -> str:
+        """The completion of `seq` as text (needs the tokenizer)."""
+        if self.tokenizer is None:
+            raise EngineError("decode_text needs an engine built with a tokenizer")
+        return self.tokenizer.decode(seq.completion_token_ids)

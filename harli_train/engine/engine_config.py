@@ -1,0 +1,63 @@
+"""Decode engine settings: KV cache geometry, batch limits, graphs and kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
+class EngineError(ValueError):
+    """An engine setting or request the engine cannot use; the message names the setting and the limit."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one `DecodeEngine`.
+
+    The KV cache holds `num_kv_blocks` blocks of `block_size` tokens; when `num_kv_blocks` is None it is sized
+    from the memory left after the weights and a warm-up (GPU: `gpu_memory_utilization` of the device;
+    CPU: `cpu_kv_bytes`). Prompts longer than `max_num_batched_tokens` are prefilled in chunks.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_bytes: int = 256 << 20
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False
+    kernels: str = "auto"  # "triton", "torch" (references), or "auto": triton on a GPU, torch on the CPU
+    graph_batch_sizes: tuple[int, ...] = ()  # derived from max_num_seqs when empty
+    seed: int = 0  # seeds sampling of requests that bring no seed of their own
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise EngineError(f"engine config: block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise EngineError(f"engine config: num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineError(
+                f"engine config: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kernels not in KERNEL_BACKENDS:
+            raise EngineError(f"engine config: kernels is one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        if not self.graph_batch_sizes:
+            # nano-vllm's ladder: small powers of two, then steps of 16.
+            sizes = [b for b in (1, 2, 4, 8) if b < self.max_num_seqs]
+            sizes += list(range(16, self.max_num_seqs, 16))
+            self.graph_batch_sizes = (*sizes, self.max_num_seqs)
+        self.graph_batch_sizes = tuple(sorted(set(self.graph_batch_sizes)))
+        if self.graph_batch_sizes[-1] < self.max_num_seqs:
+            raise EngineError(
+                f"engine config: the largest graph batch size ({self.graph_batch_sizes[-1]}) must cover "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,106 @@
+"""Prefill attention over the paged KV cache: packed ragged chunks of new tokens, causal, after a prefix.
+
+Each sequence contributes `q_len` new tokens (its whole prompt, or one chunk of it) whose K/V the KV-store
+kernel has already written; they attend causally to the sequence's `context_len` cached tokens, the last
+`q_len` of which are themselves. So one kernel serves plain, chunked and recomputed (preempted) prefills.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,                      # [T, Hq, D] new tokens of all sequences, packed
+    k_cache_ptr, v_cache_ptr,   # [num_blocks, BLOCK_SIZE, Hkv, D]
+    block_tables_ptr,           # [S, max_blocks] int32
+    cu_seqlens_ptr,             # [S + 1] int32: sequence s owns rows cu[s]:cu[s+1] of q and out
+    context_lens_ptr,           # [S] int32: cached tokens after this step (prefix + new)
+    out_ptr,                    # [T, Hq, D]
+    scale_log2,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    prefix = ctx - q_len
+    kvh = h // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    r_mask = rows < q_len
+    q_pos = prefix + rows
+    q_rows = (q_start + rows).to(tl.int64)
+    qd_mask = r_mask[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt
+    kv_end = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        t_mask = toks < kv_end
+        page = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        off = page * stride_cb + (toks % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = t_mask[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(t_mask[None, :] & (toks[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes; prefill is never graph-captured and its grid covers the tokens, not the SMs."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    block = 64 if head_dim <= 128 else 32
+    return dict(BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  cu_seqlens: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens q [T, Hq, D] over each sequence's cache. block_tables
+    [S, max_blocks] int32, cu_seqlens [S + 1] int32, context_lens [S] int32. Returns [T, Hq, D]."""
+    t, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    assert hq % hkv == 0 and k_cache.shape[-1] == d and v_cache.shape == k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and cu_seqlens.dtype == torch.int32
+    assert context_lens.dtype == torch.int32 and cu_seqlens.shape == (num_seqs + 1,)
+    out = torch.empty_like(q) if out is None else out
+    cfg = prefill_config(d, q.dtype)
+    grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), num_seqs, hq)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,  # fp32 caches: no tf32 rounding
+    )
+    return out

@@ -1,0 +1,181 @@
+"""Runs one scheduled batch: builds the model inputs and attention metadata, runs the model, samples."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harli_train.engine.attention import AttentionMetadata, PagedAttention
+from harli_train.engine.block_manager import BlockManager
+from harli_train.engine.decode_graphs import DecodeGraphs
+from harli_train.engine.engine_config import EngineConfig, EngineError
+from harli_train.engine.kv_cache import KVStorage
+from harli_train.engine.sampler import Sampler, SamplingBatch
+from harli_train.engine.scheduler import ScheduledBatch
+from harli_train.engine.sequence import Sequence
+from harli_train.model import LlamaForCausalLM
+
+DEFAULT_PARTITION = "default"
+CPU_NUM_SMS = 132  # sizes the decode grid under the interpreter, as on an H200
+
+
+@dataclass(slots=True)
+class Partition:
+    """Where a step runs: a stream (None: the current one) owning `num_sms` SMs."""
+
+    stream: torch.cuda.Stream | None
+    num_sms: int
+
+
+def _sm_budget(num_sms: int) -> contextlib.AbstractContextManager:
+    # The model's own Triton ops size their grids by the trainer kernels' SM budget, when that module exists.
+    try:
+        from harli_train.kernels.launch_config import sm_budget
+    except ImportError:
+        return contextlib.nullcontext()
+    return sm_budget(num_sms)
+
+
+class ModelRunner:
+    """Prefill steps run eagerly; decode steps replay the CUDA graph of (partition, batch bucket) on a GPU
+    unless `enforce_eager`, and run eagerly on the CPU. The only host sync of a step reads the tokens; it
+    also orders steps, so consecutive steps may run on different partitions' streams."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, block_manager: BlockManager,
+                 storage: KVStorage, use_triton: bool, seed: int = 0):
+        self.model, self.config, self.block_manager = model, config, block_manager
+        self.device = model.lm_head.weight.device
+        self.attn = PagedAttention(storage, model.config.head_dim, use_triton)
+        self.sampler = Sampler()
+        self.seed = seed
+        self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
+        self.graphs = DecodeGraphs(model, self.attn, config, self.device) if self.use_graphs else None
+        self.partitions: dict[str, Partition] = {}
+
+    def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
+        """Register a place to run steps; on a GPU this captures its decode graphs (on `stream`)."""
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else CPU_NUM_SMS)
+        if self.graphs is not None and stream is None:
+            stream = torch.cuda.Stream(self.device)  # capture needs a side stream; steps then run on it
+        self.partitions[key] = Partition(stream, num_sms)
+        if self.graphs is not None:
+            with _sm_budget(num_sms):
+                self.graphs.capture(key, stream, num_sms)
+
+    @contextlib.contextmanager
+    def _on(self, partition: Partition) -> Iterator[None]:
+        stream_ctx = (torch.cuda.stream(partition.stream) if partition.stream is not None
+                      else contextlib.nullcontext())
+        with stream_ctx, _sm_budget(partition.num_sms), torch.inference_mode():
+            yield
+
+    def run(self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION) -> list[int | None]:
+        """Compute the batch; returns the drawn token of each sequence that samples, else None."""
+        part = self.partitions[partition]
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        with self._on(part):
+            if batch.is_prefill:
+                logits = self._prefill(batch, sampling, part)
+            else:
+                logits = self._decode(batch.seqs, partition, part)
+            if not sampling:  # a prefill chunk that draws nothing
+                if self.device.type == "cuda":
+                    # Steps must not overlap: the next one may run on another partition's stream.
+                    torch.cuda.current_stream(self.device).synchronize()
+                return [None] * len(batch.seqs)
+            tokens = self.sampler(logits, self._sampling_batch([batch.seqs[i] for i in sampling])).tolist()
+        out: list[int | None] = [None] * len(batch.seqs)
+        for i, token in zip(sampling, tokens, strict=True):
+            out[i] = token
+        return out
+
+    def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
+
+    def _prefill(self, batch: ScheduledBatch, sampling: list[int], part: Partition) -> torch.Tensor:
+        bm = self.block_manager
+        ids, positions, slots, context_lens = [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start:start + n])
+            positions.append(np.arange(start, start + n))
+            slots.append(bm.slots(seq, start, start + n))
+            context_lens.append(start + n)
+        cu = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(batch.num_tokens)
+        width = bm.blocks_for(max(context_lens))
+        tables = bm.tables[[s.row for s in batch.seqs], :width]
+        self.attn.meta = AttentionMetadata(
+            True, self._to_device(np.concatenate(slots), torch.int64), self._to_device(tables, torch.int32),
+            self._to_device(context_lens, torch.int32), self._to_device(cu, torch.int32),
+            max_q_len=max(batch.num_tokens), num_sms=part.num_sms,
+        )
+        input_ids = self._to_device(ids, torch.int64)[None]
+        positions_t = self._to_device(np.concatenate(positions), torch.int64)[None]
+        hidden = self.model(input_ids, positions_t, self.attn)
+        self.attn.meta = None
+        last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
+        return self.model.logits(hidden[0, last_rows])
+
+    def _decode(self, seqs: list[Sequence], key: str, part: Partition) -> torch.Tensor:
+        bm = self.block_manager
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        positions = lens - 1
+        ids = [s.token_ids[-1] for s in seqs]
+        width = bm.blocks_for(int(lens.max()))
+        tables = bm.tables[rows, :width]
+        slots = tables[np.arange(len(seqs)), positions // bm.block_size].astype(np.int64) * bm.block_size
+        slots += positions % bm.block_size
+        if self.graphs is not None:
+            return self.graphs.replay(key, ids, positions, slots, lens, tables)
+        self.attn.meta = AttentionMetadata(False, self._to_device(slots, torch.int64),
+                                           self._to_device(tables, torch.int32),
+                                           self._to_device(lens, torch.int32), num_sms=part.num_sms)
+        hidden = self.model(self._to_device(ids, torch.int64)[:, None],
+                            self._to_device(positions, torch.int64)[:, None], self.attn)
+        self.attn.meta = None
+        return self.model.logits(hidden[:, 0])
+
+    def synthetic_decode(self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION) -> None:
+        """One decode step of `batch` sequences with `kv_len` tokens of context each, for timing: it reads
+        existing blocks, writes no K/V (slot -1) and draws nothing. On a GPU the graph is launched on the
+        partition's stream and not waited for."""
+        part, bm = self.partitions[partition], self.block_manager
+        if not (1 <= batch <= self.config.max_num_seqs and 1 <= kv_len <= self.config.max_model_len):
+            raise EngineError(f"synthetic_decode: batch {batch} must be in 1..{self.config.max_num_seqs} and "
+                              f"kv_len {kv_len} in 1..{self.config.max_model_len}")
+        width = bm.blocks_for(kv_len)
+        tables = (np.arange(batch * width).reshape(batch, width) % bm.num_blocks).astype(np.int32)
+        lens = np.full(batch, kv_len, dtype=np.int64)
+        slots = np.full(batch, -1, dtype=np.int64)
+        with self._on(part):
+            if self.graphs is not None:
+                self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables)
+                return
+            self.attn.meta = AttentionMetadata(False, self._to_device(slots, torch.int64),
+                                               self._to_device(tables, torch.int32),
+                                               self._to_device(lens, torch.int32), num_sms=part.num_sms)
+            hidden = self.model(self._to_device([0] * batch, torch.int64)[:, None],
+                                self._to_device(lens - 1, torch.int64)[:, None], self.attn)
+            self.attn.meta = None
+            self.model.logits(hidden[:, 0])
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
+        if all(s.params.greedy for s in seqs):
+            return None
+        seeds = [s.params.seed if s.params.seed is not None else self.seed * 1_000_003 + s.seq_id
+                 for s in seqs]
+        return SamplingBatch(
+            temperatures=self._to_device([s.params.temperature for s in seqs], torch.float32),
+            top_ps=self._to_device([s.params.top_p for s in seqs], torch.float32),
+            seeds=self._to_device(seeds, torch.int64),
+            positions=self._to_device([len(s) for s in seqs], torch.int64),
+            any_top_p=any(s.params.top_p < 1.0 for s in seqs),
+        )

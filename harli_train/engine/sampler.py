@@ -1,0 +1,65 @@
+"""Next-token choice on the device: greedy, or temperature + top-p with per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    # murmur3's finaliser on 32-bit values held in int64 (products stay below 2**63).
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] uniforms in (0, 1), a pure function of (seed, position, token id): a request's draws do not
+    depend on its batch-mates, nor change when it is preempted and recomputed."""
+    seed_bits = ((seeds & 0x7FFFFFFF) * 0x9E3779B1) & _MASK32
+    row = _fmix32(seed_bits ^ (((positions & 0x7FFFFFFF) * 0x85EBCA77) & _MASK32))
+    cols = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0xC2B2AE3D) & _MASK32
+    x = _fmix32(_fmix32((row[:, None] + cols[None, :]) & _MASK32))
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling inputs of one step (device tensors); None rows-wide means all greedy."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ps: torch.Tensor        # [B] float32
+    seeds: torch.Tensor         # [B] int64
+    positions: torch.Tensor     # [B] int64: index of the token being drawn
+    any_top_p: bool
+
+
+class Sampler:
+    """logits [B, V] -> token ids [B] (int64, on the logits' device)."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if batch is None:
+            return greedy
+        temps = batch.temperatures
+        is_greedy = temps == 0
+        probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temps)[:, None], dim=-1)
+        if batch.any_top_p:
+            probs = self._top_p(probs, batch.top_ps)
+        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i.
+        noise = -torch.log(hashed_uniform(batch.seeds, batch.positions, logits.shape[-1]))
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays).
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before > top_ps[:, None], 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -1,0 +1,35 @@
+"""How one request is decoded: length limit, stop rule and sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harli_train.engine.engine_config import EngineError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """temperature 0 is greedy; otherwise softmax(logits / temperature) cut to the top-p nucleus.
+
+    A request with a `seed` draws the same tokens whatever else shares its batches (the random numbers are
+    a hash of seed, position and token id); without one the engine derives a seed from its own and the
+    request id.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise EngineError(f"sampling params: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise EngineError(f"sampling params: temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"sampling params: top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,247 @@
+"""The decode engine end to end on the CPU: greedy output equals transformers' `generate`, requests arriving
+mid-run, chunked prefill and preemption, refusal, seeded sampling, traces and metrics."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+from harli_train.engine import (  # noqa: E402
+    DecodeEngine,
+    EngineConfig,
+    EngineError,
+    LengthDist,
+    RequestRefused,
+    SamplingParams,
+    TraceError,
+    generate_text,
+    poisson_trace,
+    read_trace,
+    serve_trace,
+)
+from harli_train.model import load_model  # noqa: E402
+
+EOS = 2
+VOCAB = 120
+TRACES = os.path.join(os.path.dirname(__file__), "..", "recipes", "traces")
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    """A small random transformers Llama (weights large enough that greedy choices are clear-cut) and our
+    model loaded from its saved directory."""
+    path = tmp_path_factory.mktemp("hf_engine")
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+        tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(path)
+    return hf, load_model(str(path), torch.float32, "cpu")
+
+
+def _prompts(n, lengths):
+    g = torch.Generator().manual_seed(n)
+    return [[1] + torch.randint(3, VOCAB, (length - 1,), generator=g).tolist() for length in lengths]
+
+
+def _hf_greedy(hf, prompt, max_tokens):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _run_with_arrivals(engine, prompts, params, arrive_at):
+    """Add prompts[i] before step arrive_at[i]; step until all are done."""
+    seqs, step = [None] * len(prompts), 0
+    while step <= max(arrive_at) or engine.has_unfinished():
+        for i, at in enumerate(arrive_at):
+            if at == step:
+                seqs[i] = engine.add_request(prompts[i], params[i])
+        engine.step()
+        step += 1
+    return seqs
+
+
+@pytest.mark.parametrize("kernels,cfg", [
+    ("torch", dict(num_kv_blocks=128, max_num_batched_tokens=512)),
+    # Prompts longer than the token budget are chunked; a cache of 14 blocks forces preemptions.
+    ("torch", dict(num_kv_blocks=14, max_num_batched_tokens=16)),
+    ("triton", dict(num_kv_blocks=40, max_num_batched_tokens=24)),
+])
+def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
+    hf, ours = hf_pair
+    lengths = [3, 17, 30, 1, 9, 22] if kernels == "torch" else [3, 17, 30, 9]
+    max_tokens = [12, 7, 12, 10, 12, 5] if kernels == "torch" else [6, 4, 6, 5]
+    arrive_at = [0, 0, 2, 3, 5, 9] if kernels == "torch" else [0, 0, 2, 4]
+    prompts = _prompts(len(lengths), lengths)
+    config = EngineConfig(block_size=4, max_num_seqs=8, max_model_len=64, kernels=kernels, **cfg)
+    engine = DecodeEngine(ours, config, num_sms=2)  # 2 SMs: few decode splits, quick under the interpreter
+    params = [SamplingParams(max_tokens=m) for m in max_tokens]
+    seqs = _run_with_arrivals(engine, prompts, params, arrive_at)
+    for prompt, m, seq in zip(prompts, max_tokens, seqs, strict=True):
+        assert seq.completion_token_ids == _hf_greedy(hf, prompt, m), f"{len(prompt)}-token prompt differs"
+        assert seq.finish_reason == ("eos" if seq.token_ids[-1] == EOS else "length")
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    if cfg["num_kv_blocks"] == 14:
+        assert sum(s.num_preemptions for s in seqs) > 0, "the small cache should have forced preemptions"
+        assert any(r.num_tokens < max(lengths) for r in engine.metrics.steps if r.kind == "prefill")
+
+
+def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
+    hf, ours = hf_pair
+    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=10, max_num_seqs=4, max_model_len=64,
+                                             kernels="torch"))
+    prompts = _prompts(3, [5, 8])
+    a = engine.add_request(prompts[0], SamplingParams(max_tokens=6))
+    engine.step()
+    with pytest.raises(RequestRefused, match=r"needs 11 KV blocks .* the whole cache has 10"):
+        engine.add_request(_prompts(4, [30])[0], SamplingParams(max_tokens=15))
+    with pytest.raises(RequestRefused, match="exceeds max_model_len 64"):
+        engine.add_request(_prompts(5, [60])[0], SamplingParams(max_tokens=10))
+    b = engine.add_request(prompts[1], SamplingParams(max_tokens=6))
+    engine.run_until_done()
+    assert a.completion_token_ids == _hf_greedy(hf, prompts[0], 6)
+    assert b.completion_token_ids == _hf_greedy(hf, prompts[1], 6)
+    summary = engine.metrics.summary()
+    assert summary["requests"] == 2 and summary["refused"] == 2
+    out = engine.generate([prompts[0], _prompts(4, [30])[0]], SamplingParams(max_tokens=15))
+    assert out[1].finish_reason == "refused" and "KV blocks" in out[1].error
+    assert out[0].finish_reason in ("eos", "length") and out[0].num_completion_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(hf_pair):
+    _, ours = hf_pair
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_model_len=64, kernels="torch")
+    prompts = _prompts(6, [4, 11, 7])
+    hot = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=123, ignore_eos=True)
+    alone = DecodeEngine(ours, cfg).generate([prompts[0]], hot)[0].completion_token_ids
+    mates = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=8, temperature=0.7, seed=5)]
+    batched = DecodeEngine(ours, cfg).generate(prompts, [hot, *mates])
+    assert batched[0].completion_token_ids == alone
+    other_seed = DecodeEngine(ours, cfg).generate([prompts[0]], SamplingParams(
+        max_tokens=10, temperature=1.5, top_p=0.95, seed=124, ignore_eos=True))[0]
+    assert other_seed.completion_token_ids != alone
+    # A nucleus this small keeps only the top token: sampling degenerates to greedy.
+    narrow_p = SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6)
+    narrow = DecodeEngine(ours, cfg).generate(prompts, narrow_p)
+    greedy = DecodeEngine(ours, cfg).generate(prompts, SamplingParams(max_tokens=8))
+    assert [s.token_ids for s in narrow] == [s.token_ids for s in greedy]
+
+
+def test_step_metrics_and_summary(hf_pair):
+    _, ours = hf_pair
+    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_model_len=64,
+                                             kernels="torch"))
+    engine.add_partition("half", None, num_sms=66)
+    for p in _prompts(7, [5, 9, 13]):
+        engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+    n = 0
+    while engine.has_unfinished():
+        engine.step("half" if n % 2 else "default")
+        n += 1
+    steps = engine.metrics.steps
+    assert [s.partition for s in steps[:3]] == ["default", "half", "default"]
+    assert steps[0].kind == "prefill" and steps[0].num_tokens == 27 and steps[0].kv_tokens == 27
+    decode = [s for s in steps if s.kind == "decode"]
+    assert len(decode) == 5 and decode[0].num_seqs == 3 and decode[0].kv_tokens == 27 + 3
+    summary = engine.metrics.summary()
+    assert summary["requests"] == 3 and summary["output_tokens"] == 18
+    assert summary["tpot_ms"]["count"] == 3 and summary["ttft_ms"]["p50"] > 0
+    assert summary["decode_batch"]["p50"] == 3.0
+    engine.add_request(_prompts(1, [3])[0], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineError, match="unknown partition 'nope'"):
+        engine.step("nope")
+
+
+def test_peek_abort_and_synthetic_decode(hf_pair):
+    _, ours = hf_pair
+    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64,
+                                             kernels="torch"))
+    assert engine.peek() == ("idle", 0, 0)
+    for p in _prompts(9, [5, 9]):
+        engine.add_request(p, SamplingParams(max_tokens=8))
+    assert engine.peek() == ("prefill", 2, 14)
+    engine.step()
+    assert engine.peek() == ("decode", 2, 16)
+    engine.synthetic_decode(3, 20)  # a profiling step: no request, no metrics, no blocks change
+    assert len(engine.metrics.steps) == 1 and engine.block_manager.num_free == 32 - 2 - 3
+    assert engine.abort_all() == 2 and not engine.has_unfinished()
+    assert engine.block_manager.num_free == 32 and engine.peek() == ("idle", 0, 0)
+
+
+def test_engine_refuses_a_model_with_an_adapter():
+    model = load_model("tiny", torch.float32, "cpu")
+    model.add_lora(rank=4, alpha=8, dropout=0.0)
+    with pytest.raises(EngineError, match="serves the base model"):
+        DecodeEngine(model, EngineConfig(num_kv_blocks=8, kernels="torch"))
+
+
+def test_traces_and_synthetic_load(tmp_path):
+    for name in ("steady", "bursty"):
+        reqs = read_trace(os.path.join(TRACES, f"{name}.jsonl"))
+        assert len(reqs) >= 20 and all(r.output_len >= 1 and (r.prompt_len or r.prompt) for r in reqs)
+        assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    a = poisson_trace(5.0, 20.0, "lognormal:256:0.5:16:1024", "uniform:8:64", seed=3)
+    assert a == poisson_trace(5.0, 20.0, "lognormal:256:0.5:16:1024", "uniform:8:64", seed=3)
+    assert 60 <= len(a) <= 140 and all(16 <= r.prompt_len <= 1024 and 8 <= r.output_len <= 64 for r in a)
+    bursty = poisson_trace(1.0, 40.0, 32, 8, seed=3, burst_rate=20.0, burst_every_s=10.0, burst_len_s=2.0)
+    in_burst = sum((r.arrival_s % 10.0) < 2.0 for r in bursty)
+    assert in_burst > 2 * (len(bursty) - in_burst)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_len": 4, "output_len": 2}\n{"arrival_s": 1, "output_len": 2}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:2: give exactly one of 'prompt'"):
+        read_trace(bad)
+    with pytest.raises(TraceError, match="uniform:LOW:HIGH"):
+        LengthDist.parse("gauss:3")
+
+
+def test_serve_trace_and_generate_text_on_tiny(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"arrival_s": 0.0, "prompt": "hello", "output_len": 5},
+             {"arrival_s": 0.01, "prompt_len": 20, "output_len": 4, "id": "x"},
+             {"arrival_s": 0.02, "prompt_len": 300, "output_len": 8}]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cfg = EngineConfig(block_size=16, num_kv_blocks=12, max_num_seqs=4, max_model_len=512, kernels="torch")
+    summary = serve_trace("tiny", tmp_path / "out", trace, device="cpu", config=cfg)
+    assert summary["requests"] == 2 and summary["refused"] == 1 and summary["output_tokens"] == 9
+    recs = [json.loads(x) for x in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    assert {r["request_id"] for r in recs} == {"0", "x", "2"}
+    assert (tmp_path / "out" / "steps.jsonl").read_text().count("\n") == len(
+        [1 for _ in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()])
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["setup"]["kv_blocks"] == 12
+    texts = generate_text("tiny", ["hi", "a longer prompt"], max_tokens=6, device="cpu",
+                          config=EngineConfig(num_kv_blocks=16, max_model_len=128, kernels="torch"))
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
+    hf, _ = hf_pair
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.float32, "cuda")  # fp32: the kernels' dots run in IEEE fp32
+    cfg = EngineConfig(block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=64,
+                       graph_batch_sizes=(1, 2, 4, 8))
+    engine = DecodeEngine(ours, cfg)
+    assert engine.runner.use_graphs
+    engine.add_partition("side", torch.cuda.Stream(), num_sms=16)
+    prompts = _prompts(8, [3, 17, 30, 1, 9])
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    step = 0
+    while engine.has_unfinished():
+        engine.step("side" if step % 2 else "default")  # alternate partitions, as the controller would
+        step += 1
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.completion_token_ids == _hf_greedy(hf, prompt, 10)

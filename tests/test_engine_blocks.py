@@ -1,0 +1,106 @@
+"""Block manager and scheduler invariants under random admission, finishing and preemption (no model)."""
+
+import random
+
+import pytest
+
+from harli_train.engine.block_manager import BlockManager
+from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.sampling_params import SamplingParams
+from harli_train.engine.scheduler import Scheduler
+from harli_train.engine.sequence import Sequence, SequenceStatus
+
+EOS = 7
+
+
+def _holders(sched: Scheduler) -> list[Sequence]:
+    return list(sched.running) + [s for s in sched.waiting if s.block_table]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scheduler_random_load_keeps_block_invariants(seed):
+    rng = random.Random(seed)
+    cfg = EngineConfig(block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=20,
+                       max_model_len=64)
+    bm = BlockManager(24, 4, cfg.max_num_seqs, cfg.max_blocks_per_seq)
+    sched = Scheduler(cfg, bm, {EOS})
+    seqs, finished, preemptions, next_id = [], [], 0, 0
+    for step in range(600):
+        if step < 400 and rng.random() < 0.3:
+            n = rng.randint(1, 40)
+            params = SamplingParams(max_tokens=rng.randint(1, 64 - n), ignore_eos=rng.random() < 0.5)
+            seq = Sequence(next_id, [rng.randrange(100) for _ in range(n)], params, float(step))
+            # The engine refuses requests that could never fit alone; this load only makes ones that fit.
+            assert bm.blocks_for(n + params.max_tokens - 1) <= bm.num_blocks
+            sched.add(seq)
+            seqs.append(seq)
+            next_id += 1
+        kind, n_seqs, kv_tokens = sched.peek()
+        batch = sched.schedule()
+        if batch is None:
+            assert kind == "idle" and (not sched.has_unfinished() or not sched.running)
+            continue
+        assert kind == ("prefill" if batch.is_prefill else "decode")
+        if not batch.preempted:  # peek does not foresee preemptions
+            assert n_seqs == len(batch.seqs)
+            pairs = zip(batch.seqs, batch.num_tokens, strict=True)
+            assert kv_tokens == sum(s.num_computed + n for s, n in pairs)
+        preemptions += len(batch.preempted)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.pending
+            # Every token computed this step has a slot in a block the sequence owns.
+            assert len(seq.block_table) * bm.block_size >= seq.num_computed + n
+        assert not batch.is_prefill or sum(batch.num_tokens) <= cfg.max_num_batched_tokens
+        sampled = [rng.choice([EOS, 1, 2, 3]) if batch.samples(i) else None for i in range(len(batch.seqs))]
+        finished += sched.postprocess(batch, sampled, float(step))
+        bm.check(_holders(sched))
+        assert len(sched.running) <= cfg.max_num_seqs
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch is not None, "requests left that can never be scheduled"
+        sampled = [1 if batch.samples(i) else None for i in range(len(batch.seqs))]
+        finished += sched.postprocess(batch, sampled, 0.0)
+        bm.check(_holders(sched))
+    assert preemptions > 0, "the load should have forced preemptions"
+    assert sorted(s.seq_id for s in finished) == [s.seq_id for s in seqs]
+    assert bm.num_free == bm.num_blocks and not bm.used_blocks, "blocks leaked"
+    assert sorted(bm.free_rows) == list(range(cfg.max_num_seqs)), "table rows leaked"
+    for s in finished:
+        assert s.finish_reason in ("eos", "length")
+        assert s.num_completion_tokens <= s.params.max_tokens
+        if s.finish_reason == "eos":
+            assert s.token_ids[-1] == EOS and not s.params.ignore_eos
+
+
+def test_block_manager_random_allocate_free():
+    rng = random.Random(5)
+    bm = BlockManager(32, 8, max_seqs=8, max_blocks_per_seq=16)
+    live: list[Sequence] = []
+    for i in range(2000):
+        if live and rng.random() < 0.3:
+            bm.free(live.pop(rng.randrange(len(live))))
+        else:
+            grow = live and rng.random() < 0.5
+            seq = live[rng.randrange(len(live))] if grow else Sequence(i, [0], SamplingParams(), 0)
+            tokens = len(seq.block_table) * 8 + rng.randint(0, 20)
+            if bm.blocks_for(tokens) <= 16 and bm.can_allocate(seq, tokens):
+                bm.allocate(seq, tokens)
+                if seq not in live:
+                    live.append(seq)
+        bm.check(live)
+    for s in live:
+        bm.free(s)
+    bm.check([])
+    assert bm.num_free == 32
+
+
+def test_block_manager_grow_and_shrink():
+    bm = BlockManager(4, 4, max_seqs=2, max_blocks_per_seq=8)
+    seq = Sequence(0, [1] * 12, SamplingParams(), 0)
+    bm.allocate(seq, 12)
+    bm.grow(10)
+    assert bm.num_free == 7 and bm.num_blocks == 10
+    bm.check([seq])
+    assert bm.shrink(6) and bm.num_blocks == 6 and bm.num_free == 3
+    assert not bm.shrink(2), "blocks in use cannot be taken away"
+    bm.check([seq])
