@@ -115,3 +115,19 @@ def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
             m.lora_A.copy_(pair["lora_A"])
             m.lora_B.copy_(pair["lora_B"])
     return config
+
+
+@torch.no_grad()
+def merge_adapter(model: LlamaForCausalLM) -> int:
+    """Fold every attached adapter into its frozen weight (W += s B A) and detach it; returns how many.
+
+    For serving a finetuned model: the decode engine runs plain projections.
+    """
+    merged = 0
+    for m in model.lora_modules().values():
+        if m.has_lora:
+            delta = (m.lora_B.float() @ m.lora_A.float()) * m.scale
+            m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+            m.remove_lora()
+            merged += 1
+    return merged

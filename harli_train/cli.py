@@ -22,10 +22,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         from harli_train.adapter import AdapterError
         from harli_train.config import RecipeError
         from harli_train.data.dataset import DataError
+        from harli_train.engine.engine_config import EngineError
         from harli_train.model import ModelError
         from harli_train.train.checkpoint import CheckpointError
 
-        _USER_ERRORS = (RecipeError, ModelError, DataError, AdapterError, CheckpointError)
+        _USER_ERRORS = (RecipeError, ModelError, DataError, AdapterError, CheckpointError, EngineError)
     return _USER_ERRORS
 
 
@@ -95,3 +96,64 @@ def train(recipe: str, overrides: tuple[str, ...], colocate_with: str | None, po
     click.echo(json.dumps(summary, indent=2))
     if summary["interrupted"]:
         sys.exit(130)
+
+
+@main.command()
+@click.option("--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory.")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt; repeat for a batch.")
+@click.option("--adapter", type=click.Path(exists=True, file_okay=False),
+              help="A PEFT LoRA adapter directory to merge into the weights first.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@_friendly
+def generate(model_source: str, prompts: tuple[str, ...], adapter: str | None, max_tokens: int,
+             temperature: float, top_p: float, seed: int, device: str) -> None:
+    """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0)."""
+    from harli_train.adapter import load_adapter, merge_adapter
+    from harli_train.data.tokenizer import load_tokenizer
+    from harli_train.engine.api import _device
+    from harli_train.engine.engine import DecodeEngine
+    from harli_train.engine.engine_config import EngineConfig
+    from harli_train.engine.sampling_params import SamplingParams
+    from harli_train.model import is_preset, load_model, resolve_dtype
+
+    dev = _device(device)
+    model = load_model(model_source, resolve_dtype("auto", dev), dev)
+    if adapter is not None:
+        load_adapter(model, adapter)
+        merge_adapter(model)
+    longest = max(len(p.encode()) for p in prompts) + max_tokens + 1
+    cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
+    engine = DecodeEngine(model, cfg, tokenizer=load_tokenizer(model_source, is_preset(model_source)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    for prompt, seq in zip(prompts, engine.generate(list(prompts), params)):
+        text = f"[refused: {seq.error}]" if seq.finish_reason == "refused" else engine.decode_text(seq)
+        click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
+
+
+@main.command("serve-trace")
+@click.option("--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory.")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="JSONL trace (see recipes/traces/).")
+@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), help="Synthetic Poisson load, requests/s.")
+@click.option("--duration", default=30.0, show_default=True, help="Seconds of synthetic load.")
+@click.option("--prompt-len", default="512", show_default=True, help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA.")
+@click.option("--output-len", default="128", show_default=True, help="Same forms as --prompt-len.")
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--time-scale", default=1.0, show_default=True, help="Stretch (>1) or compress trace time.")
+@click.option("--out", "out_dir", default="runs/serve", show_default=True, type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@_friendly
+def serve_trace(model_source: str, trace: str | None, rate: float | None, duration: float, prompt_len: str,
+                output_len: str, max_batch: int, time_scale: float, out_dir: str, seed: int, device: str) -> None:
+    """Replay a trace (or a Poisson load) against the decode engine; write per-request/per-step metrics."""
+    from harli_train.engine.api import serve_trace as run
+
+    if (trace is None) == (rate is None):
+        raise click.UsageError("give exactly one of --trace and --rate")
+    summary = run(model_source, out_dir, trace, rate=rate, duration_s=duration, prompt_len=prompt_len,
+                  output_len=output_len, max_batch=max_batch, time_scale=time_scale, seed=seed, device=device)
+    click.echo(json.dumps({k: summary[k] for k in summary if k != "setup"}, indent=1, default=str))

@@ -109,3 +109,16 @@ def test_adapter_errors_name_the_problem(tiny_hf_dir, tmp_path):
     save_adapter(big, tmp_path / "other")
     with pytest.raises(AdapterError, match="another model"):
         load_adapter(ours, tmp_path / "other")
+
+
+def test_merged_adapter_gives_the_same_logits(tiny_hf_dir):
+    from harli_train.adapter import merge_adapter
+
+    path, hf = tiny_hf_dir
+    _, ours = _peft_pair(path, hf)
+    ids = _batch(96)["input_ids"]
+    with torch.no_grad():
+        want = ours.logits(ours(ids))
+        assert merge_adapter(ours) == 3 * 7
+        assert not any(m.has_lora for m in ours.lora_modules().values())
+        torch.testing.assert_close(ours.logits(ours(ids)), want, rtol=1e-4, atol=1e-5)

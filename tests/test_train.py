@@ -137,3 +137,16 @@ def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     assert "bad.yaml" in result.output and "train.lr" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(main, [str(tmp_path / "missing.yaml")])
     assert result.exit_code != 0 and "missing.yaml" in result.output
+
+
+def test_cli_generate_with_a_trained_adapter(tmp_path):
+    cfg = _recipe(tmp_path, **{"train.steps": 3, "train.warmup_steps": 1})
+    t = Trainer(cfg, quiet=True)
+    t.setup()
+    adapter = t.train()["adapter"]
+    result = CliRunner().invoke(main, ["generate", "--prompt", "add 12+34 =", "--adapter", adapter,
+                                       "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1].startswith("add 12+34 =")
+    result = CliRunner().invoke(main, ["generate", "--prompt", "x", "--adapter", str(tmp_path)])
+    assert result.exit_code != 0 and "adapter_config.json not found" in result.output
