@@ -22,6 +22,25 @@ import common  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def partition(args):
+    """(stream context, SMs) for a run confined to `args.sms` SMs of a disjoint green context, or the GPU."""
+    import contextlib
+
+    import torch
+
+    from harli_train import kernels
+
+    if not args.sms or not torch.cuda.is_available():
+        return contextlib.nullcontext(), None
+    from harli_train.colocate.sm import SMLadder
+
+    ladder = SMLadder.create(step=8)
+    part = ladder.select(args.sms)
+    kernels.set_num_sms(part.infer_sms)
+    args._ladder = ladder  # keep the contexts alive for the whole run
+    return torch.cuda.stream(part.infer_stream), part.infer_sms
+
+
 def run_peft(args) -> dict:
     """transformers + peft, as a user would run it (probe_peers.py's recipe): autocast bf16, fp32 adapters."""
     import torch
@@ -31,10 +50,17 @@ def run_peft(args) -> dict:
     from harli_train.model import model_config
 
     mc = model_config(args.model)
-    cfg = LlamaConfig(hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                      num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-                      num_key_value_heads=mc.num_kv_heads, vocab_size=mc.vocab_size,
-                      max_position_embeddings=8192, rope_theta=mc.rope_theta, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        vocab_size=mc.vocab_size,
+        max_position_embeddings=8192,
+        rope_theta=mc.rope_theta,
+        attn_implementation="sdpa",
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -42,8 +68,10 @@ def run_peft(args) -> dict:
         torch.set_default_dtype(dtype)
         model = LlamaForCausalLM(cfg)
         torch.set_default_dtype(torch.float32)
-    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                          task_type="CAUSAL_LM"))
+    pm = get_peft_model(
+        model,
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"),
+    )
     params = [p for p in pm.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -61,16 +89,24 @@ def run_peft(args) -> dict:
         return loss
 
     times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    ctx, sms = partition(args)
+    with ctx:
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            loss = step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
     dt = common.median(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return {"step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": peak, "loss": float(loss)}
+    return {
+        "step_s": dt,
+        "tokens_per_s": args.batch * args.seq / dt,
+        "peak_gib": peak,
+        "loss": float(loss.detach()),
+        "sms": sms,
+    }
 
 
 def run_ours(args) -> dict:
@@ -80,11 +116,19 @@ def run_ours(args) -> dict:
     from harli_train.config import load_recipe
     from harli_train.train.trainer import Trainer
 
-    overrides = [f"model.name={args.model}", f"train.kernels={args.kernels}", f"train.batch_size={args.batch}",
-                 f"data.seq_len={args.seq}", f"train.steps={args.warmup + args.steps}", "train.warmup_steps=1",
-                 f"output.dir={common.out_dir() / ('run_' + args.kernels)}", "output.checkpoint_every=0",
-                 f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}", "train.log_every=1000",
-                 "colocation.trace=null"]
+    overrides = [
+        f"model.name={args.model}",
+        f"train.kernels={args.kernels}",
+        f"train.batch_size={args.batch}",
+        f"data.seq_len={args.seq}",
+        f"train.steps={args.warmup + args.steps}",
+        "train.warmup_steps=1",
+        f"output.dir={common.out_dir() / ('run_' + args.kernels)}",
+        "output.checkpoint_every=0",
+        f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
+        "train.log_every=1000",
+        "colocation.trace=null",
+    ]
     if not torch.cuda.is_available():
         overrides.append("model.dtype=float32")
     cfg = load_recipe(ROOT / "recipes" / "llama-8b-lora.yaml", overrides)
@@ -92,16 +136,23 @@ def run_ours(args) -> dict:
     trainer.setup()
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    records = []
-    for _ in trainer.micro_steps():
-        pass
+    ctx, sms = partition(args)
+    with ctx:
+        for _ in trainer.micro_steps():
+            pass
     trainer.metrics.close()
     records = [json.loads(line) for line in (Path(cfg.output.dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = records[args.warmup:]
+    timed = records[args.warmup :]
     dt = common.median([r["step_s"] for r in timed])
-    return {"step_s": dt, "tokens_per_s": args.batch * args.seq / dt, "peak_gib": records[-1]["memory_gib"],
-            "losses": [round(r["loss"], 4) for r in records], "grad_norms": [round(r["grad_norm"], 4) for r in records],
-            "finite": all(r["loss"] == r["loss"] for r in records)}
+    return {
+        "step_s": dt,
+        "tokens_per_s": args.batch * args.seq / dt,
+        "peak_gib": records[-1]["memory_gib"],
+        "losses": [round(r["loss"], 4) for r in records],
+        "grad_norms": [round(r["grad_norm"], 4) for r in records],
+        "finite": all(r["loss"] == r["loss"] for r in records),
+        "sms": sms,
+    }
 
 
 def main() -> None:
@@ -109,6 +160,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--one", choices=["peft", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--sms", type=int, default=0, help="confine the run to a green context of this many SMs")
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
@@ -119,19 +171,55 @@ def main() -> None:
         result = run_peft(args) if args.one == "peft" else run_ours(args)
         print(json.dumps(result))
         return
-    base = ["--model", "tiny", "--batch", "2", "--seq", "64", "--warmup", "1", "--steps", "2"] if args.dry_run \
-        else ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
-              "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    base = (
+        ["--model", "tiny", "--batch", "2", "--seq", "64", "--warmup", "1", "--steps", "2"]
+        if args.dry_run
+        else [
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+        ]
+    )
     me = str(Path(__file__).resolve())
-    results = {"env": common.environment(), "config": {"model": args.model, "batch": args.batch, "seq": args.seq,
-                                                       "lora_rank": 16, "targets": TARGETS}}
-    results["peft"] = common.run_child([me, "--one", "peft", *base], timeout=900)
-    for backend in ("torch", "triton"):
-        results[f"ours_{backend}"] = common.run_child([me, "--one", "ours", "--kernels", backend, *base], timeout=900)
-    peft = results["peft"]
+    if args.dry_run:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the children run Triton on CPU tensors
+    results = {
+        "env": common.environment(),
+        "config": {
+            "model": args.model,
+            "batch": args.batch,
+            "seq": args.seq,
+            "lora_rank": 16,
+            "targets": TARGETS,
+        },
+    }
+    runs = {
+        "peft": ["peft"],
+        "ours_torch": ["ours", "--kernels", "torch"],
+        "ours_triton": ["ours", "--kernels", "triton"],
+    }
+    if not args.dry_run:  # the same, confined to a 64-SM partition
+        runs.update(
+            {
+                "peft_64sm": ["peft", "--sms", "64"],
+                "ours_triton_64sm": ["ours", "--kernels", "triton", "--sms", "64"],
+            }
+        )
+    for name, child in runs.items():
+        results[name] = common.run_child([me, "--one", *child, *base], timeout=600)
     rows = []
-    for name in ("peft", "ours_torch", "ours_triton"):
+    for name in runs:
         r = results[name]
+        peft = results["peft_64sm" if name.endswith("64sm") else "peft"]
         if "error" in r:
             rows.append([name, "error", "", "", "", ""])
             continue
@@ -142,7 +230,11 @@ def main() -> None:
     results["targets"] = {"speedup_vs_peft": ">= 1.5", "memory_vs_peft": "<= 0.75"}
     path = common.write_json("bench_train.json", results)
     print(f"\nwrote {path}")
-    print(common.table(rows, ["config", "tokens/s", "step ms", "peak GiB", "x peft (>=1.5)", "mem x peft (<=0.75)"]))
+    print(
+        common.table(
+            rows, ["config", "tokens/s", "step ms", "peak GiB", "x peft (>=1.5)", "mem x peft (<=0.75)"]
+        )
+    )
 
 
 if __name__ == "__main__":
