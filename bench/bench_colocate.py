@@ -1,0 +1,521 @@
+"""Co-location on one GPU: every policy x trace x load in one run, against the TPOT objective.
+
+    python bench/bench_colocate.py            # H200: $OUT/bench_colocate.json + timeline PNGs, a table last
+    python bench/bench_colocate.py --dry-run  # CPU: the tiny model on the stand-in ladder, short windows
+
+Set-up: recipes/llama-8b-lora.yaml (Llama-3-8B shapes, LoRA r=16 on all projections, batch 4 x 1024) while
+the same base model (one copy of the weights) serves recipes/traces/{steady,bursty}.jsonl, replayed at 1x
+(light), 2x (medium) and 4x (heavy) their request rate for a window each. The decode-latency profile is
+measured once up front on a coarse grid, and the trainer's kernels are compiled for every SM budget before
+any window starts. Each window starts a fresh adapter and optimizer on the shared weights.
+
+Policies: harli (per-step controller), static:N (N = the smallest split whose predicted step at the peak
+batch meets the objective beside the trainer: provisioned for the peak, as a fixed split must be), streams,
+temporal, exclusive (decode alone; standalone training is measured once, alone on the whole GPU).
+A violation is a decode token interval over the objective (see harli_train/colocate/report.py).
+
+Bars (DESIGN.md): harli has zero violations and >= 1.46x the finetune tokens/s of the best baseline
+(static, streams, temporal) that also has none; its finetune tokens/s as a fraction of standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import torch  # noqa: E402
+
+from harli_train.colocate.assembly import (  # noqa: E402
+    build_engine,
+    build_predictor,
+    corun_workload,
+    warm_up_trainer,
+)
+from harli_train.colocate.engine_adapter import EngineAdapter  # noqa: E402
+from harli_train.colocate.policies import make_policy  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
+from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions  # noqa: E402
+from harli_train.colocate.shared_model import base_view  # noqa: E402
+from harli_train.colocate.sm import SMLadder, make_ladder  # noqa: E402
+from harli_train.config import RecipeConfig, load_recipe  # noqa: E402
+from harli_train.data.tokenizer import load_tokenizer  # noqa: E402
+from harli_train.engine.load import TraceRequest, read_trace  # noqa: E402
+from harli_train.model import is_preset, load_model, resolve_dtype  # noqa: E402
+from harli_train.train.trainer import Trainer, resolve_device  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LOADS = {"light": 1.0, "medium": 2.0, "heavy": 4.0}  # multiples of the trace's request rate
+BASELINES = ("static", "streams", "temporal")
+RATIO_BAR = 1.46
+log = logging.getLogger("bench_colocate")
+
+
+@dataclass
+class Bench:
+    """What every window shares: recipe, weights, ladder, engine, predictor, traces."""
+
+    cfg: RecipeConfig
+    model: Any
+    ladder: SMLadder
+    engine: EngineAdapter
+    predictor: LatencyPredictor | None
+    traces: dict[str, list[TraceRequest]]
+    tpot_s: float
+    static_sms: int = 0
+    scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
+
+
+def section(results: dict, name: str, fn, *args) -> Any:
+    """Run one section; a failure is recorded and the next section still runs."""
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args)
+        results[name] = out if isinstance(out, dict) else {"value": out}
+    except Exception as err:
+        log.error("%s failed: %s", name, err)
+        results[name] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+        out = None
+    results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def load_traces(args) -> dict[str, list[TraceRequest]]:
+    traces = {}
+    for name in args.traces:
+        reqs = read_trace(ROOT / "recipes" / "traces" / f"{name}.jsonl")
+        if args.dry_run:  # the tiny model on a CPU: short prompts and outputs keep a window to ~a second
+            for r in reqs:
+                r.prompt_len, r.output_len = min(r.prompt_len or 64, 48), min(r.output_len, 24)
+        traces[name] = reqs
+    return traces
+
+
+def setup(args, results: dict) -> Bench:
+    overrides = [f"train.steps={10**7}", "train.log_every=1000000", "output.checkpoint_every=0"]
+    if args.dry_run:
+        overrides += ["train.device=cpu", "model.dtype=float32"]
+    cfg = load_recipe(args.recipe, overrides)
+    tpot_s = (float(args.tpot_ms) if args.tpot_ms not in (None, "auto") else cfg.colocation.tpot_ms) * 1e-3
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    t0 = time.perf_counter()
+    model = load_model(cfg.model.name, dtype, device, seed=cfg.model.seed)
+    ladder = (
+        SMLadder.cpu_standin(132, args.ladder_step) if args.dry_run else make_ladder(step=args.ladder_step)
+    )
+    traces = load_traces(args)
+    every = [r for reqs in traces.values() for r in reqs]
+    trainer = fresh_trainer(cfg, model, Path(tempfile.mkdtemp(prefix="bench_colocate_setup_")))
+    served = base_view(trainer.model)
+    tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
+    engine = build_engine(served, tokenizer, ladder, every, cfg.colocation.max_batch, seed=0)
+    bench = Bench(cfg, model, ladder, engine, None, traces, tpot_s)
+    results["setup"] = {
+        "model": cfg.model.name,
+        "dtype": str(dtype),
+        "device": str(device),
+        "recipe": str(args.recipe),
+        "objective_tpot_ms": tpot_s * 1e3,
+        "margin": cfg.colocation.margin,
+        "max_batch": cfg.colocation.max_batch,
+        "train_batch": [cfg.train.batch_size, cfg.data.seq_len],
+        "layers_per_microstep": cfg.train.layers_per_microstep,
+        "lora": {"rank": cfg.lora.rank, "targets": cfg.lora.targets},
+        "ladder": {"kind": ladder.kind, "rungs": ladder.describe()},
+        "engine": {
+            "max_model_len": engine.engine.config.max_model_len,
+            "kv_blocks": engine.engine.storage.num_blocks,
+        },
+        "traces": {k: len(v) for k, v in traces.items()},
+        "window_s": args.window_s,
+        "load_levels": {k: f"{v:g}x the trace's rate" for k, v in LOADS.items() if k in args.loads},
+        "setup_s": round(time.perf_counter() - t0, 1),
+    }
+    section(results, "profile", profile, bench, trainer, args)
+    results["setup"]["objective_tpot_ms"] = bench.tpot_s * 1e3  # 'auto' is known after profiling
+    section(results, "warmup", warmup, bench, trainer)
+    del trainer
+    return bench
+
+
+def fresh_trainer(cfg: RecipeConfig, model, out: Path) -> Trainer:
+    cfg.output.dir = str(out)
+    trainer = Trainer(cfg, model=model, quiet=True)
+    trainer.setup()
+    return trainer
+
+
+def profile(bench: Bench, trainer: Trainer, args) -> dict:
+    cfg = bench.cfg
+    on_gpu = trainer.device.type == "cuda"
+    corun = (
+        corun_workload(
+            trainer.model,
+            cfg.train.batch_size,
+            cfg.data.seq_len,
+            cfg.train.layers_per_microstep,
+            trainer.dtype,
+        )
+        if on_gpu
+        else None
+    )
+    max_len = bench.engine.engine.config.max_model_len
+    kv_lens = (256, min(1536, max_len - 1)) if on_gpu else (16, 64)
+    predictor, prof = build_predictor(
+        bench.engine,
+        bench.ladder,
+        f"{cfg.model.name}|bench",
+        corun,
+        cfg.colocation.max_batch,
+        common.out_dir() / "profile_colocate.json",
+        reps=5 if on_gpu else 2,
+        batches=(1, 8, 32, 64),
+        kv_lens=kv_lens,
+    )
+    bench.predictor = predictor
+    if args.tpot_ms == "auto":  # twice the whole GPU's step at the peak batch: decode must keep real SMs
+        bench.tpot_s = 2.0 * predictor.predict(
+            cfg.colocation.max_batch, cfg.colocation.max_batch * 1024, bench.ladder.total_sms, False
+        )
+    bench.static_sms = args.static_sms or peak_static_share(bench)
+    rule = (
+        "--static-sms" if args.static_sms else "least split meeting the budget at max_batch x 1024 KV tokens"
+    )
+    return {
+        "samples": len(prof.samples),
+        "fit": predictor.fit_report,
+        "objective_tpot_ms": bench.tpot_s * 1e3,
+        "static_sms": bench.static_sms,
+        "static_rule": rule,
+    }
+
+
+def peak_static_share(bench: Bench) -> int:
+    """The least decode share a fixed split must have to meet the objective at the peak batch."""
+    budget = bench.tpot_s * (1 - bench.cfg.colocation.margin)
+    batch = bench.cfg.colocation.max_batch
+    for p in bench.ladder.spatial:
+        if bench.predictor.predict(batch, batch * 1024, p.infer_sms, True) <= budget:
+            return p.infer_sms
+    return bench.ladder.spatial[-1].infer_sms if bench.ladder.spatial else bench.ladder.total_sms
+
+
+def warmup(bench: Bench, trainer: Trainer) -> dict:
+    warm_up_trainer(trainer, list(bench.ladder.partitions), bench.ladder.total_sms)
+    return {
+        "budgets": sorted(
+            {p.train_sms for p in bench.ladder.partitions if p.train_sms} | {bench.ladder.total_sms}
+        )
+    }
+
+
+def policy_name(bench: Bench, name: str) -> str:
+    return f"static:{bench.static_sms}" if name == "static" else name
+
+
+def run_window(
+    bench: Bench,
+    name: str,
+    requests: list[TraceRequest],
+    time_scale: float,
+    window_s: float,
+    solo_s: float = 0.0,
+    plot_to: Path | None = None,
+) -> dict:
+    """One window of one policy under one load; returns the figures the table needs."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    run_dir = Path(tempfile.mkdtemp(dir=bench.scratch))
+    trainer = fresh_trainer(bench.cfg, bench.model, run_dir)
+    if bench.predictor is not None:
+        bench.predictor.reset_corrections()
+    policy = make_policy(
+        policy_name(bench, name), bench.ladder, bench.predictor, bench.tpot_s, bench.cfg.colocation.margin
+    )
+    opts = RuntimeOptions(
+        until="load",
+        window_s=window_s,
+        solo_s=solo_s,
+        time_scale=time_scale,
+        quiet=True,
+        finish=False,
+        plots=plot_to is not None,
+    )
+    s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
+    if plot_to is not None:
+        plot_to.mkdir(parents=True, exist_ok=True)
+        for png in ("timeline.png", "throughput.png"):
+            shutil.copy(run_dir / "colocate" / png, plot_to / png)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sv, ft = s["serving"], s["finetune"]
+    return {
+        "policy": s["policy"],
+        "finetune_tokens_per_s": ft["tokens_per_s"],
+        "solo_tokens_per_s": ft["solo_tokens_per_s"],
+        "tpot_ms": sv["tpot_ms"],
+        "ttft_ms": sv["ttft_ms"],
+        "token_interval_ms": sv["token_interval_ms"],
+        "violations": sv["violations"],
+        "violation_rate": sv["violation_rate"],
+        "decode_steps": sv["decode_steps"],
+        "request_tpot_violations": sv["request_tpot_violations"],
+        "requests": sv["requests"],
+        "aborted_at_end": sv["aborted_at_end"],
+        "paused_fraction": s["trainer_paused_fraction"],
+        "mean_infer_sms": s["mean_infer_sms"],
+        "share_histogram": s["share_histogram"],
+        "micro_steps": ft["micro_steps"],
+        "abandoned_steps": ft["abandoned_steps"],
+        "oom_recoveries": ft["oom_recoveries"],
+        "output_tokens_per_s": sv["output_tokens_per_s"],
+    }
+
+
+def standalone(bench: Bench, args) -> dict:
+    """The trainer alone on the whole GPU (exclusive's second half), measured once."""
+    out = run_window(bench, "exclusive", [], 1.0, 0.0, solo_s=args.solo_s)
+    return {"finetune_tokens_per_s": out["solo_tokens_per_s"]}
+
+
+def cell(bench: Bench, trace: str, load: str, args, results: dict) -> dict:
+    """Every policy under one trace at one load level."""
+    scale = 1.0 / LOADS[load]
+    requests = [r for r in bench.traces[trace] if r.arrival_s * scale < args.window_s]
+    out: dict[str, Any] = {"requests_in_window": len(requests), "time_scale": scale}
+    for name in args.policies:
+        plot = common.out_dir() / "timelines" / f"{trace}-{load}" if name == "harli" else None
+        key = policy_name(bench, name)
+        section(out, key, run_window, bench, name, requests, scale, args.window_s, 0.0, plot)
+    out["verdict"] = verdict(out, results.get("standalone", {}).get("finetune_tokens_per_s"))
+    return out
+
+
+def verdict(cell_out: dict, solo: float | None) -> dict:
+    harli = cell_out.get("harli", {})
+    ok = [
+        (k, v)
+        for k, v in cell_out.items()
+        if isinstance(v, dict)
+        and k.split(":")[0] in BASELINES
+        and "error" not in v
+        and v.get("violations") == 0
+    ]
+    best = max(ok, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=None)
+    tok = harli.get("finetune_tokens_per_s")
+    out = {
+        "harli_violations": harli.get("violations"),
+        "best_baseline": best[0] if best else None,
+        "best_baseline_tokens_per_s": best[1]["finetune_tokens_per_s"] if best else None,
+    }
+    out["ratio_vs_best_baseline"] = (
+        tok / out["best_baseline_tokens_per_s"]
+        if tok is not None and best and out["best_baseline_tokens_per_s"] > 0
+        else None
+    )
+    out["fraction_of_standalone"] = tok / solo if tok is not None and solo else None
+    out["pass"] = bool(
+        harli.get("violations") == 0 and (best is None or (out["ratio_vs_best_baseline"] or 0) >= RATIO_BAR)
+    )
+    return out
+
+
+def comparison_plot(results: dict, args) -> str | None:
+    """Finetune tokens/s per policy in every cell, violations marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [(t, lo) for t in args.traces for lo in args.loads if f"{t}/{lo}" in results.get("cells", {})]
+    if not cells:
+        return None
+    fig, ax = plt.subplots(figsize=(12, 4))
+    width = 0.8 / max(len(args.policies), 1)
+    for i, name in enumerate(args.policies):
+        xs, ys, bad = [], [], []
+        for j, (t, lo) in enumerate(cells):
+            entry = next(
+                (
+                    v
+                    for k, v in results["cells"][f"{t}/{lo}"].items()
+                    if k.split(":")[0] == name and isinstance(v, dict) and "policy" in v
+                ),
+                None,
+            )
+            if entry is None:
+                continue
+            xs.append(j + i * width)
+            ys.append(entry["finetune_tokens_per_s"])
+            if entry["violations"]:
+                bad.append((xs[-1], ys[-1]))
+        ax.bar(xs, ys, width, label=name)
+        if bad:
+            ax.plot(*zip(*bad, strict=True), "x", color="red")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], [f"{t}\n{lo}" for t, lo in cells])
+    ax.set_ylabel("finetune tokens/s while serving")
+    ax.set_title(f"co-location, TPOT objective {results['setup']['objective_tpot_ms']:g} ms (x: violations)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = common.out_dir() / "bench_colocate_policies.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def summary_table(results: dict, args) -> str:
+    rows = []
+    for key, c in results.get("cells", {}).items():
+        for name, v in c.items():
+            if not isinstance(v, dict) or name in ("verdict",):
+                continue
+            if "error" in v:
+                rows.append([key, name, "error", "", "", "", ""])
+                continue
+            if "policy" not in v:
+                continue
+            tp = v["tpot_ms"] or {}
+            rows.append(
+                [
+                    key,
+                    v["policy"],
+                    round(v["finetune_tokens_per_s"]),
+                    _f(tp.get("p50")),
+                    _f(tp.get("p99")),
+                    v["violations"],
+                    f"{100 * v['paused_fraction']:.0f}%",
+                ]
+            )
+        vd = c.get("verdict", {})
+        rows.append(
+            [
+                key,
+                "=> harli vs best baseline",
+                _f(vd.get("ratio_vs_best_baseline"), "x"),
+                f"best {vd.get('best_baseline')}",
+                f"{_f(vd.get('fraction_of_standalone'))} of solo",
+                "",
+                "PASS" if vd.get("pass") else "FAIL",
+            ]
+        )
+    head = ["trace/load", "policy", "finetune tok/s", "TPOT p50 ms", "TPOT p99 ms", "violations", "paused"]
+    solo = results.get("standalone", {}).get("finetune_tokens_per_s")
+    lines = [
+        common.table(rows, head),
+        f"objective: TPOT {results.get('setup', {}).get('objective_tpot_ms')} ms per decode token interval; "
+        f"standalone training {_f(solo)} tokens/s; bar: harli 0 violations and >= {RATIO_BAR}x the best "
+        "baseline with 0 violations",
+    ]
+    errors = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    if errors:
+        lines.append(f"errors in: {', '.join(errors)}")
+    return "\n".join(lines)
+
+
+def _f(v, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.3g}{suffix}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny model, stand-in ladder, short windows")
+    ap.add_argument(
+        "--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (quickstart on --dry-run)"
+    )
+    ap.add_argument(
+        "--tpot-ms",
+        default=None,
+        help="objective in ms, or 'auto': 2x the whole GPU's step at the peak batch (default: the recipe's)",
+    )
+    ap.add_argument(
+        "--window-s", type=float, default=None, help="seconds of load per window (default 7; 1.5 dry)"
+    )
+    ap.add_argument(
+        "--solo-s", type=float, default=None, help="seconds of standalone training (default 8; 1 dry)"
+    )
+    ap.add_argument("--policies", default="harli,static,streams,temporal,exclusive")
+    ap.add_argument("--traces", default="steady,bursty")
+    ap.add_argument("--loads", default="light,medium,heavy")
+    ap.add_argument(
+        "--static-sms", type=int, default=None, help="fixed split (default: provisioned for the peak)"
+    )
+    ap.add_argument("--ladder-step", type=int, default=16, help="SM granularity of the ladder's rungs")
+    args = ap.parse_args()
+    args.policies, args.traces, args.loads = (a.split(",") for a in (args.policies, args.traces, args.loads))
+    args.recipe = Path(
+        args.recipe or ROOT / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml")
+    )
+    args.window_s = args.window_s or (1.5 if args.dry_run else 6.0)
+    args.solo_s = args.solo_s or (1.0 if args.dry_run else 8.0)
+    if args.dry_run:
+        torch.set_num_threads(1)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    results: dict[str, Any] = {
+        "env": common.environment(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    t0 = time.perf_counter()
+    made: dict[str, Bench] = {}
+
+    def setup_section() -> dict:
+        made["bench"] = setup(args, results)
+        return results["setup"]
+
+    section(results, "setup", setup_section)
+    bench = made.get("bench")
+    if bench is not None:
+        section(results, "standalone", standalone, bench, args)
+        results["cells"] = {}
+        for trace in args.traces:
+            for load in args.loads:
+                log.info("cell %s/%s", trace, load)
+                results["cells"][f"{trace}/{load}"] = cell(bench, trace, load, args, results)
+        verdicts = [c["verdict"] for c in results["cells"].values()]
+        ratios = [v["ratio_vs_best_baseline"] for v in verdicts if v["ratio_vs_best_baseline"] is not None]
+        fractions = [v["fraction_of_standalone"] for v in verdicts if v["fraction_of_standalone"] is not None]
+        results["overall"] = {
+            "harli_total_violations": sum(v["harli_violations"] or 0 for v in verdicts),
+            "min_ratio_vs_best_baseline": min(ratios, default=None),
+            "mean_ratio_vs_best_baseline": sum(ratios) / len(ratios) if ratios else None,
+            "mean_fraction_of_standalone": sum(fractions) / len(fractions) if fractions else None,
+            "all_cells_pass": bool(verdicts) and all(v["pass"] for v in verdicts),
+        }
+        section(
+            results,
+            "plots",
+            lambda: {"policies": comparison_plot(results, args), "timeline": _headline(args)},
+        )
+        bench.ladder.close()
+        shutil.rmtree(bench.scratch, ignore_errors=True)
+    results["total_s"] = round(time.perf_counter() - t0, 1)
+    path = common.write_json("bench_colocate.json", results)
+    print(f"wrote {path}")
+    print(summary_table(results, args))
+
+
+def _headline(args) -> str | None:
+    """The timeline to commit: harli on the hardest cell that ran."""
+    for trace, load in (("bursty", "heavy"), ("bursty", "medium"), ("steady", "heavy")):
+        src = common.out_dir() / "timelines" / f"{trace}-{load}" / "timeline.png"
+        if src.is_file():
+            dst = common.out_dir() / "bench_colocate_timeline.png"
+            shutil.copy(src, dst)
+            return str(dst)
+    return None
+
+
+if __name__ == "__main__":
+    main()

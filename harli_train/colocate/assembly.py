@@ -1,0 +1,282 @@
+"""Puts a co-located run together from a recipe: shared weights, SM ladder, engine, profile, policy.
+
+Order matters: the trainer's model is loaded (once, when the served model is the finetuned base) and set
+up first; the engine serves a LoRA-free view of the same weights; every partition the policy may use gets
+its decode graphs; the decode-latency profile (harli, temporal) is loaded or measured; on a GPU the
+trainer's kernels are compiled for every SM budget before the clock starts, so no compile stalls decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
+from harli_train.colocate.policies import Policy, make_policy, needs_predictor
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.profile import (
+    Profile,
+    ProfileKey,
+    build_profile,
+    default_profile_path,
+    get_or_build_profile,
+)
+from harli_train.colocate.shared_model import base_view
+from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_ladder
+from harli_train.config import ColocationSection, RecipeConfig, RecipeError
+from harli_train.data.tokenizer import load_tokenizer
+from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
+from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
+from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
+from harli_train.train.checkpoint import rng_state, set_rng_state
+from harli_train.train.step import train_step
+from harli_train.train.trainer import Trainer, resolve_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RATE = {"cuda": 4.0, "cpu": 0.5}  # requests/s when a recipe gives neither a trace nor a rate
+GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
+CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
+KV_MEMORY_FRACTION = 0.2  # of the GPU, at most, for the KV cache beside the trainer
+
+
+@dataclass(slots=True)
+class Colocation:
+    """Everything a ``ColocatedRuntime`` needs, built from one recipe."""
+
+    trainer: Trainer
+    engine: EngineAdapter
+    ladder: SMLadder
+    policy: Policy
+    requests: list[TraceRequest]
+    predictor: LatencyPredictor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.ladder.close()
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model sources (presets or directories) name the same weights."""
+    if is_preset(a) or is_preset(b):
+        return a == b
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def load_requests(col: ColocationSection, seed: int = 0, device: str = "cpu") -> list[TraceRequest]:
+    """The recipe's load: its trace file, or Poisson arrivals at its rate for ``duration_s``."""
+    if col.trace is not None:
+        return read_trace(col.trace)
+    rate = col.rate
+    if rate is None:
+        rate = DEFAULT_RATE.get(device, DEFAULT_RATE["cpu"])
+        log.info(
+            "colocation: no trace or rate in the recipe; serving %g requests/s for %gs", rate, col.duration_s
+        )
+    return poisson_trace(rate, col.duration_s, col.prompt_len, col.output_len, seed=seed)
+
+
+def build_ladder(policy: str, device: torch.device, step: int = 8) -> SMLadder:
+    """Green-context rungs on a GPU (time slicing where impossible); the CPU stand-ins elsewhere."""
+    if device.type == "cuda":
+        return make_ladder(step=step, device=device.index or 0)
+    if policy.startswith("static:"):
+        return SMLadder.cpu_standin(132, step)  # a stand-in split, run synchronously
+    return TimeSliceLadder.cpu_standin(132, step)
+
+
+def build_engine(
+    model: LlamaForCausalLM,
+    tokenizer: Any,
+    ladder: SMLadder,
+    requests: list[TraceRequest],
+    max_batch: int,
+    seed: int = 0,
+) -> EngineAdapter:
+    """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung."""
+    longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
+    cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=max(longest + 1, 256), seed=seed)
+    device = model.lm_head.weight.device
+    if (
+        device.type == "cuda"
+    ):  # size the cache for the batch limit, leaving the rest of the GPU to the trainer
+        block_bytes = KVCacheSpec.for_model(
+            model.config, cfg.block_size, model.lm_head.weight.dtype
+        ).bytes_per_block
+        cap = int(KV_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory) // block_bytes
+        cfg.num_kv_blocks = max(cfg.max_blocks_per_seq, min(cfg.max_num_seqs * cfg.max_blocks_per_seq, cap))
+    full = ladder.full
+    stream = full.infer_stream if is_cuda_stream(full.infer_stream) else None
+    engine = DecodeEngine(model, cfg, stream=stream, num_sms=full.infer_sms, tokenizer=tokenizer)
+    return EngineAdapter(engine, full, seed=seed)
+
+
+def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
+    """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad."""
+    device = model.lm_head.weight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=gen, device=device).to(dtype)
+    cos, sin = model.rope(torch.arange(seq_len, device=device)[None])
+    layers = min(layers, model.config.num_layers)
+
+    def corun(part: Partition) -> None:
+        with torch.cuda.stream(part.train_stream), kernels.sm_budget(max(part.train_sms, 1)), torch.no_grad():
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                model.run_layers(0, layers, hidden, None, cos, sin)
+
+    return corun
+
+
+def build_predictor(
+    engine: EngineAdapter,
+    ladder: SMLadder,
+    model_id: str,
+    corun: Any,
+    max_batch: int,
+    path: str | Path | None = None,
+    reps: int | None = None,
+    batches: tuple[int, ...] | None = None,
+    kv_lens: tuple[int, ...] | None = None,
+) -> tuple[LatencyPredictor, Profile]:
+    """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it)."""
+    on_gpu = is_cuda_stream(ladder.full.infer_stream)
+    engine.register(ladder.partitions)
+    max_len = engine.engine.config.max_model_len - 1
+    batches = tuple(
+        sorted(
+            {b for b in batches or (GPU_BATCHES if on_gpu else CPU_BATCHES) if b <= max_batch}
+            | {max_batch if on_gpu else min(max_batch, 16)}
+        )
+    )
+    kv_lens = tuple(sorted({min(k, max_len) for k in kv_lens or (GPU_KV_LENS if on_gpu else CPU_KV_LENS)}))
+    if len(kv_lens) < 2:  # stage 1 of the predictor needs two KV sizes per share
+        kv_lens = (max(max_len // 4, 1), max_len)
+    key = ProfileKey.current(model_id, sm_count=ladder.total_sms)
+    grid = dict(
+        batches=batches, kv_lens=kv_lens, warmup=3 if on_gpu else 1, reps=reps or (10 if on_gpu else 3)
+    )
+
+    def build() -> Profile:
+        log.info(
+            "profiling decode on %d partitions (%s): batches %s, KV lengths %s",
+            len(ladder.partitions),
+            ladder.kind,
+            batches,
+            kv_lens,
+        )
+        return build_profile(
+            key, engine.synthetic_decode, corun if on_gpu else None, ladder, engine.kv_bytes_per_token, **grid
+        )
+
+    if path is None and not on_gpu:  # CPU timings depend on the machine's load: measure afresh
+        profile = build()
+    else:
+        profile = get_or_build_profile(path or default_profile_path(key), key, build, ladder.shares)
+    predictor = LatencyPredictor.fit(
+        profile.samples,
+        ladder.total_sms,
+        float(profile.meta.get("kv_bytes_per_token", engine.kv_bytes_per_token)),
+    )
+    return predictor, profile
+
+
+def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: int) -> None:
+    """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept)."""
+    if trainer.device.type != "cuda":
+        return
+    cfg, model = trainer.cfg, trainer.model
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(
+        0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
+    )
+    batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
+    saved = rng_state()
+    places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
+    places.setdefault(total_sms, partitions[-1].train_stream)
+    for sms, stream in sorted(places.items()):
+        with torch.cuda.stream(stream), kernels.sm_budget(sms):
+            for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
+                pass
+    torch.cuda.synchronize()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    set_rng_state(saved)
+    log.info("trainer kernels warmed up for SM budgets %s", sorted(places))
+
+
+def check_policy(name: str, where: str = "--policy") -> str:
+    try:
+        ColocationSection(policy=name)
+    except RecipeError as err:
+        raise RecipeError(where, "", err.expected, err.found) from None
+    return name
+
+
+def assemble(
+    cfg: RecipeConfig,
+    serve_model: str,
+    resume: str | Path | None = None,
+    ladder_step: int = 8,
+    warm_up: bool = True,
+) -> Colocation:
+    """Build trainer, engine, ladder, predictor and policy for ``cfg`` serving ``serve_model``."""
+    col = cfg.colocation
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    shared = same_model(serve_model, cfg.model.name)
+    base = load_model(cfg.model.name, dtype, device, seed=cfg.model.seed) if shared else None
+    trainer = Trainer(cfg, model=base, quiet=True)
+    trainer.setup(resume=resume)
+    served = (
+        base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
+    )
+    ladder = build_ladder(col.policy, device, ladder_step)
+    requests = load_requests(col, seed=cfg.train.seed, device=device.type)
+    engine = build_engine(
+        served,
+        load_tokenizer(serve_model, is_preset(serve_model)),
+        ladder,
+        requests,
+        col.max_batch,
+        seed=cfg.train.seed,
+    )
+    predictor = profile = None
+    if needs_predictor(col.policy):
+        model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
+        corun = (
+            corun_workload(
+                trainer.model, cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep, dtype
+            )
+            if device.type == "cuda"
+            else None
+        )
+        predictor, profile = build_predictor(engine, ladder, model_id, corun, col.max_batch, col.profile)
+    try:
+        policy = make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
+    except ValueError as err:
+        ladder.close()
+        raise RecipeError(
+            cfg.source, "colocation.policy", "a policy this machine can run", str(err)
+        ) from None
+    engine.register(policy.partitions())
+    if warm_up:
+        warm_up_trainer(trainer, policy.partitions() + [ladder.full], ladder.total_sms)
+    info = {
+        "serve_model": serve_model,
+        "train_model": cfg.model.name,
+        "shared_weights": shared,
+        "device": str(device),
+        "requests_in_load": len(requests),
+        "profile": None
+        if profile is None
+        else {
+            "samples": len(profile.samples),
+            "key": profile.key.describe(),
+            "fit": predictor.fit_report if predictor else None,
+        },
+    }
+    return Colocation(trainer, engine, ladder, policy, requests, predictor, info)

@@ -1,0 +1,158 @@
+"""What the command line calls: a co-located training run, and profiling a model's decode latency.
+
+harli-train RECIPE.yaml --colocate-with MODEL [--policy P]   -> run_colocated(...)
+harli-train profile MODEL [--out PATH]                       -> run_profile(...)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from harli_train.colocate.assembly import (
+    CPU_BATCHES,
+    GPU_BATCHES,
+    assemble,
+    build_engine,
+    build_ladder,
+    build_predictor,
+    check_policy,
+    corun_workload,
+)
+from harli_train.colocate.profile import ProfileKey, default_profile_path
+from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.config import RecipeConfig
+from harli_train.data.tokenizer import load_tokenizer
+from harli_train.engine.load import poisson_trace
+from harli_train.model import is_preset, load_model, resolve_dtype
+from harli_train.train.trainer import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def run_colocated(
+    cfg: RecipeConfig,
+    serve_model: str,
+    policy: str | None = None,
+    resume: str | Path | None = None,
+    quiet: bool = False,
+    options: RuntimeOptions | None = None,
+) -> dict[str, Any]:
+    """Train as ``cfg`` says while serving ``serve_model``'s decode load on the same GPU; returns the summary.
+
+    ``policy`` overrides ``colocation.policy``; ``resume`` is a run directory or checkpoint to continue from.
+    Outputs go to ``<output.dir>/colocate/`` (the adapter and checkpoints to ``<output.dir>`` as usual).
+    """
+    if policy is not None:
+        cfg.colocation.policy = check_policy(policy)
+    options = options or RuntimeOptions(quiet=quiet)
+    col = assemble(cfg, serve_model, resume)
+    try:
+        log.info(
+            "co-locating %s training with %s decode (%s, objective TPOT %g ms, %d requests, %s weights)",
+            cfg.model.name,
+            serve_model,
+            col.policy.name,
+            cfg.colocation.tpot_ms,
+            len(col.requests),
+            "shared" if col.info["shared_weights"] else "separate",
+        )
+        runtime = ColocatedRuntime(
+            col.trainer,
+            col.engine,
+            col.policy,
+            col.requests,
+            Path(cfg.output.dir) / "colocate",
+            options,
+            info=col.info,
+        )
+        summary = runtime.run()
+    finally:
+        col.close()
+    ft, sv = summary["finetune"], summary["serving"]
+    log.info(
+        "%s: finetune %.0f tokens/s while serving; TPOT p50 %s / p99 %s ms (objective %g); %d violations "
+        "in %d decode steps; summary in %s",
+        summary["policy"],
+        ft["tokens_per_s"],
+        _fmt(sv["tpot_ms"], "p50"),
+        _fmt(sv["tpot_ms"], "p99"),
+        cfg.colocation.tpot_ms,
+        sv["violations"],
+        sv["decode_steps"],
+        Path(cfg.output.dir) / "colocate" / "summary.json",
+    )
+    summary["interrupted"] = summary["stop_reason"] == "interrupted"
+    summary["adapter"] = summary["trainer"].get("adapter")
+    return summary
+
+
+def _fmt(d: dict | None, key: str) -> str:
+    v = (d or {}).get(key)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def run_profile(
+    model: str,
+    out: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    seed: int = 0,
+    max_batch: int = 64,
+    max_model_len: int = 2048,
+    ladder_step: int = 8,
+    batches: tuple[int, ...] | None = None,
+    kv_lens: tuple[int, ...] | None = None,
+    train_batch: int = 4,
+    train_seq_len: int = 1024,
+    layers_per_microstep: int = 4,
+    reps: int | None = None,
+) -> dict[str, Any]:
+    """Profile ``model``'s decode steps on every SM partition, alone and beside a trainer-shaped workload.
+
+    Stores the profile at ``out`` (default: the cache the co-located run reads, keyed by this machine) and
+    returns where it went with the predictor's fit report.
+    """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    weights = load_model(model, torch_dtype, dev, seed=seed)
+    ladder = build_ladder("harli", dev, ladder_step)
+    try:
+        load = poisson_trace(1.0, 1.0, max_model_len // 2, max_model_len - max_model_len // 2 - 1, seed=seed)
+        engine = build_engine(weights, load_tokenizer(model, is_preset(model)), ladder, load, max_batch, seed)
+        corun = (
+            corun_workload(weights, train_batch, train_seq_len, layers_per_microstep, torch_dtype)
+            if dev.type == "cuda"
+            else None
+        )
+        model_id = f"{model}|{torch_dtype}|batch{max_batch}|{ladder.kind}"
+        path = (
+            Path(out)
+            if out is not None
+            else default_profile_path(ProfileKey.current(model_id, sm_count=ladder.total_sms))
+        )
+        predictor, profile = build_predictor(
+            engine,
+            ladder,
+            model_id,
+            corun,
+            max_batch,
+            path,
+            reps,
+            batches or (GPU_BATCHES if dev.type == "cuda" else CPU_BATCHES),
+            kv_lens,
+        )
+    finally:
+        ladder.close()
+    log.info(
+        "profile of %s: %d samples on %s -> %s", model, len(profile.samples), profile.key.describe(), path
+    )
+    return {
+        "path": str(path),
+        "key": profile.key.describe(),
+        "samples": len(profile.samples),
+        "shares": profile.shares,
+        "fit": predictor.fit_report,
+    }

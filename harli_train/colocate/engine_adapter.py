@@ -1,0 +1,93 @@
+"""The runtime's view of the decode engine: partitions keyed by their inference stream, and the load.
+
+The runtime speaks in ladder partitions; the engine in partition keys, each with its own stream and decode
+graphs. This adapter maps one to the other, turns trace requests into engine requests, and is the one place
+to change when the engine's interface does.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from harli_train.colocate.sm import Partition
+from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, SamplingParams, StepResult
+from harli_train.engine.load import TraceRequest, synthetic_prompt
+from harli_train.engine.runner import DEFAULT_PARTITION
+
+
+def is_cuda_stream(stream: Any) -> bool:
+    return isinstance(stream, torch.cuda.Stream)
+
+
+class EngineAdapter:
+    """Wraps a ``DecodeEngine``: partitions keyed by their inference stream, requests, peek, step, profile."""
+
+    def __init__(self, engine: DecodeEngine, full: Partition, seed: int = 0) -> None:
+        # The engine was built with `full`'s inference stream as its default partition.
+        self.engine, self.seed = engine, seed
+        self.vocab_size = engine.model.config.vocab_size
+        self._keys: dict[int, str] = {id(full.infer_stream): DEFAULT_PARTITION}
+
+    # ---- partitions ----------------------------------------------------------------------------------
+    def register(self, partitions: Iterable[Partition]) -> None:
+        """Prepare a step (and its decode graphs, on a GPU) on each partition's inference stream."""
+        for p in partitions:
+            if id(p.infer_stream) in self._keys:
+                continue
+            key = f"sms{p.infer_sms}-{len(self._keys)}"
+            stream = p.infer_stream if is_cuda_stream(p.infer_stream) else None
+            self.engine.add_partition(key, stream, p.infer_sms)
+            self._keys[id(p.infer_stream)] = key
+
+    def key(self, partition: Partition) -> str:
+        return self._keys[id(partition.infer_stream)]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.engine.storage.spec.bytes_per_token
+
+    # ---- load ----------------------------------------------------------------------------------------
+    def submit(self, request: TraceRequest, arrival_time: float, ignore_eos: bool = True) -> bool:
+        """Queue a trace request (a synthetic prompt when it only gives a length); False if refused."""
+        prompt: str | list[int]
+        if request.prompt is not None:
+            prompt = request.prompt
+        else:
+            salt = zlib.crc32(str(request.request_id).encode())
+            prompt = synthetic_prompt(request.prompt_len, self.vocab_size, self.seed + salt)
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=ignore_eos, seed=self.seed)
+        try:
+            self.engine.add_request(prompt, params, request_id=request.request_id, arrival_time=arrival_time)
+        except RequestRefused:
+            return False  # recorded in the engine's metrics
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def peek(self) -> tuple[str, int, int]:
+        """(kind, sequences, KV tokens) of the step ``step()`` would run now: idle, prefill or decode."""
+        return self.engine.peek()
+
+    def step(self, partition: Partition) -> StepResult:
+        return self.engine.step(self.key(partition))
+
+    def abort_all(self) -> int:
+        """Drop every queued and running request (their KV blocks are freed); returns how many."""
+        return self.engine.abort_all()
+
+    def reset_metrics(self) -> None:
+        self.engine.reset_metrics()
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics
+
+    def synthetic_decode(self, batch: int, kv_len: int, partition: Partition) -> None:
+        """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, for
+        profiling (launched, not waited for, on a GPU)."""
+        self.engine.synthetic_decode(batch, kv_len, self.key(partition))

@@ -1,0 +1,369 @@
+"""Feeds the trainer's micro-steps to whichever stream and SM budget a plan names.
+
+The trainer is a generator of micro-steps that *launch* GPU work; the feeder decides how many to launch
+between decode steps so that about one micro-step is queued past the next decision, and tracks them with
+CUDA events (on the CPU stand-ins every launch runs synchronously and is timed directly).
+
+Three things make this more than ``next(gen)``:
+
+- The call after an optimizer step host-syncs (the trainer reads the loss), so it is made only once the
+  trainer's queue has drained: it then costs nothing.
+- Autograd runs a chunk's backward on the stream its forward ran on. A backward whose forward ran on SMs
+  that decode has since taken would run inside decode's partition, so it is held; when decode keeps those
+  SMs for ``stale_limit`` decisions, the step is abandoned and redone on the current split.
+- Running out of memory abandons the step in flight, asks the memory hook to release memory, and restarts
+  the step; repeated failures hold the trainer back for a while. Decode never sees the error.
+
+Abandoning a step restores the data position and RNG saved at the step's start, so the redone step computes
+exactly what the abandoned one would have: co-location changes when work runs, never what is computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.colocate.engine_adapter import is_cuda_stream
+from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
+from harli_train.colocate.policies import AFTER, BESIDE, StepPlan
+from harli_train.colocate.sm import StandInEvent
+from harli_train.train.checkpoint import set_rng_state
+from harli_train.train.step import MicroStep
+
+log = logging.getLogger(__name__)
+OOM_ERRORS: tuple[type[BaseException], ...] = (
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
+)
+
+
+class TrainFeeder:
+    """Owns the trainer's micro-step generator and launches it onto the streams plans name."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        memory_hook: MemoryHook | None = None,
+        on_slice: Callable[[float], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        stale_limit: int = 8,
+        max_oom_retries: int = 3,
+        oom_backoff_steps: int = 64,
+        log_limit: int = 4096,
+    ) -> None:
+        self.trainer = trainer
+        self.hook = memory_hook or CacheReleaseHook()
+        self.on_slice, self.should_stop = on_slice, should_stop
+        self.stale_limit, self.max_oom_retries, self.oom_backoff = (
+            stale_limit,
+            max_oom_retries,
+            oom_backoff_steps,
+        )
+        self.on_gpu = trainer.device.type == "cuda"
+        self.gen = trainer.micro_steps()
+        self.done = trainer.done
+        self.ewma_s = 0.0  # one micro-step's duration
+        self.in_flight: deque[tuple[Any, Any, str]] = deque()  # (start, end, kind) of queued micro-steps
+        self._kind_s: dict[str, deque[float]] = {}  # recent durations per kind of micro-step
+        self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
+        self._num_layers = trainer.model.config.num_layers
+        self._grad_accum = trainer.cfg.train.grad_accum
+        self.last_stream: Any = None
+        self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
+        self.micro_steps = self.oom_recoveries = self.abandoned_steps = self.stale_holds = 0
+        self._ticks = self._held_until = self._oom_streak = self._stale_streak = self._starved = 0
+        self._micro_in_step, self._micro_per_step = 0, 0
+        self._step_tokens = (
+            trainer.cfg.train.batch_size * trainer.cfg.data.seq_len * trainer.cfg.train.grad_accum
+        )
+        self._reset_tracking()
+
+    def _reset_tracking(self) -> None:
+        self.last_phase: str | None = None
+        self._last: MicroStep | None = None
+        self._chunks: dict[int, list[tuple[int, int]]] = {}
+        self._fwd_first_sm: dict[tuple[int, int], int] = {}
+        self._next_bwd: tuple[int, int] | None = None
+        self._micro_in_step = 0
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One decision passed (the unit of the OOM back-off)."""
+        self._ticks += 1
+
+    @property
+    def held(self) -> bool:
+        return self._ticks < self._held_until
+
+    def hold(self, decisions: int) -> None:
+        self._held_until = max(self._held_until, self._ticks + decisions)
+
+    def queued_s(self) -> float:
+        return sum(self.expected_s(kind) for _, _, kind in self.in_flight)
+
+    def progress_tokens(self) -> float:
+        """Tokens trained so far, counting the launched part of the step in flight pro rata."""
+        tokens = float(self.trainer.tokens_seen)
+        if self.last_phase == "optim":  # the step is done; the trainer counts it on its next call
+            return tokens + self._step_tokens
+        if self._micro_per_step:
+            done = max(self._micro_in_step - len(self.in_flight), 0)
+            tokens += self._step_tokens * min(done / self._micro_per_step, 1.0)
+        return tokens
+
+    # ---- launching -----------------------------------------------------------------------------------
+    def feed(self, plan: StepPlan) -> int:
+        """Launch the micro-steps ``plan`` allows; returns how many were launched."""
+        if self.done or plan.paused or self.held:
+            return 0
+        self.poll()
+        first_sm = plan.train_from_sm if plan.isolated else 0
+        if plan.isolated and self._stale(plan.partition.infer_sms):
+            self._stale_streak += 1
+            self.stale_holds += 1
+            if self._stale_streak < self.stale_limit:
+                return 0
+            self.abandon_step(f"decode kept the SMs of the step's forward for {self._stale_streak} decisions")
+        self._stale_streak = 0
+        sync = not self.on_gpu
+        if sync:
+            budget = plan.horizon_s
+        elif plan.train == BESIDE:  # keep the decode step covered, plus about one micro-step queued past it
+            budget = plan.horizon_s + self.ewma_s - self.queued_s()
+        else:
+            budget = plan.horizon_s - self.queued_s()
+        launched = 0
+        while not self.done and not self.should_stop():
+            kind = self._next_kind()
+            cost = self.expected_s(kind)
+            if not self._may_launch(plan, sync, budget, cost, launched, kind):
+                break
+            if self.last_phase == "optim" and self.in_flight:
+                break  # the next call host-syncs on the loss: make it once the queue is empty
+            if plan.isolated and self._stale(plan.partition.infer_sms):
+                break
+            seconds = self._launch(plan.train_stream, plan.train_sms, first_sm)
+            launched += 1
+            if plan.train == AFTER:
+                self._starved = 0
+            budget -= seconds if sync else (cost or float("inf"))
+        return launched
+
+    def _may_launch(
+        self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
+    ) -> bool:
+        if plan.train == AFTER:  # time slicing: the slack is a hard limit, the next micro-step must fit
+            if cost <= budget:
+                return True
+            return not launched and (not plan.strict or self._starving(kind, cost, budget))
+        if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
+            return not launched or cost <= budget
+        return budget > 0  # GPU: keep the step covered and about one micro-step queued past it
+
+    def _starving(self, kind: str, cost: float, budget: float) -> bool:
+        """Whether to launch a micro-step that looks too long anyway: only while its estimate rests on
+        fewer than three samples (one slow first call must not shut the trainer out for good)."""
+        self._starved += 1
+        if self._starved == 500:
+            log.warning(
+                "the trainer's next micro-step (%s, ~%.1f ms) has not fitted the slack decode leaves "
+                "(%.1f ms) for 500 steps: lower train.layers_per_microstep",
+                kind,
+                cost * 1e3,
+                budget * 1e3,
+            )
+        return self._starved >= 20 and len(self._kind_s.get(kind, ())) < 3
+
+    def expected_s(self, kind: str) -> float:
+        """Expected duration of a micro-step of ``kind``: the median of its recent ones (0 before any)."""
+        recent = self._kind_s.get(kind)
+        return sorted(recent)[len(recent) // 2] if recent else self.ewma_s
+
+    def _next_kind(self) -> str:
+        """What the generator will launch next: fwd, loss, bwd, optim, or "next" (the step boundary)."""
+        last, ms = self.last_phase, self._last
+        if last is None or ms is None:
+            return "next"
+        if last == "fwd":
+            return "loss" if ms.stop >= self._num_layers else "fwd"
+        if last == "loss" or (last == "bwd" and ms.start > 0):
+            return "bwd"
+        if last == "bwd":
+            return "fwd" if ms.micro_batch + 1 < self._grad_accum else "optim"
+        return "next"
+
+    def _launch(self, stream: Any, sms: int, first_sm: int) -> float:
+        """One micro-step on ``stream`` sized for ``sms`` SMs; returns its duration when synchronous."""
+        self._handoff(stream)
+        kind = self._next_kind()
+        cuda = is_cuda_stream(stream)
+        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        t0 = time.perf_counter()
+        try:
+            with ctx, kernels.sm_budget(max(sms, 1)):
+                ms = next(self.gen)
+        except StopIteration:
+            self.done = True
+            return 0.0
+        except OOM_ERRORS as err:
+            self._recover_oom(err)
+            return 0.0
+        seconds = time.perf_counter() - t0
+        self.last_stream = stream
+        self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
+        self._track(ms, first_sm)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            self.in_flight.append((start, end, kind))
+        else:
+            self._observe(seconds, kind)
+        return seconds
+
+    def _handoff(self, stream: Any) -> None:
+        """The trainer's next work on ``stream`` waits for what it queued on the previous stream."""
+        prev = self.last_stream
+        if prev is None or prev is stream:
+            return
+        if is_cuda_stream(prev) and is_cuda_stream(stream):
+            event = torch.cuda.Event()
+            event.record(prev)
+            stream.wait_event(event)
+        elif hasattr(stream, "wait_event"):
+            event = StandInEvent()
+            event.record(prev)
+            stream.wait_event(event)
+
+    def _track(self, ms: MicroStep, first_sm: int) -> None:
+        self.micro_steps += 1
+        self._micro_in_step += 1
+        self.last_phase, self._last = ms.phase, ms
+        mb = ms.micro_batch
+        if ms.phase == "fwd":
+            chunks = self._chunks.setdefault(mb, [])
+            if ms.start == 0:
+                chunks.clear()
+            chunks.append((ms.start, ms.stop))
+            self._fwd_first_sm[(mb, ms.start)] = first_sm
+            self._next_bwd = None
+        elif ms.phase == "loss":
+            self._next_bwd = (mb, self._chunks[mb][-1][0])
+        elif ms.phase == "bwd":
+            chunks = self._chunks[mb]
+            i = chunks.index((ms.start, ms.stop))
+            self._next_bwd = (mb, chunks[i - 1][0]) if i > 0 else None
+        else:  # optim: the step is complete
+            self._micro_per_step = self._micro_in_step
+            self._micro_in_step = 0
+            self._oom_streak = 0
+            self._chunks.clear()
+            self._fwd_first_sm.clear()
+            self._next_bwd = None
+
+    def _stale(self, decode_sms: int) -> bool:
+        """Whether the next micro-step is a backward whose forward ran on SMs decode now holds."""
+        if self._next_bwd is None:
+            return False
+        first_sm = self._fwd_first_sm.get(self._next_bwd)
+        return first_sm is not None and first_sm < decode_sms
+
+    # ---- completion ----------------------------------------------------------------------------------
+    def _observe(self, seconds: float, kind: str) -> None:
+        self.ewma_s = seconds if self.ewma_s == 0 else self.ewma_s + 0.2 * (seconds - self.ewma_s)
+        self._kind_s.setdefault(kind, deque(maxlen=5)).append(seconds)
+        self._recent.append(seconds)
+        if self.on_slice is not None:  # a median: one stalled micro-step must not pause the trainer for good
+            self.on_slice(sorted(self._recent)[len(self._recent) // 2])
+
+    def poll(self) -> None:
+        """Retire finished micro-steps (GPU) and fold their durations into the estimates."""
+        while self.in_flight and self.in_flight[0][1].query():
+            start, end, kind = self.in_flight.popleft()
+            self._observe(start.elapsed_time(end) * 1e-3, kind)
+
+    def drain(self) -> None:
+        """Wait for every queued micro-step."""
+        if self.in_flight:
+            self.in_flight[-1][1].synchronize()
+        self.poll()
+
+    # ---- abandoning ----------------------------------------------------------------------------------
+    def rollback(self) -> None:
+        """Forget the step in flight (gradients, data position, RNG); the next launch starts it afresh."""
+        tr = self.trainer
+        tr.optimizer.zero_grad(set_to_none=True)
+        if getattr(tr, "_loader_state", None) is not None:
+            tr.loader.load_state_dict(tr._loader_state)
+            set_rng_state(tr._rng_state)
+        self.gen = tr.micro_steps()
+        self._reset_tracking()
+
+    def settle(self) -> None:
+        """If an optimizer step has run but is not yet counted, let the trainer count it (and checkpoint)."""
+        if self.last_phase != "optim" or self.done:
+            return
+        self.drain()
+        try:
+            self._track(next(self.gen), 0)  # counts the step, then launches the next step's first chunk
+        except StopIteration:
+            self.done = True
+
+    def abandon_step(self, reason: str) -> None:
+        """Drop the step in flight and start it again from its first micro-step.
+
+        No wait for its queued work: it only reads the adapter (no optimizer step ran) and writes tensors
+        that are being dropped, whose memory torch hands out again only on the same stream, after it.
+        """
+        self.settle()
+        if self.done:
+            return
+        self.gen.close()
+        self.rollback()
+        self.abandoned_steps += 1
+        log.info("trainer step %d restarted: %s", self.trainer.step + 1, reason)
+
+    def _recover_oom(self, err: BaseException) -> None:
+        self.oom_recoveries += 1
+        self._oom_streak += 1
+        log.warning(
+            "trainer ran out of memory at step %d (%s): step abandoned, releasing memory",
+            self.trainer.step + 1,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        with contextlib.suppress(*OOM_ERRORS):
+            self.drain()
+        self.in_flight.clear()
+        self.rollback()  # the generator died with the error; a fresh one redoes the step
+        try:
+            self.hook.on_trainer_oom()
+        except Exception as hook_err:  # the serving side must not fail because the hook did
+            log.warning("memory hook failed after a trainer OOM: %s", hook_err)
+        if self._oom_streak >= self.max_oom_retries:
+            log.warning(
+                "trainer out of memory %d times in a row: paused for %d decode steps",
+                self._oom_streak,
+                self.oom_backoff,
+            )
+            self.hold(self.oom_backoff)
+            self._oom_streak = 0
+
+    def release_memory(self, decisions: int) -> None:
+        """Decode needs memory: abandon the trainer's step, free its cache and hold it back a while."""
+        self.abandon_step("decode ran out of memory")
+        with contextlib.suppress(Exception):
+            self.hook.on_trainer_oom()
+        self.hold(decisions)
+
+    def close(self) -> None:
+        self.drain()
+        self.gen.close()

@@ -1,0 +1,347 @@
+"""Co-location policies: where each decode step runs and how much trainer work may go with it.
+
+Every policy answers one question per engine step with a ``StepPlan``: the partition whose inference stream
+runs the step, and whether trainer micro-steps go *beside* it (launched before the step on a stream of
+their own, ``horizon_s`` of work queued), *after* it (time slicing: filling ``horizon_s`` of slack on the
+same stream once the step is done) or not at all (paused).
+
+- ``harli``: the controller picks the least SM share that meets the TPOT objective each step; the trainer
+  runs on the complementary SMs, pauses when no share fits, and alternates on a time-sliced ladder.
+- ``static:N``: decode always on the N-SM rung, the trainer always on the rest.
+- ``streams``: two ordinary streams (decode at high priority) over the whole GPU, no partition.
+- ``temporal``: decode and trainer alternate on the whole GPU, the trainer filling the slack the
+  objective leaves after each step (the controller's time-slicing mode).
+- ``exclusive``: decode alone while there is load, then the trainer alone (the two references).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from harli_train.colocate.controller import Controller, Decision
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
+
+BESIDE, AFTER, NONE = "beside", "after", "none"
+# With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
+# little of its work is still running on decode's SMs when the next request arrives.
+IDLE_HORIZON_S = 5e-3
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Where the next engine step runs and what the trainer may do meanwhile."""
+
+    partition: Partition  # the step runs on partition.infer_stream
+    train: str  # BESIDE, AFTER or NONE
+    train_stream: Any
+    train_sms: int
+    horizon_s: float  # BESIDE: trainer work to keep queued; AFTER: slack to fill after the step
+    predicted_s: float | None
+    reason: str
+    decision: Decision | None = None
+    isolated: bool = False  # the trainer's SMs are disjoint from decode's (a green-context rung)
+    train_from_sm: int = 0  # isolated: the trainer's rung gives it SMs [train_from_sm, total)
+    strict: bool = True  # the horizon is a hard limit (an objective is at stake), not a pacing hint
+
+    @property
+    def paused(self) -> bool:
+        return self.train == NONE
+
+
+def _paused(
+    part: Partition, reason: str, predicted: float | None = None, d: Decision | None = None
+) -> StepPlan:
+    return StepPlan(part, NONE, part.train_stream, 0, 0.0, predicted, reason, d)
+
+
+def _beside(
+    decode: Partition,
+    trainer: Partition,
+    horizon: float,
+    predicted: float | None,
+    reason: str,
+    d: Decision | None = None,
+    strict: bool = True,
+) -> StepPlan:
+    """The trainer on ``trainer``'s rung (SMs disjoint from ``decode``'s) while decode runs."""
+    return StepPlan(
+        decode,
+        BESIDE,
+        trainer.train_stream,
+        trainer.train_sms,
+        horizon,
+        predicted,
+        reason,
+        d,
+        isolated=True,
+        train_from_sm=trainer.infer_sms,
+        strict=strict,
+    )
+
+
+def _whole_gpu(part: Partition, total_sms: int, horizon: float, reason: str, strict: bool = True) -> StepPlan:
+    """The trainer on an ordinary stream over the whole GPU (no partition)."""
+    return StepPlan(part, BESIDE, part.train_stream, total_sms, horizon, None, reason, strict=strict)
+
+
+class _Ewma:
+    """Running estimate of a latency, for policies without a predictor."""
+
+    def __init__(self, initial: float, alpha: float = 0.2) -> None:
+        self.value, self.alpha = initial, alpha
+
+    def update(self, x: float) -> None:
+        self.value += self.alpha * (x - self.value)
+
+
+class Policy:
+    """Base: decode on the whole GPU, the trainer beside it when idle; subclasses override ``plan``."""
+
+    name = "policy"
+    serve_alone = False  # the trainer waits until the load is over (exclusive)
+
+    def __init__(self, ladder: SMLadder, tpot_s: float, margin: float) -> None:
+        self.ladder, self.tpot_s, self.margin = ladder, tpot_s, margin
+        self.budget_s = tpot_s * (1.0 - margin)
+        self.step_estimate = _Ewma(self.budget_s / 2)
+
+    def partitions(self) -> list[Partition]:
+        """Every partition a step may run on (the engine prepares each one's decode graphs)."""
+        return [self.ladder.full]
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        raise NotImplementedError
+
+    def idle_plan(self) -> StepPlan:
+        """Where the trainer runs when there is nothing to decode: the whole GPU."""
+        return _whole_gpu(self.ladder.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        self.step_estimate.update(measured_s)
+
+    def observe_train_slice(self, seconds: float) -> None:
+        """Typical duration of one micro-step, reported by the feeder."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.name}
+
+
+def _whole_gpu_pair(ladder: SMLadder) -> Partition:
+    """Decode on the full rung's high-priority stream, the trainer on its ordinary stream, no partition."""
+    full = ladder.full
+    return Partition(
+        ladder.total_sms,
+        ladder.total_sms,
+        full.infer_stream,
+        full.train_stream,
+        index=full.index,
+        infer_event=full.infer_event,
+        train_event=full.train_event,
+    )
+
+
+def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
+    """A one-rung time-slicing view of the ladder's full rung (decode and trainer on one stream)."""
+    if ladder.time_sliced:
+        return ladder  # type: ignore[return-value]
+    full = ladder.full
+    part = Partition(
+        ladder.total_sms,
+        ladder.total_sms,
+        full.infer_stream,
+        full.infer_stream,
+        infer_event=full.infer_event,
+        train_event=full.infer_event,
+    )
+    return TimeSliceLadder(
+        [part], ladder.total_sms, kind="timeslice-view", device=ladder.device, time_sliced=True
+    )
+
+
+class HarliPolicy(Policy):
+    """The controller's per-step choice; prefill steps take the whole GPU with the trainer held back.
+
+    The trainer's rung trails the largest decode share of the last ``trainer_window_s``: autograd runs a
+    chunk's backward on the stream its forward ran on, so a forward launched on SMs that decode takes back
+    a few steps later leaves a backward that cannot run (the feeder holds it, then redoes the step). Giving
+    the trainer the complement of the recent peak keeps the usual ups and downs of the share from doing that.
+    """
+
+    name = "harli"
+
+    def __init__(
+        self,
+        ladder: SMLadder,
+        predictor: LatencyPredictor,
+        tpot_s: float,
+        margin: float,
+        hysteresis_steps: int = 8,
+        trainer_window_s: float = 0.3,
+    ) -> None:
+        super().__init__(ladder, tpot_s, margin)
+        self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
+        self.trainer_window_s = trainer_window_s
+        self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
+
+    def partitions(self) -> list[Partition]:
+        return list(self.ladder.partitions)
+
+    def _trainer_rung(self, decode_sms: int | None) -> Partition | None:
+        """The rung whose trainer SMs stayed clear of decode over the window (None: nothing recent)."""
+        now = time.perf_counter()
+        if decode_sms is not None:
+            self._recent.append((now, decode_sms))
+        while self._recent and self._recent[0][0] < now - self.trainer_window_s:
+            self._recent.popleft()
+        if not self._recent:
+            return None
+        return self.ladder.select(max(sms for _, sms in self._recent))
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        full = self.ladder.full
+        if kind != "decode":  # prefill is compute-bound and outside the decode model: no trainer beside it
+            return _paused(full, f"{kind}: whole GPU")
+        d = self.controller.decide(batch, kv_tokens)
+        part = d.partition
+        if d.pause_trainer:
+            return _paused(part, d.reason, d.predicted_s, d)
+        if d.mode == "alternate":
+            slack = max(self.controller.budget_s - d.predicted_s, 0.0)
+            return StepPlan(
+                part, AFTER, part.train_stream, self.ladder.total_sms, slack, d.predicted_s, d.reason, d
+            )
+        trainer = self._trainer_rung(part.infer_sms)
+        return _beside(part, trainer, d.predicted_s, d.predicted_s, d.reason, d)
+
+    def idle_plan(self) -> StepPlan:
+        trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
+        if trainer is None or trainer.exclusive:
+            return super().idle_plan()
+        return _beside(
+            trainer, trainer, IDLE_HORIZON_S, None, "idle (recent decode share kept)", strict=False
+        )
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        super().observe(plan, measured_s)
+        if plan.decision is not None:
+            self.controller.observe(plan.decision, measured_s)
+
+    def observe_train_slice(self, seconds: float) -> None:
+        self.controller.observe_train_slice(seconds)
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.name, "controller": self.controller.summary()}
+
+
+class TemporalPolicy(HarliPolicy):
+    """Alternation on the whole GPU: the controller's time-slicing mode over the full rung."""
+
+    name = "temporal"
+
+    def __init__(
+        self,
+        ladder: SMLadder,
+        predictor: LatencyPredictor,
+        tpot_s: float,
+        margin: float,
+        hysteresis_steps: int = 8,
+    ) -> None:
+        Policy.__init__(self, ladder, tpot_s, margin)
+        self.slices = _time_slice(ladder)
+        self.controller = Controller(predictor, self.slices, tpot_s, margin, hysteresis_steps)
+
+    def partitions(self) -> list[Partition]:
+        return [self.slices.full]
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        if kind != "decode":
+            return _paused(self.slices.full, f"{kind}: whole GPU")
+        return super().plan(kind, batch, kv_tokens)
+
+    def idle_plan(self) -> StepPlan:
+        return _whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
+
+
+class StaticPolicy(Policy):
+    """A fixed split: decode on the rung of (at least) N SMs, the trainer always on the others."""
+
+    def __init__(self, ladder: SMLadder, infer_sms: int, tpot_s: float, margin: float) -> None:
+        super().__init__(ladder, tpot_s, margin)
+        if ladder.time_sliced or not ladder.spatial:
+            raise ValueError(
+                f"static:{infer_sms} needs SM partitions (green contexts); this GPU's ladder is "
+                f"{ladder.kind} (use harli, streams or temporal)"
+            )
+        self.part = ladder.select(infer_sms)
+        if self.part.exclusive:
+            top = ladder.spatial[-1].infer_sms
+            raise ValueError(
+                f"static:{infer_sms} leaves the trainer no SMs (the largest split gives decode {top})"
+            )
+        self.name = f"static:{self.part.infer_sms}"
+
+    def partitions(self) -> list[Partition]:
+        return [self.part]
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        return _beside(self.part, self.part, self.step_estimate.value, None, "static")
+
+    def idle_plan(self) -> StepPlan:
+        return _beside(self.part, self.part, IDLE_HORIZON_S, None, "idle (static)", strict=False)
+
+
+class StreamsPolicy(Policy):
+    """Two ordinary streams over the whole GPU, decode at the higher priority."""
+
+    name = "streams"
+
+    def __init__(self, ladder: SMLadder, tpot_s: float, margin: float) -> None:
+        super().__init__(ladder, tpot_s, margin)
+        self.part = _whole_gpu_pair(ladder)
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        return _whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")
+
+    def idle_plan(self) -> StepPlan:
+        return _whole_gpu(self.part, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
+
+
+class ExclusivePolicy(Policy):
+    """Decode alone on the whole GPU while there is load; the trainer runs alone once the load is over."""
+
+    name = "exclusive"
+    serve_alone = True
+
+    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+        return _paused(self.ladder.full, "exclusive: decode alone")
+
+
+def make_policy(
+    name: str,
+    ladder: SMLadder,
+    predictor: LatencyPredictor | None,
+    tpot_s: float,
+    margin: float = 0.1,
+    hysteresis_steps: int = 8,
+) -> Policy:
+    """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal or exclusive."""
+    if name.startswith("static:"):
+        return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
+    if name in ("harli", "temporal"):
+        if predictor is None:
+            raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
+        cls = HarliPolicy if name == "harli" else TemporalPolicy
+        return cls(ladder, predictor, tpot_s, margin, hysteresis_steps)
+    if name == "streams":
+        return StreamsPolicy(ladder, tpot_s, margin)
+    if name == "exclusive":
+        return ExclusivePolicy(ladder, tpot_s, margin)
+    raise ValueError(f"unknown co-location policy {name!r} (harli, static:N, streams, temporal, exclusive)")
+
+
+def needs_predictor(name: str) -> bool:
+    return name in ("harli", "temporal")

@@ -1,0 +1,198 @@
+"""What a co-located run reports: the summary JSON and two PNG plots (matplotlib, Agg backend).
+
+Violations are counted per decode step against the TPOT objective, on the token interval a running request
+saw (previous decode step's end to this one's end: it includes trainer launches, time-sliced trainer work
+and bookkeeping), or on the step's own latency after a prefill or an idle spell. Requests whose own TPOT
+(first token to last) exceeds the objective are counted separately; prefill steps stall running requests
+under every policy alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAX_PLOT_POINTS = 20_000
+
+
+def _pct(values: Any, scale: float = 1.0) -> dict[str, float | None]:
+    a = np.asarray(values, dtype=np.float64) * scale
+    if a.size == 0:
+        return {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+        "max": float(a.max()),
+        "count": int(a.size),
+    }
+
+
+def _phases(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for (name, t0, tok0), (_, t1, tok1) in zip(marks, marks[1:], strict=False):
+        secs = t1 - t0
+        out[name] = {
+            "seconds": secs,
+            "finetune_tokens": tok1 - tok0,
+            "finetune_tokens_per_s": (tok1 - tok0) / secs if secs > 0 else 0.0,
+        }
+    return out
+
+
+def build_summary(
+    rt: Any, serving: dict[str, Any], trained: dict[str, Any], aborted: int, end_tokens: float
+) -> dict[str, Any]:
+    """The run's summary from the runtime's streaming statistics and the engine's request records."""
+    marks = list(rt._phase_marks)
+    marks[-1] = (marks[-1][0], marks[-1][1], end_tokens)
+    phases = _phases(marks)
+    tpot_ms = rt.tpot_s * 1e3
+    tpots = [r.tpot_ms for r in rt.engine.metrics.requests if r.tpot_ms is not None]
+    duration = marks[-1][1] - marks[0][1]
+    total_tokens = end_tokens - rt.start_tokens
+    serve = phases.get("serve", {"seconds": 0.0, "finetune_tokens": 0.0, "finetune_tokens_per_s": 0.0})
+    steps = max(rt.decode_steps, 1)
+    ladder = rt.policy.ladder
+    return {
+        "policy": rt.policy.name,
+        "objective": {
+            "tpot_ms": tpot_ms,
+            "margin": rt.policy.margin,
+            "budget_ms": rt.policy.budget_s * 1e3,
+            "violation": "decode token interval (or step latency after a prefill/idle) > tpot_ms",
+        },
+        "stop_reason": rt.stop_reason,
+        "duration_s": duration,
+        "ladder": {"kind": ladder.kind, "total_sms": ladder.total_sms, "shares": ladder.shares},
+        **rt.info,
+        "finetune": {
+            "tokens_per_s": serve["finetune_tokens_per_s"],  # while serving the load: the co-location figure
+            "tokens_per_s_overall": total_tokens / duration if duration > 0 else 0.0,
+            "solo_tokens_per_s": phases.get("solo", {}).get("finetune_tokens_per_s"),
+            "tokens": total_tokens,
+            "steps_run": trained.get("steps", 0) - rt.start_step,
+            "micro_steps": rt.feeder.micro_steps,
+            "oom_recoveries": rt.feeder.oom_recoveries,
+            "abandoned_steps": rt.feeder.abandoned_steps,
+            "stale_backward_holds": rt.feeder.stale_holds,
+            "micro_step_ms": rt.feeder.ewma_s * 1e3,
+        },
+        "serving": {
+            "requests": serving.get("requests"),
+            "refused": serving.get("refused"),
+            "aborted_at_end": aborted,
+            "output_tokens": serving.get("output_tokens"),
+            "output_tokens_per_s": serving.get("output_tokens_per_s"),
+            "ttft_ms": serving.get("ttft_ms"),
+            "tpot_ms": serving.get("tpot_ms"),
+            "token_interval_ms": _pct(rt.intervals, 1e3),
+            "decode_step_ms": serving.get("decode_step_ms"),
+            "decode_batch": serving.get("decode_batch"),
+            "decode_steps": rt.decode_steps,
+            "prefill_steps": rt.prefill_steps,
+            "violations": rt.violations,
+            "violation_rate": rt.violations / steps,
+            "step_latency_violations": rt.step_violations,
+            "request_tpot_violations": sum(t > tpot_ms for t in tpots),
+        },
+        "trainer_paused_fraction": rt.paused_steps / steps,
+        "share_histogram": {str(k): v for k, v in sorted(rt.shares.items())},
+        "mean_infer_sms": sum(k * v for k, v in rt.shares.items()) / steps,
+        "phases": phases,
+        "policy_detail": rt.policy.summary(),
+        "trainer": trained,
+        "files": {
+            "steps": str(rt.out_dir / "steps.jsonl"),
+            "requests": str(rt.out_dir / "serve" / "requests.jsonl"),
+        },
+    }
+
+
+def read_steps(path: str | Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _thin(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    stride = max(1, len(rows) // MAX_PLOT_POINTS)
+    return rows[::stride]
+
+
+def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str = "") -> dict[str, str]:
+    """timeline.png (SM share, batch, step latency against the objective) and throughput.png; paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    rows = read_steps(out_dir / "steps.jsonl")
+    decode = _thin([r for r in rows if r["kind"] == "decode"])
+    files = {"timeline": str(out_dir / "timeline.png"), "throughput": str(out_dir / "throughput.png")}
+
+    fig, (ax_share, ax_batch, ax_lat) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+    t = [r["t"] for r in decode]
+    ax_share.step(t, [r["infer_sms"] for r in decode], where="post", label="decode SMs", color="tab:blue")
+    ax_share.step(t, [r["train_sms"] for r in decode], where="post", label="trainer SMs", color="tab:green")
+    paused = [r["t"] for r in decode if r.get("paused")]
+    if paused:
+        ax_share.plot(paused, [0] * len(paused), "|", color="tab:red", label="trainer paused")
+    ax_share.set_ylabel("SMs")
+    ax_share.legend(loc="upper right", fontsize=8)
+    ax_batch.plot(t, [r["batch"] for r in decode], color="tab:purple", lw=1, label="batch")
+    ax_batch.set_ylabel("decode batch")
+    ax_kv = ax_batch.twinx()
+    ax_kv.plot(t, [r["kv_tokens"] / 1e3 for r in decode], color="tab:gray", lw=0.8, alpha=0.6)
+    ax_kv.set_ylabel("KV tokens (k)", color="tab:gray")
+    ms = lambda v: None if v is None else v * 1e3
+    lat = [ms(r.get("interval_s") or r["measured_s"]) for r in decode]
+    ax_lat.plot(t, lat, lw=0.8, color="tab:blue", label="token interval")
+    ax_lat.plot(t, [ms(r["measured_s"]) for r in decode], lw=0.6, color="tab:cyan", alpha=0.7, label="step")
+    pred = [(r["t"], ms(r["predicted_s"])) for r in decode if r.get("predicted_s") is not None]
+    if pred:
+        ax_lat.plot(*zip(*pred, strict=True), lw=0.6, ls="--", color="tab:orange", label="predicted")
+    ax_lat.axhline(tpot_s * 1e3, color="tab:red", lw=1.2, label=f"objective {tpot_s * 1e3:g} ms")
+    ax_lat.axhline(budget_s * 1e3, color="tab:red", lw=0.8, ls=":", label="budget (margin)")
+    bad = [(r["t"], ms(r.get("interval_s") or r["measured_s"])) for r in decode if r.get("violated")]
+    if bad:
+        ax_lat.plot(*zip(*bad, strict=True), "x", color="tab:red", ms=4, label=f"violations ({len(bad)})")
+    ax_lat.set_ylabel("ms")
+    ax_lat.set_xlabel("seconds")
+    ax_lat.legend(loc="upper right", fontsize=8, ncol=3)
+    fig.suptitle(f"co-location timeline {title}".strip())
+    fig.tight_layout()
+    fig.savefig(files["timeline"], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    if rows:
+        span = rows[-1]["t"]
+        edges = np.linspace(0.0, max(span, 1e-3), num=min(max(int(span / 0.5), 2), 400) + 1)
+        times = np.array([r["t"] for r in rows])
+        tokens = np.maximum.accumulate(np.array([r["tokens"] for r in rows], dtype=float))
+        at_edges = np.interp(edges, times, tokens, left=0.0)
+        width = np.diff(edges)
+        ax.step(
+            edges[1:], np.diff(at_edges) / width, where="pre", color="tab:green", label="finetune tokens/s"
+        )
+        dec_t = np.array([r["t"] for r in rows if r["kind"] == "decode"])
+        dec_b = np.array([r["batch"] for r in rows if r["kind"] == "decode"], dtype=float)
+        out_tok, _ = np.histogram(dec_t, bins=edges, weights=dec_b)
+        ax2 = ax.twinx()
+        ax2.step(
+            edges[1:], out_tok / width, where="pre", color="tab:blue", alpha=0.6, label="decode tokens/s"
+        )
+        ax2.set_ylabel("decode tokens/s", color="tab:blue")
+        ax2.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("finetune tokens/s", color="tab:green")
+    ax.set_title(f"throughput over time {title}".strip())
+    fig.tight_layout()
+    fig.savefig(files["throughput"], dpi=90)
+    plt.close(fig)
+    return files

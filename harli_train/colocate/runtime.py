@@ -1,0 +1,361 @@
+"""The co-located loop: one process, one GPU, decode serving its load while the trainer harvests the rest.
+
+Per engine step: release the requests that have arrived; ask the policy where the step runs (the harli
+controller re-sizes the SM split every decode step); hand queued work over to the chosen streams; feed the
+trainer's micro-steps beside the step (or after it, when time slicing); run the step on its inference
+stream; measure it and tell the policy. With nothing to decode the trainer has the GPU to itself.
+
+A run ends when training is done (``until="train"``: new requests stop, running ones finish) or when the
+load's window closes (``until="load"``, for benchmarks). ``exclusive`` serves alone, then trains alone.
+Ctrl-C (or SIGTERM) stops at the next step boundary: the trainer checkpoints its last completed step.
+
+Outputs under ``out_dir``: ``steps.jsonl`` (one line per engine step: batch, KV tokens, share, predicted
+and measured latency, micro-steps launched), ``summary.json``, ``timeline.png``, ``throughput.png`` and the
+engine's per-request records under ``serve/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from array import array
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harli_train.colocate import report
+from harli_train.colocate.engine_adapter import EngineAdapter
+from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
+from harli_train.colocate.memory_hook import MemoryHook
+from harli_train.colocate.policies import AFTER, BESIDE, Policy
+from harli_train.colocate.sm import Partition
+from harli_train.engine.load import TraceReplay, TraceRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RuntimeOptions:
+    """How a co-located run ends and reports."""
+
+    until: str = "train"  # "train": when training is done; "load": when the load's window closes
+    window_s: float | None = None  # "load": seconds of load to serve (default: up to the last arrival)
+    drain_s: float = 30.0  # "train": how long running requests may finish once training is done
+    solo_s: float = 10.0  # "load" + exclusive: seconds the trainer then runs alone
+    time_scale: float = 1.0  # arrival times are multiplied by this
+    progress_every_s: float = 2.0
+    quiet: bool = False
+    finish: bool = True  # checkpoint and adapter at the end (benchmarks skip them)
+    plots: bool = True
+    max_decode_ooms: int = 3  # consecutive decode-side OOMs before giving up
+
+    def __post_init__(self) -> None:
+        if self.until not in ("train", "load"):
+            raise ValueError(f"RuntimeOptions.until must be 'train' or 'load', got {self.until!r}")
+
+
+class ColocatedRuntime:
+    """Drives a ``Trainer`` and an ``EngineAdapter`` under a ``Policy``; ``run()`` returns the summary."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        engine: EngineAdapter,
+        policy: Policy,
+        requests: list[TraceRequest],
+        out_dir: str | Path,
+        options: RuntimeOptions | None = None,
+        memory_hook: MemoryHook | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.trainer, self.engine, self.policy = trainer, engine, policy
+        self.requests, self.opts = requests, options or RuntimeOptions()
+        self.out_dir = Path(out_dir)
+        self.hook, self.info = memory_hook, dict(info or {})
+        self._stop = threading.Event()
+        self._hard_stop = False
+        self.feeder = TrainFeeder(
+            trainer, memory_hook, on_slice=policy.observe_train_slice, should_stop=self._stop.is_set
+        )
+        engine.register(policy.partitions())
+        self.tpot_s = policy.tpot_s
+        self.stop_reason = "trained"
+        # Streaming statistics (the per-step detail goes to steps.jsonl).
+        self.decode_steps = self.prefill_steps = self.violations = self.step_violations = 0
+        self.paused_steps = self.decode_ooms = 0
+        self.shares: Counter[int] = Counter()
+        self.intervals = array("d")
+        self._recent = deque(maxlen=512)
+        self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._steps_file = open(self.out_dir / "steps.jsonl", "w")
+        restore = self._install_signals()
+        self.engine.reset_metrics()
+        self.t0 = time.perf_counter()
+        self._last_progress = self.t0
+        self._prev: Partition | None = None
+        self._last_end, self._last_kind = 0.0, "idle"
+        self.start_tokens = self.feeder.progress_tokens()
+        self.start_step = self.trainer.step
+        try:
+            self._serve()
+            if self._solo_wanted():
+                self._solo()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
+            self.stop_reason, self._hard_stop = "interrupted", True
+        finally:
+            restore()
+        return self._finish()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _mark(self, phase: str) -> None:
+        self._phase_marks.append((phase, self._now(), self.feeder.progress_tokens()))
+
+    def _serve(self) -> None:
+        opts, engine, feeder = self.opts, self.engine, self.feeder
+        replay = TraceReplay(self.requests, opts.time_scale)
+        window = opts.window_s if opts.until == "load" else None
+        trained_at: float | None = None
+        self._mark("serve")
+        while not self._stop.is_set():
+            now = self._now()
+            if feeder.done and trained_at is None:
+                trained_at = now
+                self._mark("drain")  # training is over: the rest only finishes running requests
+            closed = (window is not None and now >= window) or (
+                opts.until == "train" and trained_at is not None
+            )
+            if not closed:
+                for r in replay.due(now):
+                    engine.submit(r, self.t0 + r.arrival_s * opts.time_scale)
+            busy = engine.has_unfinished()
+            if not busy and (closed or replay.exhausted):
+                return
+            if busy and closed and (window is not None or now - trained_at > opts.drain_s):
+                return  # window over, or training done and the drain took too long: abort the rest
+            kind, batch, kv_tokens = engine.peek()
+            if kind == "idle":
+                self._idle(replay, closed)
+            else:
+                self._engine_step(kind, batch, kv_tokens)
+            self._progress()
+        self.stop_reason = "interrupted"
+
+    def _solo_wanted(self) -> bool:
+        if self._stop.is_set() or self.feeder.done:
+            return False
+        return self.opts.until == "train" or self.policy.serve_alone
+
+    def _solo(self) -> None:
+        """The trainer alone on the whole GPU (after the load, or exclusive's second half)."""
+        self._mark("solo")
+        end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
+        plan = self.policy.idle_plan()
+        while not self._stop.is_set() and not self.feeder.done and self._now() < end:
+            self.feeder.tick()
+            if not self.feeder.feed(plan):
+                time.sleep(2e-4)
+            self._progress()
+        if self._stop.is_set():
+            self.stop_reason = "interrupted"
+
+    def _idle(self, replay: TraceReplay, closed: bool) -> None:
+        """Nothing to decode: the trainer runs until the next arrival (unless it must wait for the load)."""
+        launched = 0
+        if not (self.policy.serve_alone or self.feeder.done):
+            self.feeder.tick()
+            plan = self.policy.idle_plan()
+            launched = self.feeder.feed(plan)
+            if launched:
+                self._record(
+                    {
+                        "kind": "idle",
+                        "infer_sms": 0,
+                        "train_sms": plan.train_sms,
+                        "train": plan.train,
+                        "micro_steps": launched,
+                    }
+                )
+        if not launched:
+            nxt = None if closed else replay.next_arrival_s()
+            wait = 2e-3 if nxt is None else min(max(nxt - self._now(), 0.0), 2e-3)
+            time.sleep(wait)
+        self._last_kind = "idle"
+
+    def _engine_step(self, kind: str, batch: int, kv_tokens: int) -> None:
+        feeder, policy = self.feeder, self.policy
+        feeder.tick()
+        plan = policy.plan(kind, batch, kv_tokens)
+        policy.ladder.switch(self._prev, plan.partition)
+        self._prev = plan.partition
+        if self.hook is not None:
+            try:
+                self.hook.before_decode(self.engine)
+            except Exception as err:  # memory management must not stop serving
+                log.warning("memory hook failed before a decode step: %s", err)
+        launched = feeder.feed(plan) if plan.train == BESIDE else 0
+        if plan.train == AFTER:
+            feeder.drain()  # same stream: the step must not queue behind the trainer's work
+        t_start = time.perf_counter()
+        try:
+            result = self.engine.step(plan.partition)
+        except OOM_ERRORS as err:
+            self._decode_oom(err)
+            return
+        t_end = time.perf_counter()
+        self.decode_ooms = 0
+        measured = result.latency_s or (t_end - t_start)
+        if plan.train == AFTER:
+            launched += feeder.feed(plan)
+        if result.kind == "idle":
+            return
+        end = t_end - self.t0
+        row = {
+            "kind": result.kind,
+            "batch": result.num_seqs,
+            "kv_tokens": result.kv_tokens,
+            "infer_sms": plan.partition.infer_sms,
+            "train_sms": 0 if plan.paused else plan.train_sms,
+            "train": plan.train,
+            "paused": plan.paused,
+            "predicted_s": plan.predicted_s,
+            "measured_s": measured,
+            "micro_steps": launched,
+            "reason": plan.reason,
+        }
+        if result.kind == "decode":
+            interval = end - self._last_end if self._last_kind == "decode" else None
+            violated = (interval if interval is not None else measured) > self.tpot_s
+            policy.observe(plan, measured)
+            self.decode_steps += 1
+            self.violations += violated
+            self.step_violations += measured > self.tpot_s
+            self.paused_steps += plan.paused
+            self.shares[plan.partition.infer_sms] += 1
+            if interval is not None:
+                self.intervals.append(interval)
+                self._recent.append(interval)
+            row.update(interval_s=interval, violated=violated)
+        else:
+            self.prefill_steps += 1
+        self._last_end, self._last_kind = end, result.kind
+        self._record(row, t=end)
+
+    def _decode_oom(self, err: BaseException) -> None:
+        self.decode_ooms += 1
+        log.warning(
+            "decode step ran out of memory (%s): releasing the trainer's memory and holding it back",
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        if self.decode_ooms > self.opts.max_decode_ooms:
+            raise err
+        self.feeder.release_memory(decisions=256)
+
+    # ---- records and progress ------------------------------------------------------------------------
+    def _record(self, row: dict[str, Any], t: float | None = None) -> None:
+        row = {
+            "t": round(self._now() if t is None else t, 6),
+            **row,
+            "train_step": self.trainer.step,
+            "tokens": round(self.feeder.progress_tokens() - self.start_tokens),
+        }
+        self._steps_file.write(json.dumps(row) + "\n")
+
+    def _progress(self, force: bool = False) -> None:
+        if self.opts.quiet:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_progress < self.opts.progress_every_s:
+            return
+        self._last_progress = now
+        elapsed = max(now - self.t0, 1e-9)
+        tr, eng = self.trainer, self.engine.engine
+        tok_s = (self.feeder.progress_tokens() - self.start_tokens) / elapsed
+        recent = sorted(self._recent)
+        tpot = "TPOT -"
+        if recent:
+            p50, p99 = recent[len(recent) // 2], recent[int(0.99 * (len(recent) - 1))]
+            tpot = f"TPOT p50 {1e3 * p50:.1f} p99 {1e3 * p99:.1f}"
+        share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
+        paused = self.paused_steps / max(self.decode_steps, 1)
+        line = (
+            f"[{self.policy.name}] train {tr.step}/{tr.total_steps} loss {tr.last_loss:.3f}"
+            f", {tok_s:,.0f} tok/s"
+            f" | serve {len(eng.scheduler.running)} seqs, {tpot} ms (objective {1e3 * self.tpot_s:g})"
+            f" | decode on {share}, trainer paused {100 * paused:.0f}%, violations {self.violations}"
+            f" [{elapsed:,.0f}s]"
+        )
+        if sys.stderr.isatty():
+            print("\r" + line[:200] + "\x1b[K", end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    # ---- signals and the end -------------------------------------------------------------------------
+    def _install_signals(self):
+        """Ctrl-C / SIGTERM ask the loop to stop at the next step boundary; a second Ctrl-C interrupts."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def ask_stop(signum, frame):
+            if self._stop.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop.set()
+
+        previous = {s: signal.signal(s, ask_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def request_stop(self) -> None:
+        """Stop at the next step boundary, as Ctrl-C does."""
+        self._stop.set()
+
+    def _finish(self) -> dict[str, Any]:
+        feeder, trainer = self.feeder, self.trainer
+        self._mark("end")
+        if self.stop_reason == "trained" and not feeder.done:
+            self.stop_reason = "window"
+        if not self.opts.quiet:
+            self._progress(force=True)
+            if sys.stderr.isatty():
+                print(file=sys.stderr)
+        feeder.drain()
+        end_tokens = feeder.progress_tokens()
+        if not self._hard_stop:
+            feeder.settle()  # an optimizer step that ran is counted (and checkpointed) before stopping
+        if not feeder.done:
+            feeder.close()
+            if self.stop_reason == "interrupted":
+                trainer.interrupt()  # back to the last completed step; finish() checkpoints it
+            else:
+                feeder.rollback()
+        aborted = self.engine.abort_all() if self.engine.has_unfinished() else 0
+        self._steps_file.close()
+        if self.opts.finish:
+            trained = trainer.finish()
+        else:
+            trainer.metrics.close()
+            trained = {
+                "steps": trainer.step,
+                "total_steps": trainer.total_steps,
+                "loss": trainer.last_loss,
+                "interrupted": self.stop_reason == "interrupted",
+            }
+        serving = self.engine.metrics.write(self.out_dir / "serve")
+        summary = report.build_summary(self, serving, trained, aborted, end_tokens)
+        if self.opts.plots:
+            summary["files"].update(
+                report.write_plots(
+                    self.out_dir, self.tpot_s, self.policy.budget_s, title=f"{self.policy.name}"
+                )
+            )
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        return summary

@@ -1,0 +1,408 @@
+"""The co-located runtime on the CPU stand-ins: policies, shares and streams, pause and resume, outputs, and
+the training result of a co-located run equal to a standalone run (co-location changes when, never what)."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harli_train import kernels
+from harli_train.colocate.assembly import build_engine
+from harli_train.colocate.commands import run_colocated
+from harli_train.colocate.policies import (
+    BESIDE,
+    HarliPolicy,
+    Policy,
+    StaticPolicy,
+    StepPlan,
+    StreamsPolicy,
+    TemporalPolicy,
+    make_policy,
+)
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.colocate.shared_model import base_view, shares_weights
+from harli_train.colocate.sm import SMLadder, TimeSliceLadder
+from harli_train.config import load_recipe
+from harli_train.data.tokenizer import load_tokenizer
+from harli_train.engine.load import TraceRequest
+from harli_train.model import load_model
+from harli_train.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+SMALL = [
+    "train.steps=6",
+    "train.batch_size=2",
+    "data.seq_len=32",
+    "train.layers_per_microstep=2",
+    "train.warmup_steps=1",
+    "train.log_every=100",
+    "output.checkpoint_every=0",
+]
+LOAD = [
+    "colocation.rate=20",
+    "colocation.duration_s=1.0",
+    "colocation.prompt_len=16",
+    "colocation.output_len=8",
+    "colocation.max_batch=8",
+    "colocation.tpot_ms=50",
+]
+TOTAL = 132
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two threads on two shared cores thrash; everything here is tiny.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def recipe(out: Path, *extra: str):
+    return load_recipe(QUICKSTART, [*SMALL, *LOAD, f"output.dir={out}", *extra])
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_adapter(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("standalone")
+    trainer = Trainer(recipe(out), quiet=True)
+    trainer.setup()
+    trainer.train()
+    return out
+
+
+def synthetic_predictor(shares, per_seq_s=2e-3):
+    """1 ms * (1 + 64/s) + per_seq_s per sequence alone, +25 % beside the trainer; no online correction."""
+    params = {s: [1e-3 * (1 + 64 / s), 0.0, 0.25] for s in shares}
+    pred = LatencyPredictor(TOTAL, 1.0, list(shares), params, [0.0, 0.0, 0.0, per_seq_s], [0.0, 0.0], 256)
+    pred.alpha = 0.0  # measured CPU latencies must not move these test predictions
+    return pred
+
+
+def requests(spec):
+    """[(arrival_s, count, output_len)] -> trace requests of 16-token prompts."""
+    out = []
+    for arrival, count, output_len in spec:
+        out += [
+            TraceRequest(arrival, output_len, prompt_len=16, request_id=str(len(out) + i))
+            for i in range(count)
+        ]
+    return out
+
+
+def runtime(out: Path, ladder, make_policy_fn, load, options: RuntimeOptions, spy=None, hook=None, *extra):
+    """A runtime over the tiny model with shared weights, the given ladder, policy and load."""
+    cfg = recipe(out, *extra)
+    trainer = Trainer(cfg, model=load_model("tiny", torch.float32, "cpu"), quiet=True)
+    trainer.setup()
+    if spy is not None:
+        original = trainer.micro_steps
+        trainer.micro_steps = lambda: spy(trainer, original())
+    engine = build_engine(base_view(trainer.model), load_tokenizer("tiny", True), ladder, load, 16)
+    return ColocatedRuntime(trainer, engine, make_policy_fn(ladder), load, out / "colocate", options, hook)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "colocate" / "steps.jsonl").read_text().splitlines()]
+
+
+# ---- policies ----------------------------------------------------------------------------------------
+
+
+def test_make_policy_names_and_shapes():
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    pred = synthetic_predictor(ladder.shares)
+    static = make_policy("static:50", ladder, None, 0.05)
+    assert isinstance(static, StaticPolicy) and static.part.infer_sms == 56 and static.name == "static:56"
+    assert static.plan("decode", 4, 100).train_stream is static.part.train_stream
+    streams = make_policy("streams", ladder, None, 0.05)
+    plan = streams.plan("decode", 4, 100)
+    assert isinstance(streams, StreamsPolicy) and plan.partition.infer_sms == plan.train_sms == TOTAL
+    assert plan.partition.infer_stream is not plan.train_stream and not plan.isolated
+    temporal = make_policy("temporal", ladder, pred, 0.05)
+    assert isinstance(temporal, TemporalPolicy)
+    (part,) = temporal.partitions()
+    assert part.time_sliced and part.infer_stream is ladder.full.infer_stream
+    assert isinstance(make_policy("harli", ladder, pred, 0.05), HarliPolicy)
+    assert make_policy("exclusive", ladder, None, 0.05).serve_alone
+    with pytest.raises(ValueError, match="green contexts"):
+        make_policy("static:48", TimeSliceLadder.cpu_standin(TOTAL), None, 0.05)
+    with pytest.raises(ValueError, match="no SMs"):
+        make_policy("static:132", ladder, None, 0.05)
+    with pytest.raises(ValueError, match="predictor"):
+        make_policy("harli", ladder, None, 0.05)
+
+
+# ---- the main job: outputs, shared weights, equality --------------------------------------------------
+
+
+def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone):
+    cfg = recipe(tmp_path)
+    summary = run_colocated(cfg, "tiny", policy="harli", quiet=True)
+    col = tmp_path / "colocate"
+    for name in ("steps.jsonl", "summary.json", "timeline.png", "throughput.png", "serve/requests.jsonl"):
+        assert (col / name).is_file(), name
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "checkpoints" / "step_000006" / "trainer_state.pt").is_file()
+    assert summary["shared_weights"] and summary["stop_reason"] == "trained" and not summary["interrupted"]
+    assert summary["finetune"]["steps_run"] == 6 and summary["serving"]["decode_steps"] > 0
+    assert summary["serving"]["requests"] > 0 and summary["serving"]["tpot_ms"]["p50"] is not None
+    assert sum(summary["share_histogram"].values()) == summary["serving"]["decode_steps"]
+    assert json.loads((col / "summary.json").read_text())["policy"] == "harli"
+    step_rows = rows(tmp_path)
+    assert {"batch", "kv_tokens", "infer_sms", "predicted_s", "measured_s", "micro_steps"} <= step_rows[
+        -1
+    ].keys()
+    # Co-location changes when the trainer's work runs, never what it computes.
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_base_view_shares_weights_without_the_adapter():
+    model = load_model("tiny", torch.float32, "cpu")
+    model.add_lora(4, 8.0, 0.0, seed=1)
+    with torch.no_grad():
+        for p in model.lora_parameters():
+            p.normal_(0, 0.1)
+    view = base_view(model)
+    assert shares_weights(model, view)
+    assert not any(m.has_lora for m in view.lora_modules().values())
+    ids = torch.randint(0, 256, (1, 12))
+    fresh = load_model("tiny", torch.float32, "cpu")
+    torch.testing.assert_close(view(ids), fresh(ids), rtol=0, atol=0)
+    assert not torch.allclose(model(ids), fresh(ids))
+
+
+# ---- shares, streams, pause and resume -----------------------------------------------------------------
+
+
+def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path):
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    seen_budgets = []
+
+    def spy(trainer, gen):
+        for ms in gen:
+            seen_budgets.append(kernels.num_sms())
+            yield ms
+
+    # 20 ms objective: up to 4 sequences fit beside the trainer, 8 fit nowhere (the trainer must pause).
+    make = lambda ladder: HarliPolicy(
+        ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, hysteresis_steps=2
+    )
+    load = requests([(0.15, 2, 20), (0.5, 8, 10), (1.2, 1, 25)])
+    rt = runtime(
+        tmp_path,
+        ladder,
+        make,
+        load,
+        RuntimeOptions(until="load", window_s=2.0, quiet=True, finish=False, plots=False),
+        spy,
+        None,
+        "train.steps=200",
+    )
+    summary = rt.run()
+    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    paused = [r for r in decode if r["paused"]]
+    running = [r for r in decode if not r["paused"]]
+    assert paused and running and summary["trainer_paused_fraction"] > 0
+    assert all(r["batch"] >= 5 or r["reason"].startswith(("hysteresis", "hold")) for r in paused)
+    assert any(r["batch"] >= 8 for r in paused) and not any(r["batch"] >= 8 for r in running)
+    assert all(r["micro_steps"] == 0 and r["train_sms"] == 0 for r in paused)
+    assert all(0 < r["train_sms"] <= TOTAL - r["infer_sms"] for r in running)  # disjoint SMs
+    # Resumed after the spike: the late request's steps run beside the trainer again.
+    late = [r for r in decode if r["t"] > 1.2 and r["batch"] == 1]
+    assert any(not r["paused"] and r["micro_steps"] > 0 for r in late)
+    # Micro-steps ran on the trainer's stream of the chosen rung, under that rung's SM budget.
+    launches = list(rt.feeder.launches)
+    assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
+    assert seen_budgets[: len(launches)] == [sms for _, _, sms in launches][: len(seen_budgets)]
+    assert {sms for _, _, sms in launches} - {TOTAL}, "some micro-steps ran beside decode on a partial share"
+    # Each decode step ran on the engine partition of the rung the controller chose.
+    engine_steps = [s for s in rt.engine.metrics.steps if s.kind == "decode"]
+    keys = {p.infer_sms: rt.engine.key(p) for p in ladder.partitions}
+    assert [s.partition for s in engine_steps] == [keys[r["infer_sms"]] for r in decode]
+
+
+class ScriptedPolicy(Policy):
+    """Decode on a scripted share per decision; one trainer micro-step per decision."""
+
+    name = "scripted"
+
+    def __init__(self, ladder, script):
+        super().__init__(ladder, 0.05, 0.1)
+        self.script = script
+
+    def partitions(self):
+        return list(self.ladder.partitions)
+
+    def plan(self, kind, batch, kv_tokens):
+        part = self.ladder.select(self.script())
+        return StepPlan(
+            part,
+            BESIDE,
+            part.train_stream,
+            part.train_sms,
+            1e-9,
+            None,
+            "scripted",
+            isolated=True,
+            train_from_sm=part.infer_sms,
+            strict=False,
+        )
+
+
+def test_stale_backward_is_redone_and_the_result_is_unchanged(tmp_path, standalone):
+    # Decode takes more SMs between a step's forward and its backward (twice): the backward would run on
+    # SMs decode now holds, so it is held, then the step is redone on the new split; the result is unchanged.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    holder = {}
+
+    def script():
+        feeder = holder["rt"].feeder
+        grow = feeder.last_phase in ("loss", "bwd") and feeder.abandoned_steps < 2
+        return 96 if grow else 16
+
+    load = requests([(0.0, 4, 400)])
+    rt = holder["rt"] = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, script),
+        load,
+        RuntimeOptions(quiet=True, plots=False),
+    )
+    rt.feeder.stale_limit = 3
+    summary = rt.run()
+    assert summary["finetune"]["abandoned_steps"] == 2 and summary["finetune"]["stale_backward_holds"] >= 6
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+# ---- the other policies ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["static:48", "streams", "temporal", "exclusive"])
+def test_baseline_policies_honour_their_rules(tmp_path, name):
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: make_policy(name, ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05)
+    load = requests([(0.05, 3, 12), (0.4, 2, 12)])
+    opts = RuntimeOptions(until="load", window_s=0.8, solo_s=0.3, quiet=True, finish=False, plots=False)
+    summary = runtime(tmp_path, ladder, make, load, opts, None, None, "train.steps=200").run()
+    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    assert decode and summary["serving"]["decode_steps"] == len(decode)
+    if name == "static:48":
+        assert all(
+            r["infer_sms"] == 48 and r["train_sms"] == TOTAL - 48 and r["train"] == "beside" for r in decode
+        )
+    elif name == "streams":
+        assert all(
+            r["infer_sms"] == TOTAL and r["train_sms"] == TOTAL and r["train"] == "beside" for r in decode
+        )
+    elif name == "temporal":
+        assert all(r["infer_sms"] == TOTAL and r["train"] in ("after", "none") for r in decode)
+        assert any(r["train"] == "after" and r["micro_steps"] > 0 for r in decode)
+    else:  # exclusive: decode alone while serving, then the trainer alone
+        assert all(
+            r["micro_steps"] == 0 for r in rows(tmp_path) if r["t"] < summary["phases"]["serve"]["seconds"]
+        )
+        assert summary["finetune"]["tokens_per_s"] == 0 and summary["finetune"]["solo_tokens_per_s"] > 0
+    if name != "exclusive":
+        assert summary["finetune"]["tokens_per_s"] > 0
+
+
+# ---- robustness ------------------------------------------------------------------------------------------
+
+
+class CountingHook:
+    def __init__(self):
+        self.ooms = self.decodes = 0
+
+    def before_decode(self, engine):
+        self.decodes += 1
+
+    def on_trainer_oom(self):
+        self.ooms += 1
+        return 0
+
+
+def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone):
+    state = {"n": 0, "raised": False}
+
+    def spy(trainer, gen):
+        for ms in gen:
+            state["n"] += 1
+            if state["n"] == 15 and not state["raised"]:
+                state["raised"] = True
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            yield ms
+
+    hook = CountingHook()
+    ladder = TimeSliceLadder.cpu_standin(TOTAL)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
+    load = requests([(0.0, 3, 300)])
+    summary = runtime(tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False), spy, hook).run()
+    assert state["raised"] and hook.ooms == 1 and hook.decodes > 0
+    assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_ctrl_c_checkpoints_and_a_resumed_run_continues(tmp_path, standalone):
+    def spy(trainer, gen):
+        for ms in gen:
+            yield ms
+            if ms.phase == "optim" and trainer.step == 2:  # the 3rd optimizer step ran but is not yet counted
+                os.kill(os.getpid(), signal.SIGINT)
+
+    ladder = TimeSliceLadder.cpu_standin(TOTAL)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
+    load = requests([(0.0, 3, 300)])
+    summary = runtime(tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False), spy).run()
+    assert summary["stop_reason"] == "interrupted" and summary["trainer"]["interrupted"]
+    assert summary["trainer"]["steps"] == 3 and (tmp_path / "checkpoints" / "step_000003").is_dir()
+    resumed = run_colocated(recipe(tmp_path), "tiny", "harli", resume=tmp_path, quiet=True)
+    assert resumed["finetune"]["steps_run"] == 3 and resumed["stop_reason"] == "trained"
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_pool_hook_grows_the_kv_cache_and_gives_pages_back(tmp_path):
+    from harli_train.colocate.engine_adapter import EngineAdapter
+    from harli_train.colocate.memory_hook import PoolMemoryHook
+    from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec, SamplingParams
+    from harli_train.memory import PagePool, PooledKVStorage
+
+    model = load_model("tiny", torch.float32, "cpu")
+    pool = PagePool(16 << 20, backend="host", host_page_bytes=64 << 10)
+    kv = PooledKVStorage(pool, KVCacheSpec.for_model(model.config, 16, torch.float32), max_blocks=128)
+    engine = DecodeEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256), storage=kv)
+    adapter_ = EngineAdapter(engine, TimeSliceLadder.cpu_standin(TOTAL).full)
+    hook = PoolMemoryHook(kv, headroom_blocks=16)
+    start = kv.num_blocks
+    for _ in range(4):
+        engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished():
+        hook.before_decode(adapter_)
+        engine.step()
+    assert kv.num_blocks > start and engine.block_manager.num_blocks == kv.num_blocks
+    assert hook.on_trainer_oom() > 0 and kv.num_blocks == engine.block_manager.num_blocks == start
