@@ -22,8 +22,12 @@ def out_dir() -> Path:
 def environment() -> dict[str, Any]:
     import torch
 
-    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
-           "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
     try:
         import triton
 
@@ -32,8 +36,12 @@ def environment() -> dict[str, Any]:
         env["triton"] = None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                   cuda=torch.version.cuda)
+        env.update(
+            gpu=p.name,
+            sms=p.multi_processor_count,
+            gpu_mem_gib=round(p.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
     return env
 
 
@@ -60,4 +68,4 @@ def run_child(args: list[str], timeout: float) -> dict[str, Any]:
 def table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) for r in cells)

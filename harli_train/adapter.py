@@ -35,8 +35,9 @@ def _lora_settings(model: LlamaForCausalLM) -> tuple[int, float, float, list[str
     mods = [m for m in model.lora_modules().values() if m.has_lora]
     if not mods:
         raise AdapterError("the model carries no LoRA adapter to save")
-    targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.lora_modules().items() if m.has_lora},
-                     key=LORA_TARGETS.index)
+    targets = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.lora_modules().items() if m.has_lora}, key=LORA_TARGETS.index
+    )
     return mods[0].rank, mods[0].alpha, mods[0].dropout, targets
 
 
@@ -48,10 +49,21 @@ def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str =
     out.mkdir(parents=True, exist_ok=True)
     rank, alpha, dropout, targets = _lora_settings(model)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
         "revision": None,
     }
     # Write to temporaries and rename, so an interrupted save never leaves a half-written adapter.
@@ -86,15 +98,21 @@ def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
     found = {}
     for key, t in state.items():
         stem = key.removeprefix(_PREFIX)
-        for suffix in (".lora_A.weight", ".lora_B.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
+        for suffix in (
+            ".lora_A.weight",
+            ".lora_B.weight",
+            ".lora_A.default.weight",
+            ".lora_B.default.weight",
+        ):
             if stem.endswith(suffix):
                 name, which = stem[: -len(suffix)], suffix.split(".")[1]
                 break
         else:
             raise AdapterError(f"{w_path}: unexpected tensor {key!r}")
         if name not in modules:
-            raise AdapterError(f"{w_path}: {key!r} names no projection layer of this model "
-                               "(adapter made for another model?)")
+            raise AdapterError(
+                f"{w_path}: {key!r} names no projection layer of this model (adapter made for another model?)"
+            )
         found.setdefault(name, {})[which] = t
     for name, pair in found.items():
         m = modules[name]

@@ -20,13 +20,22 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     global _USER_ERRORS
     if not _USER_ERRORS:
         from harli_train.adapter import AdapterError
+        from harli_train.colocate.profile import ProfileError
         from harli_train.config import RecipeError
         from harli_train.data.dataset import DataError
         from harli_train.engine.engine_config import EngineError
         from harli_train.model import ModelError
         from harli_train.train.checkpoint import CheckpointError
 
-        _USER_ERRORS = (RecipeError, ModelError, DataError, AdapterError, CheckpointError, EngineError)
+        _USER_ERRORS = (
+            RecipeError,
+            ModelError,
+            DataError,
+            AdapterError,
+            CheckpointError,
+            EngineError,
+            ProfileError,
+        )
     return _USER_ERRORS
 
 
@@ -62,22 +71,36 @@ def main(verbose: bool) -> None:
     Main form:  harli-train RECIPE.yaml [--colocate-with MODEL] [key.sub=value ...]
     Example:    harli-train recipes/quickstart.yaml train.steps=50
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="harli-train: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="harli-train: %(message)s", stream=sys.stderr
+    )
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--colocate-with", "colocate_with", metavar="MODEL",
-              help="Serve MODEL (a preset or HF directory) for decode on the same GPU while training.")
+@click.option(
+    "--colocate-with",
+    "colocate_with",
+    metavar="MODEL",
+    help="Serve MODEL (a preset or HF directory) for decode on the same GPU while training.",
+)
 @click.option("--policy", help="Co-location policy: harli, static:N, streams, temporal or exclusive.")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
-@click.option("--resume-from", type=click.Path(exists=True), help="Continue from this checkpoint or run directory.")
+@click.option(
+    "--resume-from", type=click.Path(exists=True), help="Continue from this checkpoint or run directory."
+)
 @click.option("--quiet", is_flag=True, help="No per-step console lines (metrics.jsonl is still written).")
 @_friendly
-def train(recipe: str, overrides: tuple[str, ...], colocate_with: str | None, policy: str | None,
-          resume: bool, resume_from: str | None, quiet: bool) -> None:
+def train(
+    recipe: str,
+    overrides: tuple[str, ...],
+    colocate_with: str | None,
+    policy: str | None,
+    resume: bool,
+    resume_from: str | None,
+    quiet: bool,
+) -> None:
     """Train as RECIPE says; OVERRIDES are `section.key=value` pairs applied on top of it."""
     from harli_train.config import load_recipe
     from harli_train.train.trainer import Trainer
@@ -85,32 +108,65 @@ def train(recipe: str, overrides: tuple[str, ...], colocate_with: str | None, po
     if policy is not None:
         overrides = (*overrides, f"colocation.policy={policy}")
     cfg = load_recipe(recipe, overrides)
+    resume_path = resume_from or (cfg.output.dir if resume else None)
     if colocate_with is not None:
-        raise click.ClickException(
-            "--colocate-with: the co-location runtime is not part of this build yet; "
-            "train standalone (without --colocate-with) for now"
-        )
-    trainer = Trainer(cfg, quiet=quiet)
-    trainer.setup(resume=resume_from or (cfg.output.dir if resume else None))
-    summary = trainer.train()
-    click.echo(json.dumps(summary, indent=2))
+        from harli_train.colocate.commands import run_colocated
+
+        summary = run_colocated(cfg, colocate_with, resume=resume_path, quiet=quiet)
+    else:
+        trainer = Trainer(cfg, quiet=quiet)
+        trainer.setup(resume=resume_path)
+        summary = trainer.train()
+    click.echo(json.dumps(summary, indent=2, default=str))
     if summary["interrupted"]:
         sys.exit(130)
 
 
 @main.command()
-@click.option("--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory.")
+@click.argument("model")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), help="Profile file (default: a per-GPU/model/version path)."
+)
+@click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@_friendly
+def profile(model: str, out: str | None, max_batch: int, dtype: str) -> None:
+    """Time MODEL's decode steps on every SM partition, solo and beside trainer micro-steps.
+
+    The profile (keyed by GPU, model and software versions) feeds the latency predictor of
+    --colocate-with; a matching one is reused, a stale or corrupt one is rebuilt.
+    """
+    from harli_train.colocate.commands import run_profile
+
+    click.echo(json.dumps(run_profile(model, out, dtype=dtype, max_batch=max_batch), indent=2, default=str))
+
+
+@main.command()
+@click.option(
+    "--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory."
+)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt; repeat for a batch.")
-@click.option("--adapter", type=click.Path(exists=True, file_okay=False),
-              help="A PEFT LoRA adapter directory to merge into the weights first.")
+@click.option(
+    "--adapter",
+    type=click.Path(exists=True, file_okay=False),
+    help="A PEFT LoRA adapter directory to merge into the weights first.",
+)
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @_friendly
-def generate(model_source: str, prompts: tuple[str, ...], adapter: str | None, max_tokens: int,
-             temperature: float, top_p: float, seed: int, device: str) -> None:
+def generate(
+    model_source: str,
+    prompts: tuple[str, ...],
+    adapter: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    device: str,
+) -> None:
     """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0)."""
     from harli_train.adapter import load_adapter, merge_adapter
     from harli_train.data.tokenizer import load_tokenizer
@@ -129,17 +185,25 @@ def generate(model_source: str, prompts: tuple[str, ...], adapter: str | None, m
     cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
     engine = DecodeEngine(model, cfg, tokenizer=load_tokenizer(model_source, is_preset(model_source)))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    for prompt, seq in zip(prompts, engine.generate(list(prompts), params)):
+    for prompt, seq in zip(prompts, engine.generate(list(prompts), params), strict=True):
         text = f"[refused: {seq.error}]" if seq.finish_reason == "refused" else engine.decode_text(seq)
         click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
 
 
 @main.command("serve-trace")
-@click.option("--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory.")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="JSONL trace (see recipes/traces/).")
-@click.option("--rate", type=click.FloatRange(min=0.0, min_open=True), help="Synthetic Poisson load, requests/s.")
+@click.option(
+    "--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory."
+)
+@click.option(
+    "--trace", type=click.Path(exists=True, dir_okay=False), help="JSONL trace (see recipes/traces/)."
+)
+@click.option(
+    "--rate", type=click.FloatRange(min=0.0, min_open=True), help="Synthetic Poisson load, requests/s."
+)
 @click.option("--duration", default=30.0, show_default=True, help="Seconds of synthetic load.")
-@click.option("--prompt-len", default="512", show_default=True, help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA.")
+@click.option(
+    "--prompt-len", default="512", show_default=True, help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA."
+)
 @click.option("--output-len", default="128", show_default=True, help="Same forms as --prompt-len.")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--time-scale", default=1.0, show_default=True, help="Stretch (>1) or compress trace time.")
@@ -147,13 +211,35 @@ def generate(model_source: str, prompts: tuple[str, ...], adapter: str | None, m
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @_friendly
-def serve_trace(model_source: str, trace: str | None, rate: float | None, duration: float, prompt_len: str,
-                output_len: str, max_batch: int, time_scale: float, out_dir: str, seed: int, device: str) -> None:
+def serve_trace(
+    model_source: str,
+    trace: str | None,
+    rate: float | None,
+    duration: float,
+    prompt_len: str,
+    output_len: str,
+    max_batch: int,
+    time_scale: float,
+    out_dir: str,
+    seed: int,
+    device: str,
+) -> None:
     """Replay a trace (or a Poisson load) against the decode engine; write per-request/per-step metrics."""
     from harli_train.engine.api import serve_trace as run
 
     if (trace is None) == (rate is None):
         raise click.UsageError("give exactly one of --trace and --rate")
-    summary = run(model_source, out_dir, trace, rate=rate, duration_s=duration, prompt_len=prompt_len,
-                  output_len=output_len, max_batch=max_batch, time_scale=time_scale, seed=seed, device=device)
+    summary = run(
+        model_source,
+        out_dir,
+        trace,
+        rate=rate,
+        duration_s=duration,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        max_batch=max_batch,
+        time_scale=time_scale,
+        seed=seed,
+        device=device,
+    )
     click.echo(json.dumps({k: summary[k] for k in summary if k != "setup"}, indent=1, default=str))

@@ -16,9 +16,17 @@ def tiny_hf_dir(tmp_path):
     """A small random transformers Llama saved as a local HF directory; returns (path, hf_model)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False, attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     path = tmp_path / "hf_model"

@@ -13,8 +13,10 @@ from harli_train.train.step import train_step
 
 def _peft_pair(path, hf, rank=4, alpha=8.0, targets=LORA_TARGETS):
     """peft around the HF model and our model with identical, non-trivial adapter weights."""
-    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                                target_modules=list(targets)))
+    pm = peft.get_peft_model(
+        copy.deepcopy(hf),
+        peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets)),
+    )
     ours = load_model(str(path), torch.float32, "cpu")
     ours.add_lora(rank, alpha, 0.0, targets)
     gen = torch.Generator().manual_seed(5)
@@ -24,7 +26,9 @@ def _peft_pair(path, hf, rank=4, alpha=8.0, targets=LORA_TARGETS):
         pl = pm.get_submodule(f"base_model.model.{name}")
         with torch.no_grad():
             # B = 0 at init would make A's gradient vanish: use random B on both sides.
-            pl.lora_B["default"].weight.copy_(torch.randn(pl.lora_B["default"].weight.shape, generator=gen) * 0.1)
+            pl.lora_B["default"].weight.copy_(
+                torch.randn(pl.lora_B["default"].weight.shape, generator=gen) * 0.1
+            )
             m.lora_A.copy_(pl.lora_A["default"].weight)
             m.lora_B.copy_(pl.lora_B["default"].weight)
     return pm, ours

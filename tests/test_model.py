@@ -8,9 +8,19 @@ from harli_train.model import ModelError, load_model
 
 
 def _hf_llama(tmp_path, **overrides):
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=120, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-               tie_word_embeddings=False, attn_implementation="eager")
+    cfg = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=120,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
@@ -22,10 +32,19 @@ def _hf_llama(tmp_path, **overrides):
 
 
 def _hf_qwen2(tmp_path):
-    cfg = transformers.Qwen2Config(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
-                                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                   attn_implementation="eager")
+    cfg = transformers.Qwen2Config(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(1)
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -51,8 +70,14 @@ def test_llama_logits_match_transformers(tmp_path):
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
+    }
     hf = _hf_llama(tmp_path, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=True)
     ours = load_model(str(tmp_path), torch.float32, "cpu")
     assert ours.config.rope_scaling is not None and ours.config.tie_word_embeddings
@@ -87,7 +112,9 @@ def test_missing_model_directory_names_what_it_looked_for(tmp_path):
         load_model(str(tmp_path / "nope"), torch.float32, "cpu")
     with pytest.raises(ModelError, match="config.json"):
         load_model(str(tmp_path), torch.float32, "cpu")
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10, "hidden_size": 8, '
-                                          '"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 10, "hidden_size": 8, '
+        '"intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}'
+    )
     with pytest.raises(ModelError, match="no weights found"):
         load_model(str(tmp_path), torch.float32, "cpu")

@@ -56,8 +56,12 @@ def test_micro_stepped_step_equals_whole_graph_step(per_chunk):
     total = sum(b["num_target_tokens"] for b in batches)
     for b in batches:
         logits = m.logits(m(b["input_ids"]))
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b["labels"][:, 1:].reshape(-1),
-                               ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            b["labels"][:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
         (loss / total).backward()
     ref = _grads(m)
     m.zero_grad(set_to_none=True)
@@ -65,13 +69,22 @@ def test_micro_stepped_step_equals_whole_graph_step(per_chunk):
     n_chunks = -(-m.config.num_layers // per_chunk)
     assert phases.count("fwd") == 2 * n_chunks and phases.count("bwd") == 2 * n_chunks
     assert result.target_tokens == total
-    for got, want in zip(_grads(m), ref):
+    for got, want in zip(_grads(m), ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def _recipe(tmp_path, **over):
-    base = {"train.steps": 12, "train.warmup_steps": 2, "train.batch_size": 4, "data.seq_len": 64, "output.checkpoint_every": 5,
-            "lora.dropout": 0.1, "train.log_every": 100, "output.dir": str(tmp_path / "run"), "train.device": "cpu"}
+    base = {
+        "train.steps": 12,
+        "train.warmup_steps": 2,
+        "train.batch_size": 4,
+        "data.seq_len": 64,
+        "output.checkpoint_every": 5,
+        "lora.dropout": 0.1,
+        "train.log_every": 100,
+        "output.dir": str(tmp_path / "run"),
+        "train.device": "cpu",
+    }
     base.update(over)
     return load_recipe(QUICKSTART, [f"{k}={v}" for k, v in base.items()])
 
@@ -95,7 +108,9 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
             part.interrupt()
             break
     summary = part.finish()
-    assert summary["interrupted"] and summary["steps"] == 7 and Path(summary["checkpoint"]).name == "step_000007"
+    assert (
+        summary["interrupted"] and summary["steps"] == 7 and Path(summary["checkpoint"]).name == "step_000007"
+    )
 
     resumed = Trainer(_recipe(tmp_path), quiet=True)
     resumed.setup(resume=tmp_path / "run")
@@ -144,9 +159,21 @@ def test_cli_generate_with_a_trained_adapter(tmp_path):
     t = Trainer(cfg, quiet=True)
     t.setup()
     adapter = t.train()["adapter"]
-    result = CliRunner().invoke(main, ["generate", "--prompt", "add 12+34 =", "--adapter", adapter,
-                                       "--max-tokens", "4"])
+    result = CliRunner().invoke(
+        main, ["generate", "--prompt", "add 12+34 =", "--adapter", adapter, "--max-tokens", "4"]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.strip().splitlines()[-1].startswith("add 12+34 =")
     result = CliRunner().invoke(main, ["generate", "--prompt", "x", "--adapter", str(tmp_path)])
     assert result.exit_code != 0 and "adapter_config.json not found" in result.output
+
+
+def test_cli_colocate_with_runs_both_sides(tmp_path):
+    out = tmp_path / "colo"
+    result = CliRunner().invoke(main, [str(QUICKSTART), "--colocate-with", "tiny", "--quiet", "train.steps=4",
+                                       "train.warmup_steps=1", "colocation.duration_s=3", f"output.dir={out}"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "colocate" / "summary.json").read_text())
+    assert summary["trainer"]["steps"] == 4
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "colocate" / "timeline.png").is_file() and (out / "colocate" / "steps.jsonl").is_file()

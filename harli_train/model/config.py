@@ -38,7 +38,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelError(f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -94,7 +101,9 @@ class ModelConfig:
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
-            raise ModelError(f"model directory {path}: no config.json found (expected a Hugging Face model folder)")
+            raise ModelError(
+                f"model directory {path}: no config.json found (expected a Hugging Face model folder)"
+            )
         try:
             return cls.from_hf_dict(json.loads(cfg.read_text()))
         except (KeyError, json.JSONDecodeError) as e:
@@ -114,29 +123,79 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if kind != "llama3":
         raise ModelError(f"rope scaling {kind!r} is not supported (only Llama-3 style 'llama3')")
-    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    return {
+        k: rs[k]
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    }
 
 
-_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 PRESETS: dict[str, ModelConfig] = {
     # Llama-3-8B shapes.
-    "llama-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                            num_heads=32, num_kv_heads=8, rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE),
-                            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
+    "llama-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_ROPE),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     # Llama-3.2-1B shapes (tied embeddings).
-    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-                            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}, max_position_embeddings=131072,
-                            tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    "llama-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     # Qwen2.5-7B shapes: qkv bias, untied head.
-    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-                              num_heads=28, num_kv_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                              max_position_embeddings=32768, attention_bias=True, model_type="qwen2",
-                              bos_token_id=151643, eos_token_id=151645),
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        attention_bias=True,
+        model_type="qwen2",
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
     # Test-sized model over the byte-level tokenizer (259 ids, padded to 320).
-    "tiny": ModelConfig(vocab_size=320, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
-                        num_kv_heads=2, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
-                        bos_token_id=256, eos_token_id=257, pad_token_id=258),
+    "tiny": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=352,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    ),
 }

@@ -35,7 +35,9 @@ class LoRALinear(nn.Module):
     def scale(self) -> float:
         return self.alpha / self.rank if self.rank else 0.0
 
-    def add_lora(self, rank: int, alpha: float, dropout: float = 0.0, generator: torch.Generator | None = None):
+    def add_lora(
+        self, rank: int, alpha: float, dropout: float = 0.0, generator: torch.Generator | None = None
+    ):
         """Attach a fresh adapter initialised as peft does: A ~ kaiming-uniform(a=sqrt(5)), B = 0."""
         device = self.weight.device
         self.rank, self.alpha, self.dropout = rank, float(alpha), float(dropout)

@@ -61,7 +61,10 @@ class Attention(nn.Module):
             o = attn_ctx.attend(self.layer_idx, q, k, v)
         else:
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             ).transpose(1, 2)
         return self.o_proj(o.reshape(b, t, -1))
@@ -144,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rope(positions)
-        hidden, residual = self.run_layers(0, self.config.num_layers, self.embed(input_ids), None, cos, sin, attn_ctx)
+        hidden, residual = self.run_layers(
+            0, self.config.num_layers, self.embed(input_ids), None, cos, sin, attn_ctx
+        )
         return self.final_norm(hidden, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,8 +158,11 @@ class LlamaForCausalLM(nn.Module):
     # LoRA management.
     def lora_modules(self, targets=LORA_TARGETS) -> dict[str, LoRALinear]:
         """Projection layers whose short name is in `targets`, keyed by their full module path."""
-        return {name: m for name, m in self.named_modules()
-                if isinstance(m, LoRALinear) and name.rsplit(".", 1)[-1] in targets}
+        return {
+            name: m
+            for name, m in self.named_modules()
+            if isinstance(m, LoRALinear) and name.rsplit(".", 1)[-1] in targets
+        }
 
     def add_lora(self, rank: int, alpha: float, dropout: float, targets=LORA_TARGETS, seed: int = 0) -> None:
         gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)

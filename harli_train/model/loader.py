@@ -13,8 +13,14 @@ from harli_train.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -41,7 +47,9 @@ def model_config(source: str) -> ModelConfig:
     return ModelConfig.from_hf_dir(path)
 
 
-def load_model(source: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> LlamaForCausalLM:
+def load_model(
+    source: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> LlamaForCausalLM:
     """The frozen base model in `dtype` on `device`, in eval mode, with no adapter attached."""
     device = torch.device(device)
     cfg = model_config(source)
@@ -52,7 +60,9 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device | str, seed
     model.model.rotary_emb.__init__(cfg)
     model.model.rotary_emb.to(device)
     if source in PRESETS:
-        log.warning("model %r is a preset with RANDOM weights (seed %d): for benchmarks and tests only", source, seed)
+        log.warning(
+            "model %r is a preset with RANDOM weights (seed %d): for benchmarks and tests only", source, seed
+        )
         init_random_weights(model, seed)
     else:
         load_hf_weights(model, Path(source).expanduser())
@@ -114,9 +124,17 @@ def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
                     raise ModelError(f"{shard}: unexpected tensor {key!r} (not a Llama-family weight)")
                 t = f.get_tensor(key)
                 if t.shape != params[key].shape:
-                    raise ModelError(f"{shard}: {key} has shape {tuple(t.shape)}, expected {tuple(params[key].shape)}")
+                    raise ModelError(
+                        f"{shard}: {key} has shape {tuple(t.shape)}, expected {tuple(params[key].shape)}"
+                    )
                 params[key].copy_(t)
                 loaded.add(key)
-    missing = [k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [
+        k
+        for k in params
+        if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    ]
     if missing:
-        raise ModelError(f"model directory {path}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ModelError(
+            f"model directory {path}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )

@@ -39,8 +39,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, model: LlamaForCausalLM, trainer_state: dict[str, Any],
-                    base_model: str, keep: int) -> Path:
+def save_checkpoint(
+    root: Path, step: int, model: LlamaForCausalLM, trainer_state: dict[str, Any], base_model: str, keep: int
+) -> Path:
     ckpt_dir = root / "checkpoints"
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f".tmp_step_{step:06d}"
@@ -68,7 +69,9 @@ def find_checkpoint(path: Path) -> Path:
         return path
     found = list_checkpoints(path)
     if not found:
-        raise CheckpointError(f"no checkpoint to resume from in {path} (looked for checkpoints/step_*/{STATE_NAME})")
+        raise CheckpointError(
+            f"no checkpoint to resume from in {path} (looked for checkpoints/step_*/{STATE_NAME})"
+        )
     return found[-1]
 
 

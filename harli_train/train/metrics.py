@@ -21,8 +21,14 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, path: Path, total_steps: int, log_every: int, resume_step: int | None = None,
-                 quiet: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        total_steps: int,
+        log_every: int,
+        resume_step: int | None = None,
+        quiet: bool = False,
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step is not None and path.is_file():
@@ -36,9 +42,17 @@ class MetricsLogger:
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[status]}"), transient=False)
-            self.task = self.progress.add_task("train", total=total_steps, completed=resume_step or 0, status="")
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                transient=False,
+            )
+            self.task = self.progress.add_task(
+                "train", total=total_steps, completed=resume_step or 0, status=""
+            )
             self.progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
@@ -47,13 +61,17 @@ class MetricsLogger:
         if self.quiet:
             return
         step = record["step"]
-        status = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
-                  f"{record['tokens_per_s']:,.0f} tok/s  {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}")
+        status = (
+            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+            f"{record['tokens_per_s']:,.0f} tok/s  {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}"
+        )
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
         elif step % self.log_every == 0 or step == self.total_steps:
             elapsed = time.perf_counter() - self.start
-            print(f"step {step:>6}/{self.total_steps}  {status}  [{elapsed:,.0f}s]", file=sys.stderr, flush=True)
+            print(
+                f"step {step:>6}/{self.total_steps}  {status}  [{elapsed:,.0f}s]", file=sys.stderr, flush=True
+            )
 
     def close(self) -> None:
         if self.progress is not None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int, schedule: str,
-          min_lr_ratio: float = 0.0) -> float:
+def lr_at(
+    step: int, base_lr: float, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0
+) -> float:
     """Learning rate for optimizer step `step` (0-based). The schedule's whole state is the step count."""
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps

@@ -84,14 +84,15 @@ def train_step(
         with autocast():
             normed = model.final_norm(h_in, r_in)
             shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
-            mb_loss, _ = kernels.linear_cross_entropy(shifted, model.lm_head.weight, labels[:, 1:].reshape(-1),
-                                                      IGNORE_INDEX)
+            mb_loss, _ = kernels.linear_cross_entropy(
+                shifted, model.lm_head.weight, labels[:, 1:].reshape(-1), IGNORE_INDEX
+            )
         (mb_loss / total_targets).backward()
         loss_sum += mb_loss.detach().float()
         grads = (h_in.grad, r_in.grad)
         yield MicroStep("loss", mb, model.config.num_layers, model.config.num_layers)
         # Backward, chunk by chunk in reverse.
-        for (start, stop), (h_in, r_in, h_out, r_out) in zip(reversed(bounds), reversed(saved)):
+        for (start, stop), (h_in, r_in, h_out, r_out) in zip(reversed(bounds), reversed(saved), strict=True):
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))
             grads = (h_in.grad, None if r_in is None else r_in.grad)

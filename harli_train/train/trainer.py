@@ -75,19 +75,35 @@ class Trainer:
         kernels.set_backend(cfg.train.kernels)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
         examples = load_examples(cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples)
-        self.loader = DataLoader(examples, cfg.train.batch_size, cfg.data.seq_len, self.tokenizer.pad_id,
-                                 packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+        self.loader = DataLoader(
+            examples,
+            cfg.train.batch_size,
+            cfg.data.seq_len,
+            self.tokenizer.pad_id,
+            packing=cfg.data.packing,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.train.seed,
+        )
         if cfg.train.steps is not None:
             self.total_steps = cfg.train.steps
         else:
-            self.total_steps = max(1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum))
-        model.add_lora(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed)
+            self.total_steps = max(
+                1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum)
+            )
+        model.add_lora(
+            cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
+        )
         state = self._load_checkpoint(find_checkpoint(Path(resume))) if resume is not None else None
         model.train()
         self.params = model.lora_parameters()
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                           eps=cfg.train.eps, weight_decay=cfg.train.weight_decay,
-                                           fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=cfg.train.lr,
+            betas=tuple(cfg.train.betas),
+            eps=cfg.train.eps,
+            weight_decay=cfg.train.weight_decay,
+            fused=self.device.type == "cuda",
+        )
         self.tokens_seen = 0
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -96,11 +112,23 @@ class Trainer:
             set_rng_state(state["rng"])
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
-        self.metrics = MetricsLogger(self.out_dir / "metrics.jsonl", self.total_steps, cfg.train.log_every,
-                                     resume_step=self.step if state is not None else None, quiet=self.quiet)
+        self.metrics = MetricsLogger(
+            self.out_dir / "metrics.jsonl",
+            self.total_steps,
+            cfg.train.log_every,
+            resume_step=self.step if state is not None else None,
+            quiet=self.quiet,
+        )
         n_params = sum(p.numel() for p in self.params)
-        log.info("LoRA r=%d on %s: %.2fM trainable parameters; %d steps on %s (%s)", cfg.lora.rank,
-                 ",".join(cfg.lora.targets), n_params / 1e6, self.total_steps, self.device, self.dtype)
+        log.info(
+            "LoRA r=%d on %s: %.2fM trainable parameters; %d steps on %s (%s)",
+            cfg.lora.rank,
+            ",".join(cfg.lora.targets),
+            n_params / 1e6,
+            self.total_steps,
+            self.device,
+            self.dtype,
+        )
 
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Replace the fresh adapter with the checkpoint's; refuse one made with other LoRA settings."""
@@ -133,7 +161,9 @@ class Trainer:
             self._rng_state = rng_state()
             t0 = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
-            result: StepResult = yield from train_step(self.model, batches, cfg.layers_per_microstep, self._autocast)
+            result: StepResult = yield from train_step(
+                self.model, batches, cfg.layers_per_microstep, self._autocast
+            )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -148,12 +178,21 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
-            self.metrics.log({
-                "step": self.step, "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens": result.input_tokens, "target_tokens": result.target_tokens,
-                "tokens_per_s": result.input_tokens / dt, "step_s": dt, "memory_gib": memory_gib(self.device),
-                "epoch": self.loader.epoch, "tokens_seen": self.tokens_seen,
-            })
+            self.metrics.log(
+                {
+                    "step": self.step,
+                    "loss": self.last_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens": result.input_tokens,
+                    "target_tokens": result.target_tokens,
+                    "tokens_per_s": result.input_tokens / dt,
+                    "step_s": dt,
+                    "memory_gib": memory_gib(self.device),
+                    "epoch": self.loader.epoch,
+                    "tokens_seen": self.tokens_seen,
+                }
+            )
             every = self.cfg.output.checkpoint_every
             if every and self.step % every == 0 and not self.done:
                 self.save_checkpoint()
@@ -183,15 +222,27 @@ class Trainer:
         ckpt = self.save_checkpoint() if self.step > 0 else None
         adapter_dir = save_adapter(self.model, self.out_dir / "adapter", base_model=self.cfg.model.name)
         self.metrics.close()
-        return {"steps": self.step, "total_steps": self.total_steps, "loss": self.last_loss,
-                "adapter": str(adapter_dir), "checkpoint": str(ckpt) if ckpt else None,
-                "interrupted": self.interrupted}
+        return {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "loss": self.last_loss,
+            "adapter": str(adapter_dir),
+            "checkpoint": str(ckpt) if ckpt else None,
+            "interrupted": self.interrupted,
+        }
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "optimizer": self.optimizer.state_dict(),
-                 "loader": self.loader.state_dict(), "rng": rng_state(), "recipe": recipe_to_dict(self.cfg)}
-        return save_checkpoint(self.out_dir, self.step, self.model, state, self.cfg.model.name,
-                               self.cfg.output.keep_checkpoints)
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "recipe": recipe_to_dict(self.cfg),
+        }
+        return save_checkpoint(
+            self.out_dir, self.step, self.model, state, self.cfg.model.name, self.cfg.output.keep_checkpoints
+        )
 
 
 def _raise_interrupt(signum, frame):
