@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install, then run benchmarks one after another, each under its own time limit.
 #   bash bench/run_gpu.sh train:420 kernels:240        # bench/bench_<name>.py, limit in seconds
+#   bash bench/run_gpu.sh colocate:420:--tpot-ms=auto,--window-s=5   # extra arguments, comma-separated
 # Every benchmark writes its JSON under $OUT; all output also goes to $OUT/gpu.log.
 set -u
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench_out}"
@@ -11,8 +12,8 @@ if ! python -m pip install -q --no-deps --no-build-isolation -e . >>"$log" 2>&1;
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$log"
 for spec in "$@"; do
-  name=${spec%%:*} limit=${spec##*:}
-  shift_args=()
+  IFS=: read -r name limit extra <<<"$spec"
+  IFS=, read -r -a shift_args <<<"${extra:-}"
   echo "=== bench_$name (limit ${limit}s) ===" | tee -a "$log"
   start=$(date +%s)
   timeout "${limit}s" python "bench/bench_$name.py" "${shift_args[@]}" >>"$log" 2>&1
