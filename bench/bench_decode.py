@@ -7,7 +7,9 @@ Roofline of one decode step = (weight bytes read + KV bytes read) / copy bandwid
 where the weights read are every weight but the embedding table (a step gathers only B rows of it; the figure
 with it is kept as `roofline_all_weights_ms`). TPOT is the median `engine.step()` latency (scheduling, graph
 replay, sampling, the token read-back) after warm-up; `replay_ms` is the CUDA graph alone. Target (DESIGN.md):
-TPOT <= 1.25x roofline for batch 1-64. Sequences are primed at the given context without a prefill (decode
+TPOT <= 1.25x roofline for batch 1-64. Rows "default" run the engine's decode forward (GEMV projection kernels,
+EngineConfig.decode_gemv); rows "no_gemv" the same engine with the model's own forward (cuBLAS); `gemv_kernel`
+times each projection alone against cuBLAS. Sequences are primed at the given context without a prefill (decode
 time does not depend on the cached values); one real prefill + decode is checked against the model's own
 no-cache greedy output in the `sanity` section.
 """
@@ -15,6 +17,7 @@ no-cache greedy output in the `sanity` section.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import sys
 import time
@@ -156,6 +159,106 @@ def linears_only_ms(model, batch: int, device, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _graph_ms(fn, reps: int = 20) -> float:
+    """Mean time of `fn` replayed `reps` times inside one CUDA graph (no launch gaps)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()  # compiles, sets up cuBLAS outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return common.median(times)
+
+
+def _unfused_projection(x, weights, swiglu: bool):
+    import torch.nn.functional as F
+
+    ys = [F.linear(x, w) for w in weights]
+    return F.silu(ys[0]) * ys[1] if swiglu else ys
+
+
+def gemv_kernel(mc, device, batches) -> dict:
+    """Each decode projection of one layer (and the LM head) alone: the engine's GEMV kernel (its config,
+    and at batch 1 also the tensor-core variant) against cuBLAS on the same unfused weights (q, k, v and
+    gate, up as separate F.linear calls, SwiGLU after), with achieved GB/s over the weight bytes."""
+    import torch
+
+    h, q, kv, inter, vocab = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size, mc.vocab_size
+    shapes = {"qkv": ((q, kv, kv), h, False), "o": ((h,), q, False), "gate_up": ((inter, inter), h, True),
+              "down": ((h,), inter, False), "lm_head": ((vocab,), h, False)}
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if on_gpu:
+        from harli_train.engine.decode_linear import decode_linear, decode_linear_config, with_config
+    else:  # the interpreter would be slow: time the reference, for the code path only
+        from harli_train.engine.decode_linear import decode_linear_reference
+    out = {}
+    for name, (ns, k, swiglu) in shapes.items():
+        ws = [torch.randn(n, k, device=device, dtype=dtype) for n in ns]
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for b in batches:
+            x = torch.randn(b, k, device=device, dtype=dtype)
+
+            cublas = functools.partial(_unfused_projection, x, ws, swiglu)
+            row = {"MB": nbytes / 1e6}
+            if on_gpu:
+                cfg = decode_linear_config(1 if b == 1 else 1 << (b - 1).bit_length(), ns, k,
+                                           torch.cuda.get_device_properties(device).multi_processor_count,
+                                           swiglu, x.element_size())
+                row["config"] = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} split{cfg.split_k} " \
+                                f"st{cfg.num_stages} {'dot' if cfg.use_dot else 'fma'}"
+                row["gemv_us"] = _graph_ms(functools.partial(decode_linear, x, ws, swiglu)) * 1e3
+                if b == 1:
+                    dot = with_config(cfg, block_m=16, block_n=64, block_k=128, use_dot=True, num_stages=4)
+                    row["gemv_dot_us"] = _graph_ms(functools.partial(decode_linear, x, ws, swiglu,
+                                                                     config=dot)) * 1e3
+                row["cublas_us"] = _graph_ms(cublas) * 1e3
+            else:
+                t0 = time.perf_counter()
+                decode_linear_reference(x, ws, swiglu=swiglu)
+                row["gemv_us"] = (time.perf_counter() - t0) * 1e6
+                t0 = time.perf_counter()
+                cublas()
+                row["cublas_us"] = (time.perf_counter() - t0) * 1e6
+            for key in ("gemv_us", "gemv_dot_us", "cublas_us"):
+                if key in row:
+                    row[key.replace("_us", "_GBps")] = nbytes / row[key] / 1e3
+            out[f"{name}_b{b}"] = row
+            print("gemv", name, b, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()},
+                  flush=True)
+    return out
+
+
+def set_decode_gemv(engine, on: bool, saved: dict) -> None:
+    """Switch the engine's decode forward (GEMV kernels) on or off and recapture its partitions' graphs."""
+
+    from harli_train.kernels.launch_config import sm_budget
+
+    runner = engine.runner
+    if "fwd" not in saved:
+        saved["fwd"] = runner.decode_forward
+    fwd = saved["fwd"] if on else None
+    runner.decode_forward = fwd
+    if runner.graphs is not None:
+        runner.graphs.decode_forward = fwd
+        for key, part in runner.partitions.items():
+            with sm_budget(part.num_sms):
+                runner.graphs.capture(key, part.stream, part.num_sms)
+
+
 def attention_kernel(mc, device, points, reps: int = 30) -> dict:
     """The paged decode kernel alone (one layer, the new token's K/V stored by it): achieved bandwidth over
     the K/V it reads, to set against the copy bandwidth."""
@@ -276,7 +379,7 @@ class Bench:
         bw = self.res.get("copy_TBps", float("nan")) * 1e12
         return (weights + batch * ctx * self.res["kv_bytes_per_token"]) / bw * 1e3
 
-    def sweep(self, engine, partition: str, points) -> dict:
+    def sweep(self, engine, partition: str, points, label: str | None = None) -> dict:
         out = {}
         for b, c in points:
             m = measure_tpot(engine, b, c, self.steps, self.warmup, partition)
@@ -286,8 +389,9 @@ class Bench:
             out[f"b{b}_ctx{c}"] = m
             verdict = "ok" if m["ratio"] <= TARGET else "MISS" if b <= 64 else "-"
             replay = m.get("replay_ms", float("nan"))
-            self.rows.append([partition, b, c, m["tpot_ms"], replay, m["roofline_ms"], m["ratio"], verdict])
-            print(partition, b, c, {k: round(v, 3) for k, v in m.items()}, flush=True)
+            self.rows.append([label or partition, b, c, m["tpot_ms"], replay, m["roofline_ms"], m["ratio"],
+                              verdict])
+            print(label or partition, b, c, {k: round(v, 3) for k, v in m.items()}, flush=True)
         return out
 
     def engine_sections(self, device) -> None:
@@ -315,8 +419,22 @@ class Bench:
         self.res["engine"] = {"setup_s": time.perf_counter() - t0, "kv_blocks": engine.storage.num_blocks,
                               "graphs": engine.runner.use_graphs}
         points = [(b, self.ctx) for b in self.batches] + self.extra
+        self.res["engine"]["decode_gemv"] = engine.runner.decode_forward is not None
         self.section("tpot_full", lambda: self.sweep(engine, "default", points))
+        # The same engine with the model's own forward (cuBLAS projections), batch 1-64: on vs off.
+        saved: dict = {}
+        small = [(b, self.ctx) for b in self.batches if b <= 64]
+
+        def cublas_sweep():
+            set_decode_gemv(engine, False, saved)
+            try:
+                return self.sweep(engine, "default", small, label="no_gemv")
+            finally:
+                set_decode_gemv(engine, True, saved)
+
+        self.section("tpot_no_gemv", cublas_sweep)
         self.section("linears_only_ms", lambda: {b: linears_only_ms(model, b, device) for b in (1, 64)})
+        self.section("gemv_kernel", lambda: gemv_kernel(mc, device, [1, 4] if self.dry else [1, 16, 64]))
         att_points = [(1, 32), (4, 48)] if self.dry else [(1, 1024), (8, 1024), (64, 1024), (256, 1024),
                                                             (64, 2048)]
         self.section("attention_kernel", lambda: attention_kernel(mc, device, att_points))
@@ -370,6 +488,15 @@ def main() -> None:
         lin = res["linears_only_ms"]
         print(f"weight GEMMs alone (cuBLAS, one graph): batch 1 {lin[1]:.3f} ms, batch 64 {lin[64]:.3f} ms "
               f"(roofline {bench.roofline_ms(1, 0):.3f} ms for the weights)")
+    if res.get("gemv_kernel"):
+        bw = res.get("copy_TBps", float("nan")) * 1e3
+        print("decode projections alone (GB/s over weight bytes; copy bandwidth "
+              f"{bw:.0f} GB/s):")
+        for key, r in res["gemv_kernel"].items():
+            dot = f", dot variant {r['gemv_dot_GBps']:.0f}" if "gemv_dot_GBps" in r else ""
+            print(f"  {key:14s} {r['MB']:8.1f} MB  gemv {r['gemv_us']:8.1f} us {r['gemv_GBps']:6.0f} GB/s "
+                  f"({r['gemv_GBps'] / bw:.0%}){dot}   cublas {r['cublas_us']:8.1f} us {r['cublas_GBps']:6.0f} "
+                  f"GB/s ({r['cublas_GBps'] / bw:.0%})  {r.get('config', '')}")
     if res.get("attention_kernel"):
         bw = res.get("copy_TBps", float("nan")) * 1e3
         print("paged decode kernel alone: " + ", ".join(

@@ -22,8 +22,9 @@ class DecodeGraphs:
     """The graphs and the static buffers they read: `capture` per partition, `replay` per step."""
 
     def __init__(self, model: LlamaForCausalLM, attn: PagedAttention, config: EngineConfig,
-                 device: torch.device):
+                 device: torch.device, decode_forward=None):
         self.model, self.attn = model, attn
+        self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
         self.buckets = config.graph_batch_sizes
         max_bs, width = self.buckets[-1], config.max_blocks_per_seq
         # Pinned host staging and its device copy: int64 rows (input ids, positions, slots) and int32 rows
@@ -49,6 +50,10 @@ class DecodeGraphs:
     def _forward(self, bs: int, num_sms: int) -> None:
         self.attn.meta = self._metadata(bs, num_sms)
         ids, pos = self.dev_i64[0, :bs, None], self.dev_i64[1, :bs, None]
+        if self.decode_forward is not None:
+            hidden = self.decode_forward(ids, pos, self.attn)
+            self.decode_forward.logits(hidden, out=self.logits[:bs])
+            return
         hidden = self.model(ids, pos, self.attn)
         torch.mm(hidden[:, 0], self.model.lm_head.weight.t(), out=self.logits[:bs])
 

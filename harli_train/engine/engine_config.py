@@ -30,6 +30,9 @@ class EngineConfig:
     enforce_eager: bool = False
     kernels: str = "auto"  # "triton", "torch" (references), or "auto": triton on a GPU, torch on the CPU
     graph_batch_sizes: tuple[int, ...] = ()  # derived from max_num_seqs when empty
+    # Decode steps run the projections through the engine's bandwidth-shaped GEMV kernels (DecodeForward)
+    # whenever Triton kernels are on; False keeps the model's own forward (cuBLAS) for comparison.
+    decode_gemv: bool = True
     seed: int = 0  # seeds sampling of requests that bring no seed of their own
 
     def __post_init__(self) -> None:

@@ -52,8 +52,15 @@ class ModelRunner:
         self.attn = PagedAttention(storage, model.config.head_dim, use_triton)
         self.sampler = Sampler()
         self.seed = seed
+        self.decode_forward = None
+        if config.decode_gemv and use_triton:
+            from harli_train.engine.decode_forward import DecodeForward  # imports triton
+
+            if DecodeForward.supports(model):
+                self.decode_forward = DecodeForward(model)
         self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
-        self.graphs = DecodeGraphs(model, self.attn, config, self.device) if self.use_graphs else None
+        self.graphs = (DecodeGraphs(model, self.attn, config, self.device, self.decode_forward)
+                       if self.use_graphs else None)
         self.partitions: dict[str, Partition] = {}
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
@@ -135,13 +142,21 @@ class ModelRunner:
         slots += positions % bm.block_size
         if self.graphs is not None:
             return self.graphs.replay(key, ids, positions, slots, lens, tables)
+        return self._eager_decode(ids, positions, slots, lens, tables, part)
+
+    def _eager_decode(self, ids, positions: np.ndarray, slots: np.ndarray, lens: np.ndarray,
+                      tables: np.ndarray, part: Partition) -> torch.Tensor:
         self.attn.meta = AttentionMetadata(False, self._to_device(slots, torch.int64),
                                            self._to_device(tables, torch.int32),
                                            self._to_device(lens, torch.int32), num_sms=part.num_sms)
-        hidden = self.model(self._to_device(ids, torch.int64)[:, None],
-                            self._to_device(positions, torch.int64)[:, None], self.attn)
+        ids_t = self._to_device(ids, torch.int64)[:, None]
+        pos_t = self._to_device(positions, torch.int64)[:, None]
+        if self.decode_forward is not None:
+            logits = self.decode_forward.logits(self.decode_forward(ids_t, pos_t, self.attn))
+        else:
+            logits = self.model.logits(self.model(ids_t, pos_t, self.attn)[:, 0])
         self.attn.meta = None
-        return self.model.logits(hidden[:, 0])
+        return logits
 
     def synthetic_decode(self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION) -> None:
         """One decode step of `batch` sequences with `kv_len` tokens of context each, for timing: it reads
@@ -159,13 +174,7 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables)
                 return
-            self.attn.meta = AttentionMetadata(False, self._to_device(slots, torch.int64),
-                                               self._to_device(tables, torch.int32),
-                                               self._to_device(lens, torch.int32), num_sms=part.num_sms)
-            hidden = self.model(self._to_device([0] * batch, torch.int64)[:, None],
-                                self._to_device(lens - 1, torch.int64)[:, None], self.attn)
-            self.attn.meta = None
-            self.model.logits(hidden[:, 0])
+            self._eager_decode([0] * batch, lens - 1, slots, lens, tables, part)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):

@@ -1,0 +1,88 @@
+"""The engine's decode-step forward: the model's layers, with its projections run by `decode_linear`.
+
+A decode step is a stream over the weights, so the projections go to the bandwidth-shaped kernel: q/k/v in one
+grouped launch, gate/up in one launch with the SwiGLU in its epilogue, o/down/lm_head one launch each
+(batches over MAX_GEMV_ROWS go to cuBLAS). It
+reads the model's own weight tensors (nothing is copied or concatenated) and calls the same norm and rope
+ops as the model, so its output equals `model(...)` up to the order of fp32 sums. It serves the base model
+only: a projection with a LoRA adapter would be skipped, so the runner uses it only when none is attached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harli_train import kernels
+from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear
+from harli_train.model import LlamaForCausalLM
+
+
+def _project(x: torch.Tensor, weights: tuple[torch.Tensor, ...], swiglu: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    # Past MAX_GEMV_ROWS rows a step is no longer a pure weight stream: cuBLAS's tiled GEMM takes over.
+    if x.shape[0] <= MAX_GEMV_ROWS:
+        return decode_linear(x, weights, swiglu=swiglu, out=out)
+    ys = [F.linear(x, w) for w in weights]
+    y = kernels.swiglu(ys[0], ys[1]) if swiglu else torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+class DecodeForward:
+    """`forward(ids [B], positions [B], attn) -> final hidden [B, H]`; `logits(hidden, out) -> [B, V]`."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        if not self.supports(model):
+            raise ValueError("DecodeForward serves a base model only: detach the LoRA adapters first")
+        self.model = model
+        cfg = model.config
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        # q/k/v biases (Qwen2) are a few thousand values: one concatenated copy per layer is cheap.
+        self.qkv_bias = [
+            torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            for a in (layer.self_attn for layer in model.model.layers)
+        ]
+
+    @staticmethod
+    def supports(model: LlamaForCausalLM) -> bool:
+        """True when no projection carries an adapter and only q/k/v may have a bias."""
+        mods = model.lora_modules()
+        no_other_bias = all(m.bias is None for name, m in mods.items()
+                            if name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj", "v_proj"))
+        return no_other_bias and not any(m.has_lora for m in mods.values())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx) -> torch.Tensor:
+        model = self.model
+        b = input_ids.shape[0]
+        cos, sin = model.rope(positions.view(b, 1))
+        x = model.embed(input_ids.view(b))
+        residual = None
+        for layer, qkv_bias in zip(model.model.layers, self.qkv_bias, strict=True):
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            if residual is None:
+                residual, h = x, kernels.rms_norm(x, norm.weight, norm.eps)
+            else:
+                h, residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+            qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+            if qkv_bias is not None:
+                qkv += qkv_bias
+            q = qkv[:, :self.q_size].view(b, 1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(b, 1, self.num_kv_heads, self.head_dim)
+            q, k = kernels.apply_rope(q, k, cos, sin)
+            o = attn_ctx.attend(attn.layer_idx, q, k, v)
+            x = _project(o.reshape(b, -1), (attn.o_proj.weight,))
+            post = layer.post_attention_layernorm
+            h, residual = kernels.add_rms_norm(x, residual, post.weight, post.eps)
+            act = _project(h, (mlp.gate_proj.weight, mlp.up_proj.weight), swiglu=True)
+            x = _project(act, (mlp.down_proj.weight,))
+        return model.final_norm(x, residual)
+
+    __call__ = forward
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] (into `out` when given)."""
+        return _project(hidden, (self.model.lm_head.weight,), out=out)

@@ -1,0 +1,285 @@
+"""Decode projections: y[M, N] = x[M, K] @ W[N, K]^T for a few rows of x, at the weights' read bandwidth.
+
+A decode step reads every weight once for M = batch (1..64) rows, so it is a stream over W. Each program
+streams BLOCK_N consecutive rows of a row-major W (the model's own tensor, no transposed copy) over its K
+range. Two formulations:
+  * FMA (M == 1): a [BLOCK_N, BLOCK_K] fp32 partial-product tile accumulated in registers, reduced over K once.
+  * dot (M >= 2): "swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, so the weight rows fill the MMA's
+    M side and the batch (padded to 16/32/64) its N side.
+One launch covers up to three weights that share x (q/k/v, gate/up): program ids map to row tiles of weight
+0, then 1, then 2, and each weight's rows land in their column range of one output. With `swiglu`, a program
+reads the same rows of gate (weight 0) and up (weight 1) and writes silu(g) * u. When the row tiles alone
+cannot fill the SMs, K is split: fp32 partials go to a workspace and a second kernel sums them in a fixed
+order (deterministic) and applies the cast (and the SwiGLU).
+
+Configs are fixed per (M bucket, N's, K, SMs) by `decode_linear_config` (no autotune: CUDA graphs capture
+one kernel per bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from harli_train.kernels.launch_config import num_sms as current_num_sms
+
+SMEM_PER_SM = 228 * 1024
+MAX_GEMV_ROWS = 64  # the configs are made for decode batches up to here
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLinearConfig:
+    """Block sizes and grid of one decode projection launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+
+@triton.jit
+def _accumulate(x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 sums over k in [k_start, k_end) of W[rows, k] x[m, k]: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    row_mask = rows < n_rows
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                k_mask = offs_k < BLOCK_K
+            else:
+                k_mask = offs_k + k0 < K
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs + k0, mask=k_mask[:, None] & (offs_m < M)[None, :], other=0.0)
+            acc = tl.dot(w, xt.to(w.dtype), acc, input_precision=PRECISION)
+        return acc
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                k_mask = offs_k < BLOCK_K
+            else:
+                k_mask = offs_k + k0 < K
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        return tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0 only) into out[m, cols].
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        ptrs = out_ptr + offs_m[None, :] * stride_om + cols[:, None]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & (offs_m < M)[None, :])
+    else:
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
+# out: [M, N_total] (row stride stride_om) when SPLIT_K == 1, else the fp32 workspace [SPLIT_K, M, N_total]
+# (dense). Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU, N_total = N_0 and the
+# workspace holds gate sums in [0, N_0) and up sums in [N_0, 2 N_0).
+# Grid (row tiles of all weights, SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 / weights 0 and 1.
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, stride_xm, w0_ptr, w1_ptr, w2_ptr, out_ptr, stride_om,
+    M, K, n0, n1, n2, tiles_0, tiles_01, n_total, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr, USE_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if SWIGLU:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = _accumulate(x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
+                        BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
+        u = _accumulate(x_ptr, stride_xm, w1_ptr, rows, n0, M, K, k_start, k_end,
+                        BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
+        col_mask = rows < n0
+        if SPLIT_K == 1:
+            _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
+        else:
+            part = out_ptr + split.to(tl.int64) * M * (2 * n0)
+            _store_tile(part, 2 * n0, g, rows, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(part, 2 * n0, u, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
+    else:
+        # Scalar branches pick the weight; every program then runs the same streaming loop.
+        w_ptr = w0_ptr
+        n_rows = n0
+        col0 = 0
+        tile = pid
+        if pid >= tiles_01:
+            w_ptr = w2_ptr
+            n_rows = n2
+            col0 = n0 + n1
+            tile = pid - tiles_01
+        elif pid >= tiles_0:
+            w_ptr = w1_ptr
+            n_rows = n1
+            col0 = n0
+            tile = pid - tiles_0
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _accumulate(x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
+                          BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
+        col_mask = rows < n_rows
+        if SPLIT_K == 1:
+            _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+        else:
+            part = out_ptr + split.to(tl.int64) * M * n_total
+            _store_tile(part, n_total, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+
+
+# part: [SPLIT_K, M, W] fp32 dense (W = N, or 2 N with SWIGLU); out: [M, N] row stride stride_om.
+@triton.jit
+def _split_reduce_kernel(part_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    width = 2 * N if SWIGLU else N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + (s * M + m) * width
+        acc += tl.load(row + cols, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(row + N + cols, mask=mask, other=0.0)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * up
+    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def decode_linear_config(m: int, ns: tuple[int, ...], k: int, num_sms: int, swiglu: bool = False,
+                         elem_bytes: int = 2) -> DecodeLinearConfig:
+    """The launch config for x [m, k] against weights of `ns` rows (m: the graph's batch bucket).
+
+    M == 1 streams with FMAs (8 rows x 512 columns a program, ~4 programs resident per SM); larger M uses the
+    tensor cores with the weight rows on the MMA's M side (64 rows a program). Stages are sized
+    so two programs fit an SM's shared memory. K is split only when the row tiles fill less than one wave
+    of resident programs, and then by the count that best fills whole waves.
+    """
+    if m == 1:
+        block_m, block_n, block_k, warps, stages, use_dot, per_sm = 1, 8, 512, 4, 2, False, 4
+    else:
+        # 64 weight rows a tile keep the x tile (re-read from L2 by every program) small beside W's.
+        block_m, block_n = max(16, _pow2(m)), 64
+        block_k = 128 * 2 // elem_bytes  # fp32 (tests): half the columns
+        # The SwiGLU kernel's two loops run one after the other and reuse the same buffers.
+        stage_bytes = (block_n + block_m) * block_k * elem_bytes
+        stages = max(2, min(4, (SMEM_PER_SM // 2 - 8192) // stage_bytes))
+        warps, use_dot, per_sm = 4, True, 2
+    block_k = min(block_k, max(16, _pow2(k)))
+    tiles = _cdiv(ns[0], block_n) if swiglu else sum(_cdiv(n, block_n) for n in ns)
+    k_blocks = _cdiv(k, block_k)
+    slots = num_sms * per_sm
+    split = 1
+    if tiles < slots:
+        def fill(s: int) -> float:
+            programs = tiles * s
+            return programs / (_cdiv(programs, slots) * slots)
+
+        candidates = range(1, max(1, min(4, k_blocks // 4)) + 1)
+        best = max(fill(s) for s in candidates)
+        split = min(s for s in candidates if fill(s) >= best - 0.05)
+    split = _cdiv(k_blocks, _cdiv(k_blocks, split))  # no empty splits
+    return DecodeLinearConfig(block_m, block_n, block_k, split, warps, stages, use_dot)
+
+
+def decode_linear(
+    x: torch.Tensor,                 # shape [M, K], unit column stride
+    weights: Sequence[torch.Tensor],  # 1-3 tensors, shape [N_g, K] contiguous, x's dtype
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,  # shape [M, N_out], unit column stride
+    num_sms: int | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> torch.Tensor:
+    """x @ concat(weights)^T -> [M, sum N_g]; with `swiglu` (weights = gate, up): silu(x gate^T) * (x up^T)
+    -> [M, N]. `num_sms` defaults to the current SM budget; `config` overrides the chosen launch config."""
+    assert 1 <= len(weights) <= 3 and x.dim() == 2 and x.stride(1) == 1, "x [M, K] and 1-3 weights"
+    m, k = x.shape
+    ns = tuple(w.shape[0] for w in weights)
+    for w in weights:
+        assert w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == x.dtype, \
+            f"weight {tuple(w.shape)} {w.dtype} must be contiguous [N, {k}] {x.dtype}"
+    if swiglu:
+        assert len(weights) == 2 and ns[0] == ns[1], "swiglu takes gate and up of one shape"
+    n_out = ns[0] if swiglu else sum(ns)
+    if out is None:
+        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n_out) and out.stride(1) == 1, f"out must be [{m}, {n_out}]"
+    cfg = config or decode_linear_config(_pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(),
+                                         swiglu, x.element_size())
+    assert cfg.block_m >= m, f"config block_m {cfg.block_m} < M {m}"
+    if m == 0 or n_out == 0:
+        return out
+    w = list(weights) + [weights[0]] * (3 - len(weights))
+    tiles = [_cdiv(n, cfg.block_n) for n in ns] + [0, 0]
+    grid_n = tiles[0] if swiglu else sum(tiles[:3])
+    k_per_split = _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    split = _cdiv(k, k_per_split)
+    even_n = all(n % cfg.block_n == 0 for n in ns)
+    even_k = k % cfg.block_k == 0
+    if split == 1:
+        dest, stride = out, out.stride(0)
+    else:
+        dest = torch.empty((split, m, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=x.device)
+        stride = dest.stride(1)
+    n_padded = (ns + (0, 0))[:3]
+    _decode_linear_kernel[(grid_n, split)](
+        x, x.stride(0), w[0], w[1], w[2], dest, stride,
+        m, k, n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], n_out, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, SWIGLU=swiglu,
+        USE_DOT=cfg.use_dot, EVEN_N=even_n, EVEN_K=even_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = min(1024, _pow2(n_out))
+        _split_reduce_kernel[(m, _cdiv(n_out, block))](dest, out, out.stride(0), m, n_out, SPLIT_K=split,
+                                                       SWIGLU=swiglu, BLOCK=block, num_warps=4)
+    return out
+
+
+def decode_linear_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], swiglu: bool = False) -> torch.Tensor:
+    """The same op in torch, fp32 math, cast to x's dtype."""
+    ys = [F.linear(x.float(), w.float()) for w in weights]
+    y = F.silu(ys[0]) * ys[1] if swiglu else torch.cat(ys, dim=-1)
+    return y.to(x.dtype)
+
+
+def with_config(cfg: DecodeLinearConfig, **changes) -> DecodeLinearConfig:
+    """A copy of `cfg` with fields changed (for benchmarks comparing variants)."""
+    return replace(cfg, **changes)

@@ -1,0 +1,168 @@
+"""Decode projections (GEMV / skinny GEMM, grouped q/k/v, gate/up + SwiGLU, split-K) against the torch
+reference, their launch configs, the engine's decode forward against the model's own, and sm_90 compilation."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest  # noqa: E402
+
+from harli_train.engine.decode_linear import (  # noqa: E402
+    decode_linear,
+    decode_linear_config,
+    decode_linear_reference,
+    with_config,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Per output dtype; the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only.
+TOL = {torch.float32: dict(atol=1e-3, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=1e-2),
+       torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _randn(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def _check(x, weights, swiglu=False, config=None, out=None):
+    got = decode_linear(x, weights, swiglu=swiglu, config=config, out=out)
+    want = decode_linear_reference(x, weights, swiglu=swiglu)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[x.dtype])
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("n", [40, 96])
+@pytest.mark.parametrize("k", [64, 200])
+def test_single_grouped_and_swiglu_match_reference(dtype, m, n, k):
+    x = _randn(m, k, dtype=dtype, seed=m * 1000 + n + k)
+    w = [_randn(rows, k, dtype=dtype, seed=i) for i, rows in enumerate((n, n // 4 + 3, n // 4 + 3))]
+    _check(x, w[:1])
+    _check(x, w)  # q/k/v: uneven row counts, one launch
+    _check(x, [w[0], _randn(n, k, dtype=dtype, seed=7)], swiglu=True)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("m,use_dot", [(1, False), (1, True), (5, True), (40, True)])
+def test_split_k_and_both_formulations(swiglu, m, use_dot):
+    """Forced configs: split-K with the reduce kernel (uneven splits), FMA and dot at M == 1; output into a
+    strided view whose padding must stay untouched."""
+    k, n = 328, 72
+    x = _randn(m, k, dtype=torch.float32, seed=m)
+    ws = [_randn(n, k, dtype=torch.float32, seed=10 + i) for i in range(3 if not swiglu else 2)]
+    base = decode_linear_config(1 if m == 1 else max(16, 1 << (m - 1).bit_length()), (n,), k, 132, swiglu, 4)
+    n_out = n if swiglu else 3 * n
+    for split in (1, 2, 3):
+        cfg = with_config(base, split_k=split, use_dot=use_dot, block_m=max(16, base.block_m) if use_dot else 1,
+                          block_n=32 if use_dot else 8, block_k=64)
+        buf = torch.full((m, n_out + 5), float("nan"), device=DEVICE)
+        out = _check(x, ws, swiglu=swiglu, config=cfg, out=buf[:, :n_out])
+        assert out.data_ptr() == buf.data_ptr() and torch.isnan(buf[:, n_out:]).all()
+
+
+def test_configs_for_llama_8b_shapes():
+    shapes = {"qkv": ((4096, 1024, 1024), 4096, False), "o": ((4096,), 4096, False),
+              "gate_up": ((14336, 14336), 4096, True), "down": ((4096,), 14336, False),
+              "lm_head": ((128256,), 4096, False)}
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        for sms in (132, 48, 16):
+            for ns, k, swiglu in shapes.values():
+                cfg = decode_linear_config(m, ns, k, sms, swiglu, 2)
+                assert cfg.block_m >= m and (cfg.use_dot or m == 1)
+                assert k % cfg.block_k == 0 and all(n % cfg.block_n == 0 for n in ns)
+                tiles = -(-ns[0] // cfg.block_n) if swiglu else sum(-(-n // cfg.block_n) for n in ns)
+                assert cfg.split_k == 1 or tiles < 4 * sms, "split only when the tiles cannot fill the SMs"
+                assert 1 <= cfg.split_k <= 4 and k // cfg.block_k // cfg.split_k >= 4
+
+
+def test_engine_decode_forward_matches_model_path(tmp_path):
+    """Greedy tokens of the engine with decode_gemv (Triton GEMV projections) equal those of the model's own
+    forward, and transformers'; the decode forward is really in use."""
+    transformers = pytest.importorskip("transformers")
+    from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
+    from harli_train.model import load_model
+
+    cfg = transformers.LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), torch.float32, DEVICE)
+    prompts = [[1, 5, 9, 33, 17], [1, 70, 3], [1, 44, 12, 8, 8, 61, 29, 30, 4]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = {}
+    for gemv in (True, False):
+        engine = DecodeEngine(model, EngineConfig(block_size=4, num_kv_blocks=24, max_num_seqs=4,
+                                                  max_model_len=32, kernels="triton", decode_gemv=gemv),
+                              num_sms=2)
+        assert (engine.runner.decode_forward is not None) == gemv
+        outs[gemv] = [s.completion_token_ids for s in engine.generate(prompts, params)]
+    assert outs[True] == outs[False]
+    with torch.no_grad():
+        for p, got in zip(prompts, outs[True], strict=True):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
+            assert got == ref
+
+
+_COMPILE_CHECK = """
+import torch
+from harli_train.kernels import compile_check as c
+from harli_train.engine.decode_linear import decode_linear
+
+SHAPES = [((4096, 1024, 1024), 4096, False), ((4096,), 4096, False), ((14336, 14336), 4096, True),
+          ((4096,), 14336, False), ((128256,), 4096, False)]
+
+def llama8b(sms, dtype=torch.bfloat16):
+    def run():
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            for ns, k, swiglu in SHAPES:
+                x = torch.empty(m, k, device="meta", dtype=dtype)
+                decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns], swiglu=swiglu,
+                              num_sms=sms)
+    return run
+
+rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
+bad = [r for r in rows if r.get("local") or r.get("stack", 0) > 64]
+assert len(rows) >= 10 and not bad, bad
+"""
+
+
+@pytest.mark.slow
+def test_decode_linear_compiles_for_sm90():
+    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs) compiles for sm_90
+    without spills."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_projection_past_gemv_rows_falls_back_to_torch():
+    """Batches over MAX_GEMV_ROWS (graph buckets 128, 256) take F.linear, with the same grouping semantics."""
+    from harli_train.engine.decode_forward import _project
+    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+
+    x = _randn(MAX_GEMV_ROWS + 3, 48, dtype=torch.float32, seed=3)
+    ws = [_randn(n, 48, dtype=torch.float32, seed=n) for n in (32, 16, 16)]
+    torch.testing.assert_close(_project(x, tuple(ws)), decode_linear_reference(x, ws), **TOL[torch.float32])
+    out = torch.full((x.shape[0], 32), float("nan"), device=DEVICE)
+    got = _project(x, tuple(ws[:2] + [ws[0][:16].contiguous()])[1:], swiglu=False)
+    assert got.shape == (x.shape[0], 32)
+    _project(x, (ws[0], ws[0].flip(0).contiguous()), swiglu=True, out=out)
+    torch.testing.assert_close(out, decode_linear_reference(x, [ws[0], ws[0].flip(0)], swiglu=True),
+                               **TOL[torch.float32])
