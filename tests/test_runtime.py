@@ -4,6 +4,8 @@ the training result of a co-located run equal to a standalone run (co-location c
 import json
 import os
 import signal
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -298,6 +300,38 @@ def test_stale_backward_is_redone_and_the_result_is_unchanged(tmp_path, standalo
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
+def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp_path, standalone):
+    # The trainer's micro-steps are launched from a thread of their own, gated by the decode thread's plans
+    # (shares change, pauses come and go): the same micro-steps in the same order, so the same result.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    threads, budgets = set(), []
+
+    def spy(trainer, gen):
+        for ms in gen:
+            threads.add(threading.current_thread().name)
+            budgets.append(kernels.num_sms())
+            yield ms
+
+    make = lambda ladder: HarliPolicy(
+        ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, hysteresis_steps=2
+    )
+    load = requests([(0.0, 2, 60), (0.2, 8, 10), (0.4, 1, 80)])
+    interval = sys.getswitchinterval()
+    rt = runtime(
+        tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False, trainer_thread=True), spy
+    )
+    summary = rt.run()
+    assert summary["stop_reason"] == "trained" and summary["finetune"]["steps_run"] == 6
+    assert threads == {"harli-train"} and not rt.feeder.threaded and sys.getswitchinterval() == interval
+    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    assert decode and all(r["micro_steps"] == 0 for r in decode if r["paused"])
+    launches = list(rt.feeder.launches)
+    assert all(stream == f"train{sms}" for _, stream, sms in launches)  # the budget went with the stream
+    assert budgets[: len(launches)] == [sms for _, _, sms in launches][: len(budgets)]
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
 # ---- the other policies ----------------------------------------------------------------------------------
 
 
@@ -345,7 +379,8 @@ class CountingHook:
         return 0
 
 
-def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone):
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "trainer-thread"])
+def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone, threaded):
     state = {"n": 0, "raised": False}
 
     def spy(trainer, gen):
@@ -360,7 +395,8 @@ def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standal
     ladder = TimeSliceLadder.cpu_standin(TOTAL)
     make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
     load = requests([(0.0, 3, 300)])
-    summary = runtime(tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False), spy, hook).run()
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=threaded)
+    summary = runtime(tmp_path, ladder, make, load, opts, spy, hook).run()
     assert state["raised"] and hook.ooms == 1 and hook.decodes > 0
     assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
     assert losses(tmp_path) == losses(standalone)

@@ -16,12 +16,22 @@ Three things make this more than ``next(gen)``:
 
 Abandoning a step restores the data position and RNG saved at the step's start, so the redone step computes
 exactly what the abandoned one would have: co-location changes when work runs, never what is computed.
+
+On a GPU the launching itself costs host time (a chunk's forward or backward is hundreds of kernel launches
+through Python and autograd), which would delay the next decode step if the decode thread did it. So the
+feeder can run on a thread of its own (``start()``): the decode thread only *publishes* each plan (the train
+stream, SM budget and horizon, or a pause) and returns at once; the trainer thread launches a plan's worth of
+micro-steps (the same rules as above), stops early when a newer plan or a pause arrives, and otherwise waits.
+Anything else the decode thread does to the feeder (drain, abandon, OOM recovery, the end of a run) first waits
+for the trainer thread to be between micro-steps and keeps it there. An OOM in the trainer thread is handed to
+the decode thread, which recovers from it at its next decision; any other error is re-raised there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -83,6 +93,16 @@ class TrainFeeder:
             trainer.cfg.train.batch_size * trainer.cfg.data.seq_len * trainer.cfg.train.grad_accum
         )
         self._reset_tracking()
+        # The trainer thread (None: launches happen on the caller's thread).
+        self._thread: threading.Thread | None = None
+        self._cv = threading.Condition()
+        self._plan: StepPlan | None = None  # what the trainer thread may launch on (None: paused)
+        self._plan_gen = self._round_gen = 0  # bumped by every publish; the generation a round serves
+        self._want = self._excl_depth = 0  # decode-thread requests to have the feeder to itself
+        self._running = self._quit = False
+        self._launched_total = self._launched_reported = 0
+        self._pending_oom: BaseException | None = None
+        self._error: BaseException | None = None
 
     def _reset_tracking(self) -> None:
         self.last_phase: str | None = None
@@ -94,8 +114,9 @@ class TrainFeeder:
 
     # ---- state ---------------------------------------------------------------------------------------
     def tick(self) -> None:
-        """One decision passed (the unit of the OOM back-off)."""
+        """One decision passed (the unit of the OOM back-off); decode thread only."""
         self._ticks += 1
+        self.check()
 
     @property
     def held(self) -> bool:
@@ -119,7 +140,22 @@ class TrainFeeder:
 
     # ---- launching -----------------------------------------------------------------------------------
     def feed(self, plan: StepPlan) -> int:
-        """Launch the micro-steps ``plan`` allows; returns how many were launched."""
+        """Launch the micro-steps ``plan`` allows; returns how many were launched.
+
+        With the trainer thread running, a plan of work beside decode is only published (the return value is
+        then what the thread launched since the previous publish); a time-sliced plan pauses the thread and
+        launches here, after the decode step, as without a thread."""
+        if self._thread is None:
+            return self._feed_now(plan)
+        if plan.train == BESIDE and not plan.paused:
+            return self._publish(plan)
+        self.pause()
+        if plan.paused:
+            return 0
+        with self._exclusive():
+            return self._feed_now(plan)
+
+    def _feed_now(self, plan: StepPlan) -> int:
         if self.done or plan.paused or self.held:
             return 0
         self.poll()
@@ -139,7 +175,7 @@ class TrainFeeder:
         else:
             budget = plan.horizon_s - self.queued_s()
         launched = 0
-        while not self.done and not self.should_stop():
+        while not self.done and not self.should_stop() and not self._preempted():
             kind = self._next_kind()
             cost = self.expected_s(kind)
             if not self._may_launch(plan, sync, budget, cost, launched, kind):
@@ -216,7 +252,10 @@ class TrainFeeder:
             self.done = True
             return 0.0
         except OOM_ERRORS as err:
-            self._recover_oom(err)
+            if threading.current_thread() is self._thread:
+                self._pending_oom = err  # the decode thread recovers (and decode never sees it)
+            else:
+                self._recover_oom(err)
             return 0.0
         seconds = time.perf_counter() - t0
         self.last_stream = stream
@@ -293,6 +332,10 @@ class TrainFeeder:
 
     def drain(self) -> None:
         """Wait for every queued micro-step."""
+        with self._exclusive():
+            self._drain()
+
+    def _drain(self) -> None:
         if self.in_flight:
             self.in_flight[-1][1].synchronize()
         self.poll()
@@ -300,6 +343,10 @@ class TrainFeeder:
     # ---- abandoning ----------------------------------------------------------------------------------
     def rollback(self) -> None:
         """Forget the step in flight (gradients, data position, RNG); the next launch starts it afresh."""
+        with self._exclusive():
+            self._rollback()
+
+    def _rollback(self) -> None:
         tr = self.trainer
         tr.optimizer.zero_grad(set_to_none=True)
         if getattr(tr, "_loader_state", None) is not None:
@@ -310,9 +357,10 @@ class TrainFeeder:
 
     def settle(self) -> None:
         """If an optimizer step has run but is not yet counted, let the trainer count it (and checkpoint)."""
-        if self.last_phase != "optim" or self.done:
-            return
-        self.drain()
+        with self._exclusive():
+            if self.last_phase != "optim" or self.done:
+                return
+            self._drain()
         try:
             self._track(next(self.gen), 0)  # counts the step, then launches the next step's first chunk
         except StopIteration:
@@ -324,12 +372,13 @@ class TrainFeeder:
         No wait for its queued work: it only reads the adapter (no optimizer step ran) and writes tensors
         that are being dropped, whose memory torch hands out again only on the same stream, after it.
         """
-        self.settle()
-        if self.done:
-            return
-        self.gen.close()
-        self.rollback()
-        self.abandoned_steps += 1
+        with self._exclusive():
+            self.settle()
+            if self.done:
+                return
+            self.gen.close()
+            self.rollback()
+            self.abandoned_steps += 1
         log.info("trainer step %d restarted: %s", self.trainer.step + 1, reason)
 
     def _recover_oom(self, err: BaseException) -> None:
@@ -359,11 +408,136 @@ class TrainFeeder:
 
     def release_memory(self, decisions: int) -> None:
         """Decode needs memory: abandon the trainer's step, free its cache and hold it back a while."""
-        self.abandon_step("decode ran out of memory")
-        with contextlib.suppress(Exception):
-            self.hook.on_trainer_oom()
-        self.hold(decisions)
+        with self._exclusive():
+            self.abandon_step("decode ran out of memory")
+            with contextlib.suppress(Exception):
+                self.hook.on_trainer_oom()
+            self.hold(decisions)
 
     def close(self) -> None:
+        self.stop()
         self.drain()
         self.gen.close()
+
+    # ---- the trainer thread --------------------------------------------------------------------------
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Launch from a thread of its own from now on (until ``stop()``)."""
+        if self._thread is not None or self.done:
+            return
+        device = torch.cuda.current_device() if self.on_gpu else None
+        self._quit, self._plan, self._error, self._pending_oom = False, None, None, None
+        self._thread = threading.Thread(target=self._worker, args=(device,), name="harli-train", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the trainer thread at the next micro-step boundary and join it; launches are then the
+        caller's again. A pending OOM is recovered from; another error of the thread is raised."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._quit = True
+            self._cv.notify_all()
+        thread.join()
+        self._thread = None
+        if self._pending_oom is not None:
+            err, self._pending_oom = self._pending_oom, None
+            self._recover_oom(err)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def pause(self) -> None:
+        """The trainer thread launches nothing more until the next publish of work beside decode."""
+        if self._thread is None:
+            return
+        with self._cv:
+            self._plan = None
+            self._plan_gen += 1
+            self._cv.notify_all()
+
+    def check(self) -> None:
+        """Decode thread, once per decision: recover from an OOM the trainer thread hit; raise its error."""
+        if self._thread is None:
+            return
+        if self._error is not None:
+            self.stop()  # raises it
+        if self._pending_oom is not None:
+            with self._exclusive():
+                err, self._pending_oom = self._pending_oom, None
+                if err is not None:
+                    self._recover_oom(err)
+            with self._cv:
+                self._cv.notify_all()
+
+    def _publish(self, plan: StepPlan) -> int:
+        with self._cv:
+            launched = self._launched_total - self._launched_reported
+            self._launched_reported = self._launched_total
+            self._plan = plan
+            self._plan_gen += 1
+            self._cv.notify_all()
+        return launched
+
+    def _preempted(self) -> bool:
+        """In the trainer thread: a newer plan, a pause, a stop, an OOM or the decode thread's turn."""
+        if threading.current_thread() is not self._thread:
+            return False
+        return (
+            self._plan_gen != self._round_gen or self._want > 0 or self._quit or self._pending_oom is not None
+        )
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """The feeder to the calling (decode) thread alone: the trainer thread is kept between micro-steps."""
+        thread = self._thread
+        if thread is None or threading.current_thread() is thread or self._excl_depth:
+            yield
+            return
+        with self._cv:
+            self._want += 1
+            while self._running:
+                self._cv.wait()
+        self._excl_depth += 1
+        try:
+            yield
+        finally:
+            self._excl_depth -= 1
+            with self._cv:
+                self._want -= 1
+                self._cv.notify_all()
+
+    def _worker(self, device: int | None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # the current device is per thread
+        seen = 0
+        try:
+            while True:
+                with self._cv:
+                    while not self._quit and (
+                        self._want
+                        or self._plan is None
+                        or self._plan_gen == seen
+                        or self._pending_oom is not None
+                        or self.done
+                    ):
+                        self._cv.wait()
+                    if self._quit:
+                        return
+                    plan, seen = self._plan, self._plan_gen
+                    self._round_gen, self._running = seen, True
+                launched = 0
+                try:
+                    launched = self._feed_now(plan)
+                finally:
+                    with self._cv:
+                        self._running = False
+                        self._launched_total += launched
+                        self._cv.notify_all()
+        except BaseException as err:  # handed to the decode thread (check / stop)
+            log.error("the trainer thread failed: %s", err)
+            self._error = err

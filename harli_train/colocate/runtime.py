@@ -53,6 +53,10 @@ class RuntimeOptions:
     finish: bool = True  # checkpoint and adapter at the end (benchmarks skip them)
     plots: bool = True
     max_decode_ooms: int = 3  # consecutive decode-side OOMs before giving up
+    # Launch the trainer's micro-steps from a thread of their own, so their host time does not delay decode
+    # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
+    trainer_thread: bool | None = None
+    switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
 
     def __post_init__(self) -> None:
         if self.until not in ("train", "load"):
@@ -105,14 +109,26 @@ class ColocatedRuntime:
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.feeder.progress_tokens()
         self.start_step = self.trainer.step
+        threaded = self.opts.trainer_thread
+        if threaded is None:
+            threaded = self.feeder.on_gpu
+        switch_interval = sys.getswitchinterval()
         try:
+            if threaded:
+                # The decode thread gets the GIL back within this long of asking for it.
+                sys.setswitchinterval(self.opts.switch_interval_s)
+                self.feeder.start()
             self._serve()
             if self._solo_wanted():
                 self._solo()
         except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
             self.stop_reason, self._hard_stop = "interrupted", True
         finally:
-            restore()
+            try:
+                self.feeder.stop()  # at the next micro-step boundary; the rest of the run is this thread's
+            finally:
+                sys.setswitchinterval(switch_interval)
+                restore()
         return self._finish()
 
     def _now(self) -> float:
@@ -163,8 +179,8 @@ class ColocatedRuntime:
         plan = self.policy.idle_plan()
         while not self._stop.is_set() and not self.feeder.done and self._now() < end:
             self.feeder.tick()
-            if not self.feeder.feed(plan):
-                time.sleep(2e-4)
+            if not self.feeder.feed(plan) or self.feeder.threaded:
+                time.sleep(1e-3 if self.feeder.threaded else 2e-4)
             self._progress()
         if self._stop.is_set():
             self.stop_reason = "interrupted"
@@ -186,7 +202,7 @@ class ColocatedRuntime:
                         "micro_steps": launched,
                     }
                 )
-        if not launched:
+        if not launched or self.feeder.threaded:  # the trainer thread works meanwhile
             nxt = None if closed else replay.next_arrival_s()
             wait = 2e-3 if nxt is None else min(max(nxt - self._now(), 0.0), 2e-3)
             time.sleep(wait)
@@ -203,7 +219,11 @@ class ColocatedRuntime:
                 self.hook.before_decode(self.engine)
             except Exception as err:  # memory management must not stop serving
                 log.warning("memory hook failed before a decode step: %s", err)
-        launched = feeder.feed(plan) if plan.train == BESIDE else 0
+        launched = 0
+        if plan.train == BESIDE:
+            launched = feeder.feed(plan)  # with the trainer thread: published, launched there
+        else:
+            feeder.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
         if plan.train == AFTER:
             feeder.drain()  # same stream: the step must not queue behind the trainer's work
         t_start = time.perf_counter()

@@ -153,6 +153,15 @@ class SMLadder:
         """Destroy the driver streams and green contexts (GPU ladders only)."""
         if not self._owned:
             return
+        import gc
+
+        import torch
+
+        # Work still queued on these streams, and torch events recorded on them, must be gone before the
+        # contexts are: destroying first ends the process in a 'context is destroyed' abort.
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        gc.collect()
         cu = self._driver
         for kind, handle in reversed(self._owned):
             if kind == "stream":
