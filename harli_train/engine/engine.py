@@ -139,9 +139,11 @@ class DecodeEngine:
             return (f"{where}: prompt of {n} tokens + max_tokens {m} = {n + m} exceeds max_model_len "
                     f"{cfg.max_model_len}")
         need = self.block_manager.blocks_for(n + m - 1)  # the last drawn token is never cached
-        if need > self.block_manager.num_blocks:
+        # A pooled cache can grow to max_blocks; only a request beyond that can never run.
+        capacity = max(self.block_manager.num_blocks, getattr(self.storage, "max_blocks", 0))
+        if need > capacity:
             return (f"{where}: it needs {need} KV blocks ({n + m - 1} tokens, {cfg.block_size} per block) "
-                    f"but the whole cache has {self.block_manager.num_blocks}")
+                    f"but the whole cache has {capacity}")
         return None
 
     def has_unfinished(self) -> bool:
