@@ -16,7 +16,7 @@ for spec in "$@"; do
   IFS=, read -r -a shift_args <<<"${extra:-}"
   echo "=== bench_$name (limit ${limit}s) ===" | tee -a "$log"
   start=$(date +%s)
-  timeout "${limit}s" python "bench/bench_$name.py" "${shift_args[@]}" >>"$log" 2>&1
+  timeout -s INT -k 20 "${limit}s" python "bench/bench_$name.py" "${shift_args[@]}" >>"$log" 2>&1
   rc=$?
   echo "=== bench_$name: exit $rc after $(( $(date +%s) - start ))s ===" | tee -a "$log"
   # The table each benchmark prints last.
