@@ -83,8 +83,9 @@ def prime(engine, batch: int, ctx: int, max_tokens: int):
 
     sched, bm = engine.scheduler, engine.block_manager
     for i in range(batch):
-        engine.add_request([(7 * i + j) % 200 for j in range(ctx)], SamplingParams(max_tokens=max_tokens,
-                                                                                   ignore_eos=True))
+        engine.add_request(
+            [(7 * i + j) % 200 for j in range(ctx)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
     while sched.waiting:
         seq = sched.waiting.popleft()
         bm.allocate(seq, ctx)
@@ -197,8 +198,13 @@ def gemv_kernel(mc, device, batches) -> dict:
     import torch
 
     h, q, kv, inter, vocab = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size, mc.vocab_size
-    shapes = {"qkv": ((q, kv, kv), h, False), "o": ((h,), q, False), "gate_up": ((inter, inter), h, True),
-              "down": ((h,), inter, False), "lm_head": ((vocab,), h, False)}
+    shapes = {
+        "qkv": ((q, kv, kv), h, False),
+        "o": ((h,), q, False),
+        "gate_up": ((inter, inter), h, True),
+        "down": ((h,), inter, False),
+        "lm_head": ((vocab,), h, False),
+    }
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:
@@ -215,16 +221,24 @@ def gemv_kernel(mc, device, batches) -> dict:
             cublas = functools.partial(_unfused_projection, x, ws, swiglu)
             row = {"MB": nbytes / 1e6}
             if on_gpu:
-                cfg = decode_linear_config(1 if b == 1 else 1 << (b - 1).bit_length(), ns, k,
-                                           torch.cuda.get_device_properties(device).multi_processor_count,
-                                           swiglu, x.element_size())
-                row["config"] = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} split{cfg.split_k} " \
-                                f"st{cfg.num_stages} {'dot' if cfg.use_dot else 'fma'}"
+                cfg = decode_linear_config(
+                    1 if b == 1 else 1 << (b - 1).bit_length(),
+                    ns,
+                    k,
+                    torch.cuda.get_device_properties(device).multi_processor_count,
+                    swiglu,
+                    x.element_size(),
+                )
+                row["config"] = (
+                    f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} split{cfg.split_k} "
+                    f"st{cfg.num_stages} {'dot' if cfg.use_dot else 'fma'}"
+                )
                 row["gemv_us"] = _graph_ms(functools.partial(decode_linear, x, ws, swiglu)) * 1e3
                 if b == 1:
                     dot = with_config(cfg, block_m=16, block_n=64, block_k=128, use_dot=True, num_stages=4)
-                    row["gemv_dot_us"] = _graph_ms(functools.partial(decode_linear, x, ws, swiglu,
-                                                                     config=dot)) * 1e3
+                    row["gemv_dot_us"] = (
+                        _graph_ms(functools.partial(decode_linear, x, ws, swiglu, config=dot)) * 1e3
+                    )
                 row["cublas_us"] = _graph_ms(cublas) * 1e3
             else:
                 t0 = time.perf_counter()
@@ -237,8 +251,13 @@ def gemv_kernel(mc, device, batches) -> dict:
                 if key in row:
                     row[key.replace("_us", "_GBps")] = nbytes / row[key] / 1e3
             out[f"{name}_b{b}"] = row
-            print("gemv", name, b, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()},
-                  flush=True)
+            print(
+                "gemv",
+                name,
+                b,
+                {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()},
+                flush=True,
+            )
     return out
 
 
@@ -302,7 +321,7 @@ def sanity(engine, model, device, prompt_len: int, tokens: int) -> dict:
     t0 = time.perf_counter()
     seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
     wall = time.perf_counter() - t0
-    prefill = [s for s in engine.metrics.steps[-tokens - 2:] if s.kind == "prefill"]
+    prefill = [s for s in engine.metrics.steps[-tokens - 2 :] if s.kind == "prefill"]
     agree = []
     with torch.inference_mode():
         for p, s in zip(prompts, seqs, strict=True):
@@ -310,13 +329,17 @@ def sanity(engine, model, device, prompt_len: int, tokens: int) -> dict:
             for _ in range(tokens):
                 h = model(torch.tensor([ids], device=device))
                 ids.append(int(model.logits(h[:, -1]).argmax()))
-            ref = ids[len(p):]
+            ref = ids[len(p) :]
             # Greedy paths diverge after the first bf16 near-tie; count the agreeing prefix.
             pairs = zip(ref, s.completion_token_ids, strict=True)
             n = next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)
             agree.append(n)
-    return {"agreeing_prefix": agree, "tokens": tokens, "wall_s": wall,
-            "prefill_ms": [round(s.latency_ms, 3) for s in prefill]}
+    return {
+        "agreeing_prefix": agree,
+        "tokens": tokens,
+        "wall_s": wall,
+        "prefill_ms": [round(s.latency_ms, 3) for s in prefill],
+    }
 
 
 def hf_decode(mc, batch: int, ctx: int, steps: int, device) -> dict:
@@ -324,10 +347,17 @@ def hf_decode(mc, batch: int, ctx: int, steps: int, device) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                      num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-                      num_key_value_heads=mc.num_kv_heads, vocab_size=mc.vocab_size,
-                      max_position_embeddings=8192, rope_theta=mc.rope_theta, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        vocab_size=mc.vocab_size,
+        max_position_embeddings=8192,
+        rope_theta=mc.rope_theta,
+        attn_implementation="sdpa",
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
@@ -336,7 +366,7 @@ def hf_decode(mc, batch: int, ctx: int, steps: int, device) -> dict:
         torch.set_default_dtype(torch.float32)
     out = {}
     with torch.inference_mode():
-        for b in ([batch] if isinstance(batch, int) else batch):
+        for b in [batch] if isinstance(batch, int) else batch:
             ids = torch.randint(0, min(1000, mc.vocab_size), (b, ctx), device=device)
             res = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             pkv, tok = res.past_key_values, res.logits[:, -1:].argmax(-1)
@@ -389,8 +419,9 @@ class Bench:
             out[f"b{b}_ctx{c}"] = m
             verdict = "ok" if m["ratio"] <= TARGET else "MISS" if b <= 64 else "-"
             replay = m.get("replay_ms", float("nan"))
-            self.rows.append([label or partition, b, c, m["tpot_ms"], replay, m["roofline_ms"], m["ratio"],
-                              verdict])
+            self.rows.append(
+                [label or partition, b, c, m["tpot_ms"], replay, m["roofline_ms"], m["ratio"], verdict]
+            )
             print(label or partition, b, c, {k: round(v, 3) for k, v in m.items()}, flush=True)
         return out
 
@@ -411,13 +442,21 @@ class Bench:
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * embed.element_size()
         self.res["kv_bytes_per_token"] = kv_per_token
         max_len = max([self.ctx] + [c for _, c in self.extra]) + self.warmup + self.steps + 16
-        cfg = EngineConfig(max_num_seqs=max(self.batches), max_model_len=max_len, max_num_batched_tokens=8192,
-                           graph_batch_sizes=tuple(self.batches), gpu_memory_utilization=0.6,
-                           num_kv_blocks=256 if self.dry else None)
+        cfg = EngineConfig(
+            max_num_seqs=max(self.batches),
+            max_model_len=max_len,
+            max_num_batched_tokens=8192,
+            graph_batch_sizes=tuple(self.batches),
+            gpu_memory_utilization=0.6,
+            num_kv_blocks=256 if self.dry else None,
+        )
         t0 = time.perf_counter()
         engine = DecodeEngine(model, cfg)
-        self.res["engine"] = {"setup_s": time.perf_counter() - t0, "kv_blocks": engine.storage.num_blocks,
-                              "graphs": engine.runner.use_graphs}
+        self.res["engine"] = {
+            "setup_s": time.perf_counter() - t0,
+            "kv_blocks": engine.storage.num_blocks,
+            "graphs": engine.runner.use_graphs,
+        }
         points = [(b, self.ctx) for b in self.batches] + self.extra
         self.res["engine"]["decode_gemv"] = engine.runner.decode_forward is not None
         self.section("tpot_full", lambda: self.sweep(engine, "default", points))
@@ -435,8 +474,9 @@ class Bench:
         self.section("tpot_no_gemv", cublas_sweep)
         self.section("linears_only_ms", lambda: {b: linears_only_ms(model, b, device) for b in (1, 64)})
         self.section("gemv_kernel", lambda: gemv_kernel(mc, device, [1, 4] if self.dry else [1, 16, 64]))
-        att_points = [(1, 32), (4, 48)] if self.dry else [(1, 1024), (8, 1024), (64, 1024), (256, 1024),
-                                                            (64, 2048)]
+        att_points = (
+            [(1, 32), (4, 48)] if self.dry else [(1, 1024), (8, 1024), (64, 1024), (256, 1024), (64, 2048)]
+        )
         self.section("attention_kernel", lambda: attention_kernel(mc, device, att_points))
         keep_alive = []
 
@@ -474,34 +514,45 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     mc = model_config("tiny" if dry else "llama-8b")
-    bench.section("transformers_tpot_ms",
-                  lambda: hf_decode(mc, [1, 4] if dry else [1, 64], bench.ctx, 4 if dry else 6, device))
+    bench.section(
+        "transformers_tpot_ms",
+        lambda: hf_decode(mc, [1, 4] if dry else [1, 64], bench.ctx, 4 if dry else 6, device),
+    )
     res, ctx = bench.res, bench.ctx
     for b, t in (res.get("transformers_tpot_ms") or {}).items():
         roof = bench.roofline_ms(b, ctx)
         bench.rows.append(["transformers", b, ctx, t, float("nan"), roof, t / roof, "-"])
 
     path = common.write_json("bench_decode.json", res)
-    print(f"\nresults: {path}   copy bandwidth {res.get('copy_TBps', float('nan')):.2f} TB/s   "
-          f"target TPOT <= {TARGET}x roofline for batch 1-64")
+    print(
+        f"\nresults: {path}   copy bandwidth {res.get('copy_TBps', float('nan')):.2f} TB/s   "
+        f"target TPOT <= {TARGET}x roofline for batch 1-64"
+    )
     if res.get("linears_only_ms"):
         lin = res["linears_only_ms"]
-        print(f"weight GEMMs alone (cuBLAS, one graph): batch 1 {lin[1]:.3f} ms, batch 64 {lin[64]:.3f} ms "
-              f"(roofline {bench.roofline_ms(1, 0):.3f} ms for the weights)")
+        print(
+            f"weight GEMMs alone (cuBLAS, one graph): batch 1 {lin[1]:.3f} ms, batch 64 {lin[64]:.3f} ms "
+            f"(roofline {bench.roofline_ms(1, 0):.3f} ms for the weights)"
+        )
     if res.get("gemv_kernel"):
         bw = res.get("copy_TBps", float("nan")) * 1e3
-        print("decode projections alone (GB/s over weight bytes; copy bandwidth "
-              f"{bw:.0f} GB/s):")
+        print(f"decode projections alone (GB/s over weight bytes; copy bandwidth {bw:.0f} GB/s):")
         for key, r in res["gemv_kernel"].items():
             dot = f", dot variant {r['gemv_dot_GBps']:.0f}" if "gemv_dot_GBps" in r else ""
-            print(f"  {key:14s} {r['MB']:8.1f} MB  gemv {r['gemv_us']:8.1f} us {r['gemv_GBps']:6.0f} GB/s "
-                  f"({r['gemv_GBps'] / bw:.0%}){dot}   cublas {r['cublas_us']:8.1f} us {r['cublas_GBps']:6.0f} "
-                  f"GB/s ({r['cublas_GBps'] / bw:.0%})  {r.get('config', '')}")
+            print(
+                f"  {key:14s} {r['MB']:8.1f} MB  gemv {r['gemv_us']:8.1f} us {r['gemv_GBps']:6.0f} GB/s "
+                f"({r['gemv_GBps'] / bw:.0%}){dot}   cublas {r['cublas_us']:8.1f} us {r['cublas_GBps']:6.0f} "
+                f"GB/s ({r['cublas_GBps'] / bw:.0%})  {r.get('config', '')}"
+            )
     if res.get("attention_kernel"):
         bw = res.get("copy_TBps", float("nan")) * 1e3
-        print("paged decode kernel alone: " + ", ".join(
-            f"{k} {v['us']:.0f} us {v['GBps']:.0f} GB/s ({v['GBps'] / bw:.0%} of copy)"
-            for k, v in res["attention_kernel"].items()))
+        print(
+            "paged decode kernel alone: "
+            + ", ".join(
+                f"{k} {v['us']:.0f} us {v['GBps']:.0f} GB/s ({v['GBps'] / bw:.0%} of copy)"
+                for k, v in res["attention_kernel"].items()
+            )
+        )
     if res["errors"]:
         print("errors:", ", ".join(res["errors"]))
     header = ["where", "batch", "ctx", "tpot_ms", "replay_ms", "roofline_ms", "ratio", "<=1.25x"]

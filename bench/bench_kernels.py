@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-LLAMA_8B = dict(batch=4, seq=1024, hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, rank=16,
-                head_dim=128)
+LLAMA_8B = dict(
+    batch=4, seq=1024, hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, rank=16, head_dim=128
+)
 TINY = dict(batch=1, seq=37, hidden=48, q=48, kv=24, inter=80, vocab=203, rank=8, head_dim=12)
 # Pass mark for bf16: max |triton - fp32 ref| / max |fp32 ref| per output and gradient, or at most twice
 # the error of torch's own bf16 path (whichever is larger).
@@ -62,9 +63,13 @@ def build_cases(s: dict, device: str, dtype: torch.dtype) -> list[Case]:
     def lora_inputs(n_in, outs):
         inp = dict(x=t(m, n_in))
         for i, n_out in enumerate(outs):
-            inp.update({f"w{i}": t(n_out, n_in, scale=n_in**-0.5, grad=False),
-                        f"a{i}": t(r, n_in, scale=n_in**-0.5, dt=torch.float32),
-                        f"b{i}": t(n_out, r, scale=r**-0.5, dt=torch.float32)})
+            inp.update(
+                {
+                    f"w{i}": t(n_out, n_in, scale=n_in**-0.5, grad=False),
+                    f"a{i}": t(r, n_in, scale=n_in**-0.5, dt=torch.float32),
+                    f"b{i}": t(n_out, r, scale=r**-0.5, dt=torch.float32),
+                }
+            )
         return inp
 
     def members(inp):
@@ -74,10 +79,18 @@ def build_cases(s: dict, device: str, dtype: torch.dtype) -> list[Case]:
     def lora_case(name, n_in, outs):
         make = lambda: lora_inputs(n_in, outs)
         if len(outs) == 1:
-            return Case(name, make, lambda i: [lora_linear(i["x"], *members(i)[0])],
-                        lambda i: [ref.lora_linear(i["x"], *members(i)[0])])
-        return Case(name, make, lambda i: lora_linear_group(i["x"], members(i)),
-                    lambda i: ref.lora_linear_group(i["x"], members(i)))
+            return Case(
+                name,
+                make,
+                lambda i: [lora_linear(i["x"], *members(i)[0])],
+                lambda i: [ref.lora_linear(i["x"], *members(i)[0])],
+            )
+        return Case(
+            name,
+            make,
+            lambda i: lora_linear_group(i["x"], members(i)),
+            lambda i: ref.lora_linear_group(i["x"], members(i)),
+        )
 
     def rope_inputs():
         b, seq, d = s["batch"], s["seq"], s["head_dim"]
@@ -92,22 +105,40 @@ def build_cases(s: dict, device: str, dtype: torch.dtype) -> list[Case]:
         return dict(h=t(m, hid), w=t(s["vocab"], hid, scale=0.02, grad=False), labels=labels)
 
     return [
-        Case("rms_norm", lambda: dict(x=t(m, hid), w=t(hid, grad=False)),
-             lambda i: [rms_norm(i["x"], i["w"], EPS)], lambda i: [ref.rms_norm(i["x"], i["w"], EPS)]),
-        Case("add_rms_norm", lambda: dict(x=t(m, hid), r=t(m, hid), w=t(hid, grad=False)),
-             lambda i: list(add_rms_norm(i["x"], i["r"], i["w"], EPS)),
-             lambda i: list(ref.add_rms_norm(i["x"], i["r"], i["w"], EPS))),
-        Case("rope", rope_inputs, lambda i: list(apply_rope(i["q"], i["k"], i["cos"], i["sin"])),
-             lambda i: list(ref.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))),
-        Case("swiglu", lambda: dict(g=t(m, inter), u=t(m, inter)),
-             lambda i: [swiglu(i["g"], i["u"])], lambda i: [ref.swiglu(i["g"], i["u"])]),
+        Case(
+            "rms_norm",
+            lambda: dict(x=t(m, hid), w=t(hid, grad=False)),
+            lambda i: [rms_norm(i["x"], i["w"], EPS)],
+            lambda i: [ref.rms_norm(i["x"], i["w"], EPS)],
+        ),
+        Case(
+            "add_rms_norm",
+            lambda: dict(x=t(m, hid), r=t(m, hid), w=t(hid, grad=False)),
+            lambda i: list(add_rms_norm(i["x"], i["r"], i["w"], EPS)),
+            lambda i: list(ref.add_rms_norm(i["x"], i["r"], i["w"], EPS)),
+        ),
+        Case(
+            "rope",
+            rope_inputs,
+            lambda i: list(apply_rope(i["q"], i["k"], i["cos"], i["sin"])),
+            lambda i: list(ref.apply_rope(i["q"], i["k"], i["cos"], i["sin"])),
+        ),
+        Case(
+            "swiglu",
+            lambda: dict(g=t(m, inter), u=t(m, inter)),
+            lambda i: [swiglu(i["g"], i["u"])],
+            lambda i: [ref.swiglu(i["g"], i["u"])],
+        ),
         lora_case("lora_q", hid, [s["q"]]),
         lora_case("lora_down", inter, [hid]),
         lora_case("lora_qkv_group", hid, [s["q"], s["kv"], s["kv"]]),
         lora_case("lora_gate_up_group", hid, [inter, inter]),
-        Case("linear_cross_entropy", ce_inputs,
-             lambda i: [linear_cross_entropy(i["h"], i["w"], i["labels"])[0]],
-             lambda i: [ref.linear_cross_entropy(i["h"], i["w"], i["labels"])[0]]),
+        Case(
+            "linear_cross_entropy",
+            ce_inputs,
+            lambda i: [linear_cross_entropy(i["h"], i["w"], i["labels"])[0]],
+            lambda i: [ref.linear_cross_entropy(i["h"], i["w"], i["labels"])[0]],
+        ),
     ]
 
 
@@ -121,8 +152,10 @@ def _leaves(inp: dict) -> list[str]:
 
 def _cotangents(outs: list[torch.Tensor]) -> list[torch.Tensor]:
     gen = torch.Generator(device=outs[0].device).manual_seed(1)
-    return [torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype)
-            if o.dim() else torch.ones_like(o) for o in outs]
+    return [
+        torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype) if o.dim() else torch.ones_like(o)
+        for o in outs
+    ]
 
 
 def fwd_bwd(fn: Callable, inp: dict, autocast, cots: list | None = None):
@@ -143,20 +176,27 @@ def check_case(case: Case, device: str) -> dict:
     inp = case.make()
     outs_t, grads_t, cots = fwd_bwd(case.triton, inp, _autocast(device))
     outs_b, grads_b, _ = fwd_bwd(case.torch, inp, _autocast(device), cots)
-    ref_inp = {k: v.detach().float().requires_grad_(v.requires_grad) if v.is_floating_point() else v
-               for k, v in inp.items()}
+    ref_inp = {
+        k: v.detach().float().requires_grad_(v.requires_grad) if v.is_floating_point() else v
+        for k, v in inp.items()
+    }
     outs_r, grads_r, _ = fwd_bwd(case.torch, ref_inp, contextlib.nullcontext(), [c.float() for c in cots])
     names = [f"out{i}" for i in range(len(outs_r))] + [f"d{k}" for k in _leaves(inp)]
     rows, ok = {}, True
-    for name, got, lo, want in zip(names, [*outs_t, *grads_t], [*outs_b, *grads_b], [*outs_r, *grads_r],
-                                   strict=True):
+    for name, got, lo, want in zip(
+        names, [*outs_t, *grads_t], [*outs_b, *grads_b], [*outs_r, *grads_r], strict=True
+    ):
         abs_t, rel_t = _rel_err(got, want)
         _, rel_b = _rel_err(lo, want)
         finite = bool(torch.isfinite(got).all())
         ok &= finite and rel_t <= max(BF16_REL_TOL, 2 * rel_b)
         rows[name] = dict(triton_max_abs=abs_t, triton_rel=rel_t, torch_bf16_rel=rel_b, finite=finite)
-    return dict(ok=ok, tensors=rows, worst_triton_rel=max(r["triton_rel"] for r in rows.values()),
-                worst_torch_bf16_rel=max(r["torch_bf16_rel"] for r in rows.values()))
+    return dict(
+        ok=ok,
+        tensors=rows,
+        worst_triton_rel=max(r["triton_rel"] for r in rows.values()),
+        worst_torch_bf16_rel=max(r["torch_bf16_rel"] for r in rows.values()),
+    )
 
 
 class GreenStream:
@@ -298,8 +338,17 @@ def main() -> None:
     cases = build_cases(shapes, device, dtype)
     if args.ops:
         cases = [c for c in cases if c.name in args.ops.split(",")]
-    result = dict(env=common.environment(), dry_run=args.dry_run, shapes=shapes, dtype=str(dtype),
-                  bf16_rel_tol=BF16_REL_TOL, correctness={}, timing={}, memory_gib={}, errors={})
+    result = dict(
+        env=common.environment(),
+        dry_run=args.dry_run,
+        shapes=shapes,
+        dtype=str(dtype),
+        bf16_rel_tol=BF16_REL_TOL,
+        correctness={},
+        timing={},
+        memory_gib={},
+        errors={},
+    )
     save = lambda: common.write_json("bench_kernels.json", result)
 
     # 1. Correctness against the fp32 reference.
@@ -313,8 +362,9 @@ def main() -> None:
     save()
 
     # 2. Forward+backward time, Triton vs torch, per SM count.
-    settings: list[tuple[str, int, object]] = [("full", device_num_sms(), None if args.dry_run else
-                                                 torch.cuda.current_stream())]
+    settings: list[tuple[str, int, object]] = [
+        ("full", device_num_sms(), None if args.dry_run else torch.cuda.current_stream())
+    ]
     for n in [int(v) for v in args.sms.split(",") if v]:
         try:
             if args.dry_run:  # no green contexts on the CPU: exercise the budget only
@@ -349,18 +399,39 @@ def main() -> None:
         full = timing.get("full", {})
         # GPU-time ratios (CUDA graphs) where captured, else eager ones (marked e).
         ratios = [timing.get(label, {}).get("graph_speedup") for label in labels]
-        ratios = [f"{r:.3g}" if r is not None else f"{timing.get(label, {}).get('speedup', nan):.3g}e"
-                  for r, label in zip(ratios, labels, strict=True)]
-        rows.append([case.name, "ok" if corr.get("ok") else "FAIL" if corr else "error",
-                     corr.get("worst_triton_rel", nan), corr.get("worst_torch_bf16_rel", nan),
-                     full.get("triton_graph_ms", full.get("triton_ms", nan)),
-                     full.get("torch_graph_ms", full.get("torch_ms", nan)), *ratios,
-                     full.get("speedup", nan), f"{mem.get('triton', nan):.2f}/{mem.get('torch', nan):.2f}"])
-    header = ["op", "check", "rel err", "torch rel err", "triton ms", "torch ms",
-              *[f"x {label} ({sms} SMs)" for label, sms, _ in settings], "x eager full", "peak GiB tri/torch"]
+        ratios = [
+            f"{r:.3g}" if r is not None else f"{timing.get(label, {}).get('speedup', nan):.3g}e"
+            for r, label in zip(ratios, labels, strict=True)
+        ]
+        rows.append(
+            [
+                case.name,
+                "ok" if corr.get("ok") else "FAIL" if corr else "error",
+                corr.get("worst_triton_rel", nan),
+                corr.get("worst_torch_bf16_rel", nan),
+                full.get("triton_graph_ms", full.get("triton_ms", nan)),
+                full.get("torch_graph_ms", full.get("torch_ms", nan)),
+                *ratios,
+                full.get("speedup", nan),
+                f"{mem.get('triton', nan):.2f}/{mem.get('torch', nan):.2f}",
+            ]
+        )
+    header = [
+        "op",
+        "check",
+        "rel err",
+        "torch rel err",
+        "triton ms",
+        "torch ms",
+        *[f"x {label} ({sms} SMs)" for label, sms, _ in settings],
+        "x eager full",
+        "peak GiB tri/torch",
+    ]
     print(f"errors: {list(result['errors'])}" if result["errors"] else "errors: none")
-    print("x = torch time / triton time of forward+backward: GPU time from CUDA-graph replays where captured "
-          "(e: eager,\nlaunch cost included); rel err = max |err| / max |fp32 ref| over outputs and grads")
+    print(
+        "x = torch time / triton time of forward+backward: GPU time from CUDA-graph replays where captured "
+        "(e: eager,\nlaunch cost included); rel err = max |err| / max |fp32 ref| over outputs and grads"
+    )
     print(f"wrote {path}")
     print(common.table(rows, header))
 

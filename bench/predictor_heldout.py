@@ -38,12 +38,22 @@ def main() -> None:
         runs.append(ev)
         rows.append([seed, len(fit_on), len(held_out), ev["solo_mape_pct"], ev["corun_mape_pct"]])
     summary = {k: statistics.mean(r[k] for r in runs) for k in ("solo_mape_pct", "corun_mape_pct")}
-    result = {"profile": args.profile, "key": data["key"], "grid": meta.get("grid"), "runs": runs,
-              "mean": summary, "target_pct": 5.0}
+    result = {
+        "profile": args.profile,
+        "key": data["key"],
+        "grid": meta.get("grid"),
+        "runs": runs,
+        "mean": summary,
+        "target_pct": 5.0,
+    }
     path = common.write_json("predictor_heldout.json", result)
     print(f"wrote {path}")
-    print(common.table(rows + [["mean", "", "", summary["solo_mape_pct"], summary["corun_mape_pct"]]],
-                       ["seed", "fit n", "held-out n", "solo MAPE % (<=5)", "co-run MAPE % (<=5)"]))
+    print(
+        common.table(
+            rows + [["mean", "", "", summary["solo_mape_pct"], summary["corun_mape_pct"]]],
+            ["seed", "fit n", "held-out n", "solo MAPE % (<=5)", "co-run MAPE % (<=5)"],
+        )
+    )
 
 
 if __name__ == "__main__":

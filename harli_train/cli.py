@@ -124,7 +124,9 @@ def train(
 
 @main.command()
 @click.option("--model", required=True, help="Preset or local HF directory to profile.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Profile file (default: a per-GPU/model/version path).")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), help="Profile file (default: a per-GPU/model/version path)."
+)
 @click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @_friendly

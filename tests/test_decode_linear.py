@@ -21,8 +21,11 @@ from harli_train.engine.decode_linear import (  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Per output dtype; the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only.
-TOL = {torch.float32: dict(atol=1e-3, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=1e-2),
-       torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-3, rtol=1e-4),
+    torch.float16: dict(atol=2e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
@@ -61,17 +64,27 @@ def test_split_k_and_both_formulations(swiglu, m, use_dot):
     base = decode_linear_config(1 if m == 1 else max(16, 1 << (m - 1).bit_length()), (n,), k, 132, swiglu, 4)
     n_out = n if swiglu else 3 * n
     for split in (1, 2, 3):
-        cfg = with_config(base, split_k=split, use_dot=use_dot, block_m=max(16, base.block_m) if use_dot else 1,
-                          block_n=32 if use_dot else 8, block_k=64)
+        cfg = with_config(
+            base,
+            split_k=split,
+            use_dot=use_dot,
+            block_m=max(16, base.block_m) if use_dot else 1,
+            block_n=32 if use_dot else 8,
+            block_k=64,
+        )
         buf = torch.full((m, n_out + 5), float("nan"), device=DEVICE)
         out = _check(x, ws, swiglu=swiglu, config=cfg, out=buf[:, :n_out])
         assert out.data_ptr() == buf.data_ptr() and torch.isnan(buf[:, n_out:]).all()
 
 
 def test_configs_for_llama_8b_shapes():
-    shapes = {"qkv": ((4096, 1024, 1024), 4096, False), "o": ((4096,), 4096, False),
-              "gate_up": ((14336, 14336), 4096, True), "down": ((4096,), 14336, False),
-              "lm_head": ((128256,), 4096, False)}
+    shapes = {
+        "qkv": ((4096, 1024, 1024), 4096, False),
+        "o": ((4096,), 4096, False),
+        "gate_up": ((14336, 14336), 4096, True),
+        "down": ((4096,), 14336, False),
+        "lm_head": ((128256,), 4096, False),
+    }
     for m in (1, 2, 4, 8, 16, 32, 64):
         for sms in (132, 48, 16):
             for ns, k, swiglu in shapes.values():
@@ -90,9 +103,18 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
     from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
     from harli_train.model import load_model
 
-    cfg = transformers.LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        vocab_size=80,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -104,16 +126,26 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     outs = {}
     for gemv in (True, False):
-        engine = DecodeEngine(model, EngineConfig(block_size=4, num_kv_blocks=24, max_num_seqs=4,
-                                                  max_model_len=32, kernels="triton", decode_gemv=gemv),
-                              num_sms=2)
+        engine = DecodeEngine(
+            model,
+            EngineConfig(
+                block_size=4,
+                num_kv_blocks=24,
+                max_num_seqs=4,
+                max_model_len=32,
+                kernels="triton",
+                decode_gemv=gemv,
+            ),
+            num_sms=2,
+        )
         assert (engine.runner.decode_forward is not None) == gemv
         outs[gemv] = [s.completion_token_ids for s in engine.generate(prompts, params)]
     assert outs[True] == outs[False]
     with torch.no_grad():
         for p, got in zip(prompts, outs[True], strict=True):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
             assert got == ref
 
 
@@ -147,8 +179,9 @@ def test_decode_linear_compiles_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -164,5 +197,6 @@ def test_projection_past_gemv_rows_falls_back_to_torch():
     got = _project(x, tuple(ws[:2] + [ws[0][:16].contiguous()])[1:], swiglu=False)
     assert got.shape == (x.shape[0], 32)
     _project(x, (ws[0], ws[0].flip(0).contiguous()), swiglu=True, out=out)
-    torch.testing.assert_close(out, decode_linear_reference(x, [ws[0], ws[0].flip(0)], swiglu=True),
-                               **TOL[torch.float32])
+    torch.testing.assert_close(
+        out, decode_linear_reference(x, [ws[0], ws[0].flip(0)], swiglu=True), **TOL[torch.float32]
+    )

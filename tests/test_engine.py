@@ -39,9 +39,19 @@ def hf_pair(tmp_path_factory):
     model loaded from its saved directory."""
     path = tmp_path_factory.mktemp("hf_engine")
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
-        tie_word_embeddings=False, attn_implementation="eager")
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -58,9 +68,14 @@ def _prompts(n, lengths):
 
 def _hf_greedy(hf, prompt, max_tokens):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                          eos_token_id=EOS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _run_with_arrivals(engine, prompts, params, arrive_at):
@@ -75,12 +90,15 @@ def _run_with_arrivals(engine, prompts, params, arrive_at):
     return seqs
 
 
-@pytest.mark.parametrize("kernels,cfg", [
-    ("torch", dict(num_kv_blocks=128, max_num_batched_tokens=512)),
-    # Prompts longer than the token budget are chunked; a cache of 14 blocks forces preemptions.
-    ("torch", dict(num_kv_blocks=14, max_num_batched_tokens=16)),
-    ("triton", dict(num_kv_blocks=40, max_num_batched_tokens=24)),
-])
+@pytest.mark.parametrize(
+    "kernels,cfg",
+    [
+        ("torch", dict(num_kv_blocks=128, max_num_batched_tokens=512)),
+        # Prompts longer than the token budget are chunked; a cache of 14 blocks forces preemptions.
+        ("torch", dict(num_kv_blocks=14, max_num_batched_tokens=16)),
+        ("triton", dict(num_kv_blocks=40, max_num_batched_tokens=24)),
+    ],
+)
 def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
     hf, ours = hf_pair
     lengths = [3, 17, 30, 1, 9, 22] if kernels == "torch" else [3, 17, 30, 9]
@@ -102,8 +120,9 @@ def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
 
 def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
     hf, ours = hf_pair
-    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=10, max_num_seqs=4, max_model_len=64,
-                                             kernels="torch"))
+    engine = DecodeEngine(
+        ours, EngineConfig(block_size=4, num_kv_blocks=10, max_num_seqs=4, max_model_len=64, kernels="torch")
+    )
     prompts = _prompts(3, [5, 8])
     a = engine.add_request(prompts[0], SamplingParams(max_tokens=6))
     engine.step()
@@ -131,8 +150,9 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(hf_pair):
     mates = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=8, temperature=0.7, seed=5)]
     batched = DecodeEngine(ours, cfg).generate(prompts, [hot, *mates])
     assert batched[0].completion_token_ids == alone
-    other_seed = DecodeEngine(ours, cfg).generate([prompts[0]], SamplingParams(
-        max_tokens=10, temperature=1.5, top_p=0.95, seed=124, ignore_eos=True))[0]
+    other_seed = DecodeEngine(ours, cfg).generate(
+        [prompts[0]], SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=124, ignore_eos=True)
+    )[0]
     assert other_seed.completion_token_ids != alone
     # A nucleus this small keeps only the top token: sampling degenerates to greedy.
     narrow_p = SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6)
@@ -143,8 +163,9 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(hf_pair):
 
 def test_step_metrics_and_summary(hf_pair):
     _, ours = hf_pair
-    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_model_len=64,
-                                             kernels="torch"))
+    engine = DecodeEngine(
+        ours, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_model_len=64, kernels="torch")
+    )
     engine.add_partition("half", None, num_sms=66)
     for p in _prompts(7, [5, 9, 13]):
         engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
@@ -168,8 +189,9 @@ def test_step_metrics_and_summary(hf_pair):
 
 def test_peek_abort_and_synthetic_decode(hf_pair):
     _, ours = hf_pair
-    engine = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64,
-                                             kernels="torch"))
+    engine = DecodeEngine(
+        ours, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64, kernels="torch")
+    )
     assert engine.peek() == ("idle", 0, 0)
     for p in _prompts(9, [5, 9]):
         engine.add_request(p, SamplingParams(max_tokens=8))
@@ -210,9 +232,11 @@ def test_traces_and_synthetic_load(tmp_path):
 
 def test_serve_trace_and_generate_text_on_tiny(tmp_path):
     trace = tmp_path / "t.jsonl"
-    lines = [{"arrival_s": 0.0, "prompt": "hello", "output_len": 5},
-             {"arrival_s": 0.01, "prompt_len": 20, "output_len": 4, "id": "x"},
-             {"arrival_s": 0.02, "prompt_len": 300, "output_len": 8}]
+    lines = [
+        {"arrival_s": 0.0, "prompt": "hello", "output_len": 5},
+        {"arrival_s": 0.01, "prompt_len": 20, "output_len": 4, "id": "x"},
+        {"arrival_s": 0.02, "prompt_len": 300, "output_len": 8},
+    ]
     trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     cfg = EngineConfig(block_size=16, num_kv_blocks=12, max_num_seqs=4, max_model_len=512, kernels="torch")
     summary = serve_trace("tiny", tmp_path / "out", trace, device="cpu", config=cfg)
@@ -220,10 +244,16 @@ def test_serve_trace_and_generate_text_on_tiny(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
     assert {r["request_id"] for r in recs} == {"0", "x", "2"}
     assert (tmp_path / "out" / "steps.jsonl").read_text().count("\n") == len(
-        [1 for _ in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()])
+        [1 for _ in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    )
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["setup"]["kv_blocks"] == 12
-    texts = generate_text("tiny", ["hi", "a longer prompt"], max_tokens=6, device="cpu",
-                          config=EngineConfig(num_kv_blocks=16, max_model_len=128, kernels="torch"))
+    texts = generate_text(
+        "tiny",
+        ["hi", "a longer prompt"],
+        max_tokens=6,
+        device="cpu",
+        config=EngineConfig(num_kv_blocks=16, max_model_len=128, kernels="torch"),
+    )
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
 
 
@@ -232,8 +262,9 @@ def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
     hf, _ = hf_pair
     hf.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), torch.float32, "cuda")  # fp32: the kernels' dots run in IEEE fp32
-    cfg = EngineConfig(block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=64,
-                       graph_batch_sizes=(1, 2, 4, 8))
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=128, max_num_seqs=8, max_model_len=64, graph_batch_sizes=(1, 2, 4, 8)
+    )
     engine = DecodeEngine(ours, cfg)
     assert engine.runner.use_graphs
     engine.add_partition("side", torch.cuda.Stream(), num_sms=16)

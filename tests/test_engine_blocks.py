@@ -20,8 +20,9 @@ def _holders(sched: Scheduler) -> list[Sequence]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_scheduler_random_load_keeps_block_invariants(seed):
     rng = random.Random(seed)
-    cfg = EngineConfig(block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=20,
-                       max_model_len=64)
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64
+    )
     bm = BlockManager(24, 4, cfg.max_num_seqs, cfg.max_blocks_per_seq)
     sched = Scheduler(cfg, bm, {EOS})
     seqs, finished, preemptions, next_id = [], [], 0, 0

@@ -40,7 +40,7 @@ def _paged(contexts, num_blocks, block_size, hkv, d, dtype, seed=0):
     ks, vs, used = [], [], 0
     for i, n in enumerate(contexts):
         nb = -(-n // block_size)
-        tables[i, :nb] = perm[used:used + nb].int()
+        tables[i, :nb] = perm[used : used + nb].int()
         used += nb
         k = torch.randn(n, hkv, d, generator=g).to(DEVICE, dtype)
         v = torch.randn(n, hkv, d, generator=g).to(DEVICE, dtype)
@@ -66,12 +66,15 @@ def _sdpa(q, k, v, scale, causal_offset=None):
 
 @pytest.mark.parametrize("impl", list(DECODE_IMPLS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,block_size,contexts,splits", [
-    (8, 2, 64, 16, [1, 17, 100, 63, 16], None),   # GQA 4, ragged, odd lengths, auto splits
-    (8, 2, 64, 16, [1, 17, 100, 0, 63], 3),       # 3 splits (uneven), a padding row (context 0)
-    (4, 4, 48, 8, [5, 33, 2], 1),                 # MHA, head_dim not a power of two, one split
-    (6, 1, 32, 4, [70, 9], 8),                    # MQA (group 6, padded to 16), more splits than tiles
-])
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,contexts,splits",
+    [
+        (8, 2, 64, 16, [1, 17, 100, 63, 16], None),  # GQA 4, ragged, odd lengths, auto splits
+        (8, 2, 64, 16, [1, 17, 100, 0, 63], 3),  # 3 splits (uneven), a padding row (context 0)
+        (4, 4, 48, 8, [5, 33, 2], 1),  # MHA, head_dim not a power of two, one split
+        (6, 1, 32, 4, [70, 9], 8),  # MQA (group 6, padded to 16), more splits than tiles
+    ],
+)
 def test_paged_decode_matches_sdpa(impl, dtype, hq, hkv, d, block_size, contexts, splits):
     k_cache, v_cache, tables, ks, vs = _paged(contexts, 64, block_size, hkv, d, dtype)
     q = torch.randn(len(contexts), hq, d, device=DEVICE).to(dtype)
@@ -83,7 +86,7 @@ def test_paged_decode_matches_sdpa(impl, dtype, hq, hkv, d, block_size, contexts
         if n == 0:
             assert torch.all(got[i] == 0), "a padding row must come out as zeros, not NaN"
             continue
-        ref = _sdpa(q[i:i + 1], ks[i], vs[i], d ** -0.5)[0]
+        ref = _sdpa(q[i : i + 1], ks[i], vs[i], d**-0.5)[0]
         torch.testing.assert_close(got[i].float(), ref, **TOL[dtype])
 
 
@@ -104,35 +107,41 @@ def test_paged_decode_stores_and_attends_the_new_token(impl, dtype, splits):
     v_new = torch.stack([v[-1] if len(v) else torch.zeros(hkv, d, device=DEVICE, dtype=dtype) for v in vs])
     q = torch.randn(len(contexts), hq, d, device=DEVICE).to(dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
-    got = DECODE_IMPLS[impl](q, k_cache, v_cache, tables, lens, d**-0.5, num_sms=4, num_splits=splits,
-                             new_kv=(k_new, v_new, slots))
+    got = DECODE_IMPLS[impl](
+        q, k_cache, v_cache, tables, lens, d**-0.5, num_sms=4, num_splits=splits, new_kv=(k_new, v_new, slots)
+    )
     for i, n in enumerate(contexts):
         if n == 0:
             assert torch.all(got[i] == 0)
             continue
-        torch.testing.assert_close(got[i].float(), _sdpa(q[i:i + 1], ks[i], vs[i], d**-0.5)[0], **TOL[dtype])
+        torch.testing.assert_close(
+            got[i].float(), _sdpa(q[i : i + 1], ks[i], vs[i], d**-0.5)[0], **TOL[dtype]
+        )
         assert torch.equal(k_cache.view(-1, hkv, d)[slots[i]], k_new[i])
         assert torch.equal(v_cache.view(-1, hkv, d)[slots[i]], v_new[i])
 
 
 @pytest.mark.parametrize("impl", list(PREFILL_IMPLS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,block_size,q_lens,contexts", [
-    (8, 2, 64, 16, [5, 1, 33, 17], [5, 20, 70, 17]),   # fresh prompts and chunks after a cached prefix
-    (4, 4, 48, 8, [40, 3], [40, 11]),                  # MHA, odd head_dim, q longer than one tile
-    (6, 2, 32, 4, [2, 29], [2, 29]),
-])
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,q_lens,contexts",
+    [
+        (8, 2, 64, 16, [5, 1, 33, 17], [5, 20, 70, 17]),  # fresh prompts and chunks after a cached prefix
+        (4, 4, 48, 8, [40, 3], [40, 11]),  # MHA, odd head_dim, q longer than one tile
+        (6, 2, 32, 4, [2, 29], [2, 29]),
+    ],
+)
 def test_paged_prefill_matches_sdpa(impl, dtype, hq, hkv, d, block_size, q_lens, contexts):
     k_cache, v_cache, tables, ks, vs = _paged(contexts, 64, block_size, hkv, d, dtype, seed=1)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(q_lens), hq, d, device=DEVICE).to(dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    got = PREFILL_IMPLS[impl](q, k_cache, v_cache, tables, cu, lens, max(q_lens), d ** -0.5, out=out)
+    got = PREFILL_IMPLS[impl](q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out)
     for i, (nq, n) in enumerate(zip(q_lens, contexts, strict=True)):
         lo = int(cu[i])
-        ref = _sdpa(q[lo:lo + nq], ks[i], vs[i], d ** -0.5, causal_offset=n - nq)
-        torch.testing.assert_close(got[lo:lo + nq].float(), ref, **TOL[dtype])
+        ref = _sdpa(q[lo : lo + nq], ks[i], vs[i], d**-0.5, causal_offset=n - nq)
+        torch.testing.assert_close(got[lo : lo + nq].float(), ref, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -190,6 +199,7 @@ def test_engine_kernels_compile_for_sm90():
     pytest.importorskip("harli_train.kernels.compile_check")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,8 +17,9 @@ def _train(backend: str, steps: int) -> tuple[list[float], list[torch.Tensor]]:
     model.add_lora(4, 8.0, 0.0, seed=2)
     opt = torch.optim.AdamW(model.lora_parameters(), lr=3e-3)
     tok = ByteTokenizer()
-    examples = load_examples(QUICKSTART.parent / "data" / "quickstart.jsonl", "prompt_completion", tok,
-                             max_examples=200)
+    examples = load_examples(
+        QUICKSTART.parent / "data" / "quickstart.jsonl", "prompt_completion", tok, max_examples=200
+    )
     loader = DataLoader(examples, 2, 32, tok.pad_id, seed=0)
     losses = []
     with kernels.use_backend(backend):

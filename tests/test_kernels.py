@@ -24,8 +24,10 @@ from harli_train import kernels  # noqa: E402
 # triton.language decides at import whether its own jit helpers (tl.sum, ...) are interpreted: if an
 # earlier test module imported it (peft does) before TRITON_INTERPRET was set, nothing here can run.
 if not isinstance(tl.sum, InterpretedFunction):
-    reason = ("triton.language was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
-              "(before anything imports triton) to run the kernel tests in any order")
+    reason = (
+        "triton.language was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
+        "(before anything imports triton) to run the kernel tests in any order"
+    )
     pytest.skip(reason, allow_module_level=True)
 # Kernel modules imported earlier (without the interpreter) hold JIT kernels: re-execute them.
 for _name in ["rms_norm", "rope", "swiglu", "lora_linear", "linear_cross_entropy"]:
@@ -48,8 +50,12 @@ DTYPES = list(TOLERANCES)
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     assert torch.isfinite(actual).all(), f"{what}: non-finite values (an unwritten, poisoned element?)"
     scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.detach().float() / scale, expected.detach().float() / scale,
-                               **TOLERANCES[dtype], msg=lambda m: f"{what} (scaled by {scale:.3g}): {m}")
+    torch.testing.assert_close(
+        actual.detach().float() / scale,
+        expected.detach().float() / scale,
+        **TOLERANCES[dtype],
+        msg=lambda m: f"{what} (scaled by {scale:.3g}): {m}",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -219,9 +225,11 @@ def test_lora_linear_frozen_input():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lora_linear_group(dtype):
-    members = [_lora_member(48, 80, 8, dtype, bias=True, scale=2.0),
-               _lora_member(48, 24, 8, dtype, scale=0.5),
-               _lora_member(48, 40, 16, dtype, bias=True, scale=1.0)]
+    members = [
+        _lora_member(48, 80, 8, dtype, bias=True, scale=2.0),
+        _lora_member(48, 24, 8, dtype, scale=0.5),
+        _lora_member(48, 40, 16, dtype, bias=True, scale=1.0),
+    ]
     x = rand(37, 48, dtype=dtype)
     ys = kernels.lora_linear_group(x, members)
     ref_members = [(*ref_copy(*m[:4]), m[4]) for m in members]
@@ -237,8 +245,9 @@ def test_lora_linear_group(dtype):
     ys = kernels.lora_linear_group(x, members)
     yrs = reference.lora_linear_group(xr, ref_members)
     got = torch.autograd.grad([ys[0], ys[2]], params, [torch.ones_like(ys[0]), torch.ones_like(ys[2])])
-    want = torch.autograd.grad([yrs[0], yrs[2]], params_r, [torch.ones_like(yrs[0]), torch.ones_like(yrs[2])],
-                               allow_unused=True)
+    want = torch.autograd.grad(
+        [yrs[0], yrs[2]], params_r, [torch.ones_like(yrs[0]), torch.ones_like(yrs[2])], allow_unused=True
+    )
     for i, (g, r) in enumerate(zip(got, want, strict=True)):
         assert_close(g, torch.zeros_like(g) if r is None else r, dtype, f"grad {i} (v unused)")
 
@@ -380,10 +389,12 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    code = ("from harli_train.kernels import compile_check as c\n"
-            "rows = c.compile_all(90, c.default_workloads()[:1])\n"
-            "bad = [r for r in rows if r.get('local') or r.get('stack', 0) > 64]\n"
-            "assert len(rows) >= 15 and not bad, bad\n")
+    code = (
+        "from harli_train.kernels import compile_check as c\n"
+        "rows = c.compile_all(90, c.default_workloads()[:1])\n"
+        "bad = [r for r in rows if r.get('local') or r.get('stack', 0) > 64]\n"
+        "assert len(rows) >= 15 and not bad, bad\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -170,8 +170,19 @@ def test_cli_generate_with_a_trained_adapter(tmp_path):
 
 def test_cli_colocate_with_runs_both_sides(tmp_path):
     out = tmp_path / "colo"
-    result = CliRunner().invoke(main, [str(QUICKSTART), "--colocate-with", "tiny", "--quiet", "train.steps=4",
-                                       "train.warmup_steps=1", "colocation.duration_s=3", f"output.dir={out}"])
+    result = CliRunner().invoke(
+        main,
+        [
+            str(QUICKSTART),
+            "--colocate-with",
+            "tiny",
+            "--quiet",
+            "train.steps=4",
+            "train.warmup_steps=1",
+            "colocation.duration_s=3",
+            f"output.dir={out}",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "colocate" / "summary.json").read_text())
     assert summary["trainer"]["steps"] == 4

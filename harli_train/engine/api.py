@@ -26,8 +26,13 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def build_engine(model_source: str, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 config: EngineConfig | None = None) -> DecodeEngine:
+def build_engine(
+    model_source: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    config: EngineConfig | None = None,
+) -> DecodeEngine:
     """Load `model_source` (preset or HF directory) and its tokenizer, and build an engine over it."""
     from harli_train.data.tokenizer import load_tokenizer
     from harli_train.model import is_preset, load_model, resolve_dtype
@@ -38,9 +43,17 @@ def build_engine(model_source: str, device: str = "auto", dtype: str = "auto", s
     return DecodeEngine(model, config or EngineConfig(), tokenizer=tokenizer)
 
 
-def generate_text(model_source: str, prompts: list[str], max_tokens: int = 64, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0, device: str = "auto", dtype: str = "auto",
-                  config: EngineConfig | None = None) -> list[str]:
+def generate_text(
+    model_source: str,
+    prompts: list[str],
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+    config: EngineConfig | None = None,
+) -> list[str]:
     """Completions of `prompts` (one batch, continuous batching); a refused prompt gives '' and a warning."""
     longest = max((len(p.encode()) for p in prompts), default=0) + max_tokens + 1
     cfg = config or EngineConfig(max_model_len=max(longest, 256), max_num_seqs=max(1, min(256, len(prompts))))
@@ -50,8 +63,15 @@ def generate_text(model_source: str, prompts: list[str], max_tokens: int = 64, t
     return ["" if s.finish_reason == "refused" else engine.decode_text(s) for s in seqs]
 
 
-def _trace_requests(trace: str | Path | None, rate: float | None, duration_s: float, prompt_len, output_len,
-                    burst_rate: float | None, seed: int) -> list[TraceRequest]:
+def _trace_requests(
+    trace: str | Path | None,
+    rate: float | None,
+    duration_s: float,
+    prompt_len,
+    output_len,
+    burst_rate: float | None,
+    seed: int,
+) -> list[TraceRequest]:
     if trace is not None:
         return read_trace(trace)
     if rate is None:
@@ -59,11 +79,24 @@ def _trace_requests(trace: str | Path | None, rate: float | None, duration_s: fl
     return poisson_trace(rate, duration_s, prompt_len, output_len, seed=seed, burst_rate=burst_rate)
 
 
-def serve_trace(model_source: str, out_dir: str | Path, trace: str | Path | None = None, *,
-                rate: float | None = None, duration_s: float = 60.0, prompt_len: int | str = 512,
-                output_len: int | str = 128, burst_rate: float | None = None, max_batch: int = 64,
-                time_scale: float = 1.0, ignore_eos: bool = True, seed: int = 0, device: str = "auto",
-                dtype: str = "auto", config: EngineConfig | None = None) -> dict[str, Any]:
+def serve_trace(
+    model_source: str,
+    out_dir: str | Path,
+    trace: str | Path | None = None,
+    *,
+    rate: float | None = None,
+    duration_s: float = 60.0,
+    prompt_len: int | str = 512,
+    output_len: int | str = 128,
+    burst_rate: float | None = None,
+    max_batch: int = 64,
+    time_scale: float = 1.0,
+    ignore_eos: bool = True,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "auto",
+    config: EngineConfig | None = None,
+) -> dict[str, Any]:
     """Replay a trace file (or a synthetic Poisson load) against the engine in real time.
 
     Writes requests.jsonl, steps.jsonl and summary.json under `out_dir` and returns the summary. Requests
@@ -83,12 +116,16 @@ def serve_trace(model_source: str, out_dir: str | Path, trace: str | Path | None
     t0 = engine.metrics.t0
     while not replay.exhausted or engine.has_unfinished():
         for r in replay.due(engine.clock() - t0):
-            prompt = r.prompt if r.prompt is not None else synthetic_prompt(
-                r.prompt_len, vocab, seed + zlib.crc32(str(r.request_id).encode()))
+            prompt = (
+                r.prompt
+                if r.prompt is not None
+                else synthetic_prompt(r.prompt_len, vocab, seed + zlib.crc32(str(r.request_id).encode()))
+            )
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=ignore_eos, seed=seed)
             try:
-                engine.add_request(prompt, params, request_id=r.request_id,
-                                   arrival_time=t0 + r.arrival_s * time_scale)
+                engine.add_request(
+                    prompt, params, request_id=r.request_id, arrival_time=t0 + r.arrival_s * time_scale
+                )
             except RequestRefused:
                 pass  # recorded in the metrics; the others continue
         if engine.has_unfinished():
@@ -97,15 +134,29 @@ def serve_trace(model_source: str, out_dir: str | Path, trace: str | Path | None
             time.sleep(max(0.0, min(0.05, replay.next_arrival_s() - (engine.clock() - t0))))
     summary = engine.metrics.write(out_dir)
     summary["setup"] = {
-        "model": model_source, "trace": str(trace) if trace is not None else None,
-        "synthetic": None if trace is not None else {"rate": rate, "duration_s": duration_s,
-                                                     "prompt_len": str(prompt_len),
-                                                     "output_len": str(output_len), "burst_rate": burst_rate},
-        "time_scale": time_scale, "ignore_eos": ignore_eos, "device": str(engine.device),
+        "model": model_source,
+        "trace": str(trace) if trace is not None else None,
+        "synthetic": None
+        if trace is not None
+        else {
+            "rate": rate,
+            "duration_s": duration_s,
+            "prompt_len": str(prompt_len),
+            "output_len": str(output_len),
+            "burst_rate": burst_rate,
+        },
+        "time_scale": time_scale,
+        "ignore_eos": ignore_eos,
+        "device": str(engine.device),
         "kv_blocks": engine.storage.num_blocks,
         "engine": asdict(cfg),
     }
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    log.info("serve-trace: %d requests, TTFT p50 %s ms, TPOT p50 %s ms -> %s", summary["requests"],
-             summary["ttft_ms"]["p50"], summary["tpot_ms"]["p50"], out_dir)
+    log.info(
+        "serve-trace: %d requests, TTFT p50 %s ms, TPOT p50 %s ms -> %s",
+        summary["requests"],
+        summary["ttft_ms"]["p50"],
+        summary["tpot_ms"]["p50"],
+        out_dir,
+    )
     return summary

@@ -19,12 +19,12 @@ class AttentionMetadata:
     """
 
     is_prefill: bool
-    slot_mapping: torch.Tensor          # [tokens] int64: cache slot of each new token (-1: padding)
-    block_tables: torch.Tensor          # [seqs, max_blocks] int32
-    context_lens: torch.Tensor          # [seqs] int32: cached tokens after this step, new ones included
+    slot_mapping: torch.Tensor  # [tokens] int64: cache slot of each new token (-1: padding)
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [seqs] int32: cached tokens after this step, new ones included
     cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] int32, prefill only
-    max_q_len: int = 0                  # prefill only: the longest chunk (sizes the grid)
-    num_sms: int = 132                  # SMs of the partition the step runs on (sizes the decode grid)
+    max_q_len: int = 0  # prefill only: the longest chunk (sizes the grid)
+    num_sms: int = 132  # SMs of the partition the step runs on (sizes the decode grid)
 
 
 class PagedAttention:
@@ -32,7 +32,7 @@ class PagedAttention:
 
     def __init__(self, storage: KVStorage, head_dim: int, use_triton: bool):
         self.storage = storage
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.use_triton = use_triton
         self.meta: AttentionMetadata | None = None
         if use_triton:
@@ -55,11 +55,27 @@ class PagedAttention:
         k, v = k.reshape(b * t, -1, d), v.reshape(b * t, -1, d)
         if meta.is_prefill:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = self._prefill(q.reshape(b * t, hq, d), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                              meta.context_lens, meta.max_q_len, self.scale)
+            o = self._prefill(
+                q.reshape(b * t, hq, d),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.context_lens,
+                meta.max_q_len,
+                self.scale,
+            )
         else:
             assert t == 1, "decode steps carry one token per sequence"
             # The decode kernel stores the new token's K/V itself (one launch less per layer).
-            o = self._decode(q.reshape(b, hq, d), k_cache, v_cache, meta.block_tables, meta.context_lens,
-                             self.scale, meta.num_sms, new_kv=(k, v, meta.slot_mapping))
+            o = self._decode(
+                q.reshape(b, hq, d),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                meta.num_sms,
+                new_kv=(k, v, meta.slot_mapping),
+            )
         return o.view(b, t, hq, d)

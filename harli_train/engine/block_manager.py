@@ -55,7 +55,7 @@ class BlockManager:
             block = heapq.heappop(self.free_blocks)
             self.used_blocks.add(block)
             seq.block_table.append(block)
-        self.tables[seq.row, start:start + need] = seq.block_table[start:]
+        self.tables[seq.row, start : start + need] = seq.block_table[start:]
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks and its table row."""
@@ -101,4 +101,4 @@ class BlockManager:
         rows = [s.row for s in holders if s.block_table]
         assert len(rows) == len(set(rows)) and min(rows, default=0) >= 0, "table rows shared or missing"
         for s in holders:
-            assert list(self.tables[s.row, :len(s.block_table)]) == s.block_table, "table row out of date"
+            assert list(self.tables[s.row, : len(s.block_table)]) == s.block_table, "table row out of date"

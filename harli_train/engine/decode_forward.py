@@ -18,8 +18,9 @@ from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear
 from harli_train.model import LlamaForCausalLM
 
 
-def _project(x: torch.Tensor, weights: tuple[torch.Tensor, ...], swiglu: bool = False,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def _project(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], swiglu: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     # Past MAX_GEMV_ROWS rows a step is no longer a pure weight stream: cuBLAS's tiled GEMM takes over.
     if x.shape[0] <= MAX_GEMV_ROWS:
         return decode_linear(x, weights, swiglu=swiglu, out=out)
@@ -50,8 +51,11 @@ class DecodeForward:
     def supports(model: LlamaForCausalLM) -> bool:
         """True when no projection carries an adapter and only q/k/v may have a bias."""
         mods = model.lora_modules()
-        no_other_bias = all(m.bias is None for name, m in mods.items()
-                            if name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj", "v_proj"))
+        no_other_bias = all(
+            m.bias is None
+            for name, m in mods.items()
+            if name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj", "v_proj")
+        )
         return no_other_bias and not any(m.has_lora for m in mods.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx) -> torch.Tensor:
@@ -69,9 +73,9 @@ class DecodeForward:
             qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
             if qkv_bias is not None:
                 qkv += qkv_bias
-            q = qkv[:, :self.q_size].view(b, 1, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(b, 1, self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
             q, k = kernels.apply_rope(q, k, cos, sin)
             o = attn_ctx.attend(attn.layer_idx, q, k, v)
             x = _project(o.reshape(b, -1), (attn.o_proj.weight,))

@@ -21,8 +21,14 @@ from harli_train.model import LlamaForCausalLM
 class DecodeGraphs:
     """The graphs and the static buffers they read: `capture` per partition, `replay` per step."""
 
-    def __init__(self, model: LlamaForCausalLM, attn: PagedAttention, config: EngineConfig,
-                 device: torch.device, decode_forward=None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn: PagedAttention,
+        config: EngineConfig,
+        device: torch.device,
+        decode_forward=None,
+    ):
         self.model, self.attn = model, attn
         self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
         self.buckets = config.graph_batch_sizes
@@ -35,8 +41,9 @@ class DecodeGraphs:
         self.dev_i32 = torch.zeros((max_bs, width + 1), dtype=torch.int32, device=device)
         self.block_tables = self.dev_i32[:, 1:]  # row stride width + 1; the kernels take strides
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # kernels want it dense
-        self.logits = torch.empty((max_bs, model.config.vocab_size), dtype=model.lm_head.weight.dtype,
-                                  device=device)
+        self.logits = torch.empty(
+            (max_bs, model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
+        )
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -44,8 +51,9 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     def _metadata(self, bs: int, num_sms: int) -> AttentionMetadata:
-        return AttentionMetadata(False, self.dev_i64[2, :bs], self.block_tables[:bs], self.context_lens[:bs],
-                                 num_sms=num_sms)
+        return AttentionMetadata(
+            False, self.dev_i64[2, :bs], self.block_tables[:bs], self.context_lens[:bs], num_sms=num_sms
+        )
 
     def _forward(self, bs: int, num_sms: int) -> None:
         self.attn.meta = self._metadata(bs, num_sms)
@@ -77,8 +85,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.attn.meta = None
 
-    def replay(self, key: str, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
-               context_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+    def replay(
+        self,
+        key: str,
+        input_ids: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> torch.Tensor:
         """Run one decode step of n = len(input_ids) sequences on partition `key`; returns logits [n, V]
         (a view of the shared buffer: read it before the next replay). Call on the partition's stream."""
         n = len(input_ids)
@@ -92,7 +107,7 @@ class DecodeGraphs:
         tables = self.host_i32.numpy()
         tables[:n, 0] = context_lens
         tables[n:bs, 0] = 0
-        tables[:n, 1:1 + block_tables.shape[1]] = block_tables
+        tables[:n, 1 : 1 + block_tables.shape[1]] = block_tables
         # Earlier replays finished (their tokens were read), so the pinned buffers are free to reuse.
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_i32[:bs].copy_(self.host_i32[:bs], non_blocking=True)

@@ -47,9 +47,24 @@ class DecodeLinearConfig:
 
 
 @triton.jit
-def _accumulate(x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                USE_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _accumulate(
+    x_ptr,
+    stride_xm,
+    w_ptr,
+    rows,
+    n_rows,
+    M,
+    K,
+    k_start,
+    k_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """fp32 sums over k in [k_start, k_end) of W[rows, k] x[m, k]: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]."""
     offs_k = tl.arange(0, BLOCK_K)
     row_mask = rows < n_rows
@@ -104,10 +119,30 @@ def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexp
 # Grid (row tiles of all weights, SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 / weights 0 and 1.
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, stride_xm, w0_ptr, w1_ptr, w2_ptr, out_ptr, stride_om,
-    M, K, n0, n1, n2, tiles_0, tiles_01, n_total, k_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWIGLU: tl.constexpr, USE_DOT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr,
+    stride_xm,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    out_ptr,
+    stride_om,
+    M,
+    K,
+    n0,
+    n1,
+    n2,
+    tiles_0,
+    tiles_01,
+    n_total,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -116,10 +151,42 @@ def _decode_linear_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     if SWIGLU:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _accumulate(x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
-                        BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
-        u = _accumulate(x_ptr, stride_xm, w1_ptr, rows, n0, M, K, k_start, k_end,
-                        BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
+        g = _accumulate(
+            x_ptr,
+            stride_xm,
+            w0_ptr,
+            rows,
+            n0,
+            M,
+            K,
+            k_start,
+            k_end,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            USE_DOT,
+            EVEN_N,
+            EVEN_K,
+            PRECISION,
+        )
+        u = _accumulate(
+            x_ptr,
+            stride_xm,
+            w1_ptr,
+            rows,
+            n0,
+            M,
+            K,
+            k_start,
+            k_end,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            USE_DOT,
+            EVEN_N,
+            EVEN_K,
+            PRECISION,
+        )
         col_mask = rows < n0
         if SPLIT_K == 1:
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
@@ -144,8 +211,24 @@ def _decode_linear_kernel(
             col0 = n0
             tile = pid - tiles_0
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _accumulate(x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
-                          BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION)
+        acc = _accumulate(
+            x_ptr,
+            stride_xm,
+            w_ptr,
+            rows,
+            n_rows,
+            M,
+            K,
+            k_start,
+            k_end,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            USE_DOT,
+            EVEN_N,
+            EVEN_K,
+            PRECISION,
+        )
         col_mask = rows < n_rows
         if SPLIT_K == 1:
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
@@ -156,8 +239,9 @@ def _decode_linear_kernel(
 
 # part: [SPLIT_K, M, W] fp32 dense (W = N, or 2 N with SWIGLU); out: [M, N] row stride stride_om.
 @triton.jit
-def _split_reduce_kernel(part_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _split_reduce_kernel(
+    part_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr
+):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -183,8 +267,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.cache
-def decode_linear_config(m: int, ns: tuple[int, ...], k: int, num_sms: int, swiglu: bool = False,
-                         elem_bytes: int = 2) -> DecodeLinearConfig:
+def decode_linear_config(
+    m: int, ns: tuple[int, ...], k: int, num_sms: int, swiglu: bool = False, elem_bytes: int = 2
+) -> DecodeLinearConfig:
     """The launch config for x [m, k] against weights of `ns` rows (m: the graph's batch bucket).
 
     M == 1 streams with FMAs (8 rows x 512 columns a program, ~4 programs resident per SM); larger M uses the
@@ -208,6 +293,7 @@ def decode_linear_config(m: int, ns: tuple[int, ...], k: int, num_sms: int, swig
     slots = num_sms * per_sm
     split = 1
     if tiles < slots:
+
         def fill(s: int) -> float:
             programs = tiles * s
             return programs / (_cdiv(programs, slots) * slots)
@@ -220,7 +306,7 @@ def decode_linear_config(m: int, ns: tuple[int, ...], k: int, num_sms: int, swig
 
 
 def decode_linear(
-    x: torch.Tensor,                 # shape [M, K], unit column stride
+    x: torch.Tensor,  # shape [M, K], unit column stride
     weights: Sequence[torch.Tensor],  # 1-3 tensors, shape [N_g, K] contiguous, x's dtype
     swiglu: bool = False,
     out: torch.Tensor | None = None,  # shape [M, N_out], unit column stride
@@ -233,16 +319,18 @@ def decode_linear(
     m, k = x.shape
     ns = tuple(w.shape[0] for w in weights)
     for w in weights:
-        assert w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == x.dtype, \
+        assert w.dim() == 2 and w.shape[1] == k and w.is_contiguous() and w.dtype == x.dtype, (
             f"weight {tuple(w.shape)} {w.dtype} must be contiguous [N, {k}] {x.dtype}"
+        )
     if swiglu:
         assert len(weights) == 2 and ns[0] == ns[1], "swiglu takes gate and up of one shape"
     n_out = ns[0] if swiglu else sum(ns)
     if out is None:
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n_out) and out.stride(1) == 1, f"out must be [{m}, {n_out}]"
-    cfg = config or decode_linear_config(_pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(),
-                                         swiglu, x.element_size())
+    cfg = config or decode_linear_config(
+        _pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(), swiglu, x.element_size()
+    )
     assert cfg.block_m >= m, f"config block_m {cfg.block_m} < M {m}"
     if m == 0 or n_out == 0:
         return out
@@ -260,20 +348,45 @@ def decode_linear(
         stride = dest.stride(1)
     n_padded = (ns + (0, 0))[:3]
     _decode_linear_kernel[(grid_n, split)](
-        x, x.stride(0), w[0], w[1], w[2], dest, stride,
-        m, k, n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], n_out, k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, SWIGLU=swiglu,
-        USE_DOT=cfg.use_dot, EVEN_N=even_n, EVEN_K=even_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        x.stride(0),
+        w[0],
+        w[1],
+        w[2],
+        dest,
+        stride,
+        m,
+        k,
+        n_padded[0],
+        n_padded[1],
+        n_padded[2],
+        tiles[0],
+        tiles[0] + tiles[1],
+        n_out,
+        k_per_split,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        SWIGLU=swiglu,
+        USE_DOT=cfg.use_dot,
+        EVEN_N=even_n,
+        EVEN_K=even_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split > 1:
         block = min(1024, _pow2(n_out))
-        _split_reduce_kernel[(m, _cdiv(n_out, block))](dest, out, out.stride(0), m, n_out, SPLIT_K=split,
-                                                       SWIGLU=swiglu, BLOCK=block, num_warps=4)
+        _split_reduce_kernel[(m, _cdiv(n_out, block))](
+            dest, out, out.stride(0), m, n_out, SPLIT_K=split, SWIGLU=swiglu, BLOCK=block, num_warps=4
+        )
     return out
 
 
-def decode_linear_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], swiglu: bool = False) -> torch.Tensor:
+def decode_linear_reference(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], swiglu: bool = False
+) -> torch.Tensor:
     """The same op in torch, fp32 math, cast to x's dtype."""
     ys = [F.linear(x.float(), w.float()) for w in weights]
     y = F.silu(ys[0]) * ys[1] if swiglu else torch.cat(ys, dim=-1)

@@ -57,15 +57,24 @@ class DecodeEngine:
     GPU); `add_partition` registers more streams, each with its own decode graphs.
     """
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig | None = None, *,
-                 stream: torch.cuda.Stream | None = None, num_sms: int | None = None,
-                 storage: KVStorage | None = None, tokenizer=None,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        num_sms: int | None = None,
+        storage: KVStorage | None = None,
+        tokenizer=None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.model, self.tokenizer, self.clock = model, tokenizer, clock
         self.config = cfg = config or EngineConfig()
         if any(m.has_lora for m in model.lora_modules().values()):
-            raise EngineError("the engine serves the base model: pass a model object with no LoRA adapter "
-                              "attached (it may share its weight tensors with the trainer's)")
+            raise EngineError(
+                "the engine serves the base model: pass a model object with no LoRA adapter "
+                "attached (it may share its weight tensors with the trainer's)"
+            )
         self.device = model.lm_head.weight.device
         on_gpu = self.device.type == "cuda"
         # As in harli_train.kernels: "auto" is Triton on a GPU and the torch reference on the CPU, where the
@@ -77,17 +86,22 @@ class DecodeEngine:
         if storage is None:
             storage = TensorKVStorage(spec, kv_cache_blocks(model, cfg, spec), self.device)
         self.storage = storage
-        self.block_manager = BlockManager(storage.num_blocks, cfg.block_size, cfg.max_num_seqs,
-                                          cfg.max_blocks_per_seq)
+        self.block_manager = BlockManager(
+            storage.num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_blocks_per_seq
+        )
         self.scheduler = Scheduler(cfg, self.block_manager, _eos_ids(model))
         self.runner = ModelRunner(model, cfg, self.block_manager, storage, self.use_triton, seed=cfg.seed)
         self.runner.add_partition(DEFAULT_PARTITION, stream, num_sms)
         self.metrics = EngineMetrics(clock())
         self._next_id = 0
-        log.info("decode engine: %d KV blocks of %d tokens (%.2f GiB), %s kernels, %s", storage.num_blocks,
-                 cfg.block_size, storage.num_blocks * spec.bytes_per_block / 2**30,
-                 "triton" if self.use_triton else "torch",
-                 "CUDA graphs" if self.runner.use_graphs else "eager")
+        log.info(
+            "decode engine: %d KV blocks of %d tokens (%.2f GiB), %s kernels, %s",
+            storage.num_blocks,
+            cfg.block_size,
+            storage.num_blocks * spec.bytes_per_block / 2**30,
+            "triton" if self.use_triton else "torch",
+            "CUDA graphs" if self.runner.use_graphs else "eager",
+        )
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
         """Make `step(partition=key)` run on `stream` (`num_sms` SMs); captures that partition's graphs."""
@@ -112,13 +126,19 @@ class DecodeEngine:
             return ([bos] if bos is not None else []) + ids
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
         """Queue a request; raises RequestRefused (others are untouched) if it could never run here."""
         params = params or SamplingParams()
         ids = self._encode(prompt)
-        seq = Sequence(self._next_id, ids, params, self.clock() if arrival_time is None else arrival_time,
-                       request_id)
+        seq = Sequence(
+            self._next_id, ids, params, self.clock() if arrival_time is None else arrival_time, request_id
+        )
         self._next_id += 1
         problem = self._refusal(seq)
         if problem is not None:
@@ -136,14 +156,18 @@ class DecodeEngine:
         if n == 0:
             return f"{where}: the prompt is empty"
         if n + m > cfg.max_model_len:
-            return (f"{where}: prompt of {n} tokens + max_tokens {m} = {n + m} exceeds max_model_len "
-                    f"{cfg.max_model_len}")
+            return (
+                f"{where}: prompt of {n} tokens + max_tokens {m} = {n + m} exceeds max_model_len "
+                f"{cfg.max_model_len}"
+            )
         need = self.block_manager.blocks_for(n + m - 1)  # the last drawn token is never cached
         # A pooled cache can grow to max_blocks; only a request beyond that can never run.
         capacity = max(self.block_manager.num_blocks, getattr(self.storage, "max_blocks", 0))
         if need > capacity:
-            return (f"{where}: it needs {need} KV blocks ({n + m - 1} tokens, {cfg.block_size} per block) "
-                    f"but the whole cache has {capacity}")
+            return (
+                f"{where}: it needs {need} KV blocks ({n + m - 1} tokens, {cfg.block_size} per block) "
+                f"but the whole cache has {capacity}"
+            )
         return None
 
     def has_unfinished(self) -> bool:
@@ -182,12 +206,23 @@ class DecodeEngine:
         now = self.clock()
         finished = self.scheduler.postprocess(batch, tokens, now)
         kind = "prefill" if batch.is_prefill else "decode"
-        result = StepResult(kind, len(batch.seqs), sum(batch.num_tokens), kv_tokens, now - t0, finished,
-                            batch.preempted)
-        self.metrics.add_step(StepRecord(
-            len(self.metrics.steps), t0 - self.metrics.t0, kind, partition, result.num_seqs,
-            result.num_tokens, kv_tokens, result.latency_s * 1e3, self.block_manager.num_free,
-            len(batch.preempted)))
+        result = StepResult(
+            kind, len(batch.seqs), sum(batch.num_tokens), kv_tokens, now - t0, finished, batch.preempted
+        )
+        self.metrics.add_step(
+            StepRecord(
+                len(self.metrics.steps),
+                t0 - self.metrics.t0,
+                kind,
+                partition,
+                result.num_seqs,
+                result.num_tokens,
+                kv_tokens,
+                result.latency_s * 1e3,
+                self.block_manager.num_free,
+                len(batch.preempted),
+            )
+        )
         for seq in finished:
             self.metrics.add_finished(seq)
         return result
@@ -202,8 +237,11 @@ class DecodeEngine:
             done.extend(result.finished)
         return done
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Sequence]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Sequence]:
         """Run `prompts` to completion; returns their sequences in prompt order (refused ones finished with
         finish_reason 'refused' and `error` set, the others unaffected)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

@@ -67,8 +67,9 @@ class TensorKVStorage:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str):
         self.spec = spec
         self._num_blocks = num_blocks
-        self.data = torch.empty((spec.num_layers, 2, num_blocks, *spec.block_shape), dtype=spec.dtype,
-                                device=device)
+        self.data = torch.empty(
+            (spec.num_layers, 2, num_blocks, *spec.block_shape), dtype=spec.dtype, device=device
+        )
         # Stale values are never read (kernels mask by context length), but NaN garbage times a zero
         # softmax weight would still poison fp math in the torch reference path.
         self.data.zero_()
@@ -105,7 +106,8 @@ def kv_cache_blocks(model: LlamaForCausalLM, config: EngineConfig, spec: KVCache
         raise EngineError(
             f"engine: only {blocks} KV blocks fit in gpu_memory_utilization={config.gpu_memory_utilization} "
             f"(one max_model_len={config.max_model_len} sequence needs {config.max_blocks_per_seq}); raise "
-            "the utilization, lower max_model_len or max_num_batched_tokens, or set num_kv_blocks")
+            "the utilization, lower max_model_len or max_num_batched_tokens, or set num_kv_blocks"
+        )
     return blocks
 
 
@@ -121,7 +123,7 @@ def _activation_peak(model: LlamaForCausalLM, config: EngineConfig) -> int:
     before = torch.cuda.memory_allocated(device)
     n = min(config.max_num_batched_tokens, config.max_model_len)
     hidden = model(torch.zeros((1, n), dtype=torch.int64, device=device))
-    model.logits(hidden[:, -config.max_num_seqs:])
+    model.logits(hidden[:, -config.max_num_seqs :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del hidden

@@ -29,8 +29,13 @@ class TraceRequest:
     request_id: str | None = None
 
     def to_json(self) -> str:
-        d = {"arrival_s": self.arrival_s, "prompt": self.prompt, "prompt_len": self.prompt_len,
-             "output_len": self.output_len, "id": self.request_id}
+        d = {
+            "arrival_s": self.arrival_s,
+            "prompt": self.prompt,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+            "id": self.request_id,
+        }
         return json.dumps({k: v for k, v in d.items() if v is not None})
 
 
@@ -124,7 +129,8 @@ class LengthDist:
         except ValueError:
             pass
         raise TraceError(
-            f"{what} {spec!r}: expected N, 'uniform:LOW:HIGH' or 'lognormal:MEDIAN:SIGMA[:LOW:HIGH]'")
+            f"{what} {spec!r}: expected N, 'uniform:LOW:HIGH' or 'lognormal:MEDIAN:SIGMA[:LOW:HIGH]'"
+        )
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.kind == "fixed":
@@ -138,9 +144,16 @@ class LengthDist:
         return np.clip(np.round(x), max(1, self.low), self.high).astype(np.int64)
 
 
-def poisson_trace(rate: float, duration_s: float, prompt_len: int | str | LengthDist,
-                  output_len: int | str | LengthDist, seed: int = 0, burst_rate: float | None = None,
-                  burst_every_s: float = 20.0, burst_len_s: float = 4.0) -> list[TraceRequest]:
+def poisson_trace(
+    rate: float,
+    duration_s: float,
+    prompt_len: int | str | LengthDist,
+    output_len: int | str | LengthDist,
+    seed: int = 0,
+    burst_rate: float | None = None,
+    burst_every_s: float = 20.0,
+    burst_len_s: float = 4.0,
+) -> list[TraceRequest]:
     """Poisson arrivals at `rate` req/s for `duration_s`; with `burst_rate`, the rate is `burst_rate` during
     the first `burst_len_s` of every `burst_every_s` window (on/off modulated Poisson, drawn by thinning)."""
     if rate <= 0 or duration_s <= 0:
@@ -157,8 +170,10 @@ def poisson_trace(rate: float, duration_s: float, prompt_len: int | str | Length
             times.append(t)
     p = LengthDist.parse(prompt_len, "prompt_len").sample(rng, len(times))
     o = LengthDist.parse(output_len, "output_len").sample(rng, len(times))
-    return [TraceRequest(round(a, 4), int(b), prompt_len=int(c), request_id=str(i))
-            for i, (a, b, c) in enumerate(zip(times, o, p, strict=True))]
+    return [
+        TraceRequest(round(a, 4), int(b), prompt_len=int(c), request_id=str(i))
+        for i, (a, b, c) in enumerate(zip(times, o, p, strict=True))
+    ]
 
 
 def synthetic_prompt(length: int, vocab_size: int, seed: int) -> list[int]:

@@ -15,12 +15,12 @@ from harli_train.engine.sequence import Sequence
 @dataclass(slots=True)
 class StepRecord:
     step: int
-    start_s: float       # since the metrics' start
-    kind: str            # "prefill" | "decode"
+    start_s: float  # since the metrics' start
+    kind: str  # "prefill" | "decode"
     partition: str
     num_seqs: int
-    num_tokens: int      # tokens computed (prefill chunk tokens, or one per sequence)
-    kv_tokens: int       # tokens in the cache of the step's sequences after the step
+    num_tokens: int  # tokens computed (prefill chunk tokens, or one per sequence)
+    kv_tokens: int  # tokens in the cache of the step's sequences after the step
     latency_ms: float
     free_blocks: int
     preempted: int
@@ -45,8 +45,13 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
     a = np.asarray(values, dtype=np.float64)
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean()),
-            "max": float(a.max()), "count": len(values)}
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+        "max": float(a.max()),
+        "count": len(values),
+    }
 
 
 class EngineMetrics:
@@ -64,11 +69,20 @@ class EngineMetrics:
         first, end, n_out = seq.first_token_time, seq.finish_time, seq.num_completion_tokens
         ms = lambda a, b: None if a is None or b is None else (b - a) * 1e3
         tpot = ms(first, end) / (n_out - 1) if n_out > 1 and first is not None and end is not None else None
-        self.requests.append(RequestRecord(
-            seq.request_id, seq.arrival_time - self.t0, seq.num_prompt_tokens, n_out,
-            ms(seq.arrival_time, first), tpot, ms(seq.arrival_time, end), seq.finish_reason or "",
-            seq.num_preemptions, seq.error,
-        ))
+        self.requests.append(
+            RequestRecord(
+                seq.request_id,
+                seq.arrival_time - self.t0,
+                seq.num_prompt_tokens,
+                n_out,
+                ms(seq.arrival_time, first),
+                tpot,
+                ms(seq.arrival_time, end),
+                seq.finish_reason or "",
+                seq.num_preemptions,
+                seq.error,
+            )
+        )
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.requests if r.finish_reason != "refused"]

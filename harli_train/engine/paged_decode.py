@@ -27,21 +27,40 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr,                      # [B, Hq, D]
-    k_cache_ptr, v_cache_ptr,   # [num_blocks, BLOCK_SIZE, Hkv, D]
-    block_tables_ptr,           # [B, max_blocks] int32
-    context_lens_ptr,           # [B] int32 (0: padding row, output 0)
-    k_new_ptr, v_new_ptr,       # [B, Hkv, D] the newest token's K/V (NEW_KV), unit stride over D
-    slot_ptr,                   # [B] int64 its cache slot (-1: not stored)
-    out_ptr,                    # [B, Hq, D] (written when NUM_SPLITS == 1)
-    part_out_ptr,               # [B, Hq, NUM_SPLITS, D] fp32, each split's normalised output
-    part_lse_ptr,               # [B, Hq, NUM_SPLITS] fp32, each split's log2-sum-exp2 of scores
-    scale_log2,                 # softmax scale * log2(e)
-    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
-    stride_kb, stride_kh, stride_vb, stride_vh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, NEW_KV: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32 (0: padding row, output 0)
+    k_new_ptr,
+    v_new_ptr,  # [B, Hkv, D] the newest token's K/V (NEW_KV), unit stride over D
+    slot_ptr,  # [B] int64 its cache slot (-1: not stored)
+    out_ptr,  # [B, Hq, D] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, each split's normalised output
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, each split's log2-sum-exp2 of scores
+    scale_log2,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -112,12 +131,16 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    part_out_ptr,   # [B, Hq, NUM_SPLITS, D] fp32
-    part_lse_ptr,   # [B, Hq, NUM_SPLITS] fp32
-    out_ptr,        # [B, Hq, D]
-    stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
+    out_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -130,8 +153,11 @@ def _paged_decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # a padding row: every split empty
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -147,9 +173,18 @@ def decode_config(batch: int, num_kv_heads: int, head_dim: int, num_sms: int, dt
     return dict(BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, num_sms: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, new_kv: NewKV | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_sms: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    new_kv: NewKV | None = None,
+) -> torch.Tensor:
     """Attention of one new query per sequence over its context. Returns [B, Hq, D].
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int32;
@@ -180,20 +215,53 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         k_new = v_new = slots = q  # unused
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, k_new, v_new, slots, out, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        k_new,
+        v_new,
+        slots,
+        out,
+        part_out,
+        part_lse,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        NUM_HEADS=hq, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        NUM_HEADS=hq,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits,
         NEW_KV=new_kv is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **cfg,
     )
     if splits > 1:
         _paged_decode_reduce_kernel[(b, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=hq, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=d,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=hq,
+            NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=d,
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=4,
         )
     return out

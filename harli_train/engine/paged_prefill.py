@@ -16,16 +16,29 @@ import triton.language as tl
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr,                      # [T, Hq, D] new tokens of all sequences, packed
-    k_cache_ptr, v_cache_ptr,   # [num_blocks, BLOCK_SIZE, Hkv, D]
-    block_tables_ptr,           # [S, max_blocks] int32
-    cu_seqlens_ptr,             # [S + 1] int32: sequence s owns rows cu[s]:cu[s+1] of q and out
-    context_lens_ptr,           # [S] int32: cached tokens after this step (prefix + new)
-    out_ptr,                    # [T, Hq, D]
+    q_ptr,  # [T, Hq, D] new tokens of all sequences, packed
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    block_tables_ptr,  # [S, max_blocks] int32
+    cu_seqlens_ptr,  # [S + 1] int32: sequence s owns rows cu[s]:cu[s+1] of q and out
+    context_lens_ptr,  # [S] int32: cached tokens after this step (prefix + new)
+    out_ptr,  # [T, Hq, D]
     scale_log2,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -81,9 +94,17 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2)
 
 
-def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  cu_seqlens: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of packed new tokens q [T, Hq, D] over each sequence's cache. block_tables
     [S, max_blocks] int32, cu_seqlens [S + 1] int32, context_lens [S] int32. Returns [T, Hq, D]."""
     t, hq, d = q.shape
@@ -97,10 +118,27 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cfg = prefill_config(d, q.dtype)
     grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), num_seqs, hq)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,  # fp32 caches: no tf32 rounding
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens,
+        context_lens,
+        out,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **cfg,  # fp32 caches: no tf32 rounding
     )
     return out

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def kv_store_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+def kv_store_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Same contract as `kv_store`, in plain torch."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
@@ -30,10 +31,18 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[blocks].flatten(0, 1)[:length]
 
 
-def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_sms: int = 0, num_splits: int | None = None, out: torch.Tensor | None = None,
-                           new_kv: NewKV | None = None) -> torch.Tensor:
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_sms: int = 0,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    new_kv: NewKV | None = None,
+) -> torch.Tensor:
     """Same contract as `paged_decode`: store `new_kv`, then SDPA per sequence over its gathered context."""
     if new_kv is not None:
         k_new, v_new, slots = new_kv
@@ -49,9 +58,17 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                            max_q_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Same contract as `paged_prefill`: SDPA per sequence with the causal mask shifted by its prefix."""
     out = torch.empty_like(q) if out is None else out
     cu = cu_seqlens.tolist()
@@ -62,7 +79,8 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v = gather_context(v_cache, block_tables[i], n).transpose(0, 1).float()
         q_pos = torch.arange(prefix, n, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1).float(), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
         out[lo:hi] = o.transpose(0, 1).to(q.dtype)
     return out

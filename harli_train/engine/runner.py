@@ -45,8 +45,15 @@ class ModelRunner:
     unless `enforce_eager`, and run eagerly on the CPU. The only host sync of a step reads the tokens; it
     also orders steps, so consecutive steps may run on different partitions' streams."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, block_manager: BlockManager,
-                 storage: KVStorage, use_triton: bool, seed: int = 0):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        storage: KVStorage,
+        use_triton: bool,
+        seed: int = 0,
+    ):
         self.model, self.config, self.block_manager = model, config, block_manager
         self.device = model.lm_head.weight.device
         self.attn = PagedAttention(storage, model.config.head_dim, use_triton)
@@ -59,15 +66,21 @@ class ModelRunner:
             if DecodeForward.supports(model):
                 self.decode_forward = DecodeForward(model)
         self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
-        self.graphs = (DecodeGraphs(model, self.attn, config, self.device, self.decode_forward)
-                       if self.use_graphs else None)
+        self.graphs = (
+            DecodeGraphs(model, self.attn, config, self.device, self.decode_forward)
+            if self.use_graphs
+            else None
+        )
         self.partitions: dict[str, Partition] = {}
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
         """Register a place to run steps; on a GPU this captures its decode graphs (on `stream`)."""
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                       if self.device.type == "cuda" else CPU_NUM_SMS)
+            num_sms = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else CPU_NUM_SMS
+            )
         if self.graphs is not None and stream is None:
             stream = torch.cuda.Stream(self.device)  # capture needs a side stream; steps then run on it
         self.partitions[key] = Partition(stream, num_sms)
@@ -77,8 +90,9 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _on(self, partition: Partition) -> Iterator[None]:
-        stream_ctx = (torch.cuda.stream(partition.stream) if partition.stream is not None
-                      else contextlib.nullcontext())
+        stream_ctx = (
+            torch.cuda.stream(partition.stream) if partition.stream is not None else contextlib.nullcontext()
+        )
         with stream_ctx, _sm_budget(partition.num_sms), torch.inference_mode():
             yield
 
@@ -110,7 +124,7 @@ class ModelRunner:
         ids, positions, slots, context_lens = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start : start + n])
             positions.append(np.arange(start, start + n))
             slots.append(bm.slots(seq, start, start + n))
             context_lens.append(start + n)
@@ -119,9 +133,13 @@ class ModelRunner:
         width = bm.blocks_for(max(context_lens))
         tables = bm.tables[[s.row for s in batch.seqs], :width]
         self.attn.meta = AttentionMetadata(
-            True, self._to_device(np.concatenate(slots), torch.int64), self._to_device(tables, torch.int32),
-            self._to_device(context_lens, torch.int32), self._to_device(cu, torch.int32),
-            max_q_len=max(batch.num_tokens), num_sms=part.num_sms,
+            True,
+            self._to_device(np.concatenate(slots), torch.int64),
+            self._to_device(tables, torch.int32),
+            self._to_device(context_lens, torch.int32),
+            self._to_device(cu, torch.int32),
+            max_q_len=max(batch.num_tokens),
+            num_sms=part.num_sms,
         )
         input_ids = self._to_device(ids, torch.int64)[None]
         positions_t = self._to_device(np.concatenate(positions), torch.int64)[None]
@@ -144,11 +162,22 @@ class ModelRunner:
             return self.graphs.replay(key, ids, positions, slots, lens, tables)
         return self._eager_decode(ids, positions, slots, lens, tables, part)
 
-    def _eager_decode(self, ids, positions: np.ndarray, slots: np.ndarray, lens: np.ndarray,
-                      tables: np.ndarray, part: Partition) -> torch.Tensor:
-        self.attn.meta = AttentionMetadata(False, self._to_device(slots, torch.int64),
-                                           self._to_device(tables, torch.int32),
-                                           self._to_device(lens, torch.int32), num_sms=part.num_sms)
+    def _eager_decode(
+        self,
+        ids,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        lens: np.ndarray,
+        tables: np.ndarray,
+        part: Partition,
+    ) -> torch.Tensor:
+        self.attn.meta = AttentionMetadata(
+            False,
+            self._to_device(slots, torch.int64),
+            self._to_device(tables, torch.int32),
+            self._to_device(lens, torch.int32),
+            num_sms=part.num_sms,
+        )
         ids_t = self._to_device(ids, torch.int64)[:, None]
         pos_t = self._to_device(positions, torch.int64)[:, None]
         if self.decode_forward is not None:
@@ -164,8 +193,10 @@ class ModelRunner:
         partition's stream and not waited for."""
         part, bm = self.partitions[partition], self.block_manager
         if not (1 <= batch <= self.config.max_num_seqs and 1 <= kv_len <= self.config.max_model_len):
-            raise EngineError(f"synthetic_decode: batch {batch} must be in 1..{self.config.max_num_seqs} and "
-                              f"kv_len {kv_len} in 1..{self.config.max_model_len}")
+            raise EngineError(
+                f"synthetic_decode: batch {batch} must be in 1..{self.config.max_num_seqs} and "
+                f"kv_len {kv_len} in 1..{self.config.max_model_len}"
+            )
         width = bm.blocks_for(kv_len)
         tables = (np.arange(batch * width).reshape(batch, width) % bm.num_blocks).astype(np.int32)
         lens = np.full(batch, kv_len, dtype=np.int64)
@@ -179,8 +210,9 @@ class ModelRunner:
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):
             return None
-        seeds = [s.params.seed if s.params.seed is not None else self.seed * 1_000_003 + s.seq_id
-                 for s in seqs]
+        seeds = [
+            s.params.seed if s.params.seed is not None else self.seed * 1_000_003 + s.seq_id for s in seqs
+        ]
         return SamplingBatch(
             temperatures=self._to_device([s.params.temperature for s in seqs], torch.float32),
             top_ps=self._to_device([s.params.top_p for s in seqs], torch.float32),

@@ -33,9 +33,9 @@ class SamplingBatch:
     """Per-row sampling inputs of one step (device tensors); None rows-wide means all greedy."""
 
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
-    top_ps: torch.Tensor        # [B] float32
-    seeds: torch.Tensor         # [B] int64
-    positions: torch.Tensor     # [B] int64: index of the token being drawn
+    top_ps: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: index of the token being drawn
     any_top_p: bool
 
 

@@ -123,7 +123,7 @@ class Scheduler:
         False when `seq` itself had to be preempted."""
         bm = self.block_manager
         while not bm.can_allocate(seq, num_tokens):
-            newer = self.running[self.running.index(seq) + 1:]
+            newer = self.running[self.running.index(seq) + 1 :]
             victims = [s for s in newer if s not in batch.seqs]
             self._preempt(victims[-1] if victims else seq, batch)
             if not victims:

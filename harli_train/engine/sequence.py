@@ -21,8 +21,14 @@ class Sequence:
     sequence drops its blocks (num_computed = 0) and is recomputed, generated tokens included, on return.
     """
 
-    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, arrival_time: float,
-                 request_id: str | None = None):
+    def __init__(
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        request_id: str | None = None,
+    ):
         self.seq_id = seq_id
         self.request_id = request_id if request_id is not None else str(seq_id)
         self.token_ids = list(token_ids)
@@ -43,8 +49,10 @@ class Sequence:
         return len(self.token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={len(self)}, "
-                f"computed={self.num_computed}, blocks={len(self.block_table)})")
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={len(self)}, "
+            f"computed={self.num_computed}, blocks={len(self.block_table)})"
+        )
 
     @property
     def pending(self) -> int:
@@ -56,7 +64,7 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def last_token(self) -> int:

@@ -34,9 +34,22 @@ from harli_train.kernels.launch_config import get_config, num_sms, set_num_sms, 
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = [
-    "BACKENDS", "add_rms_norm", "apply_rope", "get_backend", "get_config", "linear_cross_entropy",
-    "lora_linear", "lora_linear_group", "num_sms", "rms_norm", "set_backend", "set_num_sms", "sm_budget",
-    "swiglu", "triton_available", "use_backend",
+    "BACKENDS",
+    "add_rms_norm",
+    "apply_rope",
+    "get_backend",
+    "get_config",
+    "linear_cross_entropy",
+    "lora_linear",
+    "lora_linear_group",
+    "num_sms",
+    "rms_norm",
+    "set_backend",
+    "set_num_sms",
+    "sm_budget",
+    "swiglu",
+    "triton_available",
+    "use_backend",
 ]
 
 
@@ -94,11 +107,15 @@ def _use_triton(x: torch.Tensor) -> bool:
     if backend == "auto":
         return x.is_cuda and triton_available()
     if not triton_available():
-        raise RuntimeError("kernel backend 'triton' was selected but triton cannot be imported; "
-                           "install triton or use set_backend('torch')")
+        raise RuntimeError(
+            "kernel backend 'triton' was selected but triton cannot be imported; "
+            "install triton or use set_backend('torch')"
+        )
     if not x.is_cuda and not _interpreting():
-        raise RuntimeError("kernel backend 'triton' got CPU tensors: set TRITON_INTERPRET=1 before the first "
-                           "kernel call to run Triton on the CPU, or use backend 'auto' or 'torch'")
+        raise RuntimeError(
+            "kernel backend 'triton' got CPU tensors: set TRITON_INTERPRET=1 before the first "
+            "kernel call to run Triton on the CPU, or use backend 'auto' or 'torch'"
+        )
     return True
 
 

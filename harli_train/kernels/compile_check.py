@@ -41,8 +41,9 @@ def record_launches(fn: Callable[[], None], target: GPUTarget) -> list[tuple]:
         kwargs.setdefault("debug", False)
         binder = create_function_from_signature(self.signature, self.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization,
-                                                                options)
+        options, signature, constexprs, attrs = self._pack_args(
+            backend, kwargs, bound, specialization, options
+        )
         launches.append((self, ASTSource(self, signature, constexprs, attrs), options))
 
     original = JITFunction.run
@@ -61,9 +62,17 @@ def _fwd_bwd(fn: Callable, *inputs: torch.Tensor) -> None:
     torch.autograd.backward(outs, grads)
 
 
-def llama_workload(tokens: int = 4096, hidden: int = 4096, q_size: int = 4096, kv_size: int = 1024,
-                   inter: int = 14336, vocab: int = 128256, rank: int = 16, head_dim: int = 128,
-                   dtype: torch.dtype = torch.bfloat16) -> None:
+def llama_workload(
+    tokens: int = 4096,
+    hidden: int = 4096,
+    q_size: int = 4096,
+    kv_size: int = 1024,
+    inter: int = 14336,
+    vocab: int = 128256,
+    rank: int = 16,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Forward and backward of every op at one model's shapes, on meta tensors."""
     from harli_train.kernels.linear_cross_entropy import linear_cross_entropy
     from harli_train.kernels.lora_linear import lora_linear, lora_linear_group
@@ -80,17 +89,29 @@ def llama_workload(tokens: int = 4096, hidden: int = 4096, q_size: int = 4096, k
     _fwd_bwd(lambda x: rms_norm(x, t(hidden), 1e-5), t(tokens, hidden))  # with a weight gradient
     seq = max(tokens // 4, 1)
     cos = t(1, seq, head_dim, dt=torch.float32, grad=False)
-    _fwd_bwd(lambda q, k: apply_rope(q, k, cos, cos), t(tokens // seq, seq, q_size // head_dim, head_dim),
-             t(tokens // seq, seq, kv_size // head_dim, head_dim))
+    _fwd_bwd(
+        lambda q, k: apply_rope(q, k, cos, cos),
+        t(tokens // seq, seq, q_size // head_dim, head_dim),
+        t(tokens // seq, seq, kv_size // head_dim, head_dim),
+    )
     _fwd_bwd(swiglu, t(tokens, inter), t(tokens, inter))
 
     def member(n_in, n_out):
-        return (t(n_out, n_in, grad=False), None, t(rank, n_in, dt=torch.float32),
-                t(n_out, rank, dt=torch.float32), 2.0)
+        return (
+            t(n_out, n_in, grad=False),
+            None,
+            t(rank, n_in, dt=torch.float32),
+            t(n_out, rank, dt=torch.float32),
+            2.0,
+        )
 
     _fwd_bwd(lambda x: lora_linear(x, *member(inter, hidden)), t(tokens, inter))
-    _fwd_bwd(lambda x: lora_linear_group(x, [member(hidden, q_size), member(hidden, kv_size),
-                                             member(hidden, kv_size)]), t(tokens, hidden))
+    _fwd_bwd(
+        lambda x: lora_linear_group(
+            x, [member(hidden, q_size), member(hidden, kv_size), member(hidden, kv_size)]
+        ),
+        t(tokens, hidden),
+    )
     _fwd_bwd(lambda x: lora_linear_group(x, [member(hidden, inter)] * 2), t(tokens, hidden))
     labels = torch.empty(tokens, dtype=torch.int64, device="meta")
     _fwd_bwd(lambda h: linear_cross_entropy(h, t(vocab, hidden, grad=False), labels)[0], t(tokens, hidden))
@@ -104,10 +125,15 @@ def default_workloads() -> list[Callable[[], None]]:
         def run():
             with sm_budget(n):
                 llama_workload(**kw)
+
         return run
 
-    return [on_sms(132), on_sms(32), on_sms(132, dtype=torch.float32, **tiny),
-            on_sms(132, dtype=torch.float16, **tiny)]
+    return [
+        on_sms(132),
+        on_sms(32),
+        on_sms(132, dtype=torch.float32, **tiny),
+        on_sms(132, dtype=torch.float16, **tiny),
+    ]
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -136,8 +162,16 @@ def compile_all(arch: int = 90, workloads: list[Callable[[], None]] | None = Non
             kernel = triton.compile(src, target=target, options=options.__dict__)
             usage = _resource_usage(kernel.asm["cubin"])
             constexprs = {jit_fn.arg_names[k[0]]: str(v) for k, v in src.constants.items() if len(k) == 1}
-            rows.append(dict(kernel=jit_fn.__name__, constexprs=constexprs, num_warps=options.num_warps,
-                             num_stages=options.num_stages, shared_bytes=kernel.metadata.shared, **usage))
+            rows.append(
+                dict(
+                    kernel=jit_fn.__name__,
+                    constexprs=constexprs,
+                    num_warps=options.num_warps,
+                    num_stages=options.num_stages,
+                    shared_bytes=kernel.metadata.shared,
+                    **usage,
+                )
+            )
     return rows
 
 
@@ -148,9 +182,11 @@ def main() -> None:
     args = parser.parse_args()
     rows = compile_all(args.arch)
     for r in rows:
-        print(f"{r['kernel']:28s} regs={r.get('reg', '?'):>4} local={r.get('local', '?'):>3} "
-              f"smem={r['shared_bytes']:>6} warps={r['num_warps']} stages={r['num_stages']} "
-              f"{r['constexprs']}")
+        print(
+            f"{r['kernel']:28s} regs={r.get('reg', '?'):>4} local={r.get('local', '?'):>3} "
+            f"smem={r['shared_bytes']:>6} warps={r['num_warps']} stages={r['num_stages']} "
+            f"{r['constexprs']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

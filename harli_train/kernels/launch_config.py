@@ -108,8 +108,13 @@ def get_config(op: str, shape: tuple, num_sms: int, dtype: torch.dtype) -> dict:
         rows, q_heads, kv_heads, head_dim = shape
         block_half = _pow2(head_dim // 2)
         warps = 4 if _pow2(q_heads) * block_half <= 2048 else 8
-        return dict(BLOCK_QH=_pow2(q_heads), BLOCK_KH=_pow2(kv_heads), BLOCK_HALF=block_half,
-                    num_warps=warps, num_programs=max(1, min(rows, num_sms * 8)))
+        return dict(
+            BLOCK_QH=_pow2(q_heads),
+            BLOCK_KH=_pow2(kv_heads),
+            BLOCK_HALF=block_half,
+            num_warps=warps,
+            num_programs=max(1, min(rows, num_sms * 8)),
+        )
     if op == "swiglu":
         _, cols = shape
         # Elementwise: a plain grid of (row, column block); the hardware scheduler fills whatever SMs we own.
@@ -125,15 +130,22 @@ def get_config(op: str, shape: tuple, num_sms: int, dtype: torch.dtype) -> dict:
         # (deterministic). Training-sized M needs no split, which saves the two reduction ops.
         k_blocks = _cdiv(k, block_k)
         split_k = max(1, min(_cdiv(num_sms, tiles), k_blocks // 4)) if 2 * tiles < num_sms else 1
-        return dict(BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, SPLIT_K=split_k, num_warps=4,
-                    num_stages=3)
+        return dict(
+            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, SPLIT_K=split_k, num_warps=4, num_stages=3
+        )
     if op == "lora_expand":
         m, n, r = shape
         block_m, block_n, warps = (16, 64, 4) if m <= 16 else (64, 128, 8)
         tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
         # ~80 registers a thread at 8 warps (sm_90): 2-3 programs fit per SM, so 2 per SM stay resident.
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=min(max(16, _pow2(r)), 64), num_warps=warps,
-                    num_stages=2, num_programs=max(1, min(tiles, num_sms * 2)))
+        return dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=min(max(16, _pow2(r)), 64),
+            num_warps=warps,
+            num_stages=2,
+            num_programs=max(1, min(tiles, num_sms * 2)),
+        )
     if op == "cross_entropy":
         rows, vocab = shape
         block = min(_pow2(vocab), 8192)

@@ -21,9 +21,15 @@ from harli_train.kernels.launch_config import get_config, num_sms
 # Persistent over rows; each row is read twice (online max / sum-exp, then the gradient).
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    LOGITS, stride_l, LABELS, LOSS,
-    n_rows, n_cols, ignore_index,
-    COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS,
+    stride_l,
+    LABELS,
+    LOSS,
+    n_rows,
+    n_cols,
+    ignore_index,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
@@ -73,8 +79,16 @@ def cross_entropy_fwd_(
         return
     cfg = get_config("cross_entropy", (rows, vocab), num_sms(), logits.dtype)
     _cross_entropy_fwd_kernel[(cfg["num_programs"],)](
-        logits, logits.stride(0), labels, loss, rows, vocab, ignore_index,
-        COMPUTE_GRAD=compute_grad, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+        logits,
+        logits.stride(0),
+        labels,
+        loss,
+        rows,
+        vocab,
+        ignore_index,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK_V=cfg["BLOCK_V"],
+        num_warps=cfg["num_warps"],
     )
 
 

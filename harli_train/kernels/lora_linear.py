@@ -22,9 +22,24 @@ from harli_train.kernels.launch_config import get_config, num_sms, with_forward_
 # dtype (sos unused). OUT[k] = scale * X[:, k-th share of K] @ W^T. Grid (M tiles, SPLIT_K, R tiles).
 @triton.jit
 def _lora_shrink_kernel(
-    X, sxm, sxk, W, swr, swk, OUT, sos, som, sor,
-    M, K, R, scale,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    X,
+    sxm,
+    sxk,
+    W,
+    swr,
+    swk,
+    OUT,
+    sos,
+    som,
+    sor,
+    M,
+    K,
+    R,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1)
@@ -51,9 +66,21 @@ def _lora_shrink_kernel(
 # Y += scale * Z @ W, read-modify-write of each [BLOCK_M, BLOCK_N] tile of Y; persistent over the tiles.
 @triton.jit
 def _lora_expand_kernel(
-    Z, szm, szr, W, swr, swn, Y, sym,
-    M, N, R, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    Z,
+    szm,
+    szr,
+    W,
+    swr,
+    swn,
+    Y,
+    sym,
+    M,
+    N,
+    R,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -100,10 +127,23 @@ def lora_shrink(
     sos = 0 if split == 1 else target.stride(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), split, triton.cdiv(r, cfg["BLOCK_R"]))
     _lora_shrink_kernel[grid](
-        x, *x.stride(), w, *w.stride(), target, sos, *target.stride()[-2:],
-        m, k, r, scale,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], BLOCK_R=cfg["BLOCK_R"], SPLIT_K=split,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x,
+        *x.stride(),
+        w,
+        *w.stride(),
+        target,
+        sos,
+        *target.stride()[-2:],
+        m,
+        k,
+        r,
+        scale,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_R=cfg["BLOCK_R"],
+        SPLIT_K=split,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if split > 1:
         out.copy_(target.sum(0))
@@ -118,8 +158,9 @@ def lora_expand_(
 ) -> torch.Tensor:
     """y += scale * z @ w, in place; returns y."""
     assert y.dim() == 2 and y.stride(1) == 1, "lora_expand_: y must be [M, N] with unit column stride"
-    assert z.shape == (y.shape[0], w.shape[0]) and w.shape[1] == y.shape[1], \
+    assert z.shape == (y.shape[0], w.shape[0]) and w.shape[1] == y.shape[1], (
         f"lora_expand_: {y.shape} += {z.shape} @ {w.shape}"
+    )
     assert z.dtype == w.dtype, f"lora_expand_: z {z.dtype} and w {w.dtype} must match"
     check_dtype("lora_expand_ y", y)
     (m, n), r = y.shape, z.shape[1]
@@ -127,10 +168,21 @@ def lora_expand_(
         return y
     cfg = get_config("lora_expand", (m, n, r), num_sms(), z.dtype)
     _lora_expand_kernel[(cfg["num_programs"],)](
-        z, *z.stride(), w, *w.stride(), y, y.stride(0),
-        m, n, r, scale,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        z,
+        *z.stride(),
+        w,
+        *w.stride(),
+        y,
+        y.stride(0),
+        m,
+        n,
+        r,
+        scale,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_R=cfg["BLOCK_R"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return y
 

@@ -19,9 +19,21 @@ from harli_train.kernels.launch_config import get_config, num_sms, with_forward_
 # HOUT receives x + residual (HAS_RESIDUAL) in its own dtype; Y = W * (h * rstd).to(h dtype).
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, stride_x, R, stride_r, HOUT, stride_h, W, Y, stride_y, RSTD,
-    n_rows, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    X,
+    stride_x,
+    R,
+    stride_r,
+    HOUT,
+    stride_h,
+    W,
+    Y,
+    stride_y,
+    RSTD,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # Persistent: program p handles rows p, p + P, ...; the int64 row index keeps offsets from overflowing.
     pid = tl.program_id(0).to(tl.int64)
@@ -45,9 +57,22 @@ def _rms_norm_fwd_kernel(
 # residual output (HAS_DH); DX: [rows, H] output; DW: [programs, H] fp32 per-program partial weight grads.
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, stride_dy, H, stride_h, DH, stride_dh, W, RSTD, DX, stride_dx, DW,
-    n_rows, n_cols,
-    HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_H: tl.constexpr,
+    DY,
+    stride_dy,
+    H,
+    stride_h,
+    DH,
+    stride_dh,
+    W,
+    RSTD,
+    DX,
+    stride_dx,
+    DW,
+    n_rows,
+    n_cols,
+    HAS_DH: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -96,9 +121,22 @@ def rms_norm_fwd(
         return y, h, rstd
     cfg = get_config("rms_norm", (rows, cols), num_sms(), x.dtype)
     _rms_norm_fwd_kernel[(cfg["num_programs"],)](
-        x, x.stride(0), residual, residual.stride(0), h, h.stride(0), weight, y, y.stride(0), rstd,
-        rows, cols, eps,
-        HAS_RESIDUAL=has_residual, BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+        x,
+        x.stride(0),
+        residual,
+        residual.stride(0),
+        h,
+        h.stride(0),
+        weight,
+        y,
+        y.stride(0),
+        rstd,
+        rows,
+        cols,
+        eps,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_H=cfg["BLOCK_H"],
+        num_warps=cfg["num_warps"],
     )
     return y, h, rstd
 
@@ -124,9 +162,23 @@ def rms_norm_bwd(
     programs = cfg["num_programs"]
     dw = torch.empty((programs, cols), dtype=torch.float32, device=h.device) if compute_dw else rstd
     _rms_norm_bwd_kernel[(programs,)](
-        dy, dy.stride(0), h, h.stride(0), dh if dh is not None else dy, dh.stride(0) if dh is not None else 0,
-        weight, rstd, dx, dx.stride(0), dw, rows, cols,
-        HAS_DH=dh is not None, COMPUTE_DW=compute_dw, BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+        dy,
+        dy.stride(0),
+        h,
+        h.stride(0),
+        dh if dh is not None else dy,
+        dh.stride(0) if dh is not None else 0,
+        weight,
+        rstd,
+        dx,
+        dx.stride(0),
+        dw,
+        rows,
+        cols,
+        HAS_DH=dh is not None,
+        COMPUTE_DW=compute_dw,
+        BLOCK_H=cfg["BLOCK_H"],
+        num_warps=cfg["num_warps"],
     )
     return dx, dw.sum(0).to(weight.dtype) if compute_dw else None
 

@@ -18,8 +18,25 @@ from harli_train.kernels.launch_config import get_config, num_sms, with_forward_
 
 @triton.jit
 def _rotate_heads(
-    X, sxb, sxt, sxh, XO, sob, sot, soh, b, t, n_heads, half, c1, c2, s1, s2,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    X,
+    sxb,
+    sxt,
+    sxh,
+    XO,
+    sob,
+    sot,
+    soh,
+    b,
+    t,
+    n_heads,
+    half,
+    c1,
+    c2,
+    s1,
+    s2,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # One token's [heads, D] slab as two [BLOCK_H, BLOCK_HALF] halves; c*/s* are [1, BLOCK_HALF].
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -44,11 +61,35 @@ def _rotate_heads(
 # One kernel serves forward and backward (BACKWARD constexpr), as Liger's rope does: the two differ in a sign.
 @triton.jit
 def _rope_kernel(
-    Q, sqb, sqt, sqh, QO, sqob, sqot, sqoh,
-    K, skb, skt, skh, KO, skob, skot, skoh,
-    COS, SIN, scb, sct,
-    n_rows, seq_len, n_qh, n_kh, half,
-    BACKWARD: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q,
+    sqb,
+    sqt,
+    sqh,
+    QO,
+    sqob,
+    sqot,
+    sqoh,
+    K,
+    skb,
+    skt,
+    skh,
+    KO,
+    skob,
+    skot,
+    skoh,
+    COS,
+    SIN,
+    scb,
+    sct,
+    n_rows,
+    seq_len,
+    n_qh,
+    n_kh,
+    half,
+    BACKWARD: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -61,10 +102,48 @@ def _rope_kernel(
         c2 = tl.load(COS + cs_off + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
         s1 = tl.load(SIN + cs_off, mask=dmask, other=0.0).to(tl.float32)[None, :]
         s2 = tl.load(SIN + cs_off + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        _rotate_heads(Q, sqb, sqt, sqh, QO, sqob, sqot, sqoh, b, t, n_qh, half, c1, c2, s1, s2,
-                      BACKWARD, BLOCK_QH, BLOCK_HALF)
-        _rotate_heads(K, skb, skt, skh, KO, skob, skot, skoh, b, t, n_kh, half, c1, c2, s1, s2,
-                      BACKWARD, BLOCK_KH, BLOCK_HALF)
+        _rotate_heads(
+            Q,
+            sqb,
+            sqt,
+            sqh,
+            QO,
+            sqob,
+            sqot,
+            sqoh,
+            b,
+            t,
+            n_qh,
+            half,
+            c1,
+            c2,
+            s1,
+            s2,
+            BACKWARD,
+            BLOCK_QH,
+            BLOCK_HALF,
+        )
+        _rotate_heads(
+            K,
+            skb,
+            skt,
+            skh,
+            KO,
+            skob,
+            skot,
+            skoh,
+            b,
+            t,
+            n_kh,
+            half,
+            c1,
+            c2,
+            s1,
+            s2,
+            BACKWARD,
+            BLOCK_KH,
+            BLOCK_HALF,
+        )
 
 
 def rope_launch(
@@ -94,12 +173,28 @@ def rope_launch(
     cfg = get_config("rope", (rows, n_qh, k.shape[2], head_dim), num_sms(), q.dtype)
     batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     _rope_kernel[(cfg["num_programs"],)](
-        q, *q.stride()[:3], qo, *qo.stride()[:3],
-        k, *k.stride()[:3], ko, *ko.stride()[:3],
-        cos, sin, batch_stride, cos.stride(1),
-        rows, seq_len, n_qh, k.shape[2], head_dim // 2,
-        BACKWARD=backward, BLOCK_QH=cfg["BLOCK_QH"], BLOCK_KH=cfg["BLOCK_KH"],
-        BLOCK_HALF=cfg["BLOCK_HALF"], num_warps=cfg["num_warps"],
+        q,
+        *q.stride()[:3],
+        qo,
+        *qo.stride()[:3],
+        k,
+        *k.stride()[:3],
+        ko,
+        *ko.stride()[:3],
+        cos,
+        sin,
+        batch_stride,
+        cos.stride(1),
+        rows,
+        seq_len,
+        n_qh,
+        k.shape[2],
+        head_dim // 2,
+        BACKWARD=backward,
+        BLOCK_QH=cfg["BLOCK_QH"],
+        BLOCK_KH=cfg["BLOCK_KH"],
+        BLOCK_HALF=cfg["BLOCK_HALF"],
+        num_warps=cfg["num_warps"],
     )
     return qo, ko
 

@@ -57,8 +57,16 @@ def swiglu_fwd(
     y = new_output((rows, cols), torch.promote_types(gate.dtype, up.dtype), gate.device)
     if y.numel():
         grid, cfg = _grid(rows, cols, gate.dtype)
-        _swiglu_fwd_kernel[grid](gate, gate.stride(0), up, up.stride(0), y, cols,
-                                 BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        _swiglu_fwd_kernel[grid](
+            gate,
+            gate.stride(0),
+            up,
+            up.stride(0),
+            y,
+            cols,
+            BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"],
+        )
     return y
 
 
@@ -74,8 +82,19 @@ def swiglu_bwd(
     du = new_output((rows, cols), up.dtype, up.device)
     if dg.numel():
         grid, cfg = _grid(rows, cols, gate.dtype)
-        _swiglu_bwd_kernel[grid](dy, dy.stride(0), gate, gate.stride(0), up, up.stride(0), dg, du, cols,
-                                 BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        _swiglu_bwd_kernel[grid](
+            dy,
+            dy.stride(0),
+            gate,
+            gate.stride(0),
+            up,
+            up.stride(0),
+            dg,
+            du,
+            cols,
+            BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"],
+        )
     return dg, du
 
 

@@ -19,17 +19,26 @@ OUTPUT = "lognormal:128:0.5:16:512"
 
 def main() -> None:
     steady = poisson_trace(2.0, 60.0, PROMPT, OUTPUT, seed=1)
-    write_trace(HERE / "steady.jsonl", steady,
-                f"steady: Poisson 2 req/s for 60 s; prompt {PROMPT}, output {OUTPUT}; "
-                "made by recipes/traces/make_traces.py (seed 1)")
-    bursty = poisson_trace(0.5, 60.0, PROMPT, OUTPUT, seed=2, burst_rate=8.0, burst_every_s=20.0,
-                           burst_len_s=4.0)
-    write_trace(HERE / "bursty.jsonl", bursty,
-                f"bursty: 0.5 req/s with 8 req/s bursts (first 4 s of every 20 s) for 60 s; prompt {PROMPT}, "
-                f"output {OUTPUT}; made by recipes/traces/make_traces.py (seed 2)")
+    write_trace(
+        HERE / "steady.jsonl",
+        steady,
+        f"steady: Poisson 2 req/s for 60 s; prompt {PROMPT}, output {OUTPUT}; "
+        "made by recipes/traces/make_traces.py (seed 1)",
+    )
+    bursty = poisson_trace(
+        0.5, 60.0, PROMPT, OUTPUT, seed=2, burst_rate=8.0, burst_every_s=20.0, burst_len_s=4.0
+    )
+    write_trace(
+        HERE / "bursty.jsonl",
+        bursty,
+        f"bursty: 0.5 req/s with 8 req/s bursts (first 4 s of every 20 s) for 60 s; prompt {PROMPT}, "
+        f"output {OUTPUT}; made by recipes/traces/make_traces.py (seed 2)",
+    )
     for name, reqs in (("steady", steady), ("bursty", bursty)):
-        print(f"{name}: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt tokens, "
-              f"{sum(r.output_len for r in reqs)} output tokens")
+        print(
+            f"{name}: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt tokens, "
+            f"{sum(r.output_len for r in reqs)} output tokens"
+        )
 
 
 if __name__ == "__main__":
