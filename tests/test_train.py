@@ -188,3 +188,11 @@ def test_cli_colocate_with_runs_both_sides(tmp_path):
     assert summary["trainer"]["steps"] == 4
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "colocate" / "timeline.png").is_file() and (out / "colocate" / "steps.jsonl").is_file()
+
+
+def test_gpu_recipe_on_a_cpu_machine_names_the_device_key():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for extra in ([], ["--colocate-with", "tiny"]):
+        result = CliRunner().invoke(main, [str(ROOT / "recipes" / "llama-8b-lora.yaml"), *extra])
+        assert result.exit_code != 0 and "train.device" in result.output and "Traceback" not in result.output

@@ -225,7 +225,7 @@ def assemble(
 ) -> Colocation:
     """Build trainer, engine, ladder, predictor and policy for ``cfg`` serving ``serve_model``."""
     col = cfg.colocation
-    device = resolve_device(cfg.train.device)
+    device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
     base = load_model(cfg.model.name, dtype, device, seed=cfg.model.seed) if shared else None

@@ -15,7 +15,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.adapter import save_adapter
-from harli_train.config import RecipeConfig, recipe_to_dict
+from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
 from harli_train.data.dataset import load_examples
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
@@ -35,11 +35,12 @@ from harli_train.train.step import MicroStep, StepResult, train_step
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, source: str = "config") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA GPU is available (use 'auto' or 'cpu')")
+        raise RecipeError(source, "train.device", "a device this machine has ('auto' or 'cpu' here)",
+                          "'cuda', but no CUDA GPU is available")
     return torch.device(name)
 
 
@@ -66,7 +67,7 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
-        self.device = resolve_device(cfg.train.device)
+        self.device = resolve_device(cfg.train.device, cfg.source)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
