@@ -39,8 +39,12 @@ def resolve_device(name: str, source: str = "config") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(source, "train.device", "a device this machine has ('auto' or 'cpu' here)",
-                          "'cuda', but no CUDA GPU is available")
+        raise RecipeError(
+            source,
+            "train.device",
+            "a device this machine has ('auto' or 'cpu' here)",
+            "'cuda', but no CUDA GPU is available",
+        )
     return torch.device(name)
 
 
