@@ -44,7 +44,6 @@ from harli_train.colocate.engine_adapter import is_cuda_stream
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
 from harli_train.colocate.policies import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent
-from harli_train.train.checkpoint import set_rng_state
 from harli_train.train.step import MicroStep
 
 log = logging.getLogger(__name__)
@@ -348,10 +347,7 @@ class TrainFeeder:
 
     def _rollback(self) -> None:
         tr = self.trainer
-        tr.optimizer.zero_grad(set_to_none=True)
-        if getattr(tr, "_loader_state", None) is not None:
-            tr.loader.load_state_dict(tr._loader_state)
-            set_rng_state(tr._rng_state)
+        tr.abandon_step()
         self.gen = tr.micro_steps()
         self._reset_tracking()
 

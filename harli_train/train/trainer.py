@@ -176,28 +176,9 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._pending_commit = (result, lr, grad_norm, t0)
             yield MicroStep("optim", len(batches) - 1)
-            self.step += 1
-            self.tokens_seen += result.input_tokens
-            self.last_loss = result.loss_sum.item() / result.target_tokens
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            dt = time.perf_counter() - t0
-            self.metrics.log(
-                {
-                    "step": self.step,
-                    "loss": self.last_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens": result.input_tokens,
-                    "target_tokens": result.target_tokens,
-                    "tokens_per_s": result.input_tokens / dt,
-                    "step_s": dt,
-                    "memory_gib": memory_gib(self.device),
-                    "epoch": self.loader.epoch,
-                    "tokens_seen": self.tokens_seen,
-                }
-            )
+            self._commit_step()
             every = self.cfg.output.checkpoint_every
             if every and self.step % every == 0 and not self.done:
                 self.save_checkpoint()
@@ -214,13 +195,49 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
 
-    def interrupt(self) -> None:
-        """Abandon the step in flight (its gradients and data), so the checkpoint is at a step boundary."""
-        self.interrupted = True
+    def _commit_step(self) -> None:
+        """Count and log the step whose optimizer update has run; from here on it is kept, never redone."""
+        (result, lr, grad_norm, t0), self._pending_commit = self._pending_commit, None
+        self.step += 1
+        self.tokens_seen += result.input_tokens
+        self.last_loss = result.loss_sum.item() / result.target_tokens
+        self._loader_state = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.metrics.log(
+            {
+                "step": self.step,
+                "loss": self.last_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens": result.input_tokens,
+                "target_tokens": result.target_tokens,
+                "tokens_per_s": result.input_tokens / dt,
+                "step_s": dt,
+                "memory_gib": memory_gib(self.device),
+                "epoch": self.loader.epoch,
+                "tokens_seen": self.tokens_seen,
+            }
+        )
+
+    def abandon_step(self) -> None:
+        """Drop the step in flight (gradients, data position, RNG) so the next `micro_steps()` redoes it.
+
+        A step whose optimizer update already ran is kept instead (counted): its weights have moved.
+        """
+        if getattr(self, "_pending_commit", None) is not None:
+            self._commit_step()
         self.optimizer.zero_grad(set_to_none=True)
         if getattr(self, "_loader_state", None) is not None:
             self.loader.load_state_dict(self._loader_state)
             set_rng_state(self._rng_state)
+            self._loader_state = None
+
+    def interrupt(self) -> None:
+        """Stop at a step boundary: abandon the step in flight, so the checkpoint is exact."""
+        self.interrupted = True
+        self.abandon_step()
         log.warning("interrupted: checkpointing step %d", self.step)
 
     def finish(self) -> dict[str, Any]:
