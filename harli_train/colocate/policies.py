@@ -204,6 +204,9 @@ class HarliPolicy(Policy):
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         full = self.ladder.full
         if kind != "decode":  # prefill is compute-bound and outside the decode model: no trainer beside it
+            # Tried on the H200: prefill beside the trainer on the recent decode share lifted the trainer
+            # (1.2k -> 4.7k tokens/s, steady/light) but the longer prefill delayed running decodes into
+            # objective violations (bench/results/2026-11-29-bench_colocate-prefill-beside.json).
             return _paused(full, f"{kind}: whole GPU")
         d = self.controller.decide(batch, kv_tokens)
         part = d.partition
