@@ -168,22 +168,13 @@ def generate(
     device: str,
 ) -> None:
     """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0)."""
-    from harli_train.adapter import load_adapter, merge_adapter
-    from harli_train.data.tokenizer import load_tokenizer
-    from harli_train.engine.api import _device
-    from harli_train.engine.engine import DecodeEngine
+    from harli_train.engine.api import build_engine
     from harli_train.engine.engine_config import EngineConfig
     from harli_train.engine.sampling_params import SamplingParams
-    from harli_train.model import is_preset, load_model, resolve_dtype
 
-    dev = _device(device)
-    model = load_model(model_source, resolve_dtype("auto", dev), dev)
-    if adapter is not None:
-        load_adapter(model, adapter)
-        merge_adapter(model)
     longest = max(len(p.encode()) for p in prompts) + max_tokens + 1
     cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
-    engine = DecodeEngine(model, cfg, tokenizer=load_tokenizer(model_source, is_preset(model_source)))
+    engine = build_engine(model_source, device, config=cfg, adapter=adapter)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     for prompt, seq in zip(prompts, engine.generate(list(prompts), params), strict=True):
         text = f"[refused: {seq.error}]" if seq.finish_reason == "refused" else engine.decode_text(seq)

@@ -32,13 +32,21 @@ def build_engine(
     dtype: str = "auto",
     seed: int = 0,
     config: EngineConfig | None = None,
+    adapter: str | None = None,
 ) -> DecodeEngine:
-    """Load `model_source` (preset or HF directory) and its tokenizer, and build an engine over it."""
+    """Load `model_source` (preset or HF directory) and its tokenizer, and build an engine over it.
+
+    A PEFT `adapter` directory is merged into the weights first: the engine serves plain projections.
+    """
+    from harli_train.adapter import load_adapter, merge_adapter
     from harli_train.data.tokenizer import load_tokenizer
     from harli_train.model import is_preset, load_model, resolve_dtype
 
     dev = _device(device)
     model = load_model(model_source, resolve_dtype(dtype, dev), dev, seed=seed)
+    if adapter is not None:
+        load_adapter(model, adapter)
+        merge_adapter(model)
     tokenizer = load_tokenizer(model_source, is_preset(model_source))
     return DecodeEngine(model, config or EngineConfig(), tokenizer=tokenizer)
 
