@@ -14,21 +14,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture
 def tiny_hf_dir(tmp_path):
     """A small random transformers Llama saved as a local HF directory; returns (path, hf_model)."""
-    import transformers
+    from .hf_models import save_tiny_llama
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=72,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
     path = tmp_path / "hf_model"
-    model.save_pretrained(path)
+    model = save_tiny_llama(
+        path, vocab_size=96, hidden_size=32, intermediate_size=72, max_position_embeddings=128, std=0.02
+    )
     return path, model

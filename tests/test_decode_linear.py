@@ -99,28 +99,20 @@ def test_configs_for_llama_8b_shapes():
 def test_engine_decode_forward_matches_model_path(tmp_path):
     """Greedy tokens of the engine with decode_gemv (Triton GEMV projections) equal those of the model's own
     forward, and transformers'; the decode forward is really in use."""
-    transformers = pytest.importorskip("transformers")
     from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
     from harli_train.model import load_model
 
-    cfg = transformers.LlamaConfig(
+    from .hf_models import save_tiny_llama
+
+    hf = save_tiny_llama(
+        tmp_path,
+        std=0.15,
         vocab_size=80,
-        hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         eos_token_id=2,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), torch.float32, DEVICE)
     prompts = [[1, 5, 9, 33, 17], [1, 70, 3], [1, 44, 12, 8, 8, 61, 29, 30, 4]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
 import json  # noqa: E402
 
 import pytest  # noqa: E402
-import transformers  # noqa: E402
 
 from harli_train.engine import (  # noqa: E402
     DecodeEngine,
@@ -28,6 +27,8 @@ from harli_train.engine import (  # noqa: E402
 )
 from harli_train.model import load_model  # noqa: E402
 
+from .hf_models import save_tiny_llama  # noqa: E402
+
 EOS = 2
 VOCAB = 120
 TRACES = os.path.join(os.path.dirname(__file__), "..", "recipes", "traces")
@@ -38,26 +39,16 @@ def hf_pair(tmp_path_factory):
     """A small random transformers Llama (weights large enough that greedy choices are clear-cut) and our
     model loaded from its saved directory."""
     path = tmp_path_factory.mktemp("hf_engine")
-    cfg = transformers.LlamaConfig(
+    hf = save_tiny_llama(
+        path,
+        std=0.15,
         vocab_size=VOCAB,
-        hidden_size=64,
         intermediate_size=112,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=EOS,
         pad_token_id=0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    hf.save_pretrained(path)
     return hf, load_model(str(path), torch.float32, "cpu")
 
 

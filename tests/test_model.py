@@ -6,29 +6,12 @@ import transformers
 
 from harli_train.model import ModelError, load_model
 
+from .hf_models import save_tiny_llama
+
 
 def _hf_llama(tmp_path, **overrides):
-    cfg = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=120,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms get non-trivial weights too
-            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path)
-    return model
+    settings = dict(vocab_size=97, rope_theta=10000.0, rms_norm_eps=1e-5)
+    return save_tiny_llama(tmp_path, **{**settings, **overrides})
 
 
 def _hf_qwen2(tmp_path):
