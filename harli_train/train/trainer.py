@@ -66,7 +66,6 @@ class Trainer:
         self.total_steps = 0
         self.last_loss = float("nan")
         self.interrupted = False
-        self._micro_steps = 0
 
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
