@@ -345,19 +345,9 @@ def sanity(engine, model, device, prompt_len: int, tokens: int) -> dict:
 def hf_decode(mc, batch: int, ctx: int, steps: int, device) -> dict:
     """transformers' LlamaForCausalLM decode loop (DynamicCache, sdpa, eager: how a user runs it)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_heads,
-        num_key_value_heads=mc.num_kv_heads,
-        vocab_size=mc.vocab_size,
-        max_position_embeddings=8192,
-        rope_theta=mc.rope_theta,
-        attn_implementation="sdpa",
-    )
+    cfg = common.hf_llama_config(mc)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):

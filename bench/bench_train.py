@@ -45,22 +45,12 @@ def run_peft(args) -> dict:
     """transformers + peft, as a user would run it (probe_peers.py's recipe): autocast bf16, fp32 adapters."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from harli_train.model import model_config
 
     mc = model_config(args.model)
-    cfg = LlamaConfig(
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_heads,
-        num_key_value_heads=mc.num_kv_heads,
-        vocab_size=mc.vocab_size,
-        max_position_embeddings=8192,
-        rope_theta=mc.rope_theta,
-        attn_implementation="sdpa",
-    )
+    cfg = common.hf_llama_config(mc)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -45,6 +45,24 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def hf_llama_config(mc: Any, **overrides: Any) -> Any:
+    """transformers' LlamaConfig with the shapes of our ModelConfig `mc`: the baselines' model."""
+    from transformers import LlamaConfig
+
+    settings = dict(
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads,
+        num_key_value_heads=mc.num_kv_heads,
+        vocab_size=mc.vocab_size,
+        max_position_embeddings=8192,
+        rope_theta=mc.rope_theta,
+        attn_implementation="sdpa",
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
