@@ -29,6 +29,7 @@ import common  # noqa: E402
 from harli_train.memory import (  # noqa: E402
     ActivationSwapper,
     PagePool,
+    PoolError,
     PooledKVStorage,
     TrainerMemory,
 )
@@ -260,9 +261,14 @@ def bench_trainer_mempool(sz: Sizes) -> dict[str, Any]:
         "routed_by": "stream" if hasattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool") else "thread",
     }
     del model, x, h, loss, forward, grads
-    memory.close()
+    try:
+        memory.close()
+    except PoolError as e:  # survivors: recorded, and the pool is kept (their memory stays valid)
+        out["close_error"] = str(e)
     out["trainer_pages_after_close"] = trainer.stats()["used_pages"]
     out["torch_frees"] = pool.stats()["torch_frees"]
+    if "close_error" in out:
+        return out
     pool.check()
     pool.close()
     return out
@@ -561,7 +567,13 @@ def summary(r: dict[str, Any]) -> list[list[Any]]:
         ["KV grow per page group (ms)", get("kv_grow_shrink", "grow_ms_per_group"), "-"],
         ["KV shrink per page group (ms)", get("kv_grow_shrink", "shrink_ms_per_group"), "-"],
         ["KV equals plain-tensor cache", get("kv_grow_shrink", "identical_to_plain_tensor_cache"), "True"],
-        ["trainer grads in pool (of all grads)", get("trainer_mempool", "grads_in_pool"), "all"],
+        [
+            "trainer tensors / grads in pool",
+            f"{get('trainer_mempool', 'forward_tensors_in_pool')}/{get('trainer_mempool', 'forward_tensors')}"
+            f" / {get('trainer_mempool', 'grads_in_pool')}/{get('trainer_mempool', 'grads')}",
+            "all / all",
+        ],
+        ["trainer pages left after close", get("trainer_mempool", "trainer_pages_after_close"), "0"],
         [
             f"reclaim latency, {get('reclaim_latency', 'kv_request_mib')} MiB (ms)",
             get("reclaim_latency", "grow_latency_ms"),

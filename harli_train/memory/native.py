@@ -173,7 +173,20 @@ class PagePool:
         self.reclaim_stats = {"calls": 0, "pages_asked": 0, "pages_freed": 0, "seconds": 0.0}
 
     def close(self) -> None:
-        """Unmap and release everything; no queued device work may use the pool any more."""
+        """Wait for the device's queued work, then unmap and release everything. Refused while torch still
+        holds allocations made through TrainerMemory: releasing them would leave torch with dangling
+        memory (a later kernel faults with an illegal address)."""
+        if not self._close.alive:
+            return
+        stats = self.stats()
+        live = stats["torch_allocs"] - stats["torch_frees"]
+        if live:
+            raise PoolError(
+                f"PagePool.close: torch still holds {live} allocation(s) made in TrainerMemory.scope(); free "
+                "those tensors and call TrainerMemory.close() first"
+            )
+        if self.backend == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
         self._close()
 
     def __enter__(self) -> PagePool:

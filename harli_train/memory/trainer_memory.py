@@ -39,6 +39,19 @@ class TrainerMemory:
             native_library_path(), "hvmm_torch_alloc", "hvmm_torch_free"
         )
         self.mempool: Any = torch.cuda.MemPool(self._allocator.allocator())
+        self._warm_streams: set[int] = set()
+
+    def _warm_cublas(self) -> None:
+        # cuBLAS(Lt) keeps a workspace per (handle, stream) for the process's lifetime, allocated by the
+        # stream's first matmul. Made inside scope() it would pin pool pages past close(): make it outside.
+        stream = torch.cuda.current_stream(self.pool.device)
+        if stream.cuda_stream in self._warm_streams:
+            return
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a = torch.ones((16, 16), device=self.pool.device, dtype=dtype)
+            torch.addmm(a[0], a, a)  # the cublasLt path (bias epilogue)
+            torch.mm(a, a)
+        self._warm_streams.add(stream.cuda_stream)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -53,6 +66,7 @@ class TrainerMemory:
             if by_stream
             else torch._C._cuda_beginAllocateCurrentThreadToPool
         )
+        self._warm_cublas()
         begin(dev, self.mempool.id)
         try:
             yield
@@ -62,8 +76,22 @@ class TrainerMemory:
 
     def close(self) -> None:
         """Drop the MemPool so torch frees its segments into the pool. Every tensor allocated in scope()
-        must be dead by now (torch frees survivors with cudaFree otherwise: pytorch#146431)."""
+        must be dead by now; survivors are reported (PoolError) and the pool stays bound to torch, so their
+        memory stays valid (torch would otherwise free them with cudaFree: pytorch#146431)."""
+        if self.mempool is None:
+            return
         self.mempool = None
         torch.cuda.synchronize(self.pool.device)
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            # A workspace made in scope() despite _warm_cublas (a stream first used by a thread torch made).
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
+        stats = self.pool.stats()
+        live = stats["torch_allocs"] - stats["torch_frees"]
+        if live:
+            raise PoolError(
+                f"TrainerMemory.close: {live} allocation(s) made in scope() are still alive "
+                f"({self.tenant.stats()['used_pages']} pages of tenant {self.tenant.name!r}); drop every "
+                "tensor made in scope() (parameters, gradients, optimizer state, saved activations) first"
+            )
         _check(_lib().hvmm_torch_bind(None, -1))
