@@ -197,6 +197,10 @@ def test_torch_allocator_pair_maps_whole_pages_of_the_bound_tenant():
             assert lib.hvmm_torch_alloc(3 * PAGE, 0, None) is None  # 4 + 3 pages > quota of 6
             assert pool.stats()["regions"] == 1  # the failed allocation left nothing behind
             pool.check()
+            # Closing under a live torch allocation would leave torch with dangling memory: refused.
+            with pytest.raises(PoolError, match="torch still holds 1 allocation"):
+                pool.close()
+            assert ctypes.string_at(ptr, 1) == b"\xab"
             lib.hvmm_torch_free(ptr, 3 * PAGE + 1, 0, None)
             stats = pool.stats()
             assert (stats["torch_allocs"], stats["torch_frees"], stats["regions"]) == (1, 1, 0)
