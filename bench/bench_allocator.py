@@ -29,8 +29,8 @@ import common  # noqa: E402
 from harli_train.memory import (  # noqa: E402
     ActivationSwapper,
     PagePool,
-    PoolError,
     PooledKVStorage,
+    PoolError,
     TrainerMemory,
 )
 
