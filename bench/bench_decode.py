@@ -94,10 +94,7 @@ def prime(engine, batch: int, ctx: int, max_tokens: int):
 
 
 def drain(engine) -> None:
-    for seq in engine.scheduler.running + list(engine.scheduler.waiting):
-        engine.block_manager.free(seq)
-    engine.scheduler.running.clear()
-    engine.scheduler.waiting.clear()
+    engine.abort_all()  # also settles a step launched ahead
 
 
 def measure_tpot(engine, batch: int, ctx: int, steps: int, warmup: int, partition: str) -> dict:
@@ -191,6 +188,22 @@ def _unfused_projection(x, weights, swiglu: bool):
     return F.silu(ys[0]) * ys[1] if swiglu else ys
 
 
+def _gemv_sweep(x, ws, cfg) -> dict:
+    """Microseconds of the projection over a small grid of row-tile sizes and K splits around `cfg` (data
+    for the config rule; the engine uses `cfg`)."""
+    from harli_train.engine.decode_linear import SMEM_PER_SM, decode_linear, with_config
+
+    out = {}
+    for block_n in (32, 64, 128):
+        stage_bytes = (block_n + cfg.block_m) * cfg.block_k * x.element_size()
+        stages = max(2, min(4, (SMEM_PER_SM // 2 - 8192) // stage_bytes))
+        for split in (1, 2, 4):
+            c = with_config(cfg, block_n=block_n, split_k=split, num_stages=stages)
+            fn = functools.partial(decode_linear, x, ws, False, config=c)
+            out[f"bn{block_n}_split{split}_st{stages}"] = _graph_ms(fn) * 1e3
+    return out
+
+
 def gemv_kernel(mc, device, batches) -> dict:
     """Each decode projection of one layer (and the LM head) alone: the engine's GEMV kernel (its config,
     and at batch 1 also the tensor-core variant) against cuBLAS on the same unfused weights (q, k, v and
@@ -240,6 +253,9 @@ def gemv_kernel(mc, device, batches) -> dict:
                         _graph_ms(functools.partial(decode_linear, x, ws, swiglu, config=dot)) * 1e3
                     )
                 row["cublas_us"] = _graph_ms(cublas) * 1e3
+                if b >= 16 and name in ("qkv", "o", "down"):
+                    row["sweep"] = _gemv_sweep(x, ws, cfg)
+                    row["sweep_best"] = min(row["sweep"].items(), key=lambda kv: kv[1])
             else:
                 t0 = time.perf_counter()
                 decode_linear_reference(x, ws, swiglu=swiglu)
@@ -446,6 +462,7 @@ class Bench:
             "setup_s": time.perf_counter() - t0,
             "kv_blocks": engine.storage.num_blocks,
             "graphs": engine.runner.use_graphs,
+            "overlap": engine.overlap,
         }
         points = [(b, self.ctx) for b in self.batches] + self.extra
         self.res["engine"]["decode_gemv"] = engine.runner.decode_forward is not None
@@ -462,6 +479,16 @@ class Bench:
                 set_decode_gemv(engine, True, saved)
 
         self.section("tpot_no_gemv", cublas_sweep)
+
+        def serial_sweep():  # host work not overlapped: each step's tokens are read before the next launch
+            was, engine.overlap = engine.overlap, False
+            points = [(b, self.ctx) for b in self.batches if b in (1, 8, 64)]
+            try:
+                return self.sweep(engine, "default", points, label="no_overlap")
+            finally:
+                engine.overlap = was
+
+        self.section("tpot_no_overlap", serial_sweep)
         self.section("linears_only_ms", lambda: {b: linears_only_ms(model, b, device) for b in (1, 64)})
         self.section("gemv_kernel", lambda: gemv_kernel(mc, device, [1, 4] if self.dry else [1, 16, 64]))
         att_points = (
@@ -534,6 +561,8 @@ def main() -> None:
                 f"({r['gemv_GBps'] / bw:.0%}){dot}   cublas {r['cublas_us']:8.1f} us {r['cublas_GBps']:6.0f} "
                 f"GB/s ({r['cublas_GBps'] / bw:.0%})  {r.get('config', '')}"
             )
+            if "sweep_best" in r:
+                print(f"  {'':14s} best of the sweep: {r['sweep_best'][0]} {r['sweep_best'][1]:.1f} us")
     if res.get("attention_kernel"):
         bw = res.get("copy_TBps", float("nan")) * 1e3
         print(

@@ -14,10 +14,12 @@ import pytest  # noqa: E402
 
 from harli_train.engine.decode_linear import (  # noqa: E402
     decode_linear,
+    decode_linear_add_rms_norm,
     decode_linear_config,
     decode_linear_reference,
     with_config,
 )
+from harli_train.kernels import reference as kernel_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Per output dtype; the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only.
@@ -75,6 +77,23 @@ def test_split_k_and_both_formulations(swiglu, m, use_dot):
         buf = torch.full((m, n_out + 5), float("nan"), device=DEVICE)
         out = _check(x, ws, swiglu=swiglu, config=cfg, out=buf[:, :n_out])
         assert out.data_ptr() == buf.data_ptr() and torch.isnan(buf[:, n_out:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,split", [(1, 1), (3, 1), (3, 2), (33, 3)])
+def test_projection_with_residual_add_and_norm(dtype, m, split):
+    """decode_linear_add_rms_norm equals the projection followed by add_rms_norm (the reference of both):
+    with split-K the sum, the add and the norm share one kernel."""
+    k, n = 200, 72
+    x, w = _randn(m, k, dtype=dtype, seed=m), _randn(n, k, dtype=dtype, seed=5)
+    residual, norm_w = _randn(m, n, dtype=dtype, seed=6), _randn(n, dtype=dtype, seed=7)
+    base = decode_linear_config(1 if m == 1 else max(16, 1 << (m - 1).bit_length()), (n,), k, 132)
+    cfg = with_config(base, split_k=split, block_n=32 if base.use_dot else 8, block_k=32)
+    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg)
+    want_y, want_h = kernel_reference.add_rms_norm(decode_linear_reference(x, [w]), residual, norm_w, 1e-5)
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+    assert y.dtype == h.dtype == dtype
 
 
 def test_configs_for_llama_8b_shapes():
@@ -144,7 +163,7 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
 _COMPILE_CHECK = """
 import torch
 from harli_train.kernels import compile_check as c
-from harli_train.engine.decode_linear import decode_linear
+from harli_train.engine.decode_linear import decode_linear, decode_linear_add_rms_norm
 
 SHAPES = [((4096, 1024, 1024), 4096, False), ((4096,), 4096, False), ((14336, 14336), 4096, True),
           ((4096,), 14336, False), ((128256,), 4096, False)]
@@ -156,6 +175,10 @@ def llama8b(sms, dtype=torch.bfloat16):
                 x = torch.empty(m, k, device="meta", dtype=dtype)
                 decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns], swiglu=swiglu,
                               num_sms=sms)
+                if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
+                    r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
+                    decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w, 1e-5,
+                                               num_sms=sms)
     return run
 
 rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])

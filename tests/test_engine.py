@@ -8,6 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
+import copy  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -97,6 +98,8 @@ def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
     arrive_at = [0, 0, 2, 3, 5, 9] if kernels == "torch" else [0, 0, 2, 4]
     prompts = _prompts(len(lengths), lengths)
     config = EngineConfig(block_size=4, max_num_seqs=8, max_model_len=64, kernels=kernels, **cfg)
+    if kernels == "triton" and torch.cuda.is_available():  # compiled kernels need the model on the GPU
+        ours = copy.deepcopy(ours).to("cuda")
     engine = DecodeEngine(ours, config, num_sms=2)  # 2 SMs: few decode splits, quick under the interpreter
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
     seqs = _run_with_arrivals(engine, prompts, params, arrive_at)
@@ -107,6 +110,53 @@ def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
     if cfg["num_kv_blocks"] == 14:
         assert sum(s.num_preemptions for s in seqs) > 0, "the small cache should have forced preemptions"
         assert any(r.num_tokens < max(lengths) for r in engine.metrics.steps if r.kind == "prefill")
+
+
+@pytest.mark.parametrize("num_kv_blocks", [128, 14])
+def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_blocks):
+    """Launching each decode step before the previous step's tokens are read changes nothing drawn: the same
+    tokens and finish reasons with greedy and seeded sampling, requests arriving mid-run, sequences ending by
+    EOS while their next step is already launched, and (14 blocks) preemptions."""
+    _, ours = hf_pair
+    prompts = _prompts(6, [3, 17, 30, 1, 9, 22])
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=7),
+        SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=10),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=9),
+        SamplingParams(max_tokens=5),
+    ]
+    arrive_at = [0, 0, 2, 3, 5, 9]
+
+    def run(overlap: bool, eos: set[int]):
+        cfg = EngineConfig(
+            block_size=4,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=8,
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            kernels="torch",
+            overlap=overlap,
+        )
+        engine = DecodeEngine(ours, cfg)
+        engine.scheduler.eos_ids = eos
+        seqs = _run_with_arrivals(engine, prompts, params, arrive_at)
+        assert engine.block_manager.num_free == num_kv_blocks and engine._inflight is None
+        engine.block_manager.check([])
+        return engine, [(s.token_ids, s.finish_reason) for s in seqs]
+
+    _, first = run(False, {EOS})
+    # Make tokens the plain run draws mid-sequence end tokens, so that several sequences end by EOS.
+    middles = [t for ids, _ in first for t in ids[len(ids) - 4 : -1]]
+    eos = {EOS, max(set(middles), key=middles.count)}
+    plain_engine, plain = run(False, eos)
+    engine, overlapped = run(True, eos)
+    assert overlapped == plain
+    assert sum(reason == "eos" for _, reason in plain) >= 2
+    assert engine.num_launched_ahead > 5 and plain_engine.num_launched_ahead == 0
+    decode_steps = [s for s in engine.metrics.steps if s.kind == "decode"]
+    assert len(decode_steps) >= len([s for s in plain_engine.metrics.steps if s.kind == "decode"])
 
 
 def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
@@ -267,3 +317,4 @@ def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
         step += 1
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.completion_token_ids == _hf_greedy(hf, prompt, 10)
+    assert engine.overlap and engine.num_launched_ahead > 0, "decode steps were launched ahead"

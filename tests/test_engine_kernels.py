@@ -20,6 +20,7 @@ from harli_train.engine.reference import (  # noqa: E402
     paged_decode_reference,
     paged_prefill_reference,
 )
+from harli_train.kernels.reference import apply_rope as apply_rope_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Tolerance per dtype (the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only).
@@ -92,8 +93,8 @@ def test_paged_decode_matches_sdpa(impl, dtype, hq, hkv, d, block_size, contexts
 
 @pytest.mark.parametrize("impl", list(DECODE_IMPLS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_stores_and_attends_the_new_token(impl, dtype, splits):
+@pytest.mark.parametrize("splits,rope", [(1, False), (3, False), (1, True), (3, True)])
+def test_paged_decode_stores_and_attends_the_new_token(impl, dtype, splits, rope):
     hq, hkv, d, block_size, contexts = 8, 2, 64, 16, [1, 17, 0, 64, 33]
     k_cache, v_cache, tables, ks, vs = _paged(contexts, 64, block_size, hkv, d, dtype, seed=2)
     slots = torch.full((len(contexts),), -1, dtype=torch.int64, device=DEVICE)
@@ -107,17 +108,37 @@ def test_paged_decode_stores_and_attends_the_new_token(impl, dtype, splits):
     v_new = torch.stack([v[-1] if len(v) else torch.zeros(hkv, d, device=DEVICE, dtype=dtype) for v in vs])
     q = torch.randn(len(contexts), hq, d, device=DEVICE).to(dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    rope_args, q_rot, k_rot = None, q, k_new
+    if rope:  # q and the new k arrive unrotated (positions n - 1, as in a decode step)
+        positions = torch.tensor([max(n - 1, 0) for n in contexts], device=DEVICE)[:, None] * 37
+        freqs = positions.float() * (10000.0 ** (-torch.arange(0, d, 2, device=DEVICE).float() / d))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope_args = (emb.cos().contiguous(), emb.sin().contiguous())
+        q_r, k_r = apply_rope_reference(
+            q[:, None], k_new[:, None], rope_args[0][:, None], rope_args[1][:, None]
+        )
+        q_rot, k_rot = q_r[:, 0], k_r[:, 0]
     got = DECODE_IMPLS[impl](
-        q, k_cache, v_cache, tables, lens, d**-0.5, num_sms=4, num_splits=splits, new_kv=(k_new, v_new, slots)
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        d**-0.5,
+        num_sms=4,
+        num_splits=splits,
+        new_kv=(k_new, v_new, slots),
+        rope=rope_args,
     )
     for i, n in enumerate(contexts):
         if n == 0:
             assert torch.all(got[i] == 0)
             continue
+        keys = torch.cat([ks[i][:-1], k_rot[i : i + 1]])
         torch.testing.assert_close(
-            got[i].float(), _sdpa(q[i : i + 1], ks[i], vs[i], d**-0.5)[0], **TOL[dtype]
+            got[i].float(), _sdpa(q_rot[i : i + 1], keys, vs[i], d**-0.5)[0], **TOL[dtype]
         )
-        assert torch.equal(k_cache.view(-1, hkv, d)[slots[i]], k_new[i])
+        torch.testing.assert_close(k_cache.view(-1, hkv, d)[slots[i]], k_rot[i], **TOL[dtype])
         assert torch.equal(v_cache.view(-1, hkv, d)[slots[i]], v_new[i])
 
 
@@ -181,6 +202,8 @@ def llama8b(dtype=torch.bfloat16, hq=32, hkv=8, d=128, bs=16):
         slots = torch.empty(b, device="meta", dtype=torch.int64)
         for sms in (132, 48):
             paged_decode(q, kc, vc, bt, cl, d ** -0.5, sms, new_kv=(kn, kn.clone(), slots))
+            rope = torch.empty(b, d, device="meta", dtype=torch.float32)
+            paged_decode(q, kc, vc, bt, cl, d ** -0.5, sms, new_kv=(kn, kn.clone(), slots), rope=(rope, rope))
     q, k = torch.empty(1000, hq, d, **meta), torch.empty(1000, hkv, d, **meta)
     kv_store(k, k.clone(), kc, vc, torch.empty(1000, device="meta", dtype=torch.int64))
     paged_prefill(q, kc, vc, torch.empty(4, 131, **i32), torch.empty(5, **i32), torch.empty(4, **i32), 400,

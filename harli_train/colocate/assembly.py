@@ -100,7 +100,9 @@ def build_engine(
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung."""
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
-    cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=max(longest + 1, 256), seed=seed)
+    # Steps are not overlapped: the controller sizes each step's partition from the step before it (its
+    # measured latency and the batch it leaves), so every step completes before the next is planned.
+    cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=max(longest + 1, 256), seed=seed, overlap=False)
     device = model.lm_head.weight.device
     if (
         device.type == "cuda"

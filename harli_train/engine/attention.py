@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harli_train import kernels
 from harli_train.engine import reference
 from harli_train.engine.kv_cache import KVStorage
 
@@ -46,10 +47,21 @@ class PagedAttention:
             self._store, self._prefill = reference.kv_store_reference, reference.paged_prefill_reference
             self._decode = reference.paged_decode_reference
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, T, Hq, D] (rope applied), k/v [B, T, Hkv, D] -> o [B, T, Hq, D]."""
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> o [B, T, Hq, D]. q and k come rotated, or unrotated with
+        `rope` = (cos, sin) [B, D] of a decode step's positions (the decode kernel rotates them)."""
         meta = self.meta
         assert meta is not None, "PagedAttention.attend called outside an engine step"
+        if rope is not None and (meta.is_prefill or q.shape[1] != 1):
+            q, k = kernels.apply_rope(q, k, rope[0][:, None], rope[1][:, None])
+            rope = None
         b, t, hq, d = q.shape
         k_cache, v_cache = self.storage.k_cache(layer_idx), self.storage.v_cache(layer_idx)
         k, v = k.reshape(b * t, -1, d), v.reshape(b * t, -1, d)
@@ -77,5 +89,6 @@ class PagedAttention:
                 self.scale,
                 meta.num_sms,
                 new_kv=(k, v, meta.slot_mapping),
+                rope=rope,
             )
         return o.view(b, t, hq, d)

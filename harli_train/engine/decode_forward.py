@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from harli_train import kernels
-from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear
+from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear, decode_linear_add_rms_norm
 from harli_train.model import LlamaForCausalLM
 
 
@@ -29,6 +29,15 @@ def _project(
     if out is None:
         return y
     return out.copy_(y)
+
+
+def _project_add_norm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (norm(x W^T + residual), x W^T + residual): the split-K sum, the add and the norm in one kernel.
+    if x.shape[0] <= MAX_GEMV_ROWS:
+        return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps)
+    return kernels.add_rms_norm(_project(x, (weight,)), residual, norm.weight, norm.eps)
 
 
 class DecodeForward:
@@ -59,31 +68,32 @@ class DecodeForward:
         return no_other_bias and not any(m.has_lora for m in mods.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx) -> torch.Tensor:
+        """The final normed hidden state [B, H]. Per layer: qkv, attention (rope and the K/V store inside),
+        o with the residual add and norm, gate/up with SwiGLU, down with the next add and norm."""
         model = self.model
         b = input_ids.shape[0]
         cos, sin = model.rope(positions.view(b, 1))
-        x = model.embed(input_ids.view(b))
-        residual = None
-        for layer, qkv_bias in zip(model.model.layers, self.qkv_bias, strict=True):
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            if residual is None:
-                residual, h = x, kernels.rms_norm(x, norm.weight, norm.eps)
-            else:
-                h, residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+        rope = (cos.view(b, -1), sin.view(b, -1))
+        residual = model.embed(input_ids.view(b))
+        layers = model.model.layers
+        first = layers[0].input_layernorm
+        h = kernels.rms_norm(residual, first.weight, first.eps)
+        for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
             qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
             if qkv_bias is not None:
                 qkv += qkv_bias
             q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
-            q, k = kernels.apply_rope(q, k, cos, sin)
-            o = attn_ctx.attend(attn.layer_idx, q, k, v)
-            x = _project(o.reshape(b, -1), (attn.o_proj.weight,))
-            post = layer.post_attention_layernorm
-            h, residual = kernels.add_rms_norm(x, residual, post.weight, post.eps)
+            o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope)
+            h, residual = _project_add_norm(
+                o.reshape(b, -1), attn.o_proj.weight, residual, layer.post_attention_layernorm
+            )
             act = _project(h, (mlp.gate_proj.weight, mlp.up_proj.weight), swiglu=True)
-            x = _project(act, (mlp.down_proj.weight,))
-        return model.final_norm(x, residual)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            h, residual = _project_add_norm(act, mlp.down_proj.weight, residual, norm)
+        return h
 
     __call__ = forward
 

@@ -3,7 +3,8 @@
 A graph replays on the SMs of the stream it was captured on (a green context's stream confines it), so each
 SM partition gets its own set. All graphs read one set of static input buffers and write one logits buffer;
 a step copies its inputs in (padding rows get slot -1 and context 0, which the kernels skip), replays, and
-samples from the logits before the next step can overwrite them.
+samples from the logits before the next step can overwrite them (steps are ordered on the device). A step
+launched ahead of the host gathers its input ids on the device from the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ class DecodeGraphs:
         self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
         self.buckets = config.graph_batch_sizes
         max_bs, width = self.buckets[-1], config.max_blocks_per_seq
-        # Pinned host staging and its device copy: int64 rows (input ids, positions, slots) and int32 rows
-        # (context length, then the block table), so a step's inputs go over in two copies.
-        self.host_i64 = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=True)
-        self.host_i32 = torch.zeros((max_bs, width + 1), dtype=torch.int32, pin_memory=True)
-        self.dev_i64 = torch.zeros((3, max_bs), dtype=torch.int64, device=device)
+        # Pinned host staging and its device copy: int64 rows (input ids, positions, slots, and the rows of
+        # the previous step whose tokens are the input ids, when launched ahead) and int32 rows (context
+        # length, then the block table), so a step's inputs go over in two copies. Two sets of staging
+        # buffers: a step fills one while the copy out of the other may still be queued.
+        self.host_i64 = [torch.zeros((4, max_bs), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host_i32 = [
+            torch.zeros((max_bs, width + 1), dtype=torch.int32, pin_memory=True) for _ in range(2)
+        ]
+        self.num_replays = 0
+        self.dev_i64 = torch.zeros((4, max_bs), dtype=torch.int64, device=device)
         self.dev_i32 = torch.zeros((max_bs, width + 1), dtype=torch.int32, device=device)
         self.block_tables = self.dev_i32[:, 1:]  # row stride width + 1; the kernels take strides
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # kernels want it dense
@@ -93,24 +99,33 @@ class DecodeGraphs:
         slots: np.ndarray,
         context_lens: np.ndarray,
         block_tables: np.ndarray,
+        feed: tuple[torch.Tensor, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """Run one decode step of n = len(input_ids) sequences on partition `key`; returns logits [n, V]
-        (a view of the shared buffer: read it before the next replay). Call on the partition's stream."""
+        (a view of the shared buffer: read it before the next replay). Call on the partition's stream.
+        With `feed` = (tokens, rows), the input ids are tokens[rows] (on the device) instead."""
         n = len(input_ids)
         bs = self.bucket(n)
-        host = self.host_i64.numpy()
+        # The staging set used two replays ago: its copy was queued before that step, which has finished
+        # (the host read its tokens before launching more than one step past it).
+        host_i64, host_i32 = self.host_i64[self.num_replays % 2], self.host_i32[self.num_replays % 2]
+        self.num_replays += 1
+        host = host_i64.numpy()
         host[0, :n] = input_ids
         host[1, :n] = positions
         host[2, :n] = slots
         host[:, n:bs] = 0
         host[2, n:bs] = -1
-        tables = self.host_i32.numpy()
+        if feed is not None:
+            host[3, :n] = feed[1]
+        tables = host_i32.numpy()
         tables[:n, 0] = context_lens
         tables[n:bs, 0] = 0
         tables[:n, 1 : 1 + block_tables.shape[1]] = block_tables
-        # Earlier replays finished (their tokens were read), so the pinned buffers are free to reuse.
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_i32[:bs].copy_(self.host_i32[:bs], non_blocking=True)
+        self.dev_i64.copy_(host_i64, non_blocking=True)
+        self.dev_i32[:bs].copy_(host_i32[:bs], non_blocking=True)
         self.context_lens[:bs].copy_(self.dev_i32[:bs, 0])
+        if feed is not None:
+            torch.index_select(feed[0], 0, self.dev_i64[3, :n], out=self.dev_i64[0, :n])
         self.graphs[(key, bs)].replay()
         return self.logits[:n]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from harli_train import kernels
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 SMEM_PER_SM = 228 * 1024
@@ -258,6 +259,42 @@ def _split_reduce_kernel(
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# part: [SPLIT_K, M, N] fp32 dense; res, h, y: [M, N] (row strides given). One program per row: the sum of
+# the splits is the projection's output in its dtype (as `decode_linear` would store it); then the
+# residual add and RMSNorm round as `kernels.add_rms_norm` does (h in its dtype, fp32 statistics).
+@triton.jit
+def _split_reduce_add_rms_norm_kernel(
+    part_ptr,
+    res_ptr,
+    stride_r,
+    w_ptr,
+    h_ptr,
+    stride_h,
+    y_ptr,
+    stride_y,
+    M,
+    N,
+    eps,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+    x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + m * stride_h + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -315,6 +352,39 @@ def decode_linear(
 ) -> torch.Tensor:
     """x @ concat(weights)^T -> [M, sum N_g]; with `swiglu` (weights = gate, up): silu(x gate^T) * (x up^T)
     -> [M, N]. `num_sms` defaults to the current SM budget; `config` overrides the chosen launch config."""
+    return _decode_linear(x, weights, swiglu, out, num_sms, config)
+
+
+def decode_linear_add_rms_norm(
+    x: torch.Tensor,  # shape [M, K], unit column stride
+    weight: torch.Tensor,  # shape [N, K] contiguous, x's dtype
+    residual: torch.Tensor,  # shape [M, N], unit column stride
+    norm_weight: torch.Tensor,  # shape [N]
+    eps: float,
+    num_sms: int | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.add_rms_norm(x @ weight^T, residual, norm_weight, eps)` -> (normed, x @ weight^T + residual).
+    When K is split the split-sum kernel does the add and the norm too: one launch less."""
+    m, n = x.shape[0], weight.shape[0]
+    assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
+    h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
+    return _decode_linear(
+        x, (weight,), False, None, num_sms, config, add_norm=(residual, norm_weight, eps, y, h)
+    )
+
+
+def _decode_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    swiglu: bool,
+    out: torch.Tensor | None,
+    num_sms: int | None,
+    config: DecodeLinearConfig | None,
+    add_norm: tuple
+    | None = None,  # (residual, norm weight, eps, y out, h out): see decode_linear_add_rms_norm
+):
     assert 1 <= len(weights) <= 3 and x.dim() == 2 and x.stride(1) == 1, "x [M, K] and 1-3 weights"
     m, k = x.shape
     ns = tuple(w.shape[0] for w in weights)
@@ -333,7 +403,7 @@ def decode_linear(
     )
     assert cfg.block_m >= m, f"config block_m {cfg.block_m} < M {m}"
     if m == 0 or n_out == 0:
-        return out
+        return out if add_norm is None else (add_norm[3], add_norm[4])
     w = list(weights) + [weights[0]] * (3 - len(weights))
     tiles = [_cdiv(n, cfg.block_n) for n in ns] + [0, 0]
     grid_n = tiles[0] if swiglu else sum(tiles[:3])
@@ -376,6 +446,28 @@ def decode_linear(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if add_norm is not None:
+        residual, norm_weight, eps, y, h = add_norm
+        if split == 1:
+            return kernels.add_rms_norm(out, residual, norm_weight, eps)
+        block = _pow2(n_out)
+        _split_reduce_add_rms_norm_kernel[(m,)](
+            dest,
+            residual,
+            residual.stride(0),
+            norm_weight,
+            h,
+            h.stride(0),
+            y,
+            y.stride(0),
+            m,
+            n_out,
+            eps,
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=max(4, min(16, block // 512)),
+        )
+        return y, h
     if split > 1:
         block = min(1024, _pow2(n_out))
         _split_reduce_kernel[(m, _cdiv(n_out, block))](

@@ -13,7 +13,7 @@ from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage, kv_cache_blocks
 from harli_train.engine.metrics import EngineMetrics, StepRecord
-from harli_train.engine.runner import DEFAULT_PARTITION, ModelRunner
+from harli_train.engine.runner import DEFAULT_PARTITION, LaunchedStep, ModelRunner
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.scheduler import Scheduler
 from harli_train.engine.sequence import Sequence, SequenceStatus
@@ -55,6 +55,12 @@ class DecodeEngine:
     Drive it with `add_request` + `step()` (one prefill or decode step per call, on the partition named),
     or `generate()` / `run_until_done()`. `stream` is where steps run (a green-context stream for a partial
     GPU); `add_partition` registers more streams, each with its own decode graphs.
+
+    With `config.overlap` a decode step's successor is launched before its tokens are read back, so the
+    host's bookkeeping runs while the GPU computes: each `step()` call still completes exactly one step and
+    leaves at most one launched. The successor is launched only when it is the step the scheduler would
+    pick anyway (no admission waits, no block is short); a sequence that its token ends by EOS rides it
+    once more and that token is dropped.
     """
 
     def __init__(
@@ -92,15 +98,19 @@ class DecodeEngine:
         self.scheduler = Scheduler(cfg, self.block_manager, _eos_ids(model))
         self.runner = ModelRunner(model, cfg, self.block_manager, storage, self.use_triton, seed=cfg.seed)
         self.runner.add_partition(DEFAULT_PARTITION, stream, num_sms)
+        self.overlap = self.runner.use_graphs if cfg.overlap is None else cfg.overlap
+        self._inflight: LaunchedStep | None = None  # launched ahead, not completed yet
+        self.num_launched_ahead = 0  # decode steps launched before their predecessor's tokens were read
         self.metrics = EngineMetrics(clock())
         self._next_id = 0
         log.info(
-            "decode engine: %d KV blocks of %d tokens (%.2f GiB), %s kernels, %s",
+            "decode engine: %d KV blocks of %d tokens (%.2f GiB), %s kernels, %s%s",
             storage.num_blocks,
             cfg.block_size,
             storage.num_blocks * spec.bytes_per_block / 2**30,
             "triton" if self.use_triton else "torch",
             "CUDA graphs" if self.runner.use_graphs else "eager",
+            ", overlapped decode" if self.overlap else "",
         )
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
@@ -114,6 +124,8 @@ class DecodeEngine:
     def shrink_kv_blocks(self, num_blocks: int) -> bool:
         """Stop using blocks >= `num_blocks` so the storage may unmap them; False (nothing changed) when one
         of them holds a live sequence's K/V. Call between steps, before unmapping."""
+        if self._inflight is not None:
+            self._inflight.wait()  # it may still write K/V of a sequence that ended into freed blocks
         return self.block_manager.shrink(num_blocks)
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -181,6 +193,9 @@ class DecodeEngine:
     def abort_all(self) -> int:
         """Drop every queued and running request (blocks freed, finish_reason 'aborted', not recorded in
         the metrics); returns how many."""
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
         return len(self.scheduler.abort_all())
 
     def reset_metrics(self) -> None:
@@ -198,13 +213,24 @@ class DecodeEngine:
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
             raise EngineError(f"unknown partition {partition!r} (known: {', '.join(self.runner.partitions)})")
         t0 = self.clock()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return StepResult("idle")
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return StepResult("idle")
+            launched = self.runner.launch(batch, partition)
+        batch = launched.batch
+        if self.overlap and not batch.is_prefill:
+            ahead = self.scheduler.schedule_ahead(batch)
+            if ahead is not None:
+                self._inflight = self.runner.launch(ahead, partition, after=launched)
+                self.num_launched_ahead += 1
         kv_tokens = sum(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens, strict=True))
-        tokens = self.runner.run(batch, partition)
+        tokens = launched.read()
         now = self.clock()
         finished = self.scheduler.postprocess(batch, tokens, now)
+        if self._inflight is not None and not any(s.status is SequenceStatus.RUNNING for s in ahead.seqs):
+            self._inflight = None  # every sequence it continues has ended: nothing to complete
         kind = "prefill" if batch.is_prefill else "decode"
         result = StepResult(
             kind, len(batch.seqs), sum(batch.num_tokens), kv_tokens, now - t0, finished, batch.preempted

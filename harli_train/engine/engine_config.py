@@ -34,6 +34,9 @@ class EngineConfig:
     # whenever Triton kernels are on; False keeps the model's own forward (cuBLAS) for comparison.
     decode_gemv: bool = True
     seed: int = 0  # seeds sampling of requests that bring no seed of their own
+    # Overlap the host's work with the GPU's: while decode step N runs, step N+1 (the same sequences, fed
+    # N's tokens on the device) is launched before N's tokens are read back. None: on with CUDA graphs.
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -8,7 +8,9 @@ bucket serves every mix of lengths. With one split the first kernel writes the o
 
 In a decode step the newest token's K/V can be handed over directly (`new_kv`): the last split attends it
 from registers and writes it to its cache slot, which saves the separate KV-store launch per layer. No
-program reads that slot in the same step, so the write races with nothing.
+program reads that slot in the same step, so the write races with nothing. With `rope` = (cos, sin) the
+kernel also rotates q and the new k itself (half-split layout, fp32 math, cast back as the rope op does),
+which saves the rope launch per layer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def _paged_decode_kernel(
     k_new_ptr,
     v_new_ptr,  # [B, Hkv, D] the newest token's K/V (NEW_KV), unit stride over D
     slot_ptr,  # [B] int64 its cache slot (-1: not stored)
+    cos_ptr,
+    sin_ptr,  # [B, D] fp32 rotary tables of each sequence's new position (ROPE), row stride stride_rope
     out_ptr,  # [B, Hq, D] (written when NUM_SPLITS == 1)
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, each split's normalised output
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, each split's log2-sum-exp2 of scores
@@ -51,6 +55,7 @@ def _paged_decode_kernel(
     stride_kh,
     stride_vb,
     stride_vh,
+    stride_rope,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -60,6 +65,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NEW_KV: tl.constexpr,
+    ROPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -77,7 +83,17 @@ def _paged_decode_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     hd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_row + d[None, :], mask=hd_mask, other=0.0)
+    if ROPE:
+        # x * cos + rotate_half(x) * sin, rotate_half(x)[d] = -x[d + D/2] (d < D/2), x[d - D/2] (after).
+        half: tl.constexpr = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + b * stride_rope + d, mask=d < HEAD_DIM, other=0.0)
+        sin = tl.load(sin_ptr + b * stride_rope + d, mask=d < HEAD_DIM, other=0.0) * sign
+        q2 = tl.load(q_row + partner[None, :], mask=hd_mask, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * cos[None, :] + q2 * sin[None, :]).to(q_ptr.dtype.element_ty)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -103,7 +119,11 @@ def _paged_decode_kernel(
     if NEW_KV:
         if split == NUM_SPLITS - 1:
             if ctx > 0:
-                k_new = tl.load(k_new_ptr + b * stride_kb + kvh * stride_kh + d, mask=d < HEAD_DIM, other=0.0)
+                k_row = k_new_ptr + b * stride_kb + kvh * stride_kh
+                k_new = tl.load(k_row + d, mask=d < HEAD_DIM, other=0.0)
+                if ROPE:
+                    k2 = tl.load(k_row + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+                    k_new = (k_new.to(tl.float32) * cos + k2 * sin).to(k_new_ptr.dtype.element_ty)
                 v_new = tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + d, mask=d < HEAD_DIM, other=0.0)
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
                 m_new = tl.maximum(m, s_new)
@@ -184,12 +204,14 @@ def paged_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its context. Returns [B, Hq, D].
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int32;
     context_lens [B] int32, the new token included. Without `new_kv` every token is read from the cache
     (the new one already stored); with it, the new token's K/V come from `new_kv` and are stored here.
+    `rope` = (cos, sin) [B, D] fp32: q and the new k arrive unrotated and are rotated here (needs `new_kv`).
     """
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -214,6 +236,15 @@ def paged_decode(
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and k_new.dtype == k_cache.dtype
     else:
         k_new = v_new = slots = q  # unused
+    if rope is not None:
+        assert new_kv is not None, "rope rotates the new k: pass new_kv too"
+        cos, sin = rope
+        assert (
+            cos.shape[0] >= b and cos.shape[-1] == d and sin.stride() == cos.stride() and cos.stride(-1) == 1
+        )
+        assert cos.dtype == sin.dtype == torch.float32 and d % 2 == 0
+    else:
+        cos = sin = q  # unused
     _paged_decode_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -223,6 +254,8 @@ def paged_decode(
         k_new,
         v_new,
         slots,
+        cos,
+        sin,
         out,
         part_out,
         part_lse,
@@ -239,6 +272,7 @@ def paged_decode(
         k_new.stride(1),
         v_new.stride(0),
         v_new.stride(1),
+        cos.stride(0),
         NUM_HEADS=hq,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -247,6 +281,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=splits,
         NEW_KV=new_kv is not None,
+        ROPE=rope is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from harli_train.kernels.reference import apply_rope as _rope
+
 # The newest token of each sequence: K [B, Hkv, D], V [B, Hkv, D], cache slot [B] int64 (-1: not stored).
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -42,8 +44,15 @@ def paged_decode_reference(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_decode`: store `new_kv`, then SDPA per sequence over its gathered context."""
+    """Same contract as `paged_decode`: rotate q and the new k by `rope`, store `new_kv`, then SDPA per
+    sequence over its gathered context."""
+    if rope is not None:
+        assert new_kv is not None, "rope rotates the new k: pass new_kv too"
+        cos, sin = (t[: q.shape[0], None] for t in rope)  # [B, 1, D]: one position per sequence
+        q_rot, k_rot = _rope(q[:, None], new_kv[0][:, None], cos, sin)
+        q, new_kv = q_rot[:, 0], (k_rot[:, 0], new_kv[1], new_kv[2])
     if new_kv is not None:
         k_new, v_new, slots = new_kv
         kv_store_reference(k_new, v_new, k_cache, v_cache, slots[: q.shape[0]])

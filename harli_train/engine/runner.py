@@ -31,6 +31,33 @@ class Partition:
     num_sms: int
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device: `read()` waits for it and returns the drawn token of each
+    sequence of the batch (None for those that draw nothing). `tokens` stays on the device, so the next
+    decode step can take its input ids from it before they reach the host."""
+
+    batch: ScheduledBatch
+    sampling: list[int]  # rows of the batch that draw a token
+    tokens: torch.Tensor | None  # [len(sampling)] int64, on the device
+    host: torch.Tensor | None  # pinned [>= len(sampling)] int64 the tokens are copied into (GPU)
+    event: torch.cuda.Event | None  # recorded after that copy (GPU)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def read(self) -> list[int | None]:
+        self.wait()
+        out: list[int | None] = [None] * len(self.batch.seqs)
+        if self.tokens is None:
+            return out
+        drawn = (self.host if self.host is not None else self.tokens)[: len(self.sampling)].tolist()
+        for i, token in zip(self.sampling, drawn, strict=True):
+            out[i] = token
+        return out
+
+
 def _sm_budget(num_sms: int) -> contextlib.AbstractContextManager:
     # The model's own Triton ops size their grids by the trainer kernels' SM budget, when that module exists.
     try:
@@ -42,8 +69,13 @@ def _sm_budget(num_sms: int) -> contextlib.AbstractContextManager:
 
 class ModelRunner:
     """Prefill steps run eagerly; decode steps replay the CUDA graph of (partition, batch bucket) on a GPU
-    unless `enforce_eager`, and run eagerly on the CPU. The only host sync of a step reads the tokens; it
-    also orders steps, so consecutive steps may run on different partitions' streams."""
+    unless `enforce_eager`, and run eagerly on the CPU.
+
+    `launch` queues a step and returns at once; the host waits only in `LaunchedStep.read`. A decode step
+    may be launched `ahead`, before the previous step's tokens are read: its input ids are gathered on the
+    device from that step's tokens. Each launch waits (on the device) for the one before it, so
+    consecutive steps may run on different partitions' streams.
+    """
 
     def __init__(
         self,
@@ -72,6 +104,13 @@ class ModelRunner:
             else None
         )
         self.partitions: dict[str, Partition] = {}
+        on_gpu = self.device.type == "cuda"
+        # Two pinned token buffers: a step's read-back lands in one while the previous step's is read.
+        self._token_host = [
+            torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+        ]
+        self._num_launched = 0
+        self._last: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
         """Register a place to run steps; on a GPU this captures its decode graphs (on `stream`)."""
@@ -98,23 +137,43 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION) -> list[int | None]:
         """Compute the batch; returns the drawn token of each sequence that samples, else None."""
+        return self.launch(batch, partition).read()
+
+    def launch(
+        self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION, after: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue the batch's step. With `after` (a decode step whose tokens are not read yet), `batch` is
+        the decode step that follows it: each sequence is one token further than the host knows, and its
+        input id is the token `after` draws for it."""
         part = self.partitions[partition]
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        ahead = after is not None
         with self._on(part):
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if stream is not None and self._last is not None and self._last[0] != stream:
+                stream.wait_event(self._last[1])  # the previous step ran on another partition's stream
             if batch.is_prefill:
+                assert not ahead, "only decode steps are launched ahead"
                 logits = self._prefill(batch, sampling, part)
             else:
-                logits = self._decode(batch.seqs, partition, part)
-            if not sampling:  # a prefill chunk that draws nothing
-                if self.device.type == "cuda":
-                    # Steps must not overlap: the next one may run on another partition's stream.
-                    torch.cuda.current_stream(self.device).synchronize()
-                return [None] * len(batch.seqs)
-            tokens = self.sampler(logits, self._sampling_batch([batch.seqs[i] for i in sampling])).tolist()
-        out: list[int | None] = [None] * len(batch.seqs)
-        for i, token in zip(sampling, tokens, strict=True):
-            out[i] = token
-        return out
+                feed = None
+                if ahead:
+                    rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
+                    feed = (after.tokens, np.array([rows[id(s)] for s in batch.seqs], dtype=np.int64))
+                logits = self._decode(batch.seqs, partition, part, feed)
+            tokens = host = event = None
+            if sampling:
+                seqs = [batch.seqs[i] for i in sampling]
+                tokens = self.sampler(logits, self._sampling_batch(seqs, int(ahead)))
+            if stream is not None:
+                if tokens is not None:
+                    host = self._token_host[self._num_launched % 2]
+                    host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._last = (stream, event)
+        self._num_launched += 1
+        return LaunchedStep(batch, sampling, tokens, host, event)
 
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
@@ -148,23 +207,38 @@ class ModelRunner:
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
         return self.model.logits(hidden[0, last_rows])
 
-    def _decode(self, seqs: list[Sequence], key: str, part: Partition) -> torch.Tensor:
+    def _decode(
+        self,
+        seqs: list[Sequence],
+        key: str,
+        part: Partition,
+        feed: tuple[torch.Tensor, np.ndarray] | None = None,
+    ) -> torch.Tensor:
+        # feed: (device tokens of the step before, row of each sequence in it) for a step launched ahead:
+        # every sequence is then one token longer than its token_ids.
         bm = self.block_manager
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        if feed is not None:
+            lens += 1
         positions = lens - 1
-        ids = [s.token_ids[-1] for s in seqs]
+        ids = [0] * len(seqs) if feed is not None else [s.token_ids[-1] for s in seqs]
         width = bm.blocks_for(int(lens.max()))
         tables = bm.tables[rows, :width]
         slots = tables[np.arange(len(seqs)), positions // bm.block_size].astype(np.int64) * bm.block_size
         slots += positions % bm.block_size
         if self.graphs is not None:
-            return self.graphs.replay(key, ids, positions, slots, lens, tables)
-        return self._eager_decode(ids, positions, slots, lens, tables, part)
+            return self.graphs.replay(key, ids, positions, slots, lens, tables, feed)
+        ids_t = (
+            self._to_device(ids, torch.int64)
+            if feed is None
+            else feed[0][self._to_device(feed[1], torch.int64)]
+        )
+        return self._eager_decode(ids_t, positions, slots, lens, tables, part)
 
     def _eager_decode(
         self,
-        ids,
+        ids_t: torch.Tensor,
         positions: np.ndarray,
         slots: np.ndarray,
         lens: np.ndarray,
@@ -178,7 +252,7 @@ class ModelRunner:
             self._to_device(lens, torch.int32),
             num_sms=part.num_sms,
         )
-        ids_t = self._to_device(ids, torch.int64)[:, None]
+        ids_t = ids_t[:, None]
         pos_t = self._to_device(positions, torch.int64)[:, None]
         if self.decode_forward is not None:
             logits = self.decode_forward.logits(self.decode_forward(ids_t, pos_t, self.attn))
@@ -205,9 +279,9 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables)
                 return
-            self._eager_decode([0] * batch, lens - 1, slots, lens, tables, part)
+            self._eager_decode(self._to_device([0] * batch, torch.int64), lens - 1, slots, lens, tables, part)
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
+    def _sampling_batch(self, seqs: list[Sequence], ahead: int = 0) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):
             return None
         seeds = [
@@ -217,6 +291,6 @@ class ModelRunner:
             temperatures=self._to_device([s.params.temperature for s in seqs], torch.float32),
             top_ps=self._to_device([s.params.top_p for s in seqs], torch.float32),
             seeds=self._to_device(seeds, torch.int64),
-            positions=self._to_device([len(s) for s in seqs], torch.int64),
+            positions=self._to_device([len(s) + ahead for s in seqs], torch.int64),
             any_top_p=any(s.params.top_p < 1.0 for s in seqs),
         )

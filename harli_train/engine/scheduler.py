@@ -82,6 +82,27 @@ class Scheduler:
                 batch.num_tokens.append(1)
         return batch if batch.seqs else None
 
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,
+        less those that have ended (`batch` itself may have been launched ahead) or that its token ends by
+        length, each one token further (blocks allocated for that token).
+        None when `schedule()` could pick differently once the tokens are known: a waiting request would be
+        admitted, or blocks are short (a preemption)."""
+        bm = self.block_manager
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
+                return None
+        seqs = [
+            s
+            for s in batch.seqs
+            if s.status is SequenceStatus.RUNNING and s.num_completion_tokens + 1 < s.params.max_tokens
+        ]
+        if not seqs or sum(bm.blocks_needed(s, len(s) + 1) for s in seqs) > bm.num_free:
+            return None
+        for seq in seqs:
+            bm.allocate(seq, len(seq) + 1)
+        return ScheduledBatch(False, seqs, [1] * len(seqs))
+
     def peek(self) -> tuple[str, int, int]:
         """(kind, sequences, KV tokens after it) of the step `schedule()` would make now, changing nothing.
         kind is "prefill", "decode" or "idle"; preemptions a decode step may need are not foreseen."""
@@ -143,6 +164,8 @@ class Scheduler:
         """Advance each sequence by its computed tokens, append drawn tokens, finish on EOS or length."""
         finished = []
         for seq, n, token in zip(batch.seqs, batch.num_tokens, sampled, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # it ended in the step before this one, which was launched ahead of its tokens
             seq.num_computed += n
             if token is None:
                 continue
