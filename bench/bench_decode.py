@@ -489,6 +489,21 @@ class Bench:
                 engine.overlap = was
 
         self.section("tpot_no_overlap", serial_sweep)
+
+        def o_gemv_sweep():  # o_proj at 64 rows through the GEMV instead of cuBLAS (the A/B of that rule)
+            from harli_train.engine import decode_forward
+
+            was = decode_forward.CUBLAS_SQUARE_ROWS
+            decode_forward.CUBLAS_SQUARE_ROWS = 1 << 30
+            set_decode_gemv(engine, True, saved)
+            points = [(b, c) for b, c in [(64, 512), (64, self.ctx)] if b in self.batches]
+            try:
+                return self.sweep(engine, "default", points, label="o_gemv")
+            finally:
+                decode_forward.CUBLAS_SQUARE_ROWS = was
+                set_decode_gemv(engine, True, saved)
+
+        self.section("tpot_o_gemv", o_gemv_sweep)
         self.section("linears_only_ms", lambda: {b: linears_only_ms(model, b, device) for b in (1, 64)})
         self.section("gemv_kernel", lambda: gemv_kernel(mc, device, [1, 4] if self.dry else [1, 16, 64]))
         att_points = (

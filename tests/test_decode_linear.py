@@ -202,8 +202,26 @@ def test_decode_linear_compiles_for_sm90():
 
 def test_projection_past_gemv_rows_falls_back_to_torch():
     """Batches over MAX_GEMV_ROWS (graph buckets 128, 256) take F.linear, with the same grouping semantics."""
-    from harli_train.engine.decode_forward import _project
+    from harli_train.engine.decode_forward import CUBLAS_SQUARE_ROWS, _project, _project_add_norm, _use_gemv
     from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+
+    # A single small square projection at CUBLAS_SQUARE_ROWS rows (o_proj at batch 64) also goes to cuBLAS,
+    # with the residual add and the norm after it.
+    x64, w64 = (
+        _randn(CUBLAS_SQUARE_ROWS, 48, dtype=torch.float32, seed=1),
+        _randn(48, 48, dtype=torch.float32, seed=2),
+    )
+    assert not _use_gemv(x64, (w64,)) and _use_gemv(x64[:-1], (w64,)) and _use_gemv(x64, (w64, w64))
+    res, norm = (
+        _randn(CUBLAS_SQUARE_ROWS, 48, dtype=torch.float32, seed=3),
+        torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE),
+    )
+    y, h = _project_add_norm(x64, w64, res, norm)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x64, [w64]), res, norm.weight, 1e-5
+    )
+    torch.testing.assert_close(h, want_h, **TOL[torch.float32])
+    torch.testing.assert_close(y, want_y, **TOL[torch.float32])
 
     x = _randn(MAX_GEMV_ROWS + 3, 48, dtype=torch.float32, seed=3)
     ws = [_randn(n, 48, dtype=torch.float32, seed=n) for n in (32, 16, 16)]

@@ -17,12 +17,23 @@ from harli_train import kernels
 from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear, decode_linear_add_rms_norm
 from harli_train.model import LlamaForCausalLM
 
+# From this many rows on, a single square-ish projection (N, K <= 4096: o_proj of an 8B model) goes to
+# cuBLAS: its tiled GEMM beat the split-K GEMV there on the H200 (bench_decode at 64 rows: 8.3 against
+# 10.6 us, and the whole step; see `tpot_o_gemv` in bench/results).
+CUBLAS_SQUARE_ROWS = 64
+
+
+def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
+    # Past MAX_GEMV_ROWS rows a step is no longer a pure weight stream: cuBLAS's tiled GEMM takes over.
+    m, k = x.shape
+    square = len(weights) == 1 and k <= 4096 and weights[0].shape[0] <= 4096
+    return m <= MAX_GEMV_ROWS and not (square and m >= CUBLAS_SQUARE_ROWS)
+
 
 def _project(
     x: torch.Tensor, weights: tuple[torch.Tensor, ...], swiglu: bool = False, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    # Past MAX_GEMV_ROWS rows a step is no longer a pure weight stream: cuBLAS's tiled GEMM takes over.
-    if x.shape[0] <= MAX_GEMV_ROWS:
+    if _use_gemv(x, weights):
         return decode_linear(x, weights, swiglu=swiglu, out=out)
     ys = [F.linear(x, w) for w in weights]
     y = kernels.swiglu(ys[0], ys[1]) if swiglu else torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
@@ -35,7 +46,7 @@ def _project_add_norm(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # (norm(x W^T + residual), x W^T + residual): the split-K sum, the add and the norm in one kernel.
-    if x.shape[0] <= MAX_GEMV_ROWS:
+    if _use_gemv(x, (weight,)):
         return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps)
     return kernels.add_rms_norm(_project(x, (weight,)), residual, norm.weight, norm.eps)
 

@@ -329,15 +329,33 @@ def decode_linear_config(
     k_blocks = _cdiv(k, block_k)
     slots = num_sms * per_sm
     split = 1
-    if tiles < slots:
+    candidates = range(1, max(1, min(4, k_blocks // 4)) + 1)
+    if tiles < slots and not use_dot:
 
         def fill(s: int) -> float:
             programs = tiles * s
             return programs / (_cdiv(programs, slots) * slots)
 
-        candidates = range(1, max(1, min(4, k_blocks // 4)) + 1)
         best = max(fill(s) for s in candidates)
         split = min(s for s in candidates if fill(s) >= best - 0.05)
+    elif tiles < slots:
+        # Tensor-core tiles: bytes moved over the share of HBM bandwidth the programs draw. HBM saturates
+        # once about `saturate` of the resident slots stream (more at M = 64: each program computes longer
+        # per byte); every extra split writes and re-reads an fp32 [M, N] partial. Fitted on the H200
+        # (bench_decode's GEMV sweep): qkv/o/down at M = 16 and 64.
+        n_out = 2 * ns[0] if swiglu else sum(ns)
+        weight_bytes = n_out * k * elem_bytes
+        saturate = 0.35 if m <= 16 else 0.7
+
+        def cost(s: int) -> float:
+            programs = tiles * s
+            if programs <= slots:
+                share = min(1.0, programs / slots / saturate)
+            else:
+                share = programs / (_cdiv(programs, slots) * slots)
+            return (weight_bytes + (8 * s * m * n_out if s > 1 else 0)) / share
+
+        split = min((s for s in candidates if s & (s - 1) == 0), key=cost)  # 1, 2, 4: the measured ones
     split = _cdiv(k_blocks, _cdiv(k_blocks, split))  # no empty splits
     return DecodeLinearConfig(block_m, block_n, block_k, split, warps, stages, use_dot)
 
