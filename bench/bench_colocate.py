@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import shutil
 import sys
@@ -77,6 +78,7 @@ class Bench:
     tpot_s: float
     static_sms: int = 0
     trainer_thread: bool | None = None
+    keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
 
@@ -126,6 +128,7 @@ def setup(args, results: dict) -> Bench:
     engine = build_engine(served, tokenizer, ladder, every, cfg.colocation.max_batch, seed=0)
     bench = Bench(cfg, model, ladder, engine, None, traces, tpot_s)
     bench.trainer_thread = {"auto": None, "on": True, "off": False}[args.trainer_thread]
+    bench.keep_steps = args.keep_steps
     results["setup"] = {
         "model": cfg.model.name,
         "dtype": str(dtype),
@@ -260,6 +263,23 @@ def run_window(
         trainer_thread=bench.trainer_thread,
     )
     s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
+    steps = []
+    if bench.keep_steps:  # a compact copy of the first per-step records, for diagnosis
+        keep = (
+            "t",
+            "kind",
+            "batch",
+            "infer_sms",
+            "train_sms",
+            "train",
+            "measured_s",
+            "micro_steps",
+            "reason",
+        )
+        with open(run_dir / "colocate" / "steps.jsonl") as f:
+            for line, _ in zip(f, range(bench.keep_steps), strict=False):
+                row = json.loads(line)
+                steps.append([row.get(k) for k in keep])
     if plot_to is not None:
         plot_to.mkdir(parents=True, exist_ok=True)
         for png in ("timeline.png", "throughput.png"):
@@ -287,6 +307,8 @@ def run_window(
         "abandoned_steps": ft["abandoned_steps"],
         "oom_recoveries": ft["oom_recoveries"],
         "output_tokens_per_s": sv["output_tokens_per_s"],
+        "feed": ft["feed"],
+        **({"steps": steps} if steps else {}),
     }
 
 
@@ -464,6 +486,7 @@ def main() -> None:
         default="auto",
         help="launch the trainer's micro-steps from their own thread (auto: on a GPU)",
     )
+    ap.add_argument("--keep-steps", type=int, default=0, help="per-step records kept per window in the JSON")
     args = ap.parse_args()
     args.policies, args.traces, args.loads = (a.split(",") for a in (args.policies, args.traces, args.loads))
     args.recipe = Path(

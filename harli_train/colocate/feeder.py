@@ -102,6 +102,11 @@ class TrainFeeder:
         self._launched_total = self._launched_reported = 0
         self._pending_oom: BaseException | None = None
         self._error: BaseException | None = None
+        # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
+        # spent launching them, the trainer thread's waits for a plan, and why launch rounds stopped.
+        self.gpu_s = self.launch_host_s = self.wait_s = 0.0
+        self.rounds = 0
+        self.stops: dict[str, int] = {}
 
     def _reset_tracking(self) -> None:
         self.last_phase: str | None = None
@@ -173,22 +178,47 @@ class TrainFeeder:
             budget = plan.horizon_s + self.ewma_s - self.queued_s()
         else:
             budget = plan.horizon_s - self.queued_s()
-        launched = 0
-        while not self.done and not self.should_stop() and not self._preempted():
+        launched, why = 0, "done"
+        self.rounds += 1
+        while not self.done:
+            if self.should_stop() or self._preempted():
+                why = "preempted"
+                break
             kind = self._next_kind()
             cost = self.expected_s(kind)
             if not self._may_launch(plan, sync, budget, cost, launched, kind):
+                why = "budget"
                 break
             if self.last_phase == "optim" and self.in_flight:
+                why = "step_boundary"
                 break  # the next call host-syncs on the loss: make it once the queue is empty
             if plan.isolated and self._stale(plan.partition.infer_sms):
+                why = "stale"
                 break
+            t0 = time.perf_counter()
             seconds = self._launch(plan.train_stream, plan.train_sms, first_sm)
+            self.launch_host_s += time.perf_counter() - t0
             launched += 1
             if plan.train == AFTER:
                 self._starved = 0
             budget -= seconds if sync else (cost or float("inf"))
+        key = f"{why}_after_launch" if launched else why
+        self.stops[key] = self.stops.get(key, 0) + 1
         return launched
+
+    def stats(self) -> dict[str, Any]:
+        """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""
+        return {
+            "micro_steps": self.micro_steps,
+            "rounds": self.rounds,
+            "round_stops": dict(sorted(self.stops.items())),
+            "gpu_busy_s": self.gpu_s,
+            "launch_host_s": self.launch_host_s,
+            "thread_wait_s": self.wait_s,
+            "stale_holds": self.stale_holds,
+            "abandoned_steps": self.abandoned_steps,
+            "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
+        }
 
     def _may_launch(
         self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
@@ -317,6 +347,7 @@ class TrainFeeder:
 
     # ---- completion ----------------------------------------------------------------------------------
     def _observe(self, seconds: float, kind: str) -> None:
+        self.gpu_s += seconds
         self.ewma_s = seconds if self.ewma_s == 0 else self.ewma_s + 0.2 * (seconds - self.ewma_s)
         self._kind_s.setdefault(kind, deque(maxlen=5)).append(seconds)
         self._recent.append(seconds)
@@ -514,6 +545,7 @@ class TrainFeeder:
         try:
             while True:
                 with self._cv:
+                    t_wait = time.perf_counter()
                     while not self._quit and (
                         self._want
                         or self._plan is None
@@ -522,6 +554,7 @@ class TrainFeeder:
                         or self.done
                     ):
                         self._cv.wait()
+                    self.wait_s += time.perf_counter() - t_wait
                     if self._quit:
                         return
                     plan, seen = self._plan, self._plan_gen

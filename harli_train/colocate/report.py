@@ -80,6 +80,7 @@ def build_summary(
             "abandoned_steps": rt.feeder.abandoned_steps,
             "stale_backward_holds": rt.feeder.stale_holds,
             "micro_step_ms": rt.feeder.ewma_s * 1e3,
+            "feed": rt.feeder.stats(),
         },
         "serving": {
             "requests": serving.get("requests"),
