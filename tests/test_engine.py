@@ -245,6 +245,20 @@ def test_peek_abort_and_synthetic_decode(hf_pair):
     assert engine.block_manager.num_free == 32 and engine.peek() == ("idle", 0, 0)
 
 
+def test_warm_up_runs_prefill_shapes_and_leaves_the_engine_as_it_was(hf_pair):
+    _, ours = hf_pair
+    engine = DecodeEngine(
+        ours, EngineConfig(block_size=4, num_kv_blocks=40, max_num_seqs=8, max_model_len=64, kernels="torch")
+    )
+    # Lengths are capped at max_model_len - 2 (100 -> 62): three alone, then the three packed.
+    assert engine.warm_up((1, 17, 100)) == 3 + 3
+    assert not engine.has_unfinished() and engine.block_manager.num_free == 40
+    assert engine.metrics.steps == [] and engine.metrics.summary()["requests"] == 0
+    engine.add_request(_prompts(3, [5])[0], SamplingParams(max_tokens=1))
+    with pytest.raises(EngineError, match="idle engine"):
+        engine.warm_up()
+
+
 def test_engine_refuses_a_model_with_an_adapter():
     model = load_model("tiny", torch.float32, "cpu")
     model.add_lora(rank=4, alpha=8, dropout=0.0)

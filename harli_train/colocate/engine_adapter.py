@@ -7,6 +7,7 @@ to change when the engine's interface does.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +32,7 @@ class EngineAdapter:
         self.engine, self.seed = engine, seed
         self.vocab_size = engine.model.config.vocab_size
         self._keys: dict[int, str] = {id(full.infer_stream): DEFAULT_PARTITION}
+        self._warm: set[str] = set()
 
     # ---- partitions ----------------------------------------------------------------------------------
     def register(self, partitions: Iterable[Partition]) -> None:
@@ -42,6 +44,19 @@ class EngineAdapter:
             stream = p.infer_stream if is_cuda_stream(p.infer_stream) else None
             self.engine.add_partition(key, stream, p.infer_sms)
             self._keys[id(p.infer_stream)] = key
+
+    def warm_up(self, partitions: Iterable[Partition]) -> float:
+        """Compile the prefill path on each partition not warmed yet (GPU only: a compile inside a served
+        prefill would stall decoding for a second or more); returns the seconds it took."""
+        if self.engine.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        for p in partitions:
+            key = self.key(p)
+            if key not in self._warm:
+                self.engine.warm_up(partition=key)
+                self._warm.add(key)
+        return time.perf_counter() - t0
 
     def key(self, partition: Partition) -> str:
         return self._keys[id(partition.infer_stream)]

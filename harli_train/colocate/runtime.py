@@ -87,6 +87,8 @@ class ColocatedRuntime:
             trainer, memory_hook, on_slice=policy.observe_train_slice, should_stop=self._stop.is_set
         )
         engine.register(policy.partitions())
+        # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
+        engine.warm_up([*policy.partitions(), policy.ladder.full])
         self.tpot_s = policy.tpot_s
         self.stop_reason = "trained"
         # Streaming statistics (the per-step detail goes to steps.jsonl).
