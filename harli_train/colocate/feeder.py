@@ -105,6 +105,8 @@ class TrainFeeder:
         # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
         # spent launching them, the trainer thread's waits for a plan, and why launch rounds stopped.
         self.gpu_s = self.launch_host_s = self.wait_s = 0.0
+        self._finish_at = 0.0  # host clock: when the queued micro-steps should be done (GPU)
+        self._host_recent: deque[float] = deque(maxlen=9)
         self.rounds = 0
         self.stops: dict[str, int] = {}
 
@@ -130,7 +132,18 @@ class TrainFeeder:
         self._held_until = max(self._held_until, self._ticks + decisions)
 
     def queued_s(self) -> float:
-        return sum(self.expected_s(kind) for _, _, kind in self.in_flight)
+        """GPU work the trainer has queued that is still to run, in seconds: the estimated finish time of the
+        last queued micro-step (each starts when the one before it ends, or when it was launched) minus
+        now. A queue running late still counts a quarter micro-step until it is retired."""
+        if not self.in_flight:
+            return 0.0
+        ahead = self._finish_at - time.perf_counter()
+        return ahead if ahead > 0 else 0.25 * self.ewma_s
+
+    def host_s(self) -> float:
+        """Host time one launch takes (median of the recent ones)."""
+        recent = self._host_recent
+        return sorted(recent)[len(recent) // 2] if recent else 0.0
 
     def progress_tokens(self) -> float:
         """Tokens trained so far, counting the launched part of the step in flight pro rata."""
@@ -174,8 +187,10 @@ class TrainFeeder:
         sync = not self.on_gpu
         if sync:
             budget = plan.horizon_s
-        elif plan.train == BESIDE:  # keep the decode step covered, plus about one micro-step queued past it
-            budget = plan.horizon_s + self.ewma_s - self.queued_s()
+        elif plan.train == BESIDE:
+            # Keep the decode step covered, plus about one micro-step queued past it, plus the host time the
+            # next launch takes: the GPU must not run dry while the trainer is still launching.
+            budget = plan.horizon_s + self.ewma_s + self.host_s() - self.queued_s()
         else:
             budget = plan.horizon_s - self.queued_s()
         launched, why = 0, "done"
@@ -197,7 +212,12 @@ class TrainFeeder:
                 break
             t0 = time.perf_counter()
             seconds = self._launch(plan.train_stream, plan.train_sms, first_sm)
-            self.launch_host_s += time.perf_counter() - t0
+            host = time.perf_counter() - t0
+            self.launch_host_s += host
+            if not sync:
+                self._host_recent.append(host)
+                # Its kernels start once the queue ahead is done, and none ends before its launch has.
+                self._finish_at = max(max(self._finish_at, t0) + cost, t0 + host)
             launched += 1
             if plan.train == AFTER:
                 self._starved = 0
