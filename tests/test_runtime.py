@@ -240,6 +240,11 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path)
     assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
     assert seen_budgets[: len(launches)] == [sms for _, _, sms in launches][: len(seen_budgets)]
     assert {sms for _, _, sms in launches} - {TOTAL}, "some micro-steps ran beside decode on a partial share"
+    # Prefill steps ran on the half-GPU rung with the trainer beside them on the other SMs.
+    prefill = [r for r in rows(tmp_path) if r["kind"] == "prefill"]
+    half = ladder.select(TOTAL // 2).infer_sms
+    assert prefill and all(r["infer_sms"] == half and r["train"] == "beside" for r in prefill)
+    assert all(r["train_sms"] == TOTAL - half for r in prefill)
     # Each decode step ran on the engine partition of the rung the controller chose.
     engine_steps = [s for s in rt.engine.metrics.steps if s.kind == "decode"]
     keys = {p.infer_sms: rt.engine.key(p) for p in ladder.partitions}
@@ -251,9 +256,9 @@ class ScriptedPolicy(Policy):
 
     name = "scripted"
 
-    def __init__(self, ladder, script):
+    def __init__(self, ladder, script, transient=lambda: False):
         super().__init__(ladder, 0.05, 0.1)
-        self.script = script
+        self.script, self.transient = script, transient
 
     def partitions(self):
         return list(self.ladder.partitions)
@@ -271,6 +276,7 @@ class ScriptedPolicy(Policy):
             isolated=True,
             train_from_sm=part.infer_sms,
             strict=False,
+            transient=self.transient(),
         )
 
 
@@ -298,6 +304,33 @@ def test_stale_backward_is_redone_and_the_result_is_unchanged(tmp_path, standalo
     assert summary["finetune"]["abandoned_steps"] == 2 and summary["finetune"]["stale_backward_holds"] >= 6
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_a_transient_detour_holds_a_stranded_backward_without_redoing_the_step(tmp_path, standalone):
+    # Prefill-like detours (transient plans) take the SMs of a step's forward for longer than the stale
+    # limit: the backward waits them out and the step is never redone.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    holder, state = {"detours": 0}, {"detour": False}
+
+    def script():  # called first in each plan; transient() then reports the same decision
+        feeder = holder["rt"].feeder
+        state["detour"] = feeder.last_phase in ("loss", "bwd") and holder["detours"] < 12
+        holder["detours"] += state["detour"]
+        return 96 if state["detour"] else 16
+
+    load = requests([(0.0, 4, 200)])
+    rt = holder["rt"] = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, script, lambda: state["detour"]),
+        load,
+        RuntimeOptions(quiet=True, plots=False),
+    )
+    rt.feeder.stale_limit = 3
+    summary = rt.run()
+    assert holder["detours"] == 12 and summary["finetune"]["stale_backward_holds"] >= 4
+    assert summary["finetune"]["abandoned_steps"] == 0
+    assert losses(tmp_path) == losses(standalone)
 
 
 def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp_path, standalone):

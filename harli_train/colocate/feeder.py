@@ -178,8 +178,10 @@ class TrainFeeder:
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
         if plan.isolated and self._stale(plan.partition.infer_sms):
-            self._stale_streak += 1
             self.stale_holds += 1
+            if plan.transient:
+                return 0  # the detour ends within a step: wait for the backward's SMs to come back
+            self._stale_streak += 1
             if self._stale_streak < self.stale_limit:
                 return 0
             self.abandon_step(f"decode kept the SMs of the step's forward for {self._stale_streak} decisions")

@@ -46,6 +46,7 @@ class StepPlan:
     isolated: bool = False  # the trainer's SMs are disjoint from decode's (a green-context rung)
     train_from_sm: int = 0  # isolated: the trainer's rung gives it SMs [train_from_sm, total)
     strict: bool = True  # the horizon is a hard limit (an objective is at stake), not a pacing hint
+    transient: bool = False  # a one-step detour (a prefill): backwards it strands wait, never restart
 
     @property
     def paused(self) -> bool:
@@ -66,6 +67,7 @@ def _beside(
     reason: str,
     d: Decision | None = None,
     strict: bool = True,
+    transient: bool = False,
 ) -> StepPlan:
     """The trainer on ``trainer``'s rung (SMs disjoint from ``decode``'s) while decode runs."""
     return StepPlan(
@@ -80,6 +82,7 @@ def _beside(
         isolated=True,
         train_from_sm=trainer.infer_sms,
         strict=strict,
+        transient=transient,
     )
 
 
@@ -163,12 +166,19 @@ def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
 
 
 class HarliPolicy(Policy):
-    """The controller's per-step choice; prefill steps take the whole GPU with the trainer held back.
+    """The controller's per-step choice for decode steps; prefill steps on the rung of ``prefill_sms``.
 
     The trainer's rung trails the largest decode share of the last ``trainer_window_s``: autograd runs a
     chunk's backward on the stream its forward ran on, so a forward launched on SMs that decode takes back
     a few steps later leaves a backward that cannot run (the feeder holds it, then redoes the step). Giving
     the trainer the complement of the recent peak keeps the usual ups and downs of the share from doing that.
+
+    A prefill is compute-bound: whatever SMs it gets, it costs the trainer about the same SM-seconds. So it
+    runs on a fixed rung (half the GPU by default, as a static split provisioned for the peak would) with the
+    trainer going on beside it, rather than on the whole GPU with the trainer stopped: stopping drains the
+    trainer's queue, and restarting it leaves SMs idle while its next launch is still being issued. The
+    prefill's share is not one of the decode shares the trainer's rung trails: the trainer goes back to its
+    rung after it (backwards stranded by the detour wait for it, without restarting the step).
     """
 
     name = "harli"
@@ -181,11 +191,16 @@ class HarliPolicy(Policy):
         margin: float,
         hysteresis_steps: int = 8,
         trainer_window_s: float = 0.3,
+        prefill_sms: int | None = None,
     ) -> None:
         super().__init__(ladder, tpot_s, margin)
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
+        rung = ladder.select(prefill_sms if prefill_sms is not None else ladder.total_sms // 2)
+        # On a ladder without partitions (time slicing) prefill keeps the whole GPU, the trainer paused.
+        self.prefill_rung = None if ladder.time_sliced or rung.exclusive else rung
+        self.prefill_estimate = _Ewma(self.budget_s)
 
     def partitions(self) -> list[Partition]:
         return list(self.ladder.partitions)
@@ -203,11 +218,17 @@ class HarliPolicy(Policy):
 
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         full = self.ladder.full
-        if kind != "decode":  # prefill is compute-bound and outside the decode model: no trainer beside it
-            # Tried on the H200: prefill beside the trainer on the recent decode share lifted the trainer
-            # (1.2k -> 4.7k tokens/s, steady/light) but the longer prefill delayed running decodes into
-            # objective violations (bench/results/2026-11-29-bench_colocate-prefill-beside.json).
-            return _paused(full, f"{kind}: whole GPU")
+        if kind != "decode":
+            # Tried on the H200: prefill on the recent *decode* share (32 SMs) lifted the trainer but the
+            # 4x longer prefill delayed running decodes into objective violations
+            # (bench/results/2026-11-29-bench_colocate-prefill-beside.json); hence a rung of its own.
+            rung = self.prefill_rung
+            if rung is None:
+                return _paused(full, f"{kind}: whole GPU")
+            horizon = self.prefill_estimate.value
+            return _beside(
+                rung, rung, horizon, None, f"{kind}: {rung.infer_sms} SMs", strict=False, transient=True
+            )
         d = self.controller.decide(batch, kv_tokens)
         part = d.partition
         if d.pause_trainer:
@@ -229,6 +250,9 @@ class HarliPolicy(Policy):
         )
 
     def observe(self, plan: StepPlan, measured_s: float) -> None:
+        if plan.transient:
+            self.prefill_estimate.update(measured_s)
+            return
         super().observe(plan, measured_s)
         if plan.decision is not None:
             self.controller.observe(plan.decision, measured_s)

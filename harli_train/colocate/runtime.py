@@ -270,6 +270,8 @@ class ColocatedRuntime:
             row.update(interval_s=interval, violated=violated)
         else:
             self.prefill_steps += 1
+            if plan.transient:
+                policy.observe(plan, measured)
         self._last_end, self._last_kind = end, result.kind
         self._record(row, t=end)
 
