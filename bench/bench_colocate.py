@@ -315,7 +315,7 @@ def run_window(
 def standalone(bench: Bench, args) -> dict:
     """The trainer alone on the whole GPU (exclusive's second half), measured once."""
     out = run_window(bench, "exclusive", [], 1.0, 0.0, solo_s=args.solo_s)
-    return {"finetune_tokens_per_s": out["solo_tokens_per_s"]}
+    return {"finetune_tokens_per_s": out["solo_tokens_per_s"], "feed": out["feed"]}
 
 
 def cell(bench: Bench, trace: str, load: str, args, results: dict) -> dict:

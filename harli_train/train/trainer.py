@@ -202,7 +202,8 @@ class Trainer:
         self.last_loss = result.loss_sum.item() / result.target_tokens
         self._loader_state = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # The trainer's own stream: a device-wide sync would also wait for a co-located decode step.
+            torch.cuda.current_stream(self.device).synchronize()
         dt = time.perf_counter() - t0
         self.metrics.log(
             {
