@@ -85,7 +85,10 @@ def main(verbose: bool) -> None:
     metavar="MODEL",
     help="Serve MODEL (a preset or HF directory) for decode on the same GPU while training.",
 )
-@click.option("--policy", help="Co-location policy: harli, static:N, streams, temporal or exclusive.")
+@click.option(
+    "--policy",
+    help="Co-location policy: harli (harli:prefill=beside|rung|paused), static:N, streams, temporal or exclusive.",
+)
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option(
     "--resume-from", type=click.Path(exists=True), help="Continue from this checkpoint or run directory."

@@ -129,10 +129,14 @@ _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair)
 
 def _is_policy(v: str) -> bool:
     static = re.fullmatch(r"static:(\d+)", v)
-    return 1 <= int(static.group(1)) <= 1024 if static else v in POLICIES
+    if static:
+        return 1 <= int(static.group(1)) <= 1024
+    return v in POLICIES or re.fullmatch(r"harli:prefill=(beside|rung|paused)", v) is not None
 
 
-_POLICY = Limit(f"among {', '.join(POLICIES)}, static:N (N = 1..1024)", _is_policy)
+_POLICY = Limit(
+    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill=beside|rung|paused", _is_policy
+)
 
 
 @dataclass(frozen=True, slots=True)

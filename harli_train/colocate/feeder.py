@@ -177,10 +177,10 @@ class TrainFeeder:
             return 0
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
-        if plan.isolated and self._stale(plan.partition.infer_sms):
+        # A transient detour (a prefill) may share the SMs of a backward's forward for its one step: the
+        # backward is not held for it.
+        if plan.isolated and not plan.transient and self._stale(plan.partition.infer_sms):
             self.stale_holds += 1
-            if plan.transient:
-                return 0  # the detour ends within a step: wait for the backward's SMs to come back
             self._stale_streak += 1
             if self._stale_streak < self.stale_limit:
                 return 0
@@ -209,7 +209,7 @@ class TrainFeeder:
             if self.last_phase == "optim" and self.in_flight:
                 why = "step_boundary"
                 break  # the next call host-syncs on the loss: make it once the queue is empty
-            if plan.isolated and self._stale(plan.partition.infer_sms):
+            if plan.isolated and not plan.transient and self._stale(plan.partition.infer_sms):
                 why = "stale"
                 break
             t0 = time.perf_counter()

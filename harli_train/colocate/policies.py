@@ -165,20 +165,26 @@ def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
     )
 
 
+PREFILL_MODES = ("beside", "rung", "paused")
+
+
 class HarliPolicy(Policy):
-    """The controller's per-step choice for decode steps; prefill steps on the rung of ``prefill_sms``.
+    """The controller's per-step choice for decode steps; prefill steps as ``prefill`` says.
 
     The trainer's rung trails the largest decode share of the last ``trainer_window_s``: autograd runs a
     chunk's backward on the stream its forward ran on, so a forward launched on SMs that decode takes back
     a few steps later leaves a backward that cannot run (the feeder holds it, then redoes the step). Giving
     the trainer the complement of the recent peak keeps the usual ups and downs of the share from doing that.
 
-    A prefill is compute-bound: whatever SMs it gets, it costs the trainer about the same SM-seconds. So it
-    runs on a fixed rung (half the GPU by default, as a static split provisioned for the peak would) with the
-    trainer going on beside it, rather than on the whole GPU with the trainer stopped: stopping drains the
-    trainer's queue, and restarting it leaves SMs idle while its next launch is still being issued. The
-    prefill's share is not one of the decode shares the trainer's rung trails: the trainer goes back to its
-    rung after it (backwards stranded by the detour wait for it, without restarting the step).
+    A prefill is compute-bound and outside the decode model. Modes:
+    - ``beside`` (default): on the whole GPU, the trainer still launching on its rung beside it (the two
+      share the trainer's SMs for the prefill's length). Stopping the trainer would drain its queue, and
+      restarting it leaves SMs idle while its next launch is still being issued.
+    - ``rung``: on a rung of its own (``prefill_sms``, half the GPU by default, as a static split would),
+      the trainer on the other SMs.
+    - ``paused``: on the whole GPU with the trainer held back.
+    In ``beside`` and ``rung`` the plan is a transient detour: the trainer's rung does not trail it, and a
+    backward whose forward's SMs the prefill covers is not held for it.
     """
 
     name = "harli"
@@ -192,8 +198,14 @@ class HarliPolicy(Policy):
         hysteresis_steps: int = 8,
         trainer_window_s: float = 0.3,
         prefill_sms: int | None = None,
+        prefill: str = "beside",
     ) -> None:
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
         super().__init__(ladder, tpot_s, margin)
+        self.prefill_mode = prefill
+        if prefill != "beside":
+            self.name = f"harli:prefill={prefill}"
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
@@ -221,14 +233,17 @@ class HarliPolicy(Policy):
         if kind != "decode":
             # Tried on the H200: prefill on the recent *decode* share (32 SMs) lifted the trainer but the
             # 4x longer prefill delayed running decodes into objective violations
-            # (bench/results/2026-11-29-bench_colocate-prefill-beside.json); hence a rung of its own.
-            rung = self.prefill_rung
-            if rung is None:
-                return _paused(full, f"{kind}: whole GPU")
+            # (bench/results/2026-11-29-bench_colocate-prefill-beside.json).
             horizon = self.prefill_estimate.value
-            return _beside(
-                rung, rung, horizon, None, f"{kind}: {rung.infer_sms} SMs", strict=False, transient=True
-            )
+            if self.prefill_mode == "rung" and self.prefill_rung is not None:
+                rung = self.prefill_rung
+                reason = f"{kind}: {rung.infer_sms} SMs"
+                return _beside(rung, rung, horizon, None, reason, strict=False, transient=True)
+            trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
+            if self.prefill_mode == "paused" or trainer is None or trainer.exclusive:
+                return _paused(full, f"{kind}: whole GPU")
+            reason = f"{kind}: whole GPU, trainer beside on {trainer.train_sms} SMs"
+            return _beside(full, trainer, horizon, None, reason, strict=False, transient=True)
         d = self.controller.decide(batch, kv_tokens)
         part = d.partition
         if d.pause_trainer:
@@ -358,6 +373,14 @@ def make_policy(
     """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal or exclusive."""
     if name.startswith("static:"):
         return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
+    base, _, option = name.partition(":")
+    if base == "harli" and option:
+        key, _, value = option.partition("=")
+        if key != "prefill" or value not in PREFILL_MODES:
+            raise ValueError(f"unknown harli option {option!r} (harli:prefill={'|'.join(PREFILL_MODES)})")
+        if predictor is None:
+            raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
+        return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, prefill=value)
     if name in ("harli", "temporal"):
         if predictor is None:
             raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
@@ -371,4 +394,4 @@ def make_policy(
 
 
 def needs_predictor(name: str) -> bool:
-    return name in ("harli", "temporal")
+    return name.partition(":")[0] in ("harli", "temporal")
