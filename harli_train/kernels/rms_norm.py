@@ -15,15 +15,6 @@ from harli_train.kernels.common import check_dtype, new_output
 from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
 
 
-@triton.jit
-def rms_normalise(x, w, n_cols, eps, h_dtype: tl.constexpr):
-    """One row x (fp32, the values of dtype h_dtype) times weight w (fp32) -> (y fp32, rstd), rounded as
-    LlamaRMSNorm does: the normalised row is cast to h_dtype before the weight multiplies it."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = (x * rstd).to(h_dtype).to(tl.float32)
-    return normed * w, rstd
-
-
 # X, R, HOUT, Y: [rows, H] with row strides stride_*, column stride 1; W: [H]; RSTD: [rows] fp32.
 # HOUT receives x + residual (HAS_RESIDUAL) in its own dtype; Y = W * (h * rstd).to(h dtype).
 @triton.jit
@@ -56,9 +47,10 @@ def _rms_norm_fwd_kernel(
             h = (x + r).to(HOUT.dtype.element_ty)
             tl.store(HOUT + row * stride_h + cols, h, mask=mask)
             x = h.to(tl.float32)
-        y, rstd = rms_normalise(x, w, n_cols, eps, HOUT.dtype.element_ty)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         tl.store(RSTD + row, rstd)
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        normed = (x * rstd).to(HOUT.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * stride_y + cols, (normed * w).to(Y.dtype.element_ty), mask=mask)
 
 
 # DY: [rows, H] (dtype of y); H: [rows, H] the normalised input; DH: [rows, H] incoming gradient of the
