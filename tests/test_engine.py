@@ -159,6 +159,24 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
     assert len(decode_steps) >= len([s for s in plain_engine.metrics.steps if s.kind == "decode"])
 
 
+def test_overlapped_engine_aborts_and_shrinks_with_a_step_launched_ahead(hf_pair):
+    _, ours = hf_pair
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64, kernels="torch", overlap=True
+    )
+    engine = DecodeEngine(ours, cfg)
+    for p in _prompts(11, [5, 9]):
+        engine.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True))
+    for _ in range(3):  # a prefill, then decode steps, each leaving the next one launched
+        engine.step()
+    assert engine._inflight is not None and engine.num_launched_ahead >= 1
+    assert not engine.shrink_kv_blocks(2)  # blocks in use by running sequences: refused, nothing changed
+    assert engine._inflight is not None
+    assert engine.abort_all() == 2 and engine._inflight is None and not engine.has_unfinished()
+    assert engine.block_manager.num_free == 32 and engine.shrink_kv_blocks(16)
+    assert engine.step().kind == "idle"
+
+
 def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
     hf, ours = hf_pair
     engine = DecodeEngine(
