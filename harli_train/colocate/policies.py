@@ -374,18 +374,17 @@ def make_policy(
     if name.startswith("static:"):
         return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
     base, _, option = name.partition(":")
-    if base == "harli" and option:
-        key, _, value = option.partition("=")
-        if key != "prefill" or value not in PREFILL_MODES:
-            raise ValueError(f"unknown harli option {option!r} (harli:prefill={'|'.join(PREFILL_MODES)})")
+    if name == "temporal" or base == "harli":
+        prefill = "beside"
+        if option:
+            key, _, prefill = option.partition("=")
+            if key != "prefill" or prefill not in PREFILL_MODES:
+                raise ValueError(f"unknown harli option {option!r} (harli:prefill={'|'.join(PREFILL_MODES)})")
         if predictor is None:
             raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
-        return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, prefill=value)
-    if name in ("harli", "temporal"):
-        if predictor is None:
-            raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
-        cls = HarliPolicy if name == "harli" else TemporalPolicy
-        return cls(ladder, predictor, tpot_s, margin, hysteresis_steps)
+        if name == "temporal":
+            return TemporalPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps)
+        return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, prefill=prefill)
     if name == "streams":
         return StreamsPolicy(ladder, tpot_s, margin)
     if name == "exclusive":
