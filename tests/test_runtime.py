@@ -286,15 +286,18 @@ class ScriptedPolicy(Policy):
         )
 
 
-def test_stale_backward_is_redone_and_the_result_is_unchanged(tmp_path, standalone):
+def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_unchanged(tmp_path, standalone):
     # Decode takes more SMs between a step's forward and its backward (twice): the backward would run on
-    # SMs decode now holds, so it is held, then the step is redone on the new split; the result is unchanged.
+    # SMs decode now holds, so its chunk is rebuilt on the trainer's new rung (its forward again, then its
+    # backward), never held and never redone as a step; the result is unchanged.
     ladder = SMLadder.cpu_standin(TOTAL, 8)
-    holder = {}
+    holder = {"grows": 0, "grown": False}
 
     def script():
         feeder = holder["rt"].feeder
-        grow = feeder.last_phase in ("loss", "bwd") and feeder.abandoned_steps < 2
+        grow = feeder.last_phase in ("loss", "bwd") and (holder["grown"] or holder["grows"] < 2)
+        holder["grows"] += grow and not holder["grown"]
+        holder["grown"] = grow
         return 96 if grow else 16
 
     load = requests([(0.0, 4, 400)])
@@ -305,16 +308,20 @@ def test_stale_backward_is_redone_and_the_result_is_unchanged(tmp_path, standalo
         load,
         RuntimeOptions(quiet=True, plots=False),
     )
-    rt.feeder.stale_limit = 3
     summary = rt.run()
-    assert summary["finetune"]["abandoned_steps"] == 2 and summary["finetune"]["stale_backward_holds"] >= 6
+    fin = summary["finetune"]
+    assert holder["grows"] == 2 and fin["rebuilt_backward_chunks"] >= 2 and fin["abandoned_steps"] == 0
+    assert fin["feed"]["rebuilt_chunks"] == fin["rebuilt_backward_chunks"]
+    # Every backward ran on the rung of its time: the stranded ones on the trainer's 36 SMs beside decode's 96.
+    bwd = [sms for phase, _, sms in rt.feeder.launches if phase == "bwd"]
+    assert TOTAL - 96 in bwd and TOTAL - 16 in bwd
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
-def test_a_transient_detour_neither_holds_a_backward_nor_redoes_the_step(tmp_path, standalone):
+def test_a_transient_detour_neither_rebuilds_a_backward_nor_redoes_the_step(tmp_path, standalone):
     # Prefill-like detours (transient plans) cover the SMs of a step's forward for longer than the stale
-    # limit: the backward goes on (the detour shares those SMs on purpose) and the step is never redone.
+    # limit: the backward goes on there (the detour shares those SMs on purpose), never rebuilt or redone.
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     holder, state = {"detours": 0}, {"detour": False}
 
@@ -332,10 +339,9 @@ def test_a_transient_detour_neither_holds_a_backward_nor_redoes_the_step(tmp_pat
         load,
         RuntimeOptions(quiet=True, plots=False),
     )
-    rt.feeder.stale_limit = 3
     summary = rt.run()
     assert holder["detours"] == 12
-    assert summary["finetune"]["stale_backward_holds"] == 0 and summary["finetune"]["abandoned_steps"] == 0
+    assert summary["finetune"]["rebuilt_backward_chunks"] == 0 and summary["finetune"]["abandoned_steps"] == 0
     # Backwards went on during the detours (launched with the detour's trainer share).
     assert any(phase == "bwd" and sms == TOTAL - 96 for phase, _, sms in rt.feeder.launches)
     assert losses(tmp_path) == losses(standalone)

@@ -73,6 +73,44 @@ def test_micro_stepped_step_equals_whole_graph_step(per_chunk):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def _dropout_model(dropout):
+    torch.manual_seed(7)
+    m = _model()
+    for mod in m.modules():
+        if getattr(mod, "rank", 0):
+            mod.dropout = dropout
+    return m.train()  # as the trainer runs it (dropout is on)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_rebuilt_chunks_give_the_same_gradients(dropout):
+    # A runtime may ask for a chunk's forward to be rebuilt just before its backward (the SMs its first
+    # forward ran on went to decode): the gradients stay exactly those of the plain step, dropout included
+    # (the rebuild replays the RNG its first forward drew from), and the RNG ends where the plain step left it.
+    batches = [_batch(1), _batch(2)]
+
+    def run(recompute, seed=11):
+        m = _dropout_model(dropout)
+        torch.manual_seed(seed)
+        result, _ = _drain(train_step(m, batches, 1, recompute=recompute))
+        return _grads(m), result.loss_sum, torch.rand(3)
+
+    asked = []
+
+    def every_other(mb, start):
+        asked.append((mb, start))
+        return start % 2 == 0
+
+    plain, rebuilt = run(None), run(every_other)
+    n = _model().config.num_layers
+    assert asked == [(mb, s) for mb in (0, 1) for s in reversed(range(n))]  # once per backward chunk
+    for got, want in zip(rebuilt[0], plain[0], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(rebuilt[1], plain[1]) and torch.equal(rebuilt[2], plain[2])
+    if dropout:  # not vacuous: other masks give other gradients
+        assert not torch.equal(run(None, seed=12)[0][0], plain[0][0])
+
+
 def _recipe(tmp_path, **over):
     base = {
         "train.steps": 12,

@@ -9,8 +9,10 @@ Three things make this more than ``next(gen)``:
 - The call after an optimizer step host-syncs (the trainer reads the loss), so it is made only once the
   trainer's queue has drained: it then costs nothing.
 - Autograd runs a chunk's backward on the stream its forward ran on. A backward whose forward ran on SMs
-  that decode has since taken would run inside decode's partition, so it is held; when decode keeps those
-  SMs for ``stale_limit`` decisions, the step is abandoned and redone on the current split.
+  that decode has since taken would run inside decode's partition, so the chunk is rebuilt instead: its
+  forward runs again from the saved input on the current trainer stream, and its backward follows there
+  (one chunk's forward of extra work, where holding the backward would idle the trainer until decode
+  shrinks, and redoing the step would throw the step's work away).
 - Running out of memory abandons the step in flight, asks the memory hook to release memory, and restarts
   the step; repeated failures hold the trainer back for a while. Decode never sees the error.
 
@@ -61,7 +63,6 @@ class TrainFeeder:
         memory_hook: MemoryHook | None = None,
         on_slice: Callable[[float], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
-        stale_limit: int = 8,
         max_oom_retries: int = 3,
         oom_backoff_steps: int = 64,
         log_limit: int = 4096,
@@ -69,12 +70,9 @@ class TrainFeeder:
         self.trainer = trainer
         self.hook = memory_hook or CacheReleaseHook()
         self.on_slice, self.should_stop = on_slice, should_stop
-        self.stale_limit, self.max_oom_retries, self.oom_backoff = (
-            stale_limit,
-            max_oom_retries,
-            oom_backoff_steps,
-        )
+        self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
         self.on_gpu = trainer.device.type == "cuda"
+        trainer.recompute_chunk = self._take_rebuild
         self.gen = trainer.micro_steps()
         self.done = trainer.done
         self.ewma_s = 0.0  # one micro-step's duration
@@ -85,8 +83,8 @@ class TrainFeeder:
         self._grad_accum = trainer.cfg.train.grad_accum
         self.last_stream: Any = None
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
-        self.micro_steps = self.oom_recoveries = self.abandoned_steps = self.stale_holds = 0
-        self._ticks = self._held_until = self._oom_streak = self._stale_streak = self._starved = 0
+        self.micro_steps = self.oom_recoveries = self.abandoned_steps = self.rebuilt_chunks = 0
+        self._ticks = self._held_until = self._oom_streak = self._starved = 0
         self._micro_in_step, self._micro_per_step = 0, 0
         self._step_tokens = (
             trainer.cfg.train.batch_size * trainer.cfg.data.seq_len * trainer.cfg.train.grad_accum
@@ -116,6 +114,7 @@ class TrainFeeder:
         self._chunks: dict[int, list[tuple[int, int]]] = {}
         self._fwd_first_sm: dict[tuple[int, int], int] = {}
         self._next_bwd: tuple[int, int] | None = None
+        self._rebuild: tuple[int, int] | None = None  # the backward chunk to rebuild at its launch
         self._micro_in_step = 0
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -177,15 +176,6 @@ class TrainFeeder:
             return 0
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
-        # A transient detour (a prefill) may share the SMs of a backward's forward for its one step: the
-        # backward is not held for it.
-        if plan.isolated and not plan.transient and self._stale(plan.partition.infer_sms):
-            self.stale_holds += 1
-            self._stale_streak += 1
-            if self._stale_streak < self.stale_limit:
-                return 0
-            self.abandon_step(f"decode kept the SMs of the step's forward for {self._stale_streak} decisions")
-        self._stale_streak = 0
         sync = not self.on_gpu
         if sync:
             budget = plan.horizon_s
@@ -201,19 +191,22 @@ class TrainFeeder:
             if self.should_stop() or self._preempted():
                 why = "preempted"
                 break
-            kind = self._next_kind()
+            # A transient detour (a prefill) may share the SMs of a backward's forward for its one step:
+            # the backward goes on there.
+            stale = plan.isolated and not plan.transient and self._stale(plan.partition.infer_sms)
+            kind = "rebuild" if stale else self._next_kind()
             cost = self.expected_s(kind)
+            if stale and kind not in self._kind_s:
+                cost = self.expected_s("fwd") + self.expected_s("bwd")
             if not self._may_launch(plan, sync, budget, cost, launched, kind):
                 why = "budget"
                 break
             if self.last_phase == "optim" and self.in_flight:
                 why = "step_boundary"
                 break  # the next call host-syncs on the loss: make it once the queue is empty
-            if plan.isolated and not plan.transient and self._stale(plan.partition.infer_sms):
-                why = "stale"
-                break
+            self._rebuild = self._next_bwd if stale else None
             t0 = time.perf_counter()
-            seconds = self._launch(plan.train_stream, plan.train_sms, first_sm)
+            seconds = self._launch(plan.train_stream, plan.train_sms, first_sm, kind)
             host = time.perf_counter() - t0
             self.launch_host_s += host
             if not sync:
@@ -237,7 +230,7 @@ class TrainFeeder:
             "gpu_busy_s": self.gpu_s,
             "launch_host_s": self.launch_host_s,
             "thread_wait_s": self.wait_s,
-            "stale_holds": self.stale_holds,
+            "rebuilt_chunks": self.rebuilt_chunks,
             "abandoned_steps": self.abandoned_steps,
             "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
         }
@@ -285,10 +278,10 @@ class TrainFeeder:
             return "fwd" if ms.micro_batch + 1 < self._grad_accum else "optim"
         return "next"
 
-    def _launch(self, stream: Any, sms: int, first_sm: int) -> float:
+    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str | None = None) -> float:
         """One micro-step on ``stream`` sized for ``sms`` SMs; returns its duration when synchronous."""
         self._handoff(stream)
-        kind = self._next_kind()
+        kind = kind or self._next_kind()
         cuda = is_cuda_stream(stream)
         ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
         start = end = None
@@ -303,6 +296,7 @@ class TrainFeeder:
             self.done = True
             return 0.0
         except OOM_ERRORS as err:
+            self._rebuild = None
             if threading.current_thread() is self._thread:
                 self._pending_oom = err  # the decode thread recovers (and decode never sees it)
             else:
@@ -359,6 +353,15 @@ class TrainFeeder:
             self._chunks.clear()
             self._fwd_first_sm.clear()
             self._next_bwd = None
+
+    def _take_rebuild(self, micro_batch: int, start: int) -> bool:
+        """The trainer asks, before a chunk's backward, whether to rebuild the chunk's forward first."""
+        if self._rebuild != (micro_batch, start):
+            return False
+        self._rebuild = None
+        self.rebuilt_chunks += 1
+        self._fwd_first_sm.pop((micro_batch, start), None)
+        return True
 
     def _stale(self, decode_sms: int) -> bool:
         """Whether the next micro-step is a backward whose forward ran on SMs decode now holds."""

@@ -78,7 +78,7 @@ def build_summary(
             "micro_steps": rt.feeder.micro_steps,
             "oom_recoveries": rt.feeder.oom_recoveries,
             "abandoned_steps": rt.feeder.abandoned_steps,
-            "stale_backward_holds": rt.feeder.stale_holds,
+            "rebuilt_backward_chunks": rt.feeder.rebuilt_chunks,
             "micro_step_ms": rt.feeder.ewma_s * 1e3,
             "feed": rt.feeder.stats(),
         },

@@ -4,6 +4,11 @@ The forward pass of each micro-batch runs in chunks of `layers_per_microstep` la
 are cut from the autograd graph (detached leaves that require grad), so the backward pass can run chunk by
 chunk in reverse, carrying the gradient of the boundary tensors by hand. This changes when work is launched,
 never what is computed: gradients equal those of one whole-graph backward.
+
+Autograd runs a chunk's backward on the stream its forward ran on. A runtime that has since given that
+stream's SMs to someone else asks (``recompute``) for the chunk to be rebuilt instead: its forward runs
+again from the saved input, on the current stream, and the backward follows it there (the RNG is replayed,
+so dropout draws the same masks).
 """
 
 from __future__ import annotations
@@ -41,6 +46,29 @@ def _leaf(t: torch.Tensor | None, grad: bool = True) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_(grad)
 
 
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.random.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replaying(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device):
+    """Run the block from RNG ``state`` (None: as is), then put the generators back where they were."""
+    if state is None:
+        yield
+        return
+    now = _rng_state(device)
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(now[0])
+        if now[1] is not None:
+            torch.cuda.set_rng_state(now[1], device)
+
+
 def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
 
@@ -50,16 +78,23 @@ def train_step(
     batches: list[dict],
     layers_per_microstep: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    recompute: Callable[[int, int], bool] | None = None,
 ) -> Generator[MicroStep, None, StepResult]:
     """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
 
     The loss is normalised by the target tokens of the whole step, so gradient accumulation gives the
     same gradient as one large batch. Leaves gradients in the LoRA parameters; the caller steps the optimizer.
+    `recompute(micro_batch, start)`, asked just before the backward of the chunk starting at layer `start`,
+    says whether to rebuild that chunk's forward graph first (on the stream current at that moment).
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
         raise ValueError("a training step has no target tokens (every label is ignored)")
     device = model.lm_head.weight.device
+    # A rebuilt chunk must draw the random numbers its first forward drew (dropout).
+    replay = recompute is not None and any(
+        getattr(m, "dropout", 0.0) > 0.0 and m.training for m in model.modules()
+    )
     bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     input_tokens = 0
@@ -70,17 +105,20 @@ def train_step(
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
         cos, sin = model.rope(positions)
         # Forward, chunk by chunk; each chunk keeps its own autograd graph.
-        saved = []
+        saved, rng = [], []
         hidden, residual = model.embed(ids), None
         for start, stop in bounds:
             # The embedding is frozen: the first chunk needs no gradient for its input.
             h_in, r_in = _leaf(hidden, start > 0), _leaf(residual)
+            if replay:
+                rng.append(_rng_state(device))
             with autocast():
                 hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin)
-            saved.append((h_in, r_in, hidden, residual))
+            saved.append([h_in, r_in, hidden, residual])
             yield MicroStep("fwd", mb, start, stop)
         # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
         h_in, r_in = _leaf(hidden), _leaf(residual)
+        hidden = residual = None  # the last chunk's graph lives in `saved` alone (a rebuild frees it)
         with autocast():
             normed = model.final_norm(h_in, r_in)
             shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
@@ -92,10 +130,16 @@ def train_step(
         grads = (h_in.grad, r_in.grad)
         yield MicroStep("loss", mb, model.config.num_layers, model.config.num_layers)
         # Backward, chunk by chunk in reverse.
-        for (start, stop), (h_in, r_in, h_out, r_out) in zip(reversed(bounds), reversed(saved), strict=True):
+        for i in reversed(range(len(bounds))):
+            (start, stop), (h_in, r_in, h_out, r_out) = bounds[i], saved[i]
+            if recompute is not None and recompute(mb, start):
+                saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
+                with _replaying(rng[i] if replay else None, device), autocast():
+                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin)
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))
             grads = (h_in.grad, None if r_in is None else r_in.grad)
+            saved[i] = h_out = r_out = None
             yield MicroStep("bwd", mb, start, stop)
         del saved
     return StepResult(loss_sum=loss_sum, target_tokens=total_targets, input_tokens=input_tokens)

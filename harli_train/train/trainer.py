@@ -7,7 +7,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,9 @@ class Trainer:
         self.total_steps = 0
         self.last_loss = float("nan")
         self.interrupted = False
+        # Asked before each chunk's backward whether to rebuild the chunk's forward first (co-location: its
+        # stream's SMs went to decode); see `train_step`.
+        self.recompute_chunk: Callable[[int, int], bool] | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
@@ -166,7 +169,7 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
             result: StepResult = yield from train_step(
-                self.model, batches, cfg.layers_per_microstep, self._autocast
+                self.model, batches, cfg.layers_per_microstep, self._autocast, self.recompute_chunk
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
