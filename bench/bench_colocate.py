@@ -220,11 +220,13 @@ def peak_static_share(bench: Bench) -> int:
 
 
 def warmup(bench: Bench, trainer: Trainer) -> dict:
-    warm_up_trainer(trainer, list(bench.ladder.partitions), bench.ladder.total_sms)
+    failed = warm_up_trainer(trainer, list(bench.ladder.partitions), bench.ladder.total_sms)
+    retired = bench.ladder.retire(failed)
     return {
         "budgets": sorted(
             {p.train_sms for p in bench.ladder.partitions if p.train_sms} | {bench.ladder.total_sms}
-        )
+        ),
+        "retired_rungs": [{"infer_sms": p.infer_sms, "train_sms": p.train_sms} for p in retired],
     }
 
 

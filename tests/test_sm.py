@@ -189,3 +189,40 @@ def test_missing_driver_entry_point_is_reported():
 
 def test_module_imports_without_cuda_bindings():
     assert "cuda.bindings" not in sm.__dict__
+
+
+def test_retired_rungs_leave_the_ladder_and_the_rest_reindexes():
+    ladder = SMLadder.cpu_standin(132, 8)
+    before = [(p.infer_sms, p.train_sms) for p in ladder.partitions]
+    gone = ladder.retire({12, 999, 0})  # 0 names the full rung, which always stays
+    assert [(p.infer_sms, p.train_sms) for p in gone] == [(120, 12)]
+    assert [(p.infer_sms, p.train_sms) for p in ladder.partitions] == [r for r in before if r != (120, 12)]
+    assert [p.index for p in ladder.partitions] == list(range(len(ladder.partitions)))
+    assert ladder.full.train_sms == 0 and ladder.select(113).infer_sms == 128  # the next rung up
+    assert ladder.retire(set()) == []
+
+
+def test_warm_up_failures_name_their_budgets_and_the_whole_gpu_must_work(caplog):
+    import torch
+
+    from harli_train.colocate.assembly import try_budgets
+
+    ran = []
+
+    def run(sms):
+        ran.append(sms)
+        if sms == 12:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`")
+
+    with caplog.at_level(logging.WARNING):
+        assert try_budgets([12, 68, 132], run, keep=132) == {12}
+    assert ran == [12, 68, 132]  # a failed budget does not stop the others
+    assert "fail on 12 SMs" in caplog.text and "CUBLAS_STATUS_EXECUTION_FAILED" in caplog.text
+    with pytest.raises(RuntimeError, match="CUBLAS"):
+        try_budgets([132], run=lambda sms: run(12), keep=132)
+
+    def oom(sms):
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        try_budgets([12], oom, keep=132)

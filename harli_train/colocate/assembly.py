@@ -9,6 +9,7 @@ trainer's kernels are compiled for every SM budget before the clock starts, so n
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,10 +188,14 @@ def build_predictor(
     return predictor, profile
 
 
-def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: int) -> None:
-    """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept)."""
+def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: int) -> set[int]:
+    """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
+
+    Returns the budgets where the step failed (seen on the H200: cuBLAS cannot run its GEMMs on the 12-SM
+    leftover of an 8-SM ladder); the caller retires those rungs. Running out of memory is not such a failure.
+    """
     if trainer.device.type != "cuda":
-        return
+        return set()
     cfg, model = trainer.cfg, trainer.model
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(
@@ -200,14 +205,41 @@ def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: in
     saved = rng_state()
     places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
     places.setdefault(total_sms, partitions[-1].train_stream)
-    for sms, stream in sorted(places.items()):
-        with torch.cuda.stream(stream), kernels.sm_budget(sms):
+
+    def step(sms: int) -> None:
+        with torch.cuda.stream(places[sms]), kernels.sm_budget(sms):
             for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
                 pass
-    torch.cuda.synchronize()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    set_rng_state(saved)
-    log.info("trainer kernels warmed up for SM budgets %s", sorted(places))
+        torch.cuda.synchronize()
+
+    try:
+        failed = try_budgets(sorted(places), step, keep=total_sms)
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(saved)
+    log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
+    return failed
+
+
+def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> set[int]:
+    """Run ``run(sms)`` for each budget; the budgets whose run raised a (non-OOM) runtime error, logged.
+    ``keep`` (the whole GPU) must work: its error is re-raised."""
+    failed = set()
+    for sms in budgets:
+        try:
+            run(sms)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            if sms == keep:
+                raise
+            failed.add(sms)
+            log.warning(
+                "the trainer's kernels fail on %d SMs (%s): that rung is retired",
+                sms,
+                str(err).splitlines()[0][:160],
+            )
+    return failed
 
 
 def check_policy(name: str, where: str = "--policy") -> str:
@@ -266,7 +298,9 @@ def assemble(
         ) from None
     engine.register(policy.partitions())
     if warm_up:
-        warm_up_trainer(trainer, policy.partitions() + [ladder.full], ladder.total_sms)
+        failed = warm_up_trainer(trainer, policy.partitions() + [ladder.full], ladder.total_sms)
+        if ladder.retire(failed):  # the policy picks among the rungs left
+            policy = make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
     info = {
         "serve_model": serve_model,
         "train_model": cfg.model.name,

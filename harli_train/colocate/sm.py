@@ -146,6 +146,15 @@ class SMLadder:
             nxt.train_stream.wait_event(prev.train_event)
         return nxt
 
+    def retire(self, train_sms: set[int]) -> list[Partition]:
+        """Drop the spatial rungs whose trainer side has one of these SM counts (the trainer's kernels failed
+        there); returns them. The full-GPU rung stays; the rest keep their order and are re-indexed."""
+        gone = [p for p in self.partitions if p.train_sms in train_sms and p is not self.full]
+        if gone:
+            self.partitions = [p for p in self.partitions if p not in gone]
+            self.__post_init__()
+        return gone
+
     def describe(self) -> list[dict[str, int]]:
         return [{"infer_sms": p.infer_sms, "train_sms": p.train_sms} for p in self.partitions]
 
