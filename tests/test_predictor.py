@@ -105,10 +105,19 @@ def test_residual_correction_tracks_measured_ratio(fitted):
     assert pred.correction(64, True) == pytest.approx(1.2, rel=1e-3)
     assert pred.predict(16, 16000, 64, corun=True) == pytest.approx(1.2 * raw, rel=1e-3)
     assert pred.correction(64, False) == 1.0 and pred.correction(72, True) == 1.0
-    pred.observe(64, True, 1000 * raw, raw)  # one wild outlier moves it by at most alpha * (clamp - ratio)
-    assert pred.correction(64, True) < 1.3
+    # One wild outlier moves it by at most alpha_up * (clamp - correction); non-finite timings are ignored.
+    pred.observe(64, True, 1000 * raw, raw)
+    assert pred.correction(64, True) == pytest.approx(1.2 + pred.alpha_up * (2.0 - 1.2), rel=1e-6)
     pred.observe(64, True, float("nan"), raw)
-    assert pred.correction(64, True) < 1.3
+    assert pred.correction(64, True) == pytest.approx(1.6, rel=1e-6)
+    # Slower than predicted is caught at once, faster only decays: one 1.3x step takes the correction from
+    # 1.0 at least halfway, one 0.7x step moves it down by alpha alone.
+    pred.reset_corrections()
+    pred.observe(64, True, 1.3 * raw, raw)
+    assert pred.correction(64, True) >= 1.15 - 1e-9
+    before = pred.correction(64, True)
+    pred.observe(64, True, 0.7 * raw, raw)
+    assert pred.correction(64, True) == pytest.approx(before + pred.alpha * (0.7 - before), rel=1e-6)
     pred.reset_corrections()
     assert pred.predict(16, 16000, 64) == raw
 
