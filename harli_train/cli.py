@@ -87,7 +87,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--policy",
-    help="Co-location policy: harli (harli:prefill=beside|rung|paused), static:N, streams, temporal or exclusive.",
+    help="Co-location policy: harli (harli:prefill=paused|beside|rung), static:N, streams, temporal or exclusive.",
 )
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option(

@@ -131,11 +131,11 @@ def _is_policy(v: str) -> bool:
     static = re.fullmatch(r"static:(\d+)", v)
     if static:
         return 1 <= int(static.group(1)) <= 1024
-    return v in POLICIES or re.fullmatch(r"harli:prefill=(beside|rung|paused)", v) is not None
+    return v in POLICIES or re.fullmatch(r"harli:prefill=(paused|beside|rung)", v) is not None
 
 
 _POLICY = Limit(
-    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill=beside|rung|paused", _is_policy
+    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill=paused|beside|rung", _is_policy
 )
 
 

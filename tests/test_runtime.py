@@ -146,7 +146,9 @@ def test_make_policy_names_and_shapes():
     assert isinstance(temporal, TemporalPolicy)
     (part,) = temporal.partitions()
     assert part.time_sliced and part.infer_stream is ladder.full.infer_stream
-    assert isinstance(make_policy("harli", ladder, pred, 0.05), HarliPolicy)
+    harli = make_policy("harli", ladder, pred, 0.05)
+    assert isinstance(harli, HarliPolicy) and harli.prefill_mode == "paused" and harli.name == "harli"
+    assert make_policy("harli:prefill=beside", ladder, pred, 0.05).name == "harli:prefill=beside"
     variant = make_policy("harli:prefill=rung", ladder, pred, 0.05)
     assert variant.name == "harli:prefill=rung" and variant.plan("prefill", 1, 10).partition.infer_sms == 72
     with pytest.raises(ValueError, match="unknown harli option"):
@@ -203,7 +205,8 @@ def test_base_view_shares_weights_without_the_adapter():
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
-def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path):
+@pytest.mark.parametrize("prefill", ["paused", "beside"])
+def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path, prefill):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     seen_budgets = []
 
@@ -214,7 +217,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path)
 
     # 20 ms objective: up to 4 sequences fit beside the trainer, 8 fit nowhere (the trainer must pause).
     make = lambda ladder: HarliPolicy(
-        ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, hysteresis_steps=2
+        ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, hysteresis_steps=2, prefill=prefill
     )
     load = requests([(0.15, 2, 20), (0.5, 8, 10), (1.2, 1, 25)])
     rt = runtime(
@@ -244,13 +247,19 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path)
     assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
     assert seen_budgets[: len(launches)] == [sms for _, _, sms in launches][: len(seen_budgets)]
     assert {sms for _, _, sms in launches} - {TOTAL}, "some micro-steps ran beside decode on a partial share"
-    # Prefill steps ran on the whole GPU; once decode had a share, the trainer went on beside them on the
-    # complement of that share (before, with no share to trail, it was held back).
-    prefill = [r for r in rows(tmp_path) if r["kind"] == "prefill"]
-    assert prefill and all(r["infer_sms"] == TOTAL for r in prefill)
-    beside = [r for r in prefill if r["train"] == "beside"]
-    assert beside and all(TOTAL - r["train_sms"] in {p.infer_sms for p in ladder.partitions} for r in beside)
-    assert prefill[0]["train"] == "none"
+    # Prefill steps ran on the whole GPU. Paused (the default): the trainer launched nothing for them.
+    # Beside: once decode had a share, the trainer went on beside them on the complement of that share
+    # (before, with no share to trail, it was held back).
+    steps = [r for r in rows(tmp_path) if r["kind"] == "prefill"]
+    assert steps and all(r["infer_sms"] == TOTAL for r in steps)
+    if prefill == "paused":
+        assert all(r["train"] == "none" and r["micro_steps"] == 0 for r in steps)
+    else:
+        beside = [r for r in steps if r["train"] == "beside"]
+        assert beside and all(
+            TOTAL - r["train_sms"] in {p.infer_sms for p in ladder.partitions} for r in beside
+        )
+        assert steps[0]["train"] == "none"
     # Each decode step ran on the engine partition of the rung the controller chose.
     engine_steps = [s for s in rt.engine.metrics.steps if s.kind == "decode"]
     keys = {p.infer_sms: rt.engine.key(p) for p in ladder.partitions}

@@ -165,7 +165,8 @@ def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
     )
 
 
-PREFILL_MODES = ("beside", "rung", "paused")
+PREFILL_MODES = ("paused", "beside", "rung")
+DEFAULT_PREFILL = "paused"
 
 
 class HarliPolicy(Policy):
@@ -173,18 +174,21 @@ class HarliPolicy(Policy):
 
     The trainer's rung trails the largest decode share of the last ``trainer_window_s``: autograd runs a
     chunk's backward on the stream its forward ran on, so a forward launched on SMs that decode takes back
-    a few steps later leaves a backward that cannot run (the feeder holds it, then redoes the step). Giving
-    the trainer the complement of the recent peak keeps the usual ups and downs of the share from doing that.
+    a few steps later leaves a backward that must be rebuilt (its chunk's forward again). Giving the trainer
+    the complement of the recent peak keeps the usual ups and downs of the share from doing that.
 
     A prefill is compute-bound and outside the decode model. Modes:
-    - ``beside`` (default): on the whole GPU, the trainer still launching on its rung beside it (the two
-      share the trainer's SMs for the prefill's length). Stopping the trainer would drain its queue, and
-      restarting it leaves SMs idle while its next launch is still being issued.
+    - ``paused`` (default): on the whole GPU with the trainer held back (what it has queued still runs).
+    - ``beside``: on the whole GPU, the trainer still launching on its rung beside it (the two share the
+      trainer's SMs for the prefill's length). It keeps the trainer's queue full, but the queue it builds
+      during the prefill still holds SMs when decode grows right after it (new sequences joined), and
+      the prefill's TTFT suffers: on the H200 its p99 TTFT was 95-272 ms against 48-103 ms paused, with
+      objective violations in the bursty cells that ``paused`` did not have
+      (bench/results/2026-11-29-bench_colocate-correction.json).
     - ``rung``: on a rung of its own (``prefill_sms``, half the GPU by default, as a static split would),
       the trainer on the other SMs.
-    - ``paused``: on the whole GPU with the trainer held back.
     In ``beside`` and ``rung`` the plan is a transient detour: the trainer's rung does not trail it, and a
-    backward whose forward's SMs the prefill covers is not held for it.
+    backward whose forward's SMs the prefill covers goes on there (it is not rebuilt).
     """
 
     name = "harli"
@@ -198,13 +202,13 @@ class HarliPolicy(Policy):
         hysteresis_steps: int = 8,
         trainer_window_s: float = 0.3,
         prefill_sms: int | None = None,
-        prefill: str = "beside",
+        prefill: str = DEFAULT_PREFILL,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
         super().__init__(ladder, tpot_s, margin)
         self.prefill_mode = prefill
-        if prefill != "beside":
+        if prefill != DEFAULT_PREFILL:
             self.name = f"harli:prefill={prefill}"
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
@@ -375,7 +379,7 @@ def make_policy(
         return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
     base, _, option = name.partition(":")
     if name == "temporal" or base == "harli":
-        prefill = "beside"
+        prefill = DEFAULT_PREFILL
         if option:
             key, _, prefill = option.partition("=")
             if key != "prefill" or prefill not in PREFILL_MODES:
