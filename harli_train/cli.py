@@ -132,8 +132,15 @@ def train(
 )
 @click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
+@click.option(
+    "--ladder-step",
+    type=click.Choice(["8", "16", "24", "32", "40", "48", "56", "64"]),
+    default="16",
+    show_default=True,
+    help="SMs between partitions (the recipe's colocation.ladder_step).",
+)
 @_friendly
-def profile(model: str, out: str | None, max_batch: int, dtype: str) -> None:
+def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step: str) -> None:
     """Time MODEL's decode steps on every SM partition, solo and beside trainer micro-steps.
 
     The profile (keyed by GPU, model and software versions) feeds the latency predictor of
@@ -141,7 +148,8 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str) -> None:
     """
     from harli_train.colocate.commands import run_profile
 
-    click.echo(json.dumps(run_profile(model, out, dtype=dtype, max_batch=max_batch), indent=2, default=str))
+    report = run_profile(model, out, dtype=dtype, max_batch=max_batch, ladder_step=int(ladder_step))
+    click.echo(json.dumps(report, indent=2, default=str))
 
 
 @main.command()

@@ -26,9 +26,11 @@ def test_profile_writes_and_reuses_a_profile(tmp_path):
     assert first.exit_code == 0, first.output
     assert json.loads(out.read_text())["samples"]
     out.write_text("{ not json")
-    again = CliRunner().invoke(main, ["profile", "--model", "tiny", "--out", str(out)])
+    again = CliRunner().invoke(main, ["profile", "--model", "tiny", "--out", str(out), "--ladder-step", "8"])
     assert again.exit_code == 0, again.output
     assert json.loads(out.read_text())["samples"]  # the corrupt file was rebuilt, not used
+    odd = CliRunner().invoke(main, ["profile", "--model", "tiny", "--out", str(out), "--ladder-step", "12"])
+    assert odd.exit_code == 2 and "--ladder-step" in odd.output and "Traceback" not in odd.output
 
 
 def test_serve_trace_needs_exactly_one_load(tmp_path):

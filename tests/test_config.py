@@ -100,6 +100,7 @@ def test_defaults(tmp_path, monkeypatch):
     assert cfg.train.betas == (0.9, 0.999) and cfg.train.clip_grad_norm == 1.0
     assert cfg.output.dir == str(tmp_path.resolve() / "runs" / "mini")
     assert (cfg.colocation.policy, cfg.colocation.static_sms, cfg.colocation.trace) == ("harli", None, None)
+    assert cfg.colocation.ladder_step == 16
 
 
 @pytest.mark.parametrize(
@@ -213,6 +214,7 @@ def test_wrong_type(tmp_path, key, value, expected, found):
         ("train.warmup_steps", 10, "expected an integer < train.steps (10), got 10"),
         ("colocation.margin", 0.95, "expected a number in [0, 0.9], got 0.95"),
         ("colocation.tpot_ms", 0, "expected a number > 0, got 0.0"),
+        ("colocation.ladder_step", 12, "expected an integer that is a multiple of 8 in [8, 64]"),
         ("output.keep_checkpoints", 0, "expected an integer >= 1, got 0"),
         ("train.schedule", "cos", "expected a string among cosine, linear, constant, got 'cos'"),
         ("train.betas", [0.9, 1.0], "expected a pair of numbers with both in [0, 1), got (0.9, 1.0)"),

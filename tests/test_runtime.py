@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from harli_train import kernels
-from harli_train.colocate.assembly import build_engine
+from harli_train.colocate.assembly import assemble, build_engine
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.policies import (
     BESIDE,
@@ -163,6 +163,16 @@ def test_make_policy_names_and_shapes():
 
 
 # ---- the main job: outputs, shared weights, equality --------------------------------------------------
+
+
+@pytest.mark.parametrize(("step", "shares", "static"), [(None, [16, 32, 48], 48), (8, [8, 16, 24], 40)])
+def test_the_recipe_sets_the_ladder_step(tmp_path, step, shares, static):
+    extra = ["colocation.policy=static:40"] + ([f"colocation.ladder_step={step}"] if step else [])
+    col = assemble(recipe(tmp_path, *extra), "tiny")
+    try:  # static:40 takes the least rung with at least 40 SMs
+        assert col.ladder.shares[:3] == shares and col.policy.name == f"static:{static}"
+    finally:
+        col.close()
 
 
 def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone):

@@ -82,7 +82,7 @@ def load_requests(col: ColocationSection, seed: int = 0, device: str = "cpu") ->
     return poisson_trace(rate, col.duration_s, col.prompt_len, col.output_len, seed=seed)
 
 
-def build_ladder(policy: str, device: torch.device, step: int = 8) -> SMLadder:
+def build_ladder(policy: str, device: torch.device, step: int = 16) -> SMLadder:
     """Green-context rungs on a GPU (time slicing where impossible); the CPU stand-ins elsewhere."""
     if device.type == "cuda":
         return make_ladder(step=step, device=device.index or 0)
@@ -254,7 +254,7 @@ def assemble(
     cfg: RecipeConfig,
     serve_model: str,
     resume: str | Path | None = None,
-    ladder_step: int = 8,
+    ladder_step: int | None = None,
     warm_up: bool = True,
 ) -> Colocation:
     """Build trainer, engine, ladder, predictor and policy for ``cfg`` serving ``serve_model``."""
@@ -268,7 +268,7 @@ def assemble(
     served = (
         base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
     )
-    ladder = build_ladder(col.policy, device, ladder_step)
+    ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step)
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     engine = build_engine(
         served,

@@ -102,7 +102,7 @@ def run_profile(
     seed: int = 0,
     max_batch: int = 64,
     max_model_len: int = 2048,
-    ladder_step: int = 8,
+    ladder_step: int = 16,
     batches: tuple[int, ...] | None = None,
     kv_lens: tuple[int, ...] | None = None,
     train_batch: int = 4,
