@@ -2,20 +2,19 @@
 
 On each trainer rung of the ladder, times the LoRA trainer's base GEMMs (Llama-3-8B shapes, 4 x 1024 tokens:
 forward x W^T and backward dY W) with the thread's cuBLAS handle at its default target (0: the whole GPU)
-and at the rung's SM count, and checks that the results are identical. Medians of 20 after 5 warm-ups,
-one stream at a time. Writes $OUT/probe_cublas_sm.json and prints a table.
+and at the rung's SM count, and checks that the results are identical. Medians of 20 after 5 warm-ups
+(the decode profile's timer), one stream at a time. Writes $OUT/probe_cublas_sm.json and prints a table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
-import os
-import statistics
 
+import common
 import torch
 
+from harli_train.colocate.profile import _time_calls
 from harli_train.colocate.sm import SMLadder
 
 TOKENS, HIDDEN, INTER = 4096, 4096, 14336
@@ -49,21 +48,6 @@ def cublas_sm_target(n: int):
         lib.cublasSetSmCountTarget(torch.cuda.current_blas_handle(), 0)
 
 
-def time_ms(fn, stream, reps=20, warm=5) -> float:
-    with torch.cuda.stream(stream):
-        for _ in range(warm):
-            fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(stream)
-            fn()
-            b.record(stream)
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -84,7 +68,9 @@ def main() -> None:
                 res = {}
                 for target in (0, sms):
                     with cublas_sm_target(target):
-                        out[target] = time_ms(lambda x=x, w=w: x @ w.t(), stream)
+                        out[target] = 1e3 * common.median(
+                            _time_calls(lambda x=x, w=w: x @ w.t(), stream, 5, 20)
+                        )
                         with torch.cuda.stream(stream):
                             res[target] = x @ w.t()
                         stream.synchronize()
@@ -101,18 +87,14 @@ def main() -> None:
                         "identical": bool(torch.equal(res[0], res[sms])),
                     }
                 )
-    path = os.path.join(os.environ.get("OUT", "bench_out"), "probe_cublas_sm.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1
-        )
-    print(f"{'SMs':>4} {'gemm':8} {'default ms':>10} {'target ms':>10} {'speedup':>8} {'TFLOP/s':>8} same")
-    for r in rows:
-        print(
-            f"{r['train_sms']:>4} {r['gemm']:8} {r['default_ms']:10.3f} {r['target_ms']:10.3f} "
-            f"{r['speedup']:8.3f} {r['default_tflops']:8.0f} {r['identical']}"
-        )
+    path = common.write_json(
+        "probe_cublas_sm.json",
+        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+    )
+    print(f"wrote {path}")
+    header = ["SMs", "gemm", "default ms", "target ms", "speedup", "TFLOP/s", "same"]
+    keys = ["train_sms", "gemm", "default_ms", "target_ms", "speedup", "default_tflops", "identical"]
+    print(common.table([[r[k] for k in keys] for r in rows], header))
 
 
 if __name__ == "__main__":
