@@ -278,10 +278,10 @@ class TrainFeeder:
             return "fwd" if ms.micro_batch + 1 < self._grad_accum else "optim"
         return "next"
 
-    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str | None = None) -> float:
-        """One micro-step on ``stream`` sized for ``sms`` SMs; returns its duration when synchronous."""
+    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str) -> float:
+        """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs; returns its duration
+        when synchronous."""
         self._handoff(stream)
-        kind = kind or self._next_kind()
         cuda = is_cuda_stream(stream)
         ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
         start = end = None

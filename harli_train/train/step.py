@@ -21,6 +21,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.model.llama import LlamaForCausalLM
+from harli_train.train.checkpoint import rng_state, set_rng_state
 
 IGNORE_INDEX = -100
 
@@ -46,27 +47,18 @@ def _leaf(t: torch.Tensor | None, grad: bool = True) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_(grad)
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.random.get_rng_state(), cuda
-
-
 @contextlib.contextmanager
-def _replaying(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device):
+def _replaying(state: dict | None):
     """Run the block from RNG ``state`` (None: as is), then put the generators back where they were."""
     if state is None:
         yield
         return
-    now = _rng_state(device)
-    torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+    now = rng_state()
+    set_rng_state(state)
     try:
         yield
     finally:
-        torch.random.set_rng_state(now[0])
-        if now[1] is not None:
-            torch.cuda.set_rng_state(now[1], device)
+        set_rng_state(now)
 
 
 def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
@@ -111,7 +103,7 @@ def train_step(
             # The embedding is frozen: the first chunk needs no gradient for its input.
             h_in, r_in = _leaf(hidden, start > 0), _leaf(residual)
             if replay:
-                rng.append(_rng_state(device))
+                rng.append(rng_state())
             with autocast():
                 hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin)
             saved.append([h_in, r_in, hidden, residual])
@@ -134,7 +126,7 @@ def train_step(
             (start, stop), (h_in, r_in, h_out, r_out) = bounds[i], saved[i]
             if recompute is not None and recompute(mb, start):
                 saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
-                with _replaying(rng[i] if replay else None, device), autocast():
+                with _replaying(rng[i] if replay else None), autocast():
                     h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin)
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))
