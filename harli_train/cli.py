@@ -11,6 +11,7 @@ from functools import wraps
 import click
 
 from harli_train import __version__
+from harli_train.config import LADDER_STEPS
 
 # Mistakes a user can make; each prints one clear line instead of a traceback.
 _USER_ERRORS: tuple[type[BaseException], ...] = ()
@@ -134,7 +135,7 @@ def train(
 @click.option("--dtype", default="auto", show_default=True)
 @click.option(
     "--ladder-step",
-    type=click.Choice(["8", "16", "24", "32", "40", "48", "56", "64"]),
+    type=click.Choice([str(n) for n in LADDER_STEPS]),
     default="16",
     show_default=True,
     help="SMs between partitions (the recipe's colocation.ladder_step).",

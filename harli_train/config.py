@@ -139,9 +139,9 @@ _POLICY = Limit(
 )
 
 
+LADDER_STEPS = tuple(range(8, 65, 8))  # green contexts come in 8-SM groups
 _LADDER_STEP = Limit(
-    "that is a multiple of 8 in [8, 64] (green contexts come in 8-SM groups)",
-    lambda v: 8 <= v <= 64 and v % 8 == 0,
+    "that is a multiple of 8 in [8, 64] (green contexts come in 8-SM groups)", LADDER_STEPS.__contains__
 )
 
 
