@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,7 +112,7 @@ def setup(args, results: dict) -> Bench:
     if args.dry_run:
         overrides += ["train.device=cpu", "model.dtype=float32"]
     cfg = load_recipe(args.recipe, overrides)
-    tpot_s = (float(args.tpot_ms) if args.tpot_ms not in (None, "auto") else cfg.colocation.tpot_ms) * 1e-3
+    tpot_s = (args.tpot_ms if isinstance(args.tpot_ms, float) else cfg.colocation.tpot_ms) * 1e-3
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     t0 = time.perf_counter()
@@ -192,8 +192,8 @@ def profile(bench: Bench, trainer: Trainer, args) -> dict:
         kv_lens=kv_lens,
     )
     bench.predictor = predictor
-    if args.tpot_ms == "auto":  # twice the whole GPU's step at the peak batch: decode must keep real SMs
-        bench.tpot_s = 2.0 * predictor.predict(
+    if isinstance(args.tpot_ms, AutoObjective):  # k x the whole GPU's step at the peak batch
+        bench.tpot_s = args.tpot_ms.factor * predictor.predict(
             cfg.colocation.max_batch, cfg.colocation.max_batch * 1024, bench.ladder.total_sms, False
         )
     bench.static_sms = args.static_sms or peak_static_share(bench)
@@ -204,6 +204,13 @@ def profile(bench: Bench, trainer: Trainer, args) -> dict:
         "samples": len(prof.samples),
         "fit": predictor.fit_report,
         "objective_tpot_ms": bench.tpot_s * 1e3,
+        "objective_rule": (
+            f"{args.tpot_ms.factor:g}x the whole GPU's predicted step at batch {cfg.colocation.max_batch}"
+            if isinstance(args.tpot_ms, AutoObjective)
+            else "--tpot-ms"
+            if args.tpot_ms is not None
+            else "the recipe's colocation.tpot_ms"
+        ),
         "static_sms": bench.static_sms,
         "static_rule": rule,
     }
@@ -228,6 +235,32 @@ def warmup(bench: Bench, trainer: Trainer) -> dict:
         ),
         "retired_rungs": [{"infer_sms": p.infer_sms, "train_sms": p.train_sms} for p in retired],
     }
+
+
+class AutoObjective(NamedTuple):
+    """--tpot-ms auto[:K]: K (default 2) times the whole GPU's predicted step at the peak batch."""
+
+    factor: float = 2.0
+
+
+def parse_objective(text: str) -> float | AutoObjective:
+    """--tpot-ms: milliseconds, 'auto' or 'auto:K'; anything else is refused with the value named."""
+    head, _, factor = text.partition(":")
+    try:
+        if head == "auto":
+            obj = AutoObjective(float(factor)) if factor else AutoObjective()
+            ok = obj.factor > 1.0
+        else:
+            obj = float(text)
+            ok = obj > 0 and not factor
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"--tpot-ms {text!r}: want milliseconds > 0, 'auto' or 'auto:K' with K > 1 "
+            "(K x the whole GPU's step at the peak batch)"
+        )
+    return obj
 
 
 def policy_name(bench: Bench, name: str) -> str:
@@ -466,8 +499,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--tpot-ms",
+        type=parse_objective,
         default=None,
-        help="objective in ms, or 'auto': 2x the whole GPU's step at the peak batch (default: the recipe's)",
+        help="objective in ms, 'auto' (2x the whole GPU's step at the peak batch) or 'auto:K' (K x); "
+        "default: the recipe's",
     )
     ap.add_argument(
         "--window-s", type=float, default=None, help="seconds of load per window (default 5; 1.5 dry)"
