@@ -307,7 +307,9 @@ def run_window(
             "infer_sms",
             "train_sms",
             "train",
+            "predicted_s",
             "measured_s",
+            "interval_s",
             "micro_steps",
             "reason",
         )
@@ -343,7 +345,7 @@ def run_window(
         "oom_recoveries": ft["oom_recoveries"],
         "output_tokens_per_s": sv["output_tokens_per_s"],
         "feed": ft["feed"],
-        **({"steps": steps} if steps else {}),
+        **({"step_columns": list(keep), "steps": steps} if steps else {}),
     }
 
 

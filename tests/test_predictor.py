@@ -122,6 +122,33 @@ def test_residual_correction_tracks_measured_ratio(fitted):
     assert pred.predict(16, 16000, 64) == raw
 
 
+def test_unmeasured_share_starts_from_larger_shares_correction(fitted):
+    """A share not yet measured takes the largest correction a larger share measured (never below 1)."""
+    pred = LatencyPredictor.from_dict(fitted.to_dict())
+    raw48, raw32 = (pred.predict(16, 16000, s, corun=True, raw=True) for s in (48, 32))
+    pred.observe(
+        64, True, 1.05 * pred.predict(16, 16000, 64, raw=True), pred.predict(16, 16000, 64, raw=True)
+    )
+    pred.observe(48, True, 1.12 * raw48, raw48)
+    c48 = pred.correction(48, True)
+    assert c48 > 1.05
+    assert pred.correction(32, True) == c48  # the largest of 64's and 48's
+    assert pred.predict(16, 16000, 32) == pytest.approx(c48 * raw32)
+    assert pred.correction(80, True) == 1.0  # nothing larger was measured
+    assert pred.correction(32, False) == 1.0  # solo corrections are their own family
+    # Once measured, the share follows its own timings from the prior.
+    pred.observe(32, True, 0.9 * raw32, raw32)
+    assert pred.correction(32, True) == pytest.approx(c48 + pred.alpha * (0.9 - c48))
+    # Faster than predicted on larger shares gives no discount to an unmeasured one.
+    pred.reset_corrections()
+    pred.observe(64, True, 0.8 * pred.predict(16, 16000, 64, raw=True), pred.predict(16, 16000, 64, raw=True))
+    assert pred.correction(48, True) == 1.0
+    # The priors survive the JSON round trip (unmeasured entries stay unmeasured).
+    pred.observe(48, False, 1.1 * raw48, raw48)
+    again = LatencyPredictor.from_dict(json.loads(json.dumps(pred.to_dict())))
+    assert again.correction(48, True) == pred.correction(48, True) == 1.0
+
+
 def test_round_trip_through_json(fitted):
     fitted.observe(32, True, 0.01, 0.008)
     again = LatencyPredictor.from_dict(json.loads(json.dumps(fitted.to_dict())))

@@ -19,7 +19,10 @@ Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary sh
 heavier trainer than the profiled one. Both stages are linear least squares (numpy), weighted to minimise
 relative error. At run time every share's terms are folded into one tuple of floats, so a prediction is
 a handful of Python multiplications (about 1 us), corrected online by an EWMA of measured/predicted
-latency per (share, co-run).
+latency per (share, co-run). A share not yet measured in this run starts from the largest correction that
+larger shares have measured (at least 1): the live trainer's extra interference over the profiled one shows
+on every share, and more on the smaller decode shares, where the trainer holds more SMs (on the H200 the
+first shrink from 48 to 32 SMs ran 10-12 % over the model while 48 had already measured it).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class LatencyPredictor:
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
-    _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> [solo, corun]
+    # sms -> [solo, corun] correction factors; None until that share has been measured
+    _corr: dict[int, list[float | None]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -182,10 +186,9 @@ class LatencyPredictor:
             t *= batch / b
         if corun:
             t *= 1.0 + self.intensity * (row[5] + row[6] * batch + row[7] * kv_tokens)
-        if raw:
+        if raw or not self._corr:
             return t
-        corr = self._corr.get(infer_sms)
-        return t if corr is None else t * corr[corun]
+        return t * self.correction(infer_sms, corun)
 
     def predict_all_shares(
         self, batch: int, kv_tokens: int, corun: bool = True, shares: Iterable[int] | None = None
@@ -204,7 +207,9 @@ class LatencyPredictor:
         if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
             return self.correction(infer_sms, corun)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
-        corr = self._corr.setdefault(infer_sms, [1.0, 1.0])
+        corr = self._corr.setdefault(infer_sms, [None, None])
+        if corr[corun] is None:
+            corr[corun] = self._prior(infer_sms, corun)
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
         # only costs the trainer some SMs until the slow decay brings the share back.
@@ -214,7 +219,13 @@ class LatencyPredictor:
 
     def correction(self, infer_sms: int, corun: bool) -> float:
         corr = self._corr.get(infer_sms)
-        return 1.0 if corr is None else corr[corun]
+        c = None if corr is None else corr[corun]
+        return self._prior(infer_sms, corun) if c is None else c
+
+    def _prior(self, infer_sms: int, corun: bool) -> float:
+        """An unmeasured share's correction: the largest measured on a larger share, and at least 1."""
+        larger = (c[corun] for s, c in self._corr.items() if s > infer_sms and c[corun] is not None)
+        return max(1.0, max(larger, default=1.0))
 
     def reset_corrections(self) -> None:
         self._corr.clear()
@@ -274,7 +285,9 @@ class LatencyPredictor:
             intensity=float(d.get("intensity", 1.0)),
             fit_report=dict(d.get("fit_report", {})),
         )
-        pred._corr = {int(s): [float(x) for x in c] for s, c in d.get("corrections", {}).items()}
+        pred._corr = {
+            int(s): [None if x is None else float(x) for x in c] for s, c in d.get("corrections", {}).items()
+        }
         return pred
 
 
