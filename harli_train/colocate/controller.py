@@ -75,6 +75,12 @@ class Controller:
         self.margin = self.margin if margin is None else margin
         self.budget_s = tpot_s * (1.0 - self.margin)
 
+    def restart_shrink_streak(self) -> None:
+        """A prefill ran: the steps that allowed a smaller share saw a batch that has since changed, and on
+        the H200 the first decode steps after a prefill ran slower than the model (p90 1.05x against 0.99x
+        later), so decode keeps its share until ``hysteresis_steps`` more steps allow a smaller one."""
+        self._streak, self._streak_max = 0, -1
+
     # --- deciding --------------------------------------------------------------------------------------
 
     def decide(self, batch: int, kv_tokens: int) -> Decision:

@@ -235,6 +235,7 @@ class HarliPolicy(Policy):
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         full = self.ladder.full
         if kind != "decode":
+            self.controller.restart_shrink_streak()
             # Tried on the H200: prefill on the recent *decode* share (32 SMs) lifted the trainer but the
             # 4x longer prefill delayed running decodes into objective violations
             # (bench/results/2026-11-29-bench_colocate-prefill-beside.json).

@@ -18,11 +18,14 @@ Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary sh
 ``D[s]`` is the bandwidth and L2 contention at that split; ``intensity`` scales it for a lighter or
 heavier trainer than the profiled one. Both stages are linear least squares (numpy), weighted to minimise
 relative error. At run time every share's terms are folded into one tuple of floats, so a prediction is
-a handful of Python multiplications (about 1 us), corrected online by an EWMA of measured/predicted
-latency per (share, co-run). A share not yet measured in this run starts from the largest correction that
-larger shares have measured (at least 1): the live trainer's extra interference over the profiled one shows
-on every share, and more on the smaller decode shares, where the trainer holds more SMs (on the H200 the
-first shrink from 48 to 32 SMs ran 10-12 % over the model while 48 had already measured it).
+a handful of Python multiplications (about 1 us), corrected online by EWMAs of measured/predicted latency per
+(solo, co-run): one per share and one GPU-wide, and the larger of the two applies. Both catch a slower step at
+once (alpha_up) and decay slowly (alpha). On the H200 the misses come in GPU-wide episodes: after a burst of
+prefills, or on the first steps after decode grows (the trainer's micro-step in flight still holds some of the
+SMs decode just took), steps ran 20-60 % over the model on every share decode grew through, one after the
+other. The GPU-wide EWMA carries such a miss to the share decode grows to next, and to a share not yet
+measured; the per-share one keeps a share that is slower on its own from being chosen again as soon as the
+GPU-wide one decays.
 """
 
 from __future__ import annotations
@@ -51,12 +54,12 @@ class LatencyPredictor:
     slow_global: list[float]  # e1, e2
     batch_max: int
     alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio when it is below the correction
-    alpha_up: float = 0.5  # ... and when it is above: a share running slower than predicted is caught at once
+    alpha_up: float = 0.5  # ... and when it is above: running slower than predicted is caught at once
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
-    # sms -> [solo, corun] correction factors; None until that share has been measured
-    _corr: dict[int, list[float | None]] = field(default_factory=dict, repr=False)
+    _glob: list[float] = field(default_factory=lambda: [1.0, 1.0], repr=False)  # [solo, corun], GPU-wide
+    _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> [solo, corun]
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -186,7 +189,7 @@ class LatencyPredictor:
             t *= batch / b
         if corun:
             t *= 1.0 + self.intensity * (row[5] + row[6] * batch + row[7] * kv_tokens)
-        if raw or not self._corr:
+        if raw:
             return t
         return t * self.correction(infer_sms, corun)
 
@@ -207,28 +210,22 @@ class LatencyPredictor:
         if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
             return self.correction(infer_sms, corun)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
-        corr = self._corr.setdefault(infer_sms, [None, None])
-        if corr[corun] is None:
-            corr[corun] = self._prior(infer_sms, corun)
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
-        # only costs the trainer some SMs until the slow decay brings the share back.
-        alpha = self.alpha_up if ratio > corr[corun] else self.alpha
-        corr[corun] += alpha * (ratio - corr[corun])
-        return corr[corun]
+        # only costs the trainer some SMs until the decay brings the share back.
+        for factors in (self._corr.setdefault(infer_sms, [1.0, 1.0]), self._glob):
+            alpha = self.alpha_up if ratio > factors[corun] else self.alpha
+            factors[corun] += alpha * (ratio - factors[corun])
+        return self.correction(infer_sms, corun)
 
     def correction(self, infer_sms: int, corun: bool) -> float:
+        """The factor ``predict`` applies on ``infer_sms``: the larger of the share's and the GPU-wide one."""
         corr = self._corr.get(infer_sms)
-        c = None if corr is None else corr[corun]
-        return self._prior(infer_sms, corun) if c is None else c
-
-    def _prior(self, infer_sms: int, corun: bool) -> float:
-        """An unmeasured share's correction: the largest measured on a larger share, and at least 1."""
-        larger = (c[corun] for s, c in self._corr.items() if s > infer_sms and c[corun] is not None)
-        return max(1.0, max(larger, default=1.0))
+        return max(1.0 if corr is None else corr[corun], self._glob[corun])
 
     def reset_corrections(self) -> None:
         self._corr.clear()
+        self._glob[:] = [1.0, 1.0]
 
     # --- evaluation and persistence --------------------------------------------------------------------
 
@@ -268,6 +265,7 @@ class LatencyPredictor:
             "intensity": self.intensity,
             "fit_report": dict(self.fit_report),
             "corrections": {str(s): list(c) for s, c in self._corr.items()},
+            "gpu_correction": list(self._glob),
         }
 
     @classmethod
@@ -285,9 +283,8 @@ class LatencyPredictor:
             intensity=float(d.get("intensity", 1.0)),
             fit_report=dict(d.get("fit_report", {})),
         )
-        pred._corr = {
-            int(s): [None if x is None else float(x) for x in c] for s, c in d.get("corrections", {}).items()
-        }
+        pred._corr = {int(s): [float(x) for x in c] for s, c in d.get("corrections", {}).items()}
+        pred._glob = [float(x) for x in d.get("gpu_correction", (1.0, 1.0))]
         return pred
 
 
