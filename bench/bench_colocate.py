@@ -345,6 +345,7 @@ def run_window(
         "oom_recoveries": ft["oom_recoveries"],
         "output_tokens_per_s": sv["output_tokens_per_s"],
         "feed": ft["feed"],
+        "gc_pauses": s["gc_pauses"],
         **({"step_columns": list(keep), "steps": steps} if steps else {}),
     }
 

@@ -1,6 +1,7 @@
 """The co-located runtime on the CPU stand-ins: policies, shares and streams, pause and resume, outputs, and
 the training result of a co-located run equal to a standalone run (co-location changes when, never what)."""
 
+import gc
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from harli_train.colocate.policies import (
     make_policy,
 )
 from harli_train.colocate.predictor import LatencyPredictor
-from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.colocate.runtime import ColocatedRuntime, GcPauses, RuntimeOptions
 from harli_train.colocate.shared_model import base_view, shares_weights
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder
 from harli_train.config import load_recipe
@@ -188,6 +189,7 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     assert summary["serving"]["requests"] > 0 and summary["serving"]["tpot_ms"]["p50"] is not None
     assert sum(summary["share_histogram"].values()) == summary["serving"]["decode_steps"]
     assert json.loads((col / "summary.json").read_text())["policy"] == "harli"
+    assert summary["gc_pauses"]["max_ms"] >= 0 and gc.get_freeze_count() == 0  # unfrozen after the run
     step_rows = rows(tmp_path)
     last_decode = [r for r in step_rows if r["kind"] == "decode"][-1]
     assert {
@@ -514,3 +516,20 @@ def test_pool_hook_grows_the_kv_cache_and_gives_pages_back(tmp_path):
         engine.step()
     assert kv.num_blocks > start and engine.block_manager.num_blocks == kv.num_blocks
     assert hook.on_trainer_oom() > 0 and kv.num_blocks == engine.block_manager.num_blocks == start
+
+
+def test_gc_pauses_freeze_setup_objects_and_time_collections():
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the cyclic collector frees it
+
+    before = len(gc.callbacks)
+    with GcPauses() as pauses:
+        assert gc.get_freeze_count() > 0  # what existed at the start is out of every collection
+        for _ in range(3):
+            Node()
+            gc.collect()
+    summary = pauses.summary()
+    assert summary["collections_by_generation"][2] >= 3 and summary["max_ms"] > 0
+    assert summary["total_ms"] >= summary["max_ms"]
+    assert gc.get_freeze_count() == 0 and len(gc.callbacks) == before

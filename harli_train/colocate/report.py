@@ -100,6 +100,7 @@ def build_summary(
             "step_latency_violations": rt.step_violations,
             "request_tpot_violations": sum(t > tpot_ms for t in tpots),
         },
+        "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
         "trainer_paused_fraction": rt.paused_steps / steps,
         "share_histogram": {str(k): v for k, v in sorted(rt.shares.items())},
         "mean_infer_sms": sum(k * v for k, v in rt.shares.items()) / steps,

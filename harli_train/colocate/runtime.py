@@ -16,6 +16,7 @@ engine's per-request records under ``serve/``.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -37,6 +38,46 @@ from harli_train.colocate.sm import Partition
 from harli_train.engine.load import TraceReplay, TraceRequest
 
 log = logging.getLogger(__name__)
+
+
+class GcPauses:
+    """Python's cyclic collector while serving: setup's objects frozen out of it, each collection timed.
+
+    A collection holds the GIL, so it stalls the decode thread whichever thread triggers it, for as long as
+    it takes to walk the tracked objects of its generation; with the model, the engine and the trainer
+    loaded, a full one walks millions. Freezing what exists at the start keeps those out of every walk.
+    On the H200, decode steps at an unchanged share and batch took 27-44 ms between 7 ms neighbours.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.total_s, self.max_s = [0, 0, 0], 0.0, 0.0
+        self._t0: float | None = None
+
+    def __enter__(self) -> GcPauses:
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+        gc.unfreeze()
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            took, self._t0 = time.perf_counter() - self._t0, None
+            self.count[info["generation"]] += 1
+            self.total_s += took
+            self.max_s = max(self.max_s, took)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "collections_by_generation": list(self.count),
+            "total_ms": 1e3 * self.total_s,
+            "max_ms": 1e3 * self.max_s,
+        }
 
 
 @dataclass(slots=True)
@@ -97,6 +138,7 @@ class ColocatedRuntime:
         self.shares: Counter[int] = Counter()
         self.intervals = array("d")
         self._recent = deque(maxlen=512)
+        self.gc_pauses = GcPauses()
         self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -115,22 +157,23 @@ class ColocatedRuntime:
         if threaded is None:
             threaded = self.feeder.on_gpu
         switch_interval = sys.getswitchinterval()
-        try:
-            if threaded:
-                # The decode thread gets the GIL back within this long of asking for it.
-                sys.setswitchinterval(self.opts.switch_interval_s)
-                self.feeder.start()
-            self._serve()
-            if self._solo_wanted():
-                self._solo()
-        except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
-            self.stop_reason, self._hard_stop = "interrupted", True
-        finally:
+        with self.gc_pauses:
             try:
-                self.feeder.stop()  # at the next micro-step boundary; the rest of the run is this thread's
+                if threaded:
+                    # The decode thread gets the GIL back within this long of asking for it.
+                    sys.setswitchinterval(self.opts.switch_interval_s)
+                    self.feeder.start()
+                self._serve()
+                if self._solo_wanted():
+                    self._solo()
+            except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
+                self.stop_reason, self._hard_stop = "interrupted", True
             finally:
-                sys.setswitchinterval(switch_interval)
-                restore()
+                try:
+                    self.feeder.stop()  # at the next micro-step boundary; the rest of the run is this thread's
+                finally:
+                    sys.setswitchinterval(switch_interval)
+                    restore()
         return self._finish()
 
     def _now(self) -> float:
