@@ -148,10 +148,11 @@ def test_make_policy_names_and_shapes():
     (part,) = temporal.partitions()
     assert part.time_sliced and part.infer_stream is ladder.full.infer_stream
     harli = make_policy("harli", ladder, pred, 0.05)
-    assert isinstance(harli, HarliPolicy) and harli.prefill_mode == "paused" and harli.name == "harli"
+    assert isinstance(harli, HarliPolicy) and harli.prefill_mode == "rung" and harli.name == "harli"
     assert make_policy("harli:prefill=beside", ladder, pred, 0.05).name == "harli:prefill=beside"
+    assert make_policy("harli:prefill=paused", ladder, pred, 0.05).prefill_mode == "paused"
     variant = make_policy("harli:prefill=rung", ladder, pred, 0.05)
-    assert variant.name == "harli:prefill=rung" and variant.plan("prefill", 1, 10).partition.infer_sms == 72
+    assert variant.name == "harli" and variant.plan("prefill", 1, 10).partition.infer_sms == 72  # the default
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
     assert make_policy("exclusive", ladder, None, 0.05).serve_alone
@@ -223,7 +224,7 @@ def test_base_view_shares_weights_without_the_adapter():
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefill", ["paused", "beside"])
+@pytest.mark.parametrize("prefill", ["rung", "paused", "beside"])
 def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path, prefill):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     seen_budgets = []
@@ -265,11 +266,18 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
     assert seen_budgets[: len(launches)] == [sms for _, _, sms in launches][: len(seen_budgets)]
     assert {sms for _, _, sms in launches} - {TOTAL}, "some micro-steps ran beside decode on a partial share"
-    # Prefill steps ran on the whole GPU. Paused (the default): the trainer launched nothing for them.
-    # Beside: once decode had a share, the trainer went on beside them on the complement of that share
-    # (before, with no share to trail, it was held back).
+    # Rung (the default): prefill steps ran on half the GPU, the trainer on the other half.
+    # Paused: on the whole GPU, and the trainer launched nothing for them.
+    # Beside: on the whole GPU; once decode had a share, the trainer went on beside them on the complement of
+    # that share (before, with no share to trail, it was held back).
     steps = [r for r in rows(tmp_path) if r["kind"] == "prefill"]
-    assert steps and all(r["infer_sms"] == TOTAL for r in steps)
+    assert steps
+    if prefill == "rung":
+        half = ladder.select(TOTAL // 2)
+        assert all(r["infer_sms"] == half.infer_sms and r["train"] == "beside" for r in steps)
+        assert all(r["train_sms"] == half.train_sms for r in steps)
+        return
+    assert all(r["infer_sms"] == TOTAL for r in steps)
     if prefill == "paused":
         assert all(r["train"] == "none" and r["micro_steps"] == 0 for r in steps)
     else:

@@ -166,7 +166,7 @@ def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
 
 
 PREFILL_MODES = ("paused", "beside", "rung")
-DEFAULT_PREFILL = "paused"
+DEFAULT_PREFILL = "rung"
 
 
 class HarliPolicy(Policy):
@@ -178,15 +178,21 @@ class HarliPolicy(Policy):
     the complement of the recent peak keeps the usual ups and downs of the share from doing that.
 
     A prefill is compute-bound and outside the decode model. Modes:
-    - ``paused`` (default): on the whole GPU with the trainer held back (what it has queued still runs).
+    - ``rung`` (default): on a rung of its own (``prefill_sms``, half the GPU by default, as a static split
+      would), the trainer going on on the other SMs. On the H200, in the runs that had both (objective at
+      1.5x and 1.75x the whole GPU's step, bench/results/2026-11-29-bench_colocate-objective1.5x-final.json
+      and -objective1.75x.json), it had 4 objective violations in 12 cells against 12 paused, equal or more
+      finetune throughput in 6 of 12 and never the paused mode's drops (4.5k against 5.9k tokens/s in
+      bursty/medium), at a similar p99 TTFT (96-284 ms against 67-282).
+    - ``paused``: on the whole GPU with the trainer held back (what it has queued still runs). The trainer
+      loses the prefills' time: 0.5-1.5 s of each 5 s window on the H200, which at looser objectives left
+      harli below a static split that trains through its prefills.
     - ``beside``: on the whole GPU, the trainer still launching on its rung beside it (the two share the
       trainer's SMs for the prefill's length). It keeps the trainer's queue full, but the queue it builds
       during the prefill still holds SMs when decode grows right after it (new sequences joined), and
       the prefill's TTFT suffers: on the H200 its p99 TTFT was 95-272 ms against 48-103 ms paused, with
       objective violations in the bursty cells that ``paused`` did not have
       (bench/results/2026-11-29-bench_colocate-correction.json).
-    - ``rung``: on a rung of its own (``prefill_sms``, half the GPU by default, as a static split would),
-      the trainer on the other SMs.
     In ``beside`` and ``rung`` the plan is a transient detour: the trainer's rung does not trail it, and a
     backward whose forward's SMs the prefill covers goes on there (it is not rebuilt).
     """
