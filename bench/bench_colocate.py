@@ -309,6 +309,7 @@ def run_window(
             "train",
             "predicted_s",
             "measured_s",
+            "gpu_s",
             "interval_s",
             "micro_steps",
             "reason",

@@ -184,7 +184,7 @@ def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
     )
     prompts = _prompts(3, [5, 8])
     a = engine.add_request(prompts[0], SamplingParams(max_tokens=6))
-    engine.step()
+    assert engine.step().gpu_s is None  # no stream to time on a CPU
     with pytest.raises(RequestRefused, match=r"needs 11 KV blocks .* the whole cache has 10"):
         engine.add_request(_prompts(4, [30])[0], SamplingParams(max_tokens=15))
     with pytest.raises(RequestRefused, match="exceeds max_model_len 64"):
@@ -345,7 +345,10 @@ def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
     seqs = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in prompts]
     step = 0
     while engine.has_unfinished():
-        engine.step("side" if step % 2 else "default")  # alternate partitions, as the controller would
+        result = engine.step(
+            "side" if step % 2 else "default"
+        )  # alternate partitions, as the controller would
+        assert result.gpu_s is not None and 0 < result.gpu_s  # the step's span on its stream
         step += 1
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.completion_token_ids == _hf_greedy(hf, prompt, 10)

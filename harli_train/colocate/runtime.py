@@ -297,6 +297,7 @@ class ColocatedRuntime:
             "paused": plan.paused,
             "predicted_s": plan.predicted_s,
             "measured_s": measured,
+            "gpu_s": result.gpu_s,
             "micro_steps": launched,
             "reason": plan.reason,
         }

@@ -45,6 +45,7 @@ class StepResult:
     latency_s: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    gpu_s: float | None = None  # the step's span on its stream (GPU only): latency_s less this is host time
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
@@ -236,7 +237,14 @@ class DecodeEngine:
             self._inflight = None  # every sequence it continues has ended: nothing to complete
         kind = "prefill" if batch.is_prefill else "decode"
         result = StepResult(
-            kind, len(batch.seqs), sum(batch.num_tokens), kv_tokens, now - t0, finished, batch.preempted
+            kind,
+            len(batch.seqs),
+            sum(batch.num_tokens),
+            kv_tokens,
+            now - t0,
+            finished,
+            batch.preempted,
+            launched.gpu_s(),
         )
         self.metrics.add_step(
             StepRecord(

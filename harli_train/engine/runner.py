@@ -42,6 +42,14 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # [len(sampling)] int64, on the device
     host: torch.Tensor | None  # pinned [>= len(sampling)] int64 the tokens are copied into (GPU)
     event: torch.cuda.Event | None  # recorded after that copy (GPU)
+    start: torch.cuda.Event | None = None  # recorded before the step's work, on the same stream (GPU)
+
+    def gpu_s(self) -> float | None:
+        """Seconds from the stream reaching the step to its tokens' copy (after `read()`; None on a CPU).
+        Against the step's wall time it tells a slow GPU from a host delay."""
+        if self.start is None or self.event is None:
+            return None
+        return self.start.elapsed_time(self.event) * 1e-3
 
     def wait(self) -> None:
         if self.event is not None:
@@ -152,6 +160,10 @@ class ModelRunner:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])  # the previous step ran on another partition's stream
+            start = None
+            if stream is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
             if batch.is_prefill:
                 assert not ahead, "only decode steps are launched ahead"
                 logits = self._prefill(batch, sampling, part)
@@ -169,11 +181,11 @@ class ModelRunner:
                 if tokens is not None:
                     host = self._token_host[self._num_launched % 2]
                     host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
                 self._last = (stream, event)
         self._num_launched += 1
-        return LaunchedStep(batch, sampling, tokens, host, event)
+        return LaunchedStep(batch, sampling, tokens, host, event, start)
 
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
