@@ -2,6 +2,8 @@
 
     python bench/bench_colocate.py            # H200: $OUT/bench_colocate.json + timeline PNGs, a table last
     python bench/bench_colocate.py --dry-run  # CPU: the tiny model on the stand-in ladder, short windows
+    python bench/bench_colocate.py --tpot-ms auto:1.5,auto:2  # one set-up, every window per objective:
+                                              # bench_colocate-auto1.5x.json, -auto2x.json, a table each
 
 Set-up: recipes/llama-8b-lora.yaml (Llama-3-8B shapes, LoRA r=16 on all projections, batch 4 x 1024) while
 the same base model (one copy of the weights) serves recipes/traces/{steady,bursty}.jsonl, replayed at 1x
@@ -14,7 +16,12 @@ batch meets the objective beside the trainer: provisioned for the peak, as a fix
 temporal, exclusive (decode alone; standalone training is measured once, alone on the whole GPU).
 A violation is a decode token interval over the objective (what a user sees: the step plus any host delay
 before it; see harli_train/colocate/report.py); steps whose own GPU time was over are reported apart.
-The default run (2 traces x 3 loads x 5 policies, 5 s windows, ladder step 16) takes ~5 minutes on the H200.
+The default run (2 traces x 3 loads x 5 policies, 5 s windows, ladder step 16) takes ~5 minutes on the H200;
+set-up (weights, decode graphs, profile, trainer warm-up, standalone) is about 90 s of it.
+
+The objective decides how much there is to harvest: at 1.5x the whole GPU's step the fixed split must give
+decode 112 of 132 SMs for the peak and harli reached 1.6-3.2x its finetune throughput; at 1.75x and 2x the
+fixed split needs 64 and harli was 0.8-1.1x of it (bench/results/2026-11-29-*objective*).
 
 Bars (DESIGN.md): harli has zero violations and >= 1.46x the finetune tokens/s of the best baseline
 (static, streams, temporal) that also has none; its finetune tokens/s as a fraction of standalone.
@@ -79,6 +86,7 @@ class Bench:
     static_sms: int = 0
     trainer_thread: bool | None = None
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
+    tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
 
@@ -112,7 +120,8 @@ def setup(args, results: dict) -> Bench:
     if args.dry_run:
         overrides += ["train.device=cpu", "model.dtype=float32"]
     cfg = load_recipe(args.recipe, overrides)
-    tpot_s = (args.tpot_ms if isinstance(args.tpot_ms, float) else cfg.colocation.tpot_ms) * 1e-3
+    first = args.tpot_ms[0]
+    tpot_s = (first if isinstance(first, float) else cfg.colocation.tpot_ms) * 1e-3
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     t0 = time.perf_counter()
@@ -151,7 +160,6 @@ def setup(args, results: dict) -> Bench:
         "setup_s": round(time.perf_counter() - t0, 1),
     }
     section(results, "profile", profile, bench, trainer, args)
-    results["setup"]["objective_tpot_ms"] = bench.tpot_s * 1e3  # 'auto' is known after profiling
     section(results, "warmup", warmup, bench, trainer)
     del trainer
     return bench
@@ -192,27 +200,29 @@ def profile(bench: Bench, trainer: Trainer, args) -> dict:
         kv_lens=kv_lens,
     )
     bench.predictor = predictor
-    if isinstance(args.tpot_ms, AutoObjective):  # k x the whole GPU's step at the peak batch
-        bench.tpot_s = args.tpot_ms.factor * predictor.predict(
+    return {"samples": len(prof.samples), "fit": predictor.fit_report}
+
+
+def apply_objective(bench: Bench, objective: float | AutoObjective | None, args) -> dict:
+    """Set the objective (an 'auto' one needs the predictor) and the fixed split that meets it at the peak."""
+    cfg = bench.cfg
+    if isinstance(objective, AutoObjective):  # k x the whole GPU's step at the peak batch
+        bench.tpot_s = objective.factor * bench.predictor.predict(
             cfg.colocation.max_batch, cfg.colocation.max_batch * 1024, bench.ladder.total_sms, False
         )
+        rule = f"{objective.factor:g}x the whole GPU's predicted step at batch {cfg.colocation.max_batch}"
+    else:
+        bench.tpot_s = (objective if objective is not None else cfg.colocation.tpot_ms) * 1e-3
+        rule = "--tpot-ms" if objective is not None else "the recipe's colocation.tpot_ms"
     bench.static_sms = args.static_sms or peak_static_share(bench)
-    rule = (
+    static_rule = (
         "--static-sms" if args.static_sms else "least split meeting the budget at max_batch x 1024 KV tokens"
     )
     return {
-        "samples": len(prof.samples),
-        "fit": predictor.fit_report,
         "objective_tpot_ms": bench.tpot_s * 1e3,
-        "objective_rule": (
-            f"{args.tpot_ms.factor:g}x the whole GPU's predicted step at batch {cfg.colocation.max_batch}"
-            if isinstance(args.tpot_ms, AutoObjective)
-            else "--tpot-ms"
-            if args.tpot_ms is not None
-            else "the recipe's colocation.tpot_ms"
-        ),
+        "objective_rule": rule,
         "static_sms": bench.static_sms,
-        "static_rule": rule,
+        "static_rule": static_rule,
     }
 
 
@@ -261,6 +271,17 @@ def parse_objective(text: str) -> float | AutoObjective:
             "(K x the whole GPU's step at the peak batch)"
         )
     return obj
+
+
+def parse_objectives(text: str) -> list[float | AutoObjective]:
+    """--tpot-ms: one objective, or several separated by commas (each window set runs once per objective)."""
+    return [parse_objective(part.strip()) for part in text.split(",")]
+
+
+def objective_label(objective: float | AutoObjective | None) -> str:
+    if isinstance(objective, AutoObjective):
+        return f"auto{objective.factor:g}x"
+    return "recipe" if objective is None else f"{objective:g}ms"
 
 
 def policy_name(bench: Bench, name: str) -> str:
@@ -363,7 +384,7 @@ def cell(bench: Bench, trace: str, load: str, args, results: dict) -> dict:
     requests = [r for r in bench.traces[trace] if r.arrival_s * scale < args.window_s]
     out: dict[str, Any] = {"requests_in_window": len(requests), "time_scale": scale}
     for name in args.policies:
-        plot = common.out_dir() / "timelines" / f"{trace}-{load}" if name == "harli" else None
+        plot = common.out_dir() / f"timelines{bench.tag}" / f"{trace}-{load}" if name == "harli" else None
         key = policy_name(bench, name)
         section(out, key, run_window, bench, name, requests, scale, args.window_s, 0.0, plot)
     out["verdict"] = verdict(out, results.get("standalone", {}).get("finetune_tokens_per_s"))
@@ -399,7 +420,7 @@ def verdict(cell_out: dict, solo: float | None) -> dict:
     return out
 
 
-def comparison_plot(results: dict, args) -> str | None:
+def comparison_plot(results: dict, args, tag: str = "") -> str | None:
     """Finetune tokens/s per policy in every cell, violations marked."""
     import matplotlib
 
@@ -436,7 +457,7 @@ def comparison_plot(results: dict, args) -> str | None:
     ax.set_title(f"co-location, TPOT objective {results['setup']['objective_tpot_ms']:g} ms (x: violations)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = common.out_dir() / "bench_colocate_policies.png"
+    path = common.out_dir() / f"bench_colocate_policies{tag}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return str(path)
@@ -503,10 +524,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--tpot-ms",
-        type=parse_objective,
-        default=None,
+        type=parse_objectives,
+        default=[None],
         help="objective in ms, 'auto' (2x the whole GPU's step at the peak batch) or 'auto:K' (K x); "
-        "default: the recipe's",
+        "several, comma-separated, run every window once per objective after one set-up and write "
+        "bench_colocate-<objective>.json each; default: the recipe's",
     )
     ap.add_argument(
         "--window-s", type=float, default=None, help="seconds of load per window (default 5; 1.5 dry)"
@@ -550,45 +572,66 @@ def main() -> None:
         made["bench"] = setup(args, results)
         return results["setup"]
 
+    current = results  # what the finally block writes: the objective in progress, or the shared set-up
     try:
         section(results, "setup", setup_section)
         bench = made.get("bench")
         if bench is not None:
             section(results, "standalone", standalone, bench, args)
-            results["cells"] = {}
-            for trace in args.traces:
-                for load in args.loads:
-                    log.info("cell %s/%s", trace, load)
-                    key = f"{trace}/{load}"
-                    try:
-                        results["cells"][key] = cell(bench, trace, load, args, results)
-                    except Exception as err:  # the other cells, the JSON and the table still come out
-                        log.error("cell %s failed: %s", key, err)
-                        results["cells"][key] = {
-                            "error": f"{type(err).__name__}: {err}",
-                            "trace": traceback.format_exc()[-3000:],
-                            "verdict": {"pass": False},
-                        }
-            section(results, "overall", overall, results)
-            section(
-                results,
-                "plots",
-                lambda: {"policies": comparison_plot(results, args), "timeline": _headline(args)},
-            )
+            for i, objective in enumerate(args.tpot_ms):
+                bench.tag = f"-{objective_label(objective)}" if len(args.tpot_ms) > 1 else ""
+                current = {**results, "setup": dict(results.get("setup", {})), "cells": {}}
+                run_objective(bench, objective, current, args)
+                if i < len(args.tpot_ms) - 1:
+                    write_and_print(current, bench.tag, args)
     except BaseException as err:  # even Ctrl-C: what ran is written
-        results["fatal"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
-        log.error("bench stopped: %s", results["fatal"]["error"])
+        current["fatal"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+        log.error("bench stopped: %s", current["fatal"]["error"])
     finally:
         bench = made.pop("bench", None)
         if bench is not None:
-            section(results, "teardown", teardown, bench)
-        results["total_s"] = round(time.perf_counter() - t0, 1)
-        path = common.write_json("bench_colocate.json", results)
-        print(f"wrote {path}")
-        try:
-            print(summary_table(results, args))
-        except Exception as err:
-            print(f"(no table: {type(err).__name__}: {err})")
+            section(current, "teardown", teardown, bench)
+        current["total_s"] = round(time.perf_counter() - t0, 1)
+        write_and_print(current, bench.tag if bench is not None else "", args)
+
+
+def run_objective(bench: Bench, objective, results: dict, args) -> None:
+    """Every cell under one objective, into ``results`` (which holds the shared set-up and standalone)."""
+    info = section(results, "objective", apply_objective, bench, objective, args)
+    if info is None:
+        return
+    results["setup"]["objective_tpot_ms"] = info["objective_tpot_ms"]
+    for trace in args.traces:
+        for load in args.loads:
+            log.info("cell %s/%s (objective %.3f ms)", trace, load, bench.tpot_s * 1e3)
+            key = f"{trace}/{load}"
+            try:
+                results["cells"][key] = cell(bench, trace, load, args, results)
+            except Exception as err:  # the other cells, the JSON and the table still come out
+                log.error("cell %s failed: %s", key, err)
+                results["cells"][key] = {
+                    "error": f"{type(err).__name__}: {err}",
+                    "trace": traceback.format_exc()[-3000:],
+                    "verdict": {"pass": False},
+                }
+    section(results, "overall", overall, results)
+    section(
+        results,
+        "plots",
+        lambda: {
+            "policies": comparison_plot(results, args, bench.tag),
+            "timeline": _headline(args, bench.tag),
+        },
+    )
+
+
+def write_and_print(results: dict, tag: str, args) -> None:
+    path = common.write_json(f"bench_colocate{tag}.json", results)
+    print(f"wrote {path}")
+    try:
+        print(summary_table(results, args))
+    except Exception as err:
+        print(f"(no table: {type(err).__name__}: {err})")
 
 
 def overall(results: dict) -> dict:
@@ -623,12 +666,12 @@ def teardown(bench: Bench) -> dict:
     return {"ladder_closed": True}
 
 
-def _headline(args) -> str | None:
+def _headline(args, tag: str = "") -> str | None:
     """The timeline to commit: harli on the hardest cell that ran."""
     for trace, load in (("bursty", "heavy"), ("bursty", "medium"), ("steady", "heavy")):
-        src = common.out_dir() / "timelines" / f"{trace}-{load}" / "timeline.png"
+        src = common.out_dir() / f"timelines{tag}" / f"{trace}-{load}" / "timeline.png"
         if src.is_file():
-            dst = common.out_dir() / "bench_colocate_timeline.png"
+            dst = common.out_dir() / f"bench_colocate_timeline{tag}.png"
             shutil.copy(src, dst)
             return str(dst)
     return None
