@@ -17,7 +17,7 @@ temporal, exclusive (decode alone; standalone training is measured once, alone o
 A violation is a decode token interval over the objective (what a user sees: the step plus any host delay
 before it; see harli_train/colocate/report.py); steps whose own GPU time was over are reported apart.
 The default run (2 traces x 3 loads x 5 policies, 5 s windows, ladder step 16) takes ~5 minutes on the H200;
-set-up (weights, decode graphs, profile, trainer warm-up, standalone) is about 90 s of it.
+set-up (weights, decode graphs, profile, trainer warm-up, standalone) is 20-60 s of it.
 
 The objective decides how much there is to harvest: at 1.5x the whole GPU's step the fixed split must give
 decode 112 of 132 SMs for the peak and harli reached 1.6-3.2x its finetune throughput; at 1.75x and 2x the
