@@ -21,11 +21,11 @@ relative error. At run time every share's terms are folded into one tuple of flo
 a handful of Python multiplications (about 1 us), corrected online by EWMAs of measured/predicted latency per
 (solo, co-run): one per share and one GPU-wide, and the larger of the two applies. Both catch a slower step at
 once (alpha_up) and decay slowly (alpha). On the H200 the misses come in GPU-wide episodes: after a burst of
-prefills, or on the first steps after decode grows (the trainer's micro-step in flight still holds some of the
-SMs decode just took), steps ran 20-60 % over the model on every share decode grew through, one after the
-other. The GPU-wide EWMA carries such a miss to the share decode grows to next, and to a share not yet
-measured; the per-share one keeps a share that is slower on its own from being chosen again as soon as the
-GPU-wide one decays.
+prefills, or on the first steps after decode grows (most likely the trainer's micro-step in flight still
+holding some of the SMs decode just took: those steps ran about as long as on the share before), steps ran
+20-60 % over the model on every share decode grew through, one after the other. The GPU-wide EWMA carries such
+a miss to the share decode grows to next, and to a share not yet measured; the per-share one keeps a share
+that is slower on its own from being chosen again as soon as the GPU-wide one decays.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ class DecodeGraphs:
                 self._forward(bs, num_sms)
             if self.pool is None:
                 self.pool = graph.pool()
-            # The first launch of a graph uploads it to the device: on the H200 a decode step first replayed
-            # while serving took 27 ms instead of 7. Replay once here (slot -1: the cache is not written).
+            # The first launch of a graph uploads it to the device: replay once here (slot -1: the cache is
+            # not written), so no served step pays for it.
             with torch.cuda.stream(stream):
                 graph.replay()
             self.graphs[(key, bs)] = graph
