@@ -48,6 +48,7 @@ class Controller:
         margin: float = 0.1,
         hysteresis_steps: int = 8,
         train_slice_s: float = 0.0,
+        resume_margin: float = 0.15,
         log_path: str | os.PathLike | None = None,
         log_limit: int = 100_000,
     ) -> None:
@@ -57,6 +58,11 @@ class Controller:
         self.tpot_s, self.margin = tpot_s, margin
         self.budget_s = tpot_s * (1.0 - margin)
         self.hysteresis_steps = max(int(hysteresis_steps), 1)
+        # Leaving the whole GPU for a share, the trainer restarts beside decode. On the H200 those first
+        # steps ran up to 1.32x the prediction (3 of 12 over it), where shrinks between shares ran
+        # 0.74-1.03x (bench/results/2026-11-29-bench_colocate-objective1.5x-final.json): that shrink
+        # must fit a budget smaller by this fraction.
+        self.resume_margin = resume_margin
         self.train_slice_s = train_slice_s
         self.log: deque[dict[str, Any]] = deque(maxlen=log_limit)
         self._spatial = [(p.index, p.infer_sms) for p in ladder.spatial]
@@ -109,9 +115,9 @@ class Controller:
             self._write(self._open.pop(next(iter(self._open))))
         return d
 
-    def _target(self, batch: int, kv_tokens: int) -> tuple[int, float]:
+    def _target(self, batch: int, kv_tokens: int, budget: float | None = None) -> tuple[int, float]:
         """Index and prediction of the smallest spatial rung within budget; (-1, inf) when none is."""
-        predict, budget = self.predictor.predict, self.budget_s
+        predict, budget = self.predictor.predict, self.budget_s if budget is None else budget
         for index, sms in self._spatial:
             t = predict(batch, kv_tokens, sms, True)
             if t <= budget:
@@ -130,8 +136,14 @@ class Controller:
             self._streak += 1
             self._streak_max = max(self._streak_max, want)
             if self._streak >= self.hysteresis_steps:
+                to = self._streak_max
+                if cur == full:  # leaving the whole GPU: the trainer resumes beside decode
+                    strict, _ = self._target(batch, kv_tokens, self.budget_s * (1.0 - self.resume_margin))
+                    to = full if strict < 0 else max(to, strict)
                 reason = f"shrink after {self._streak} steps that allow it"
-                self._cur, self._streak, self._streak_max = self._streak_max, 0, -1
+                if to == full:
+                    reason = f"stay on the whole GPU: no share meets the resume margin ({self._streak} steps)"
+                self._cur, self._streak, self._streak_max = to, 0, -1
             else:
                 reason = f"hysteresis: keep share ({self._streak}/{self.hysteresis_steps} steps could shrink)"
         part = self.ladder.partitions[self._cur]
