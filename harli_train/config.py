@@ -18,6 +18,7 @@ import yaml
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
 POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixed split at N SMs
+PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
 
@@ -131,11 +132,12 @@ def _is_policy(v: str) -> bool:
     static = re.fullmatch(r"static:(\d+)", v)
     if static:
         return 1 <= int(static.group(1)) <= 1024
-    return v in POLICIES or re.fullmatch(r"harli:prefill=(paused|beside|rung)", v) is not None
+    return v in POLICIES or v in {f"harli:prefill={mode}" for mode in PREFILL_MODES}
 
 
 _POLICY = Limit(
-    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill=paused|beside|rung", _is_policy
+    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill={'|'.join(PREFILL_MODES)}",
+    _is_policy,
 )
 
 

@@ -59,9 +59,11 @@ class Controller:
         self.budget_s = tpot_s * (1.0 - margin)
         self.hysteresis_steps = max(int(hysteresis_steps), 1)
         # Leaving the whole GPU for a share, the trainer restarts beside decode. On the H200 those first
-        # steps ran up to 1.32x the prediction (3 of 12 over it), where shrinks between shares ran
-        # 0.74-1.03x (bench/results/2026-11-29-bench_colocate-objective1.5x-final.json): that shrink
-        # must fit a budget smaller by this fraction.
+        # steps ran up to 1.32x the prediction (3 of 12 over it; they were both violations of the default
+        # harli in bench/results/2026-11-29-bench_colocate-objective1.5x-final.json), where shrinks between
+        # shares mostly ran 0.7-0.95x: that shrink goes to the least share that fits a budget smaller by
+        # this fraction. When none does, it takes the plain target: holding the whole GPU instead kept the
+        # trainer paused for 99 % of a heavy window (-objective1.5x-resume-margin.json).
         self.resume_margin = resume_margin
         self.train_slice_s = train_slice_s
         self.log: deque[dict[str, Any]] = deque(maxlen=log_limit)
@@ -139,10 +141,8 @@ class Controller:
                 to = self._streak_max
                 if cur == full:  # leaving the whole GPU: the trainer resumes beside decode
                     strict, _ = self._target(batch, kv_tokens, self.budget_s * (1.0 - self.resume_margin))
-                    to = full if strict < 0 else max(to, strict)
+                    to = max(to, strict)  # none within the margin (-1): the plain target, not a trap
                 reason = f"shrink after {self._streak} steps that allow it"
-                if to == full:
-                    reason = f"stay on the whole GPU: no share meets the resume margin ({self._streak} steps)"
                 self._cur, self._streak, self._streak_max = to, 0, -1
             else:
                 reason = f"hysteresis: keep share ({self._streak}/{self.hysteresis_steps} steps could shrink)"

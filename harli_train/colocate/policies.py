@@ -24,6 +24,7 @@ from typing import Any
 from harli_train.colocate.controller import Controller, Decision
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
+from harli_train.config import PREFILL_MODES
 
 BESIDE, AFTER, NONE = "beside", "after", "none"
 # With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
@@ -165,8 +166,7 @@ def _time_slice(ladder: SMLadder) -> TimeSliceLadder:
     )
 
 
-PREFILL_MODES = ("paused", "beside", "rung")
-DEFAULT_PREFILL = "rung"
+DEFAULT_PREFILL = PREFILL_MODES[0]
 
 
 class HarliPolicy(Policy):
