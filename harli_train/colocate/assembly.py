@@ -289,8 +289,12 @@ def assemble(
             else None
         )
         predictor, profile = build_predictor(engine, ladder, model_id, corun, col.max_batch, col.profile)
+
+    def policy_on_ladder() -> Policy:  # on the rungs the ladder has now
+        return make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
+
     try:
-        policy = make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
+        policy = policy_on_ladder()
     except ValueError as err:
         ladder.close()
         raise RecipeError(
@@ -300,7 +304,7 @@ def assemble(
     if warm_up:
         failed = warm_up_trainer(trainer, policy.partitions() + [ladder.full], ladder.total_sms)
         if ladder.retire(failed):  # the policy picks among the rungs left
-            policy = make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
+            policy = policy_on_ladder()
     info = {
         "serve_model": serve_model,
         "train_model": cfg.model.name,
