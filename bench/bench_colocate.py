@@ -439,7 +439,9 @@ def comparison_plot(results: dict, args, tag: str = "") -> str | None:
                 (
                     v
                     for k, v in results["cells"][f"{t}/{lo}"].items()
-                    if k.split(":")[0] == name and isinstance(v, dict) and "policy" in v
+                    if (k == name or (name == "static" and k.startswith("static:")))
+                    and isinstance(v, dict)
+                    and "policy" in v
                 ),
                 None,
             )
