@@ -1,0 +1,199 @@
+"""Where a co-location run's violations and trainer throughput came from (no GPU needed).
+
+    python bench/analyze_colocate.py bench/results/2026-11-29-bench_colocate-objective1.5x-final.json
+
+Reads a bench_colocate JSON written with --keep-steps and prints, for every harli-like policy (and any policy
+with per-step records):
+- per cell: finetune tokens/s, violations, the trainer's time-weighted SMs and tokens/s per SM, the seconds
+  it held no SMs, rebuilt chunks, and the trainer thread's GPU-busy and launch seconds (the SMs are those the
+  plans gave the trainer: with prefill paused, micro-steps already queued still run during a prefill, so
+  tokens/s per SM reads high there);
+- measured/predicted latency of decode steps by what came before them: a grow, a shrink between shares, an
+  exit from the whole GPU (the trainer resuming), the first step after a prefill, or the same share;
+- every violation with the two steps before it;
+- stalls (a step over twice its prediction), with the step's GPU span where the run recorded it, so a slow
+  GPU shows apart from a host delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
+
+
+def rows_of(entry: dict) -> list[dict[str, Any]]:
+    """The window's kept per-step records as dicts (older files lack some columns)."""
+    cols = entry.get("step_columns") or [
+        "t",
+        "kind",
+        "batch",
+        "infer_sms",
+        "train_sms",
+        "train",
+        "measured_s",
+        "micro_steps",
+        "reason",
+    ]
+    return [dict(zip(cols, r, strict=False)) for r in entry.get("steps", [])]
+
+
+def trainer_share(rows: list[dict], total_sms: int) -> tuple[float, float]:
+    """Time-weighted trainer SMs over the window, and the seconds it held none."""
+    held = idle = span = 0.0
+    for prev, row in zip(rows, rows[1:], strict=False):
+        dt = row["t"] - prev["t"]
+        sms = (row.get("train_sms") or 0) if row.get("train") != "none" else 0
+        held += dt * sms
+        idle += dt * (sms == 0)
+        span += dt
+    return (held / span if span else 0.0), idle
+
+
+def transitions(rows: list[dict], total_sms: int) -> dict[str, list[float]]:
+    """measured/predicted of every decode step, by what came before it."""
+    out: dict[str, list[float]] = defaultdict(list)
+    prev = None
+    for row in rows:
+        if row["kind"] == "prefill":
+            prev = "prefill"
+            continue
+        if row["kind"] != "decode":
+            continue
+        pred, meas = row.get("predicted_s"), row.get("measured_s")
+        if pred and meas and row["infer_sms"] != total_sms:
+            if prev == "prefill":
+                kind = "after prefill"
+            elif prev is None or row["infer_sms"] == prev["infer_sms"]:
+                kind = "same share"
+            elif row["infer_sms"] > prev["infer_sms"]:
+                kind = "grow"
+            else:
+                kind = "exit whole GPU" if prev["infer_sms"] == total_sms else "shrink"
+            out[kind].append(meas / pred)
+        prev = row
+    return out
+
+
+def violations(rows: list[dict], tpot_s: float) -> list[list[dict]]:
+    """Each violating decode step with the two steps before it."""
+    found = []
+    for i, row in enumerate(rows):
+        seen = row.get("interval_s") or row.get("measured_s") or 0.0
+        if row["kind"] == "decode" and seen > tpot_s:
+            found.append(rows[max(0, i - 2) : i + 1])
+    return found
+
+
+def stalls(rows: list[dict]) -> list[dict]:
+    return [
+        r
+        for r in rows
+        if r["kind"] == "decode"
+        and r.get("predicted_s")
+        and (r.get("measured_s") or 0) > 2 * r["predicted_s"]
+    ]
+
+
+def _step(row: dict) -> str:
+    ms = lambda k: "-" if row.get(k) is None else f"{1e3 * row[k]:.1f}"
+    return (
+        f"t={row['t']:.3f} {row['kind']} batch {row.get('batch')} on {row.get('infer_sms')} SMs "
+        f"(trainer {row.get('train_sms')}, {row.get('train')}): predicted {ms('predicted_s')} ms, "
+        f"measured {ms('measured_s')}, GPU {ms('gpu_s')}, interval {ms('interval_s')} | {row.get('reason')}"
+    )
+
+
+def analyze(results: dict) -> dict[str, Any]:
+    total = results.get("env", {}).get("sms") or 132
+    tpot_s = results["setup"]["objective_tpot_ms"] * 1e-3
+    report: dict[str, Any] = {"objective_tpot_ms": tpot_s * 1e3, "cells": {}}
+    ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for cell, policies in results.get("cells", {}).items():
+        for name, entry in policies.items():
+            if not isinstance(entry, dict) or "steps" not in entry:
+                continue
+            rows = rows_of(entry)
+            sms, idle = trainer_share(rows, total)
+            feed = entry.get("feed", {})
+            for kind, rs in transitions(rows, total).items():
+                ratios[name][kind] += rs
+            report["cells"].setdefault(cell, {})[name] = {
+                "tokens_per_s": entry["finetune_tokens_per_s"],
+                "violations": entry["violations"],
+                "trainer_sms": sms,
+                "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
+                "no_trainer_s": idle,
+                "rebuilt_chunks": feed.get("rebuilt_chunks"),
+                "gpu_busy_s": feed.get("gpu_busy_s"),
+                "launch_host_s": feed.get("launch_host_s"),
+                "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
+                "stalls": [_step(r) for r in stalls(rows)],
+            }
+    report["transitions"] = {
+        name: {
+            kind: {
+                "steps": len(rs),
+                "median": statistics.median(rs),
+                "max": max(rs),
+                "over_1": sum(r > 1.0 for r in rs),
+            }
+            for kind, rs in by_kind.items()
+        }
+        for name, by_kind in ratios.items()
+    }
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="a bench_colocate JSON written with --keep-steps")
+    args = ap.parse_args()
+    report = analyze(json.loads(Path(args.results).read_text()))
+    print(f"objective {report['objective_tpot_ms']:.3f} ms")
+    rows = []
+    for cell, policies in report["cells"].items():
+        for name, r in policies.items():
+            rows.append(
+                [
+                    cell,
+                    name,
+                    r["tokens_per_s"],
+                    r["violations"],
+                    r["trainer_sms"],
+                    r["tokens_per_s_per_sm"],
+                    r["no_trainer_s"],
+                    r["rebuilt_chunks"],
+                    r["gpu_busy_s"],
+                    r["launch_host_s"],
+                ]
+            )
+    head = ["cell", "policy", "tok/s", "viol.", "trainer SMs", "tok/s/SM", "no trainer s", "rebuilt", "GPU s"]
+    print(common.table(rows, [*head, "launch s"]))
+    print("\nmeasured / predicted decode step, by what came before it")
+    trows = [
+        [name, kind, t["steps"], t["median"], t["max"], t["over_1"]]
+        for name, by_kind in report["transitions"].items()
+        for kind in KINDS
+        if (t := by_kind.get(kind))
+    ]
+    print(common.table(trows, ["policy", "before", "steps", "median", "max", "over 1"]))
+    for cell, policies in report["cells"].items():
+        for name, r in policies.items():
+            for ctx in r["violating_steps"]:
+                print(f"\nviolation, {cell} {name}:\n  " + "\n  ".join(ctx))
+            for line in r["stalls"]:
+                print(f"\nstall, {cell} {name}: {line}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""bench/analyze_colocate.py on a hand-made co-location result: shares, transitions, violations, stalls."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import analyze_colocate  # noqa: E402
+
+COLUMNS = [
+    "t",
+    "kind",
+    "batch",
+    "infer_sms",
+    "train_sms",
+    "train",
+    "predicted_s",
+    "measured_s",
+    "gpu_s",
+    "interval_s",
+    "micro_steps",
+    "reason",
+]
+
+
+def _row(t, kind, sms, train, predicted, measured, interval=None):
+    return [t, kind, 4, sms, 132 - sms if train else 0, "beside" if train else "none"] + [
+        predicted,
+        measured,
+        measured,
+        interval,
+        1,
+        "r",
+    ]
+
+
+def results():
+    steps = [
+        _row(0.00, "decode", 132, False, 0.005, 0.005),
+        _row(0.01, "decode", 48, True, 0.008, 0.009, 0.009),  # exit from the whole GPU: 1.125
+        _row(0.02, "decode", 48, True, 0.008, 0.008, 0.008),  # same share: 1.0
+        _row(0.03, "decode", 64, True, 0.007, 0.0084, 0.0084),  # grow: 1.2
+        _row(0.06, "prefill", 132, False, None, 0.03),
+        _row(0.07, "decode", 64, True, 0.007, 0.0077, None),  # after a prefill: 1.1
+        _row(0.08, "decode", 48, True, 0.008, 0.024, 0.024),  # shrink: 3.0, a stall and a violation
+        _row(0.09, "decode", 48, True, 0.008, 0.008, 0.008),
+    ]
+    cell = {
+        "harli": {
+            "finetune_tokens_per_s": 1000.0,
+            "violations": 1,
+            "feed": {"rebuilt_chunks": 2, "gpu_busy_s": 0.08, "launch_host_s": 0.05},
+            "step_columns": COLUMNS,
+            "steps": steps,
+        },
+        "static:64": {"finetune_tokens_per_s": 800.0, "violations": 0},  # no per-step records: skipped
+    }
+    return {"env": {"sms": 132}, "setup": {"objective_tpot_ms": 10.0}, "cells": {"bursty/heavy": cell}}
+
+
+def test_analysis_attributes_steps_and_shares():
+    report = analyze_colocate.analyze(results())
+    (cell,) = report["cells"].values()
+    assert list(cell) == ["harli"]
+    r = cell["harli"]
+    # Trainer SMs per interval ending at each row: 84, 84, 68, 0 (prefill), 68, 84, 84 over 0.01 s each,
+    # except the 0.03 s before the prefill.
+    spans = [(0.01, 84), (0.01, 84), (0.01, 68), (0.03, 0), (0.01, 68), (0.01, 84), (0.01, 84)]
+    assert r["trainer_sms"] == pytest.approx(sum(d * s for d, s in spans) / 0.09)
+    assert r["no_trainer_s"] == pytest.approx(0.03)
+    assert r["tokens_per_s_per_sm"] == pytest.approx(1000.0 / r["trainer_sms"])
+    t = report["transitions"]["harli"]
+    assert t["exit whole GPU"]["median"] == pytest.approx(1.125)
+    assert t["grow"]["median"] == pytest.approx(1.2)
+    assert t["after prefill"]["median"] == pytest.approx(1.1)
+    assert t["shrink"]["max"] == pytest.approx(3.0) and t["shrink"]["over_1"] == 1
+    assert t["same share"]["steps"] == 2 and t["same share"]["over_1"] == 0
+    (violation,) = r["violating_steps"]
+    assert len(violation) == 3 and "measured 24.0" in violation[-1]
+    (stall,) = r["stalls"]
+    assert "GPU 24.0" in stall and "t=0.080" in stall
