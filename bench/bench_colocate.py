@@ -69,6 +69,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LOADS = {"light": 1.0, "medium": 2.0, "heavy": 4.0}  # multiples of the trace's request rate
 BASELINES = ("static", "streams", "temporal")
 RATIO_BAR = 1.46
+STEP_COLUMNS = (  # of the per-step records --keep-steps copies into the JSON (bench/analyze_colocate.py reads them)
+    "t",
+    "kind",
+    "batch",
+    "infer_sms",
+    "train_sms",
+    "train",
+    "predicted_s",
+    "measured_s",
+    "gpu_s",
+    "interval_s",
+    "micro_steps",
+    "reason",
+)
 log = logging.getLogger("bench_colocate")
 
 
@@ -321,20 +335,7 @@ def run_window(
     s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
     steps = []
     if bench.keep_steps:  # a compact copy of the first per-step records, for diagnosis
-        keep = (
-            "t",
-            "kind",
-            "batch",
-            "infer_sms",
-            "train_sms",
-            "train",
-            "predicted_s",
-            "measured_s",
-            "gpu_s",
-            "interval_s",
-            "micro_steps",
-            "reason",
-        )
+        keep = STEP_COLUMNS
         with open(run_dir / "colocate" / "steps.jsonl") as f:
             for line, _ in zip(f, range(bench.keep_steps), strict=False):
                 row = json.loads(line)

@@ -7,21 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import analyze_colocate  # noqa: E402
+import bench_colocate  # noqa: E402
 
-COLUMNS = [
-    "t",
-    "kind",
-    "batch",
-    "infer_sms",
-    "train_sms",
-    "train",
-    "predicted_s",
-    "measured_s",
-    "gpu_s",
-    "interval_s",
-    "micro_steps",
-    "reason",
-]
+COLUMNS = bench_colocate.STEP_COLUMNS
 
 
 def _row(t, kind, sms, train, predicted, measured, interval=None):
