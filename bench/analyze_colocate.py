@@ -27,23 +27,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from bench_colocate import STEP_COLUMNS  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
+ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s")  # files before 2026-11-29's last runs lack these
 
 
 def rows_of(entry: dict) -> list[dict[str, Any]]:
     """The window's kept per-step records as dicts (older files lack some columns)."""
-    cols = entry.get("step_columns") or [
-        "t",
-        "kind",
-        "batch",
-        "infer_sms",
-        "train_sms",
-        "train",
-        "measured_s",
-        "micro_steps",
-        "reason",
-    ]
+    cols = entry.get("step_columns") or [c for c in STEP_COLUMNS if c not in ADDED_COLUMNS]
     return [dict(zip(cols, r, strict=False)) for r in entry.get("steps", [])]
 
 
