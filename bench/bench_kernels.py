@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
+
+from harli_train.colocate.profile import _time_calls  # noqa: E402
 
 LLAMA_8B = dict(
     batch=4, seq=1024, hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, rank=16, head_dim=128
@@ -229,29 +230,9 @@ class GreenStream:
 
 
 def time_ms(fn: Callable[[], object], stream, reps: int, warmup: int) -> float:
-    """Median milliseconds of fn() over `reps` runs after `warmup` runs, on `stream` (None: CPU clock)."""
-    if stream is None:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return common.median(times)
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        events = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            fn()
-            end.record(stream)
-            events.append((start, end))
-        torch.cuda.synchronize()
-    return common.median([s.elapsed_time(e) for s, e in events])
+    """Median milliseconds of fn() over `reps` runs after `warmup` runs, on `stream` (None: CPU clock);
+    the decode profile's timer (CUDA events on the stream)."""
+    return 1e3 * common.median(_time_calls(fn, stream, warmup, reps))
 
 
 def time_graph_ms(fn: Callable[[], object], stream, reps: int) -> float:
