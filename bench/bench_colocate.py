@@ -335,11 +335,10 @@ def run_window(
     s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
     steps = []
     if bench.keep_steps:  # a compact copy of the first per-step records, for diagnosis
-        keep = STEP_COLUMNS
         with open(run_dir / "colocate" / "steps.jsonl") as f:
             for line, _ in zip(f, range(bench.keep_steps), strict=False):
                 row = json.loads(line)
-                steps.append([row.get(k) for k in keep])
+                steps.append([row.get(k) for k in STEP_COLUMNS])
     if plot_to is not None:
         plot_to.mkdir(parents=True, exist_ok=True)
         for png in ("timeline.png", "throughput.png"):
@@ -369,7 +368,7 @@ def run_window(
         "output_tokens_per_s": sv["output_tokens_per_s"],
         "feed": ft["feed"],
         "gc_pauses": s["gc_pauses"],
-        **({"step_columns": list(keep), "steps": steps} if steps else {}),
+        **({"step_columns": list(STEP_COLUMNS), "steps": steps} if steps else {}),
     }
 
 
