@@ -25,7 +25,10 @@ prefills, or on the first steps after decode grows (most likely the trainer's mi
 holding some of the SMs decode just took: those steps ran about as long as on the share before), steps ran
 20-60 % over the model on every share decode grew through, one after the other. The GPU-wide EWMA carries such
 a miss to the share decode grows to next, and to a share not yet measured; the per-share one keeps a share
-that is slower on its own from being chosen again as soon as the GPU-wide one decays.
+that is slower on its own from being chosen again as soon as the GPU-wide one decays. A share's own excess
+over the GPU-wide factor relaxes toward it on every step measured elsewhere (``idle_alpha``): a share is only
+measured while it is in use, so without that a single spike there (one 27-44 ms stall seen on the H200) held it
+out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class LatencyPredictor:
     batch_max: int
     alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio when it is below the correction
     alpha_up: float = 0.5  # ... and when it is above: running slower than predicted is caught at once
+    idle_alpha: float = 0.02  # per step measured on another share: a share's excess over the GPU-wide factor
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
@@ -216,6 +220,10 @@ class LatencyPredictor:
         for factors in (self._corr.setdefault(infer_sms, [1.0, 1.0]), self._glob):
             alpha = self.alpha_up if ratio > factors[corun] else self.alpha
             factors[corun] += alpha * (ratio - factors[corun])
+        glob = self._glob[corun]
+        for sms, factors in self._corr.items():  # the shares not in use relax toward the GPU-wide factor
+            if sms != infer_sms and factors[corun] > glob:
+                factors[corun] -= self.idle_alpha * (factors[corun] - glob)
         return self.correction(infer_sms, corun)
 
     def correction(self, infer_sms: int, corun: bool) -> float:
@@ -262,6 +270,7 @@ class LatencyPredictor:
             "batch_max": self.batch_max,
             "alpha": self.alpha,
             "alpha_up": self.alpha_up,
+            "idle_alpha": self.idle_alpha,
             "intensity": self.intensity,
             "fit_report": dict(self.fit_report),
             "corrections": {str(s): list(c) for s, c in self._corr.items()},
@@ -280,6 +289,7 @@ class LatencyPredictor:
             int(d["batch_max"]),
             alpha=float(d.get("alpha", 0.1)),
             alpha_up=float(d.get("alpha_up", 0.5)),
+            idle_alpha=float(d.get("idle_alpha", 0.02)),
             intensity=float(d.get("intensity", 1.0)),
             fit_report=dict(d.get("fit_report", {})),
         )
