@@ -152,7 +152,15 @@ def test_make_policy_names_and_shapes():
     assert make_policy("harli:prefill=beside", ladder, pred, 0.05).name == "harli:prefill=beside"
     assert make_policy("harli:prefill=paused", ladder, pred, 0.05).prefill_mode == "paused"
     variant = make_policy("harli:prefill=rung", ladder, pred, 0.05)
-    assert variant.name == "harli" and variant.plan("prefill", 1, 10).partition.infer_sms == 72  # the default
+    assert variant.name == "harli"
+    # Decode starts on the whole GPU: a prefill then keeps the trainer paused; once decode has shrunk to a
+    # share, prefills run on half the GPU (the default rung), the trainer on the other half.
+    first = variant.plan("prefill", 1, 10)
+    assert first.paused and first.partition.infer_sms == TOTAL
+    while variant.plan("decode", 1, 10).partition.infer_sms == TOTAL:
+        pass
+    later = variant.plan("prefill", 1, 10)
+    assert later.partition.infer_sms == 72 and not later.paused
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
     assert make_policy("exclusive", ladder, None, 0.05).serve_alone
@@ -273,9 +281,23 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     steps = [r for r in rows(tmp_path) if r["kind"] == "prefill"]
     assert steps
     if prefill == "rung":
+        # While decode holds the whole GPU (from the start, and over the spike) a prefill keeps the trainer
+        # paused; otherwise it runs on half the GPU, the trainer on the other half.
         half = ladder.select(TOTAL // 2)
-        assert all(r["infer_sms"] == half.infer_sms and r["train"] == "beside" for r in steps)
-        assert all(r["train_sms"] == half.train_sms for r in steps)
+        every = rows(tmp_path)
+        for i, r in enumerate(every):
+            if r["kind"] != "prefill":
+                continue
+            before = [x for x in every[:i] if x["kind"] == "decode"]
+            if not before or before[-1]["infer_sms"] == TOTAL:
+                assert r["infer_sms"] == TOTAL and r["train"] == "none" and r["micro_steps"] == 0
+            else:
+                assert (r["infer_sms"], r["train_sms"], r["train"]) == (
+                    half.infer_sms,
+                    half.train_sms,
+                    "beside",
+                )
+        assert any(r["train"] == "beside" for r in steps)
         return
     assert all(r["infer_sms"] == TOTAL for r in steps)
     if prefill == "paused":

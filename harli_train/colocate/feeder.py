@@ -476,6 +476,11 @@ class TrainFeeder:
     def threaded(self) -> bool:
         return self._thread is not None
 
+    @property
+    def launching(self) -> bool:
+        """Whether the trainer thread is inside a launch round now (its Python competes for the GIL)."""
+        return self._running
+
     def start(self) -> None:
         """Launch from a thread of its own from now on (until ``stop()``)."""
         if self._thread is not None or self.done:

@@ -24,7 +24,7 @@ from typing import Any
 from harli_train.colocate.controller import Controller, Decision
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
-from harli_train.config import PREFILL_MODES
+from harli_train.config import DEFAULT_MARGIN, PREFILL_MODES
 
 BESIDE, AFTER, NONE = "beside", "after", "none"
 # With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
@@ -246,6 +246,13 @@ class HarliPolicy(Policy):
             # 4x longer prefill delayed running decodes into objective violations
             # (bench/results/2026-11-29-bench_colocate-prefill-beside.json).
             horizon = self.prefill_estimate.value
+            if self.controller.holds_whole_gpu:
+                # Waking the trainer for a prefill while decode needs the whole GPU spills its micro-step into
+                # the decode steps after it: on the H200, whole-GPU decode steps within 0.15 s of the trainer
+                # running had host gaps to 3.9 ms (the trainer thread still launching) and GPU spans to 31 ms,
+                # against at most 0.5 ms and 8 ms later on; they held all 16 violations of the default harli
+                # in bench/results/2026-11-29-bench_colocate-s5-margin.json and -s5-switch20us.json.
+                return _paused(full, f"{kind}: whole GPU, decode holds it (trainer stays paused)")
             if self.prefill_mode == "rung" and self.prefill_rung is not None:
                 rung = self.prefill_rung
                 reason = f"{kind}: {rung.infer_sms} SMs"
@@ -378,7 +385,7 @@ def make_policy(
     ladder: SMLadder,
     predictor: LatencyPredictor | None,
     tpot_s: float,
-    margin: float = 0.1,
+    margin: float = DEFAULT_MARGIN,
     hysteresis_steps: int = 8,
 ) -> Policy:
     """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal or exclusive."""

@@ -273,6 +273,7 @@ class ColocatedRuntime:
             feeder.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
         if plan.train == AFTER:
             feeder.drain()  # same stream: the step must not queue behind the trainer's work
+        trainer_launching = feeder.launching
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition)
@@ -299,6 +300,7 @@ class ColocatedRuntime:
             "measured_s": measured,
             "gpu_s": result.gpu_s,
             "micro_steps": launched,
+            "trainer_launching": trainer_launching,
             "reason": plan.reason,
         }
         if result.kind == "decode":
