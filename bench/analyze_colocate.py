@@ -11,6 +11,8 @@ with per-step records):
 - measured/predicted latency of decode steps by what came before them: a grow, a shrink between shares, an
   exit from the whole GPU (the trainer resuming), the first step after a prefill, or the same share;
 - every violation with the two steps before it;
+- the host time between decode steps, split by whether the trainer thread was launching at the time (its
+  Python competes with the decode loop's for the GIL);
 - stalls (a step over twice its prediction), with the step's GPU span where the run recorded it, so a slow
   GPU shows apart from a host delay.
 """
@@ -30,7 +32,8 @@ import common  # noqa: E402
 from bench_colocate import STEP_COLUMNS  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
-ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s")  # files before 2026-11-29's last runs lack these
+# Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
+ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s", "trainer_launching")
 
 
 def rows_of(entry: dict) -> list[dict[str, Any]]:
@@ -86,6 +89,20 @@ def violations(rows: list[dict], tpot_s: float) -> list[list[dict]]:
     return found
 
 
+def host_gaps(rows: list[dict]) -> dict[str, list[float]]:
+    """Host seconds between consecutive decode steps (token interval less the step's own latency), split by
+    whether the trainer thread was launching when the step started ("unknown" in files without it)."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        interval, measured = row.get("interval_s"), row.get("measured_s")
+        if row["kind"] != "decode" or interval is None or measured is None:
+            continue
+        busy = row.get("trainer_launching")
+        key = "unknown" if busy is None else ("trainer launching" if busy else "trainer idle")
+        out[key].append(interval - measured)
+    return out
+
+
 def stalls(rows: list[dict]) -> list[dict]:
     return [
         r
@@ -110,6 +127,7 @@ def analyze(results: dict) -> dict[str, Any]:
     tpot_s = results["setup"]["objective_tpot_ms"] * 1e-3
     report: dict[str, Any] = {"objective_tpot_ms": tpot_s * 1e3, "cells": {}}
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for cell, policies in results.get("cells", {}).items():
         for name, entry in policies.items():
             if not isinstance(entry, dict) or "steps" not in entry:
@@ -119,6 +137,8 @@ def analyze(results: dict) -> dict[str, Any]:
             feed = entry.get("feed", {})
             for kind, rs in transitions(rows, total).items():
                 ratios[name][kind] += rs
+            for key, gs in host_gaps(rows).items():
+                gaps[name][key] += gs
             report["cells"].setdefault(cell, {})[name] = {
                 "tokens_per_s": entry["finetune_tokens_per_s"],
                 "violations": entry["violations"],
@@ -128,6 +148,7 @@ def analyze(results: dict) -> dict[str, Any]:
                 "rebuilt_chunks": feed.get("rebuilt_chunks"),
                 "gpu_busy_s": feed.get("gpu_busy_s"),
                 "launch_host_s": feed.get("launch_host_s"),
+                "device_allocs": (entry.get("allocator") or {}).get("num_device_alloc"),
                 "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
                 "stalls": [_step(r) for r in stalls(rows)],
             }
@@ -142,6 +163,18 @@ def analyze(results: dict) -> dict[str, Any]:
             for kind, rs in by_kind.items()
         }
         for name, by_kind in ratios.items()
+    }
+    report["host_gaps_ms"] = {
+        name: {
+            key: {
+                "steps": len(gs),
+                "p50": 1e3 * statistics.median(gs),
+                "p99": 1e3 * sorted(gs)[int(0.99 * (len(gs) - 1))],
+                "max": 1e3 * max(gs),
+            }
+            for key, gs in by_key.items()
+        }
+        for name, by_key in gaps.items()
     }
     return report
 
@@ -167,10 +200,11 @@ def main() -> None:
                     r["rebuilt_chunks"],
                     r["gpu_busy_s"],
                     r["launch_host_s"],
+                    r["device_allocs"],
                 ]
             )
     head = ["cell", "policy", "tok/s", "viol.", "trainer SMs", "tok/s/SM", "no trainer s", "rebuilt", "GPU s"]
-    print(common.table(rows, [*head, "launch s"]))
+    print(common.table(rows, [*head, "launch s", "cudaMalloc"]))
     print("\nmeasured / predicted decode step, by what came before it")
     trows = [
         [name, kind, t["steps"], t["median"], t["max"], t["over_1"]]
@@ -179,6 +213,13 @@ def main() -> None:
         if (t := by_kind.get(kind))
     ]
     print(common.table(trows, ["policy", "before", "steps", "median", "max", "over 1"]))
+    print("\nhost ms between decode steps (token interval less the step's latency)")
+    grows = [
+        [name, key, g["steps"], g["p50"], g["p99"], g["max"]]
+        for name, by_key in report["host_gaps_ms"].items()
+        for key, g in sorted(by_key.items())
+    ]
+    print(common.table(grows, ["policy", "when", "steps", "p50", "p99", "max"]))
     for cell, policies in report["cells"].items():
         for name, r in policies.items():
             for ctx in r["violating_steps"]:

@@ -81,6 +81,7 @@ STEP_COLUMNS = (  # of the per-step records --keep-steps copies into the JSON (b
     "gpu_s",
     "interval_s",
     "micro_steps",
+    "trainer_launching",
     "reason",
 )
 log = logging.getLogger("bench_colocate")
@@ -99,6 +100,7 @@ class Bench:
     tpot_s: float
     static_sms: int = 0
     trainer_thread: bool | None = None
+    switch_interval_s: float | None = None  # None: the runtime's default
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
     tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
@@ -151,6 +153,7 @@ def setup(args, results: dict) -> Bench:
     engine = build_engine(served, tokenizer, ladder, every, cfg.colocation.max_batch, seed=0)
     bench = Bench(cfg, model, ladder, engine, None, traces, tpot_s)
     bench.trainer_thread = {"auto": None, "on": True, "off": False}[args.trainer_thread]
+    bench.switch_interval_s = args.switch_interval_us * 1e-6 if args.switch_interval_us else None
     bench.keep_steps = args.keep_steps
     results["setup"] = {
         "model": cfg.model.name,
@@ -302,6 +305,18 @@ def policy_name(bench: Bench, name: str) -> str:
     return f"static:{bench.static_sms}" if name == "static" else name
 
 
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    """torch's caching-allocator counters that mean driver calls (cudaMalloc/cudaFree, retries after a failed
+    allocation, whole-device syncs): in a window, each can stall the other thread's allocations."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def run_window(
     bench: Bench,
     name: str,
@@ -331,8 +346,11 @@ def run_window(
         finish=False,
         plots=plot_to is not None,
         trainer_thread=bench.trainer_thread,
+        **({"switch_interval_s": bench.switch_interval_s} if bench.switch_interval_s else {}),
     )
+    alloc_before = allocator_counts()
     s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
+    alloc = {k: v - alloc_before.get(k, 0) for k, v in allocator_counts().items()}
     steps = []
     if bench.keep_steps:  # a compact copy of the first per-step records, for diagnosis
         with open(run_dir / "colocate" / "steps.jsonl") as f:
@@ -356,6 +374,7 @@ def run_window(
         "step_latency_violations": sv.get("step_latency_violations"),
         "violation_rate": sv["violation_rate"],
         "decode_steps": sv["decode_steps"],
+        "peak_decode_batch": (sv.get("decode_batch") or {}).get("max"),
         "request_tpot_violations": sv["request_tpot_violations"],
         "requests": sv["requests"],
         "aborted_at_end": sv["aborted_at_end"],
@@ -368,6 +387,7 @@ def run_window(
         "output_tokens_per_s": sv["output_tokens_per_s"],
         "feed": ft["feed"],
         "gc_pauses": s["gc_pauses"],
+        "allocator": alloc,
         **({"step_columns": list(STEP_COLUMNS), "steps": steps} if steps else {}),
     }
 
@@ -465,6 +485,12 @@ def comparison_plot(results: dict, args, tag: str = "") -> str | None:
     return str(path)
 
 
+def peak_batch(cell_out: dict) -> float | None:
+    """The largest decode batch any policy of the cell ran (the load's peak, as served)."""
+    peaks = [v.get("peak_decode_batch") for v in cell_out.values() if isinstance(v, dict)]
+    return max((p for p in peaks if p is not None), default=None)
+
+
 def summary_table(results: dict, args) -> str:
     rows = []
     for key, c in results.get("cells", {}).items():
@@ -496,7 +522,7 @@ def summary_table(results: dict, args) -> str:
                 _f(vd.get("ratio_vs_best_baseline"), "x"),
                 f"best {vd.get('best_baseline')}",
                 f"{_f(vd.get('fraction_of_standalone'))} of solo",
-                "",
+                f"peak batch {_f(peak_batch(c))}",
                 "PASS" if vd.get("pass") else "FAIL",
             ]
         )
@@ -505,6 +531,7 @@ def summary_table(results: dict, args) -> str:
     lines = [
         common.table(rows, head),
         f"objective: TPOT {results.get('setup', {}).get('objective_tpot_ms')} ms per decode token interval; "
+        f"static split sized for batch {results.get('setup', {}).get('max_batch')} (the engine's max); "
         f"standalone training {_f(solo)} tokens/s; bar: harli 0 violations and >= {RATIO_BAR}x the best "
         "baseline with 0 violations",
     ]
@@ -550,6 +577,12 @@ def main() -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="launch the trainer's micro-steps from their own thread (auto: on a GPU)",
+    )
+    ap.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="the GIL hand-over interval while the trainer thread runs (default: the runtime's)",
     )
     ap.add_argument("--keep-steps", type=int, default=0, help="per-step records kept per window in the JSON")
     args = ap.parse_args()

@@ -12,13 +12,14 @@ import bench_colocate  # noqa: E402
 COLUMNS = bench_colocate.STEP_COLUMNS
 
 
-def _row(t, kind, sms, train, predicted, measured, interval=None):
+def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False):
     return [t, kind, 4, sms, 132 - sms if train else 0, "beside" if train else "none"] + [
         predicted,
         measured,
         measured,
         interval,
         1,
+        launching,
         "r",
     ]
 
@@ -27,7 +28,7 @@ def results():
     steps = [
         _row(0.00, "decode", 132, False, 0.005, 0.005),
         _row(0.01, "decode", 48, True, 0.008, 0.009, 0.009),  # exit from the whole GPU: 1.125
-        _row(0.02, "decode", 48, True, 0.008, 0.008, 0.008),  # same share: 1.0
+        _row(0.02, "decode", 48, True, 0.008, 0.008, 0.0095, True),  # same share: 1.0, 1.5 ms host gap
         _row(0.03, "decode", 64, True, 0.007, 0.0084, 0.0084),  # grow: 1.2
         _row(0.06, "prefill", 132, False, None, 0.03),
         _row(0.07, "decode", 64, True, 0.007, 0.0077, None),  # after a prefill: 1.1
@@ -68,3 +69,7 @@ def test_analysis_attributes_steps_and_shares():
     assert len(violation) == 3 and "measured 24.0" in violation[-1]
     (stall,) = r["stalls"]
     assert "GPU 24.0" in stall and "t=0.080" in stall
+    # Host time between decode steps (interval less latency), split by the trainer thread's launching.
+    gaps = report["host_gaps_ms"]["harli"]
+    assert gaps["trainer launching"]["steps"] == 1 and gaps["trainer launching"]["max"] == pytest.approx(1.5)
+    assert gaps["trainer idle"]["steps"] == 4 and gaps["trainer idle"]["max"] == pytest.approx(0.0)
