@@ -186,3 +186,33 @@ def test_rejects_bad_objective(ladder, pred):
         Controller(pred, ladder, 0.0)
     with pytest.raises(ValueError, match="margin"):
         Controller(pred, ladder, 1e-3, margin=1.0)
+
+
+def test_the_trainer_resumes_after_a_spike_that_paused_it(ladder, pred):
+    """Stalls beside the trainer push every share over budget: decode takes the whole GPU alone. Its solo
+    steps run as modelled, and the co-run factors relax toward them, so decode leaves the whole GPU again
+    (on the H200 the frozen co-run factor kept the trainer paused for 94 % of a window)."""
+    ctl = Controller(pred, ladder, 2.5e-3, margin=0.1, hysteresis_steps=4, resume_margin=0.0)
+    d = settle(ctl)
+    assert not d.pause_trainer and d.partition.infer_sms == 88
+    while not d.pause_trainer:  # stalls: twice the prediction, whatever the share
+        ctl.observe(d, 2.0 * d.raw_s)
+        d = ctl.decide(1, 0)
+    paused_steps = 0
+    while d.pause_trainer and paused_steps < 400:
+        ctl.observe(d, d.raw_s)
+        d = ctl.decide(1, 0)
+        paused_steps += 1
+    assert not d.pause_trainer and d.partition.train_sms > 0
+    assert paused_steps > 3 * ctl.hysteresis_steps  # not at once: the co-run factors relax step by step
+    # Without the relaxing (idle_alpha 0) the trainer would stay paused for good.
+    frozen = Controller(make_predictor(ladder.shares), ladder, 2.5e-3, 0.1, 4, resume_margin=0.0)
+    frozen.predictor.idle_alpha = 0.0
+    d = settle(frozen)
+    while not d.pause_trainer:
+        frozen.observe(d, 2.0 * d.raw_s)
+        d = frozen.decide(1, 0)
+    for _ in range(400):
+        frozen.observe(d, d.raw_s)
+        d = frozen.decide(1, 0)
+    assert d.pause_trainer

@@ -157,6 +157,29 @@ def test_a_miss_on_one_share_carries_to_the_next_and_decays(fitted):
             assert again.correction(s, corun) == pred.correction(s, corun)
 
 
+def test_a_corun_spike_does_not_outlive_a_pause(fitted):
+    """While the trainer is paused only solo steps are measured: the co-run factors learnt before the pause
+    relax toward the solo one instead of keeping every share over budget for good."""
+    pred = LatencyPredictor.from_dict(fitted.to_dict())
+    raw = pred.predict(4, 4000, 64, corun=True, raw=True)
+    for _ in range(3):  # stalls beside the trainer just before the pause
+        pred.observe(64, True, 2.0 * raw, raw)
+    spiked = pred.correction(48, True)
+    assert spiked > 1.8
+    solo = pred.predict(4, 4000, 132, corun=False, raw=True)
+    for _ in range(20):  # decode alone on the whole GPU, as modelled
+        pred.observe(132, False, solo, solo)
+    assert 1.0 < pred.correction(48, True) < spiked - 0.25
+    for _ in range(400):  # about 3 s of decode steps
+        pred.observe(132, False, solo, solo)
+    assert pred.correction(48, True) == pytest.approx(1.0, abs=0.02)
+    assert pred.correction(64, True) == pytest.approx(1.0, abs=0.02)  # the spiked share's own factor too
+    # A slow solo family pulls nothing up: only an excess relaxes.
+    pred.reset_corrections()
+    pred.observe(132, False, 1.5 * solo, solo)
+    assert pred.correction(48, True) == 1.0
+
+
 def test_round_trip_through_json(fitted):
     fitted.observe(32, True, 0.01, 0.008)
     again = LatencyPredictor.from_dict(json.loads(json.dumps(fitted.to_dict())))

@@ -28,7 +28,9 @@ a miss to the share decode grows to next, and to a share not yet measured; the p
 that is slower on its own from being chosen again as soon as the GPU-wide one decays. A share's own excess
 over the GPU-wide factor relaxes toward it on every step measured elsewhere (``idle_alpha``): a share is only
 measured while it is in use, so without that a single spike there (one 27-44 ms stall seen on the H200) held it
-out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps).
+out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps). Likewise the
+co-run family's GPU-wide factor relaxes toward the solo one while only solo steps run (the trainer paused), and
+the other way round.
 """
 
 from __future__ import annotations
@@ -220,11 +222,24 @@ class LatencyPredictor:
         for factors in (self._corr.setdefault(infer_sms, [1.0, 1.0]), self._glob):
             alpha = self.alpha_up if ratio > factors[corun] else self.alpha
             factors[corun] += alpha * (ratio - factors[corun])
-        glob = self._glob[corun]
-        for sms, factors in self._corr.items():  # the shares not in use relax toward the GPU-wide factor
-            if sms != infer_sms and factors[corun] > glob:
-                factors[corun] -= self.idle_alpha * (factors[corun] - glob)
+        self._relax_unused(infer_sms, corun)
         return self.correction(infer_sms, corun)
+
+    def _relax_unused(self, infer_sms: int, corun: bool) -> None:
+        """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the other family's
+        GPU-wide factor toward this family's, and every share's factor that was not measured toward its
+        family's GPU-wide one. Only an excess relaxes. Without the second, a co-run spike learnt just before the trainer
+        paused stayed in force while decode ran alone on the whole GPU, so no share ever fitted beside the
+        trainer again: on the H200 the trainer stayed paused for 92-94 % of two 5 s windows, decode at batch
+        2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json)."""
+        a, other = self.idle_alpha, not corun
+        if self._glob[other] > self._glob[corun]:
+            self._glob[other] -= a * (self._glob[other] - self._glob[corun])
+        for family in (corun, other):
+            glob = self._glob[family]
+            for sms, factors in self._corr.items():
+                if factors[family] > glob and (sms != infer_sms or family != corun):
+                    factors[family] -= a * (factors[family] - glob)
 
     def correction(self, infer_sms: int, corun: bool) -> float:
         """The factor ``predict`` applies on ``infer_sms``: the larger of the share's and the GPU-wide one."""
