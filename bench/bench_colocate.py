@@ -327,9 +327,12 @@ def run_window(
     plot_to: Path | None = None,
 ) -> dict:
     """One window of one policy under one load; returns the figures the table needs."""
+    # The previous window's trainer is freed into torch's cache, which this window's trainer takes up again: a
+    # window starts with a warm allocator, as a long-running service does. Emptying the cache here made every
+    # window's trainer call cudaMalloc ~600 times (~1100-1600 under harli, whose trainer allocates on each rung's
+    # stream) while decode served (-s5-replicate.json); whether the decode stalls seen 1.0-1.2 s into several
+    # windows come from those calls is not shown yet.
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     run_dir = Path(tempfile.mkdtemp(dir=bench.scratch))
     trainer = fresh_trainer(bench.cfg, bench.model, run_dir)
     if bench.predictor is not None:
