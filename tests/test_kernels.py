@@ -258,6 +258,39 @@ def test_lora_linear_group(dtype):
         assert_close(g, torch.zeros_like(g) if r is None else r, dtype, f"grad {i} (v unused)")
 
 
+def test_lora_master_casts_are_made_once_per_optimizer_step():
+    """fp16 activations, fp32 masters: the casts of A and B are made at the first forward after an update and
+    reused until the next one; a fused AdamW step (which bumps no version counter) and an in-place edit both
+    make the next forward cast again, so outputs always follow the current masters."""
+    mod = importlib.import_module("harli_train.kernels.lora_linear")
+    members = [_lora_member(48, 40, 8, torch.float16), _lora_member(48, 24, 8, torch.float16, scale=0.5)]
+    x = rand(21, 48, dtype=torch.float16, grad=False)
+    masters = [t for m in members for t in m[2:4]]
+
+    def check():
+        ys = kernels.lora_linear_group(x, members)
+        ref = [(*ref_copy(*m[:4]), m[4]) for m in members]
+        for y, yr in zip(ys, reference.lora_linear_group(ref_copy(x)[0], ref), strict=True):
+            assert_close(y, yr, torch.float16, "y")
+        return ys
+
+    mod._master_casts.clear()
+    ys = check()
+    (entry,) = mod._master_casts._entries.values()
+    check()
+    (again,) = mod._master_casts._entries.values()
+    assert again[2] is entry[2], "the second forward reuses the cast A"
+    sum(y.float().sum() for y in ys).backward()
+    torch.optim.AdamW(masters, lr=0.1, fused=True).step()
+    assert not mod._master_casts._entries, "an optimizer step empties the cache"
+    check()  # casts the updated masters
+    with torch.no_grad():
+        members[0][2].mul_(2.0)  # an in-place edit bumps the version: the entry no longer matches
+    check()
+    (entry,) = mod._master_casts._entries.values()
+    assert entry[1] == tuple(t._version for t in masters)
+
+
 def test_lora_shrink_split_k_and_sm_budget():
     from harli_train.kernels.lora_linear import lora_shrink
 

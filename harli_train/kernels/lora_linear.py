@@ -8,10 +8,13 @@ member's A, and the backward adds every member's rank-r term into dx with one ex
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from harli_train.kernels.common import check_dtype, compute_dtype, new_output
 from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
@@ -187,6 +190,45 @@ def lora_expand_(
     return y
 
 
+class _MasterCasts:
+    """The adapters' fp32 masters cast to the compute dtype (A stacked over a group's members, B per member),
+    made once per optimizer update rather than in every forward.
+
+    Each forward of a member group launched a cast per A and B plus the stack, 16 small kernels and as many
+    allocations per Llama layer, though the masters only change when an optimizer steps. Every optimizer step
+    empties the cache (a global post-step hook): fused AdamW updates the masters without bumping their version
+    counters. Other in-place edits do bump them, and an entry is used only while it holds the very tensors (weak
+    references) at the versions it was made from, so a freed master whose id is reused never matches either."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+
+    def clear(self, *_: object) -> None:
+        self._entries = {}
+
+    def get(self, a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        masters = (*a_list, *b_list)
+        key = (*(id(t) for t in masters), dt)
+        versions = tuple(t._version for t in masters)
+        hit = self._entries.get(key)
+        if (
+            hit is not None
+            and hit[1] == versions
+            and all(r() is t for r, t in zip(hit[0], masters, strict=True))
+        ):
+            return hit[2], hit[3]
+        if hit is None:  # a new group: drop the entries of masters that are gone (a previous trainer's)
+            self._entries = {k: e for k, e in self._entries.items() if all(r() is not None for r in e[0])}
+        a_cat = torch.cat([a.to(dt) for a in a_list]) if len(a_list) > 1 else a_list[0].to(dt)
+        bs = [b.to(dt) for b in b_list]
+        self._entries[key] = (tuple(weakref.ref(t) for t in masters), versions, a_cat, bs)
+        return a_cat, bs
+
+
+_master_casts = _MasterCasts()
+register_optimizer_step_post_hook(_master_casts.clear)
+
+
 class LoRALinearGroupFunction(torch.autograd.Function):
     """Members i = 0..G-1 share the input x:  y_i = x W_i^T + b_i + s_i (x A_i^T) B_i^T.
 
@@ -209,8 +251,7 @@ class LoRALinearGroupFunction(torch.autograd.Function):
         weights, biases = params[0::4], params[1::4]
         ranks = [a.shape[0] for a in params[2::4]]
         x2 = x.reshape(-1, x.shape[-1]).to(dt)
-        a_cat = torch.cat([a.to(dt) for a in params[2::4]]) if len(scales) > 1 else params[2].to(dt)
-        bs = [b.to(dt) for b in params[3::4]]
+        a_cat, bs = _master_casts.get(params[2::4], params[3::4], dt)
         xa = lora_shrink(x2, a_cat, 1.0)
         outs, off = [], 0
         for w, bias, b, s, r in zip(weights, biases, bs, scales, ranks, strict=True):
