@@ -289,6 +289,12 @@ def test_lora_master_casts_are_made_once_per_optimizer_step():
     check()
     (entry,) = mod._master_casts._entries.values()
     assert entry[1] == tuple(t._version for t in masters)
+    # Under inference mode nothing is cached: its tensors could not be saved by a later training forward.
+    mod._master_casts.clear()
+    with torch.inference_mode():
+        kernels.lora_linear_group(x, members)
+    assert not mod._master_casts._entries
+    sum(y.float().sum() for y in check()).backward()
 
 
 def test_lora_shrink_split_k_and_sm_budget():

@@ -60,7 +60,9 @@ class LatencyPredictor:
     batch_max: int
     alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio when it is below the correction
     alpha_up: float = 0.5  # ... and when it is above: running slower than predicted is caught at once
-    idle_alpha: float = 0.02  # per step measured on another share: a share's excess over the GPU-wide factor
+    idle_alpha: float = (
+        0.02  # per step, how much of an unmeasured factor's excess relaxes toward a measured one
+    )
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
@@ -228,10 +230,10 @@ class LatencyPredictor:
     def _relax_unused(self, infer_sms: int, corun: bool) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the other family's
         GPU-wide factor toward this family's, and every share's factor that was not measured toward its
-        family's GPU-wide one. Only an excess relaxes. Without the second, a co-run spike learnt just before the trainer
-        paused stayed in force while decode ran alone on the whole GPU, so no share ever fitted beside the
-        trainer again: on the H200 the trainer stayed paused for 92-94 % of two 5 s windows, decode at batch
-        2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json)."""
+        family's GPU-wide one. Only an excess relaxes. Without the first, a co-run spike learnt just before the
+        trainer paused stayed in force while decode ran alone on the whole GPU, so no share ever fitted beside
+        the trainer again: on the H200 the trainer stayed paused for 92-94 % of two 5 s windows, decode at
+        batch 2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json)."""
         a, other = self.idle_alpha, not corun
         if self._glob[other] > self._glob[corun]:
             self._glob[other] -= a * (self._glob[other] - self._glob[corun])

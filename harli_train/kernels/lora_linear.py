@@ -207,6 +207,10 @@ class _MasterCasts:
         self._entries = {}
 
     def get(self, a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if (
+            torch.is_inference_mode_enabled()
+        ):  # inference tensors could not be saved by a later training forward
+            return _cast(a_list, b_list, dt)
         masters = (*a_list, *b_list)
         key = (*(id(t) for t in masters), dt)
         versions = tuple(t._version for t in masters)
@@ -219,10 +223,14 @@ class _MasterCasts:
             return hit[2], hit[3]
         if hit is None:  # a new group: drop the entries of masters that are gone (a previous trainer's)
             self._entries = {k: e for k, e in self._entries.items() if all(r() is not None for r in e[0])}
-        a_cat = torch.cat([a.to(dt) for a in a_list]) if len(a_list) > 1 else a_list[0].to(dt)
-        bs = [b.to(dt) for b in b_list]
+        a_cat, bs = _cast(a_list, b_list, dt)
         self._entries[key] = (tuple(weakref.ref(t) for t in masters), versions, a_cat, bs)
         return a_cat, bs
+
+
+def _cast(a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    a_cat = torch.cat([a.to(dt) for a in a_list]) if len(a_list) > 1 else a_list[0].to(dt)
+    return a_cat, [b.to(dt) for b in b_list]
 
 
 _master_casts = _MasterCasts()
