@@ -180,7 +180,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "llama-8b-lora.yaml"))
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--sms", type=int, default=64, help="the trainer's SMs on a green context (about)")
+    ap.add_argument(
+        "--sms", type=int, default=64, help="the trainer's SMs on a green context (the nearest rung)"
+    )
     args = ap.parse_args()
     results: dict = {"env": common.environment(), "args": vars(args)}
     trainer = make_trainer(args)
@@ -195,7 +197,7 @@ def main() -> None:
         from harli_train.colocate.sm import SMLadder
 
         ladder = SMLadder.create(step=16)
-    rung = ladder.select(ladder.total_sms - args.sms) if ladder is not None else None
+    rung = min(ladder.spatial, key=lambda p: abs(p.train_sms - args.sms)) if ladder is not None else None
     stream, sms = (rung.train_stream, rung.train_sms) if rung is not None else (None, None)
     where = f"green {sms} SMs" if rung is not None else "CPU"
     scenarios = [
