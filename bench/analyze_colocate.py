@@ -11,8 +11,8 @@ with per-step records):
 - measured/predicted latency of decode steps by what came before them: a grow, a shrink between shares, an
   exit from the whole GPU (the trainer resuming), the first step after a prefill, or the same share;
 - every violation with the two steps before it;
-- the host time between decode steps, split by whether the trainer thread was launching at the time (its
-  Python competes with the decode loop's for the GIL);
+- the host time between decode steps, split by whether the trainer thread was launching at the time (its host
+  work competes with the decode loop's: the GIL, torch's allocator);
 - stalls (a step over twice its prediction), with the step's GPU span where the run recorded it, so a slow
   GPU shows apart from a host delay.
 """
