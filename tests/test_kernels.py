@@ -17,6 +17,7 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests: run them on a machine without a GPU", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
+import gc  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -295,6 +296,13 @@ def test_lora_master_casts_are_made_once_per_optimizer_step():
         kernels.lora_linear_group(x, members)
     assert not mod._master_casts._entries
     sum(y.float().sum() for y in check()).backward()
+    # A freed master takes its entry with it (no cast copies of a previous model kept).
+    assert mod._master_casts._entries
+    members.clear()
+    masters.clear()
+    ys = None  # its autograd graph holds the masters too
+    gc.collect()
+    assert not mod._master_casts._entries
 
 
 def test_lora_shrink_split_k_and_sm_budget():

@@ -198,7 +198,8 @@ class _MasterCasts:
     allocations per Llama layer, though the masters only change when an optimizer steps. Every optimizer step
     empties the cache (a global post-step hook): fused AdamW updates the masters without bumping their version
     counters. Other in-place edits do bump them, and an entry is used only while it holds the very tensors (weak
-    references) at the versions it was made from, so a freed master whose id is reused never matches either."""
+    references) at the versions it was made from, so a freed master whose id is reused never matches either;
+    a master's death drops its entry."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
@@ -221,10 +222,9 @@ class _MasterCasts:
             and all(r() is t for r, t in zip(hit[0], masters, strict=True))
         ):
             return hit[2], hit[3]
-        if hit is None:  # a new group: drop the entries of masters that are gone (a previous trainer's)
-            self._entries = {k: e for k, e in self._entries.items() if all(r() is not None for r in e[0])}
         a_cat, bs = _cast(a_list, b_list, dt)
-        self._entries[key] = (tuple(weakref.ref(t) for t in masters), versions, a_cat, bs)
+        drop = lambda _ref, key=key: self._entries.pop(key, None)  # noqa: E731 (a master is gone: so is its entry)
+        self._entries[key] = (tuple(weakref.ref(t, drop) for t in masters), versions, a_cat, bs)
         return a_cat, bs
 
 
