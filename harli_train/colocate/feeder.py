@@ -478,7 +478,7 @@ class TrainFeeder:
 
     @property
     def launching(self) -> bool:
-        """Whether the trainer thread is inside a launch round now (its Python competes for the GIL)."""
+        """Whether the trainer thread is inside a launch round now (its host work competes with decode's)."""
         return self._running
 
     def start(self) -> None:
