@@ -9,7 +9,9 @@ Set-up: recipes/llama-8b-lora.yaml (Llama-3-8B shapes, LoRA r=16 on all projecti
 the same base model (one copy of the weights) serves recipes/traces/{steady,bursty}.jsonl, replayed at 1x
 (light), 2x (medium) and 4x (heavy) their request rate for a window each. The decode-latency profile is
 measured once up front on a coarse grid, and the trainer's kernels are compiled for every SM budget before
-any window starts. Each window starts a fresh adapter and optimizer on the shared weights.
+any window starts. Each window starts a fresh adapter and optimizer on the shared weights. Policies run one after
+the other, each through every cell as one service: torch's cache is emptied before a policy, which then serves the
+heaviest cell's load for --warm-s seconds unrecorded before its windows.
 
 Policies: harli (per-step controller), static:N (N = the smallest split whose predicted step at the peak
 batch meets the objective beside the trainer: provisioned for the peak, as a fixed split must be), streams,
@@ -327,11 +329,8 @@ def run_window(
     plot_to: Path | None = None,
 ) -> dict:
     """One window of one policy under one load; returns the figures the table needs."""
-    # The previous window's trainer is freed into torch's cache, which this window's trainer takes up again: a
-    # window starts with a warm allocator, as a long-running service does. Emptying the cache here made every
-    # window's trainer call cudaMalloc ~600 times (~1100-1600 under harli, whose trainer allocates on each rung's
-    # stream) while decode served (-s5-replicate.json); whether the decode stalls seen 1.0-1.2 s into several
-    # windows come from those calls is not shown yet.
+    # The previous window's trainer is freed into torch's cache, which this window's trainer (same policy: see
+    # policy_windows) takes up again, as a long-running service does.
     gc.collect()
     run_dir = Path(tempfile.mkdtemp(dir=bench.scratch))
     trainer = fresh_trainer(bench.cfg, bench.model, run_dir)
@@ -401,17 +400,42 @@ def standalone(bench: Bench, args) -> dict:
     return {"finetune_tokens_per_s": out["solo_tokens_per_s"], "feed": out["feed"]}
 
 
-def cell(bench: Bench, trace: str, load: str, args, results: dict) -> dict:
-    """Every policy under one trace at one load level."""
+def cell_requests(bench: Bench, trace: str, load: str, window_s: float) -> tuple[list[TraceRequest], float]:
+    """The requests of one trace that arrive within a window at one load level, and the time scale."""
     scale = 1.0 / LOADS[load]
-    requests = [r for r in bench.traces[trace] if r.arrival_s * scale < args.window_s]
-    out: dict[str, Any] = {"requests_in_window": len(requests), "time_scale": scale}
-    for name in args.policies:
+    return [r for r in bench.traces[trace] if r.arrival_s * scale < window_s], scale
+
+
+def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, outs: dict) -> None:
+    """One policy's windows in every cell, as one service: the allocator's cache is emptied before it and
+    warmed by ``--warm-s`` of its own serving (not recorded), then kept from window to window.
+
+    torch's caching allocator hands a freed block out again only on the stream that allocated it, so a cache
+    left by another policy's streams is of no use to this one and crowds its own out (on the H200, harli
+    windows after other policies ran out of memory in 4 of 6 cells, -s6-first.json); a cold cache makes the
+    trainer call cudaMalloc ~600-1600 times while decode serves (-s5-replicate.json)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if args.warm_s > 0 and name != "exclusive":
+        requests, scale = cell_requests(bench, *cells[-1], args.warm_s)
+        section(
+            outs.setdefault("_warm", {}),
+            policy_name(bench, name),
+            run_window,
+            bench,
+            name,
+            requests,
+            scale,
+            args.warm_s,
+        )
+    for trace, load in cells:
+        key = f"{trace}/{load}"
+        requests, scale = cell_requests(bench, trace, load, args.window_s)
+        out = outs.setdefault(key, {"requests_in_window": len(requests), "time_scale": scale})
         plot = common.out_dir() / f"timelines{bench.tag}" / f"{trace}-{load}" if name == "harli" else None
-        key = policy_name(bench, name)
-        section(out, key, run_window, bench, name, requests, scale, args.window_s, 0.0, plot)
-    out["verdict"] = verdict(out, results.get("standalone", {}).get("finetune_tokens_per_s"))
-    return out
+        section(
+            out, policy_name(bench, name), run_window, bench, name, requests, scale, args.window_s, 0.0, plot
+        )
 
 
 def verdict(cell_out: dict, solo: float | None) -> dict:
@@ -588,6 +612,12 @@ def main() -> None:
         help="the GIL hand-over interval while the trainer thread runs (default: the runtime's)",
     )
     ap.add_argument("--keep-steps", type=int, default=0, help="per-step records kept per window in the JSON")
+    ap.add_argument(
+        "--warm-s",
+        type=float,
+        default=None,
+        help="seconds each policy serves the last cell's load, unrecorded, before its windows (default 2; 0 dry)",
+    )
     args = ap.parse_args()
     args.policies, args.traces, args.loads = (a.split(",") for a in (args.policies, args.traces, args.loads))
     args.recipe = Path(
@@ -595,6 +625,7 @@ def main() -> None:
     )
     args.window_s = args.window_s or (1.5 if args.dry_run else 5.0)
     args.solo_s = args.solo_s or (1.0 if args.dry_run else 5.0)
+    args.warm_s = (0.0 if args.dry_run else 2.0) if args.warm_s is None else args.warm_s
     if args.dry_run:
         torch.set_num_threads(1)
 
@@ -639,19 +670,23 @@ def run_objective(bench: Bench, objective, results: dict, args) -> None:
     if info is None:
         return
     results["setup"]["objective_tpot_ms"] = info["objective_tpot_ms"]
-    for trace in args.traces:
-        for load in args.loads:
-            log.info("cell %s/%s (objective %.3f ms)", trace, load, bench.tpot_s * 1e3)
-            key = f"{trace}/{load}"
-            try:
-                results["cells"][key] = cell(bench, trace, load, args, results)
-            except Exception as err:  # the other cells, the JSON and the table still come out
-                log.error("cell %s failed: %s", key, err)
-                results["cells"][key] = {
-                    "error": f"{type(err).__name__}: {err}",
-                    "trace": traceback.format_exc()[-3000:],
-                    "verdict": {"pass": False},
-                }
+    cells = [(t, lo) for t in args.traces for lo in args.loads]
+    outs: dict[str, Any] = {}
+    for name in args.policies:
+        log.info("policy %s in %d cells (objective %.3f ms)", name, len(cells), bench.tpot_s * 1e3)
+        try:
+            policy_windows(bench, name, cells, args, outs)
+        except Exception as err:  # the other policies, the JSON and the table still come out
+            log.error("policy %s failed: %s", name, err)
+            outs.setdefault("_errors", {})[name] = traceback.format_exc()[-3000:]
+    solo = results.get("standalone", {}).get("finetune_tokens_per_s")
+    results["warm_windows"] = outs.pop("_warm", {})
+    if "_errors" in outs:
+        results["policy_errors"] = outs.pop("_errors")
+    for trace, load in cells:
+        key = f"{trace}/{load}"
+        results["cells"][key] = out = outs.get(key, {})
+        out["verdict"] = verdict(out, solo)
     section(results, "overall", overall, results)
     section(
         results,

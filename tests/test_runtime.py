@@ -154,13 +154,15 @@ def test_make_policy_names_and_shapes():
     variant = make_policy("harli:prefill=rung", ladder, pred, 0.05)
     assert variant.name == "harli"
     # Decode starts on the whole GPU: a prefill then keeps the trainer paused; once decode has shrunk to a
-    # share, prefills run on half the GPU (the default rung), the trainer on the other half.
+    # share, prefills run on about half the GPU (the default rung: the least of the trainer's rungs that leaves
+    # decode half), the trainer on the rest.
     first = variant.plan("prefill", 1, 10)
     assert first.paused and first.partition.infer_sms == TOTAL
     while variant.plan("decode", 1, 10).partition.infer_sms == TOTAL:
         pass
     later = variant.plan("prefill", 1, 10)
-    assert later.partition.infer_sms == 72 and not later.paused
+    assert later.partition is variant.prefill_rung and not later.paused
+    assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
     assert make_policy("exclusive", ladder, None, 0.05).serve_alone
@@ -232,6 +234,24 @@ def test_base_view_shares_weights_without_the_adapter():
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
+def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
+    # Each stream the trainer allocates on caches its own copy of the trainer's working set (torch's allocator
+    # reuses a block only on its stream): the trainer uses 4 of the 7 partial rungs, never decode's SMs.
+    ladder = SMLadder.cpu_standin(132, 16)  # decode 16, 32, ... 128 SMs (the H200's green ladder stops at 112)
+    policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    assert [p.train_sms for p in policy.trainer_rungs] == [100, 68, 36, 4]  # the last rung always
+    for decode in ladder.shares:
+        rung = policy._trainer_select(decode)
+        assert rung in policy.trainer_rungs or rung is ladder.full
+        assert rung.train_sms <= 132 - decode  # disjoint from decode's SMs
+        assert 132 - decode - rung.train_sms < 2 * 16  # gives up less than one stride of SMs
+    assert policy._trainer_select(16).train_sms == 100 and policy._trainer_select(129) is ladder.full
+    every = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=1)
+    assert every.trainer_rungs == ladder.spatial
+    with pytest.raises(ValueError, match="trainer_stride"):
+        HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=0)
+
+
 @pytest.mark.parametrize("prefill", ["rung", "paused", "beside"])
 def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path, prefill):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
@@ -272,6 +292,8 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     # Micro-steps ran on the trainer's stream of the chosen rung, under that rung's SM budget.
     launches = list(rt.feeder.launches)
     assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
+    trainer_streams = {p.train_sms for p in rt.policy.trainer_rungs} | {TOTAL}
+    assert {sms for _, _, sms in launches} <= trainer_streams
     assert seen_budgets[: len(launches)] == [sms for _, _, sms in launches][: len(seen_budgets)]
     assert {sms for _, _, sms in launches} - {TOTAL}, "some micro-steps ran beside decode on a partial share"
     # Rung (the default): prefill steps ran on half the GPU, the trainer on the other half.
@@ -282,8 +304,9 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     assert steps
     if prefill == "rung":
         # While decode holds the whole GPU (from the start, and over the spike) a prefill keeps the trainer
-        # paused; otherwise it runs on half the GPU, the trainer on the other half.
-        half = ladder.select(TOTAL // 2)
+        # paused; otherwise it runs on (about) half the GPU, the trainer on the rest.
+        half = rt.policy.prefill_rung
+        assert half.infer_sms >= TOTAL // 2 and half in rt.policy.trainer_rungs
         every = rows(tmp_path)
         for i, r in enumerate(every):
             if r["kind"] != "prefill":

@@ -217,6 +217,12 @@ def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: in
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
         set_rng_state(saved)
+        # Each budget's step left a step's working set cached for its stream alone (torch hands a freed block
+        # out again only on the stream that allocated it): 8 streams of ~19 GiB for Llama-3-8B at batch
+        # 4 x 1024 do not fit beside the served model, and the first allocation short of memory while serving
+        # would free them all with a device-wide sync. Serving starts from an empty cache instead.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
     return failed
 

@@ -195,6 +195,14 @@ class HarliPolicy(Policy):
       (bench/results/2026-11-29-bench_colocate-correction.json).
     In ``beside`` and ``rung`` the plan is a transient detour: the trainer's rung does not trail it, and a
     backward whose forward's SMs the prefill covers goes on there (it is not rebuilt).
+
+    The trainer launches on every ``trainer_stride``-th spatial rung only, counted down from the largest decode
+    share (with ladder step 16: 20, 52, 84 and 116 SMs), decode on any. torch's caching allocator hands a freed
+    block out again only on the stream that allocated it, so every stream the trainer uses grows its own copy of
+    its working set (~19 GiB for Llama-3-8B at batch 4 x 1024): on the H200 the trainer on all 7 rungs' streams
+    ran the GPU out of memory in 4 of 6 harli windows, and each allocator retry (a device-wide sync and ~2800
+    cudaFree calls) held the decode loop for up to 266 ms (bench/results/2026-11-29-bench_colocate-s6-first.json).
+    The trainer gives up the SMs between its rungs and the decode share (16 at most with stride 2).
     """
 
     name = "harli"
@@ -209,23 +217,36 @@ class HarliPolicy(Policy):
         trainer_window_s: float = 0.3,
         prefill_sms: int | None = None,
         prefill: str = DEFAULT_PREFILL,
+        trainer_stride: int = 2,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
+        if trainer_stride < 1:
+            raise ValueError(f"harli: trainer_stride must be >= 1, got {trainer_stride}")
         super().__init__(ladder, tpot_s, margin)
+        # Ascending decode share; the rung with the least trainer SMs is always one of them.
+        self.trainer_rungs = ladder.spatial[::-1][::trainer_stride][::-1]
         self.prefill_mode = prefill
         if prefill != DEFAULT_PREFILL:
             self.name = f"harli:prefill={prefill}"
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
-        rung = ladder.select(prefill_sms if prefill_sms is not None else ladder.total_sms // 2)
+        rung = self._trainer_select(prefill_sms if prefill_sms is not None else ladder.total_sms // 2)
         # On a ladder without partitions (time slicing) prefill keeps the whole GPU, the trainer paused.
         self.prefill_rung = None if ladder.time_sliced or rung.exclusive else rung
         self.prefill_estimate = _Ewma(self.budget_s)
 
     def partitions(self) -> list[Partition]:
         return list(self.ladder.partitions)
+
+    def _trainer_select(self, decode_sms: int) -> Partition:
+        """The trainer's rung with the most SMs that leaves decode at least ``decode_sms`` (the full GPU past
+        the largest)."""
+        for p in self.trainer_rungs:
+            if p.infer_sms >= decode_sms:
+                return p
+        return self.ladder.full
 
     def _trainer_rung(self, decode_sms: int | None) -> Partition | None:
         """The rung whose trainer SMs stayed clear of decode over the window (None: nothing recent)."""
@@ -236,7 +257,7 @@ class HarliPolicy(Policy):
             self._recent.popleft()
         if not self._recent:
             return None
-        return self.ladder.select(max(sms for _, sms in self._recent))
+        return self._trainer_select(max(sms for _, sms in self._recent))
 
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         full = self.ladder.full
