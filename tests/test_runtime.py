@@ -237,7 +237,9 @@ def test_base_view_shares_weights_without_the_adapter():
 def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
     # Each stream the trainer allocates on caches its own copy of the trainer's working set (torch's allocator
     # reuses a block only on its stream): the trainer uses 4 of the 7 partial rungs, never decode's SMs.
-    ladder = SMLadder.cpu_standin(132, 16)  # decode 16, 32, ... 128 SMs (the H200's green ladder stops at 112)
+    ladder = SMLadder.cpu_standin(
+        132, 16
+    )  # decode 16, 32, ... 128 SMs (the H200's green ladder stops at 112)
     policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     assert [p.train_sms for p in policy.trainer_rungs] == [100, 68, 36, 4]  # the last rung always
     for decode in ladder.shares:
