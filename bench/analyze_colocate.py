@@ -33,7 +33,7 @@ from bench_colocate import STEP_COLUMNS  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
-ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s", "trainer_launching")
+ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s", "trainer_launching", "trainer_phase")
 
 
 def rows_of(entry: dict) -> list[dict[str, Any]]:
@@ -91,7 +91,8 @@ def violations(rows: list[dict], tpot_s: float) -> list[list[dict]]:
 
 def host_gaps(rows: list[dict]) -> dict[str, list[float]]:
     """Host seconds between consecutive decode steps (token interval less the step's own latency), split by
-    whether the trainer thread was launching when the step started ("unknown" in files without it)."""
+    whether the trainer thread was launching when the step started ("unknown" in files without it), and by the
+    kind of micro-step it was launching where the file has it ("trainer launching bwd")."""
     out: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         interval, measured = row.get("interval_s"), row.get("measured_s")
@@ -100,6 +101,8 @@ def host_gaps(rows: list[dict]) -> dict[str, list[float]]:
         busy = row.get("trainer_launching")
         key = "unknown" if busy is None else ("trainer launching" if busy else "trainer idle")
         out[key].append(interval - measured)
+        if busy and row.get("trainer_phase"):
+            out[f"{key} {row['trainer_phase']}"].append(interval - measured)
     return out
 
 
@@ -118,7 +121,9 @@ def _step(row: dict) -> str:
     return (
         f"t={row['t']:.3f} {row['kind']} batch {row.get('batch')} on {row.get('infer_sms')} SMs "
         f"(trainer {row.get('train_sms')}, {row.get('train')}): predicted {ms('predicted_s')} ms, "
-        f"measured {ms('measured_s')}, GPU {ms('gpu_s')}, interval {ms('interval_s')} | {row.get('reason')}"
+        f"measured {ms('measured_s')}, GPU {ms('gpu_s')}, interval {ms('interval_s')}"
+        + (f", trainer launching {row['trainer_phase']}" if row.get("trainer_phase") else "")
+        + f" | {row.get('reason')}"
     )
 
 

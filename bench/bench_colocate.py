@@ -84,6 +84,7 @@ STEP_COLUMNS = (  # of the per-step records --keep-steps copies into the JSON (b
     "interval_s",
     "micro_steps",
     "trainer_launching",
+    "trainer_phase",
     "reason",
 )
 log = logging.getLogger("bench_colocate")
@@ -407,8 +408,9 @@ def cell_requests(bench: Bench, trace: str, load: str, window_s: float) -> tuple
 
 
 def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, outs: dict) -> None:
-    """One policy's windows in every cell, as one service: the allocator's cache is emptied before it and
-    warmed by ``--warm-s`` of its own serving (not recorded), then kept from window to window.
+    """One policy's windows in every cell, as one service: the allocator's cache is emptied before it, then
+    warmed as ``harli-train --colocate-with`` warms it (a synthetic step on each of the trainer's streams) and
+    by ``--warm-s`` of the policy's own serving (not recorded), and kept from window to window.
 
     torch's caching allocator hands a freed block out again only on the stream that allocated it, so a cache
     left by another policy's streams is of no use to this one and crowds its own out (on the H200, harli
@@ -416,6 +418,13 @@ def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, 
     trainer call cudaMalloc ~600-1600 times while decode serves (-s5-replicate.json)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        policy = make_policy(
+            policy_name(bench, name), bench.ladder, bench.predictor, bench.tpot_s, bench.cfg.colocation.margin
+        )
+        places = policy.trainer_partitions() + [bench.ladder.full]
+        trainer = fresh_trainer(bench.cfg, bench.model, Path(tempfile.mkdtemp(dir=bench.scratch)))
+        warm_up_trainer(trainer, places, bench.ladder.total_sms, release=False)
+        del trainer
     if args.warm_s > 0 and name != "exclusive":
         requests, scale = cell_requests(bench, *cells[-1], args.warm_s)
         section(

@@ -20,6 +20,7 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         interval,
         1,
         launching,
+        "bwd" if launching else None,
         "r",
     ]
 
@@ -72,4 +73,5 @@ def test_analysis_attributes_steps_and_shares():
     # Host time between decode steps (interval less latency), split by the trainer thread's launching.
     gaps = report["host_gaps_ms"]["harli"]
     assert gaps["trainer launching"]["steps"] == 1 and gaps["trainer launching"]["max"] == pytest.approx(1.5)
+    assert gaps["trainer launching bwd"]["steps"] == 1  # and by what it was launching
     assert gaps["trainer idle"]["steps"] == 4 and gaps["trainer idle"]["max"] == pytest.approx(0.0)

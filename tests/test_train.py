@@ -235,3 +235,33 @@ def test_gpu_recipe_on_a_cpu_machine_names_the_device_key():
     for extra in ([], ["--colocate-with", "tiny"]):
         result = CliRunner().invoke(main, [str(ROOT / "recipes" / "llama-8b-lora.yaml"), *extra])
         assert result.exit_code != 0 and "train.device" in result.output and "Traceback" not in result.output
+
+
+def test_optimizer_state_made_at_setup_steps_as_a_lazy_adamw(tmp_path):
+    # The trainer makes AdamW's state at set-up (co-located, its first step would otherwise allocate it while
+    # decode serves); the steps that follow must be torch's own AdamW from a fresh start, to the bit.
+    tr = Trainer(_recipe(tmp_path, **{"train.weight_decay": 0.1}), quiet=True)
+    tr.setup()
+    opt = tr.optimizer
+    assert len(opt.state) == len(tr.params)
+    for p in tr.params:
+        st = opt.state[p]
+        assert float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+    assert all(p.grad is None for p in tr.params)
+    assert [g["lr"] for g in opt.param_groups] == [tr.cfg.train.lr]
+    clones = [p.detach().clone().requires_grad_() for p in tr.params]
+    g = opt.param_groups[0]
+    ref = torch.optim.AdamW(
+        clones, lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"]
+    )
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, c in zip(tr.params, clones, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            c.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, c in zip(tr.params, clones, strict=True):
+        assert torch.equal(p.detach(), c.detach())
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[c]["exp_avg_sq"])
+        assert float(opt.state[p]["step"]) == float(ref.state[c]["step"]) == 3

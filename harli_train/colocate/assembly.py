@@ -188,11 +188,21 @@ def build_predictor(
     return predictor, profile
 
 
-def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: int) -> set[int]:
+def warm_up_trainer(
+    trainer: Trainer, partitions: list[Partition], total_sms: int, release: bool = True
+) -> set[int]:
     """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
 
     Returns the budgets where the step failed (seen on the H200: cuBLAS cannot run its GEMMs on the 12-SM
     leftover of an 8-SM ladder); the caller retires those rungs. Running out of memory is not such a failure.
+
+    Each step leaves a step's working set in torch's cache for its stream alone (a freed block is handed out
+    again only on the stream that allocated it; ~19 GiB for Llama-3-8B at batch 4 x 1024). ``release=False``
+    keeps it, for ``partitions`` that are exactly the streams the trainer will use: serving then starts with
+    their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
+    cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
+    allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
+    the H200, bench/results/2026-11-29-bench_colocate-s6-first.json).
     """
     if trainer.device.type != "cuda":
         return set()
@@ -217,12 +227,9 @@ def warm_up_trainer(trainer: Trainer, partitions: list[Partition], total_sms: in
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
         set_rng_state(saved)
-        # Each budget's step left a step's working set cached for its stream alone (torch hands a freed block
-        # out again only on the stream that allocated it): 8 streams of ~19 GiB for Llama-3-8B at batch
-        # 4 x 1024 do not fit beside the served model, and the first allocation short of memory while serving
-        # would free them all with a device-wide sync. Serving starts from an empty cache instead.
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if release:
+            torch.cuda.empty_cache()
     log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
     return failed
 
@@ -307,10 +314,13 @@ def assemble(
             cfg.source, "colocation.policy", "a policy this machine can run", str(err)
         ) from None
     engine.register(policy.partitions())
-    if warm_up:
-        failed = warm_up_trainer(trainer, policy.partitions() + [ladder.full], ladder.total_sms)
-        if ladder.retire(failed):  # the policy picks among the rungs left
-            policy = policy_on_ladder()
+    while warm_up:  # the trainer's streams only, their caches kept warm for serving
+        places = policy.trainer_partitions() + [ladder.full]
+        failed = warm_up_trainer(trainer, places, ladder.total_sms, release=False)
+        if not ladder.retire(failed):
+            break
+        torch.cuda.empty_cache()
+        policy = policy_on_ladder()  # among the rungs left, whose trainer streams are warmed in turn
     info = {
         "serve_model": serve_model,
         "train_model": cfg.model.name,

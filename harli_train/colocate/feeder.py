@@ -82,6 +82,7 @@ class TrainFeeder:
         self._num_layers = trainer.model.config.num_layers
         self._grad_accum = trainer.cfg.train.grad_accum
         self.last_stream: Any = None
+        self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
         self.micro_steps = self.oom_recoveries = self.abandoned_steps = self.rebuilt_chunks = 0
         self._ticks = self._held_until = self._oom_streak = self._starved = 0
@@ -289,20 +290,23 @@ class TrainFeeder:
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
         t0 = time.perf_counter()
+        self.launching_kind = kind
         try:
             with ctx, kernels.sm_budget(max(sms, 1)):
                 ms = next(self.gen)
         except StopIteration:
-            self.done = True
+            self.done, self.launching_kind = True, None
             return 0.0
         except OOM_ERRORS as err:
             self._rebuild = None
+            self.launching_kind = None
             if threading.current_thread() is self._thread:
                 self._pending_oom = err  # the decode thread recovers (and decode never sees it)
             else:
                 self._recover_oom(err)
             return 0.0
         seconds = time.perf_counter() - t0
+        self.launching_kind = None
         self.last_stream = stream
         self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
         self._track(ms, first_sm)

@@ -117,6 +117,10 @@ class Policy:
         """Every partition a step may run on (the engine prepares each one's decode graphs)."""
         return [self.ladder.full]
 
+    def trainer_partitions(self) -> list[Partition]:
+        """The partitions whose trainer streams the trainer launches on (warmed up before serving)."""
+        return self.partitions()
+
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         raise NotImplementedError
 
@@ -239,6 +243,9 @@ class HarliPolicy(Policy):
 
     def partitions(self) -> list[Partition]:
         return list(self.ladder.partitions)
+
+    def trainer_partitions(self) -> list[Partition]:
+        return [*self.trainer_rungs, self.ladder.full]
 
     def _trainer_select(self, decode_sms: int) -> Partition:
         """The trainer's rung with the most SMs that leaves decode at least ``decode_sms`` (the full GPU past
@@ -383,6 +390,9 @@ class StreamsPolicy(Policy):
     def __init__(self, ladder: SMLadder, tpot_s: float, margin: float) -> None:
         super().__init__(ladder, tpot_s, margin)
         self.part = _whole_gpu_pair(ladder)
+
+    def trainer_partitions(self) -> list[Partition]:
+        return [self.part]
 
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         return _whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")

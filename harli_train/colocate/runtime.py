@@ -273,7 +273,7 @@ class ColocatedRuntime:
             feeder.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
         if plan.train == AFTER:
             feeder.drain()  # same stream: the step must not queue behind the trainer's work
-        trainer_launching = feeder.launching
+        trainer_launching, trainer_phase = feeder.launching, feeder.launching_kind
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition)
@@ -301,6 +301,7 @@ class ColocatedRuntime:
             "gpu_s": result.gpu_s,
             "micro_steps": launched,
             "trainer_launching": trainer_launching,
+            "trainer_phase": trainer_phase if trainer_launching else None,
             "reason": plan.reason,
         }
         if result.kind == "decode":

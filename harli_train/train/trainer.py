@@ -112,7 +112,9 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.tokens_seen = 0
-        if state is not None:
+        if state is None:
+            self._init_optimizer_state()
+        else:
             self.optimizer.load_state_dict(state["optimizer"])
             self.loader.load_state_dict(state["loader"])
             self.step, self.tokens_seen = state["step"], state["tokens_seen"]
@@ -136,6 +138,28 @@ class Trainer:
             self.device,
             self.dtype,
         )
+
+    def _init_optimizer_state(self) -> None:
+        """Create AdamW's state now (zero moments, step 0), exactly as its first step would, through a step at
+        learning rate 0 over zero gradients: co-located, that first step would otherwise allocate a tensor or
+        more per LoRA parameter (~1300 for Llama-3-8B) while decode serves."""
+        groups = self.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(groups, lrs, strict=True):
+                g["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+        for st in self.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"].zero_()
+            elif "step" in st:
+                st["step"] = 0
 
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Replace the fresh adapter with the checkpoint's; refuse one made with other LoRA settings."""
