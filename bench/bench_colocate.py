@@ -32,6 +32,7 @@ Bars (DESIGN.md): harli has zero violations and >= 1.46x the finetune tokens/s o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
+from stall_sampler import StallSampler, stall_spans  # noqa: E402
 
 from harli_train.colocate.assembly import (  # noqa: E402
     build_engine,
@@ -105,6 +107,9 @@ class Bench:
     trainer_thread: bool | None = None
     switch_interval_s: float | None = None  # None: the runtime's default
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
+    sample_stalls: bool = (
+        False  # stacks of every thread inside the decode loop's host stalls (stall_sampler.py)
+    )
     tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
@@ -158,6 +163,7 @@ def setup(args, results: dict) -> Bench:
     bench.trainer_thread = {"auto": None, "on": True, "off": False}[args.trainer_thread]
     bench.switch_interval_s = args.switch_interval_us * 1e-6 if args.switch_interval_us else None
     bench.keep_steps = args.keep_steps
+    bench.sample_stalls = args.sample_stalls
     results["setup"] = {
         "model": cfg.model.name,
         "dtype": str(dtype),
@@ -352,8 +358,16 @@ def run_window(
         **({"switch_interval_s": bench.switch_interval_s} if bench.switch_interval_s else {}),
     )
     alloc_before = allocator_counts()
-    s = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts).run()
+    rt = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts)
+    sampler = StallSampler() if bench.sample_stalls else contextlib.nullcontext()
+    with sampler:
+        s = rt.run()
     alloc = {k: v - alloc_before.get(k, 0) for k, v in allocator_counts().items()}
+    stalls = None
+    if isinstance(sampler, StallSampler):
+        with open(run_dir / "colocate" / "steps.jsonl") as f:
+            spans = stall_spans([json.loads(line) for line in f])
+        stalls = sampler.around(spans[:20], rt.t0)
     steps = []
     if bench.keep_steps:  # a compact copy of the first per-step records, for diagnosis
         with open(run_dir / "colocate" / "steps.jsonl") as f:
@@ -392,6 +406,7 @@ def run_window(
         "gc_pauses": s["gc_pauses"],
         "allocator": alloc,
         **({"step_columns": list(STEP_COLUMNS), "steps": steps} if steps else {}),
+        **({"stall_samples": stalls} if stalls is not None else {}),
     }
 
 
@@ -621,6 +636,11 @@ def main() -> None:
         help="the GIL hand-over interval while the trainer thread runs (default: the runtime's)",
     )
     ap.add_argument("--keep-steps", type=int, default=0, help="per-step records kept per window in the JSON")
+    ap.add_argument(
+        "--sample-stalls",
+        action="store_true",
+        help="diagnosis: sample every thread's stack every 2 ms and keep the samples inside decode host stalls",
+    )
     ap.add_argument(
         "--warm-s",
         type=float,

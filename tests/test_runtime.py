@@ -165,6 +165,12 @@ def test_make_policy_names_and_shapes():
     assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
+    # The streams each policy's trainer launches on (the ones warmed up before serving).
+    for name in ("harli", "static:56", "streams", "temporal", "exclusive"):
+        places = make_policy(name, ladder, pred, 0.05).trainer_partitions()
+        assert places and all(p.train_stream is not None for p in places), name
+    assert make_policy("temporal", ladder, pred, 0.05).trainer_partitions()[0].time_sliced
+    assert make_policy("harli", ladder, pred, 0.05).trainer_partitions()[-1] is ladder.full
     assert make_policy("exclusive", ladder, None, 0.05).serve_alone
     with pytest.raises(ValueError, match="green contexts"):
         make_policy("static:48", TimeSliceLadder.cpu_standin(TOTAL), None, 0.05)

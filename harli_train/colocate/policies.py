@@ -345,6 +345,9 @@ class TemporalPolicy(HarliPolicy):
     def partitions(self) -> list[Partition]:
         return [self.slices.full]
 
+    def trainer_partitions(self) -> list[Partition]:
+        return [self.slices.full]
+
     def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
         if kind != "decode":
             return _paused(self.slices.full, f"{kind}: whole GPU")
