@@ -36,6 +36,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -47,6 +48,10 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harli_train.cuda_env import SETTINGS, prefer_cuda_env  # noqa: E402
+
+CUDA_ENV = prefer_cuda_env()  # before any CUDA context exists (see harli_train/cuda_env.py)
+
 import common  # noqa: E402
 import torch  # noqa: E402
 from stall_sampler import StallSampler, stall_spans  # noqa: E402
@@ -175,6 +180,7 @@ def setup(args, results: dict) -> Bench:
         "train_batch": [cfg.train.batch_size, cfg.data.seq_len],
         "layers_per_microstep": cfg.train.layers_per_microstep,
         "lora": {"rank": cfg.lora.rank, "targets": cfg.lora.targets},
+        "cuda_env": {k: os.environ.get(k) for k in SETTINGS} | {"set_by_bench": sorted(CUDA_ENV)},
         "ladder": {"kind": ladder.kind, "rungs": ladder.describe()},
         "engine": {
             "max_model_len": engine.engine.config.max_model_len,

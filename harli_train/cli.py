@@ -75,6 +75,9 @@ def main(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, format="harli-train: %(message)s", stream=sys.stderr
     )
+    from harli_train.cuda_env import prefer_cuda_env
+
+    prefer_cuda_env()  # before the CUDA context exists: decode's streams get hardware queues of their own
 
 
 @main.command()

@@ -594,3 +594,15 @@ def test_gc_pauses_freeze_setup_objects_and_time_collections():
     assert summary["collections_by_generation"][2] >= 3 and summary["max_ms"] > 0
     assert summary["total_ms"] >= summary["max_ms"]
     assert gc.get_freeze_count() == 0 and len(gc.callbacks) == before
+
+
+def test_cuda_env_gives_streams_their_own_hardware_queues_unless_the_user_chose():
+    from harli_train.cuda_env import prefer_cuda_env
+
+    env: dict[str, str] = {}
+    assert (
+        prefer_cuda_env(env) == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+        and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    )
+    mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert prefer_cuda_env(mine) == {} and mine["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
