@@ -240,6 +240,21 @@ def test_base_view_shares_weights_without_the_adapter():
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
+def test_feeder_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: make_policy("static:64", ladder, None, 0.05)
+    rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
+    feeder, plan = rt.feeder, rt.policy.plan("decode", 1, 10)
+    assert plan.train == "beside" and feeder.max_in_flight == 2
+    may = lambda: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # the GPU path, budget to spare
+    assert may()
+    feeder.in_flight.extend([(None, None, "fwd")] * 2)
+    assert not may()  # a full queue waits, whatever the time budget says
+    feeder.in_flight.pop()
+    assert may()
+    feeder.in_flight.clear()
+
+
 def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
     # Each stream the trainer allocates on caches its own copy of the trainer's working set (torch's allocator
     # reuses a block only on its stream): the trainer uses 4 of the 7 partial rungs, never decode's SMs.

@@ -66,8 +66,14 @@ class TrainFeeder:
         max_oom_retries: int = 3,
         oom_backoff_steps: int = 64,
         log_limit: int = 4096,
+        max_in_flight: int = 2,
     ) -> None:
         self.trainer = trainer
+        # Micro-steps queued on the GPU at most (beside decode). The time estimates run short on a small rung,
+        # and a queue grown too long fills the stream's hardware queue: the trainer's launches then block in
+        # the driver, and on the H200 decode's submissions (event records, its step's return) blocked with them
+        # for up to 28 ms (bench/results/2026-11-29-bench_colocate-s6-connections32.json, stall samples).
+        self.max_in_flight = max_in_flight
         self.hook = memory_hook or CacheReleaseHook()
         self.on_slice, self.should_stop = on_slice, should_stop
         self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
@@ -245,7 +251,8 @@ class TrainFeeder:
             return not launched and (not plan.strict or self._starving(kind, cost, budget))
         if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
             return not launched or cost <= budget
-        return budget > 0  # GPU: keep the step covered and about one micro-step queued past it
+        # GPU: keep the step covered and about one micro-step queued past it, never more than max_in_flight.
+        return budget > 0 and len(self.in_flight) < self.max_in_flight
 
     def _starving(self, kind: str, cost: float, budget: float) -> bool:
         """Whether to launch a micro-step that looks too long anyway: only while its estimate rests on
