@@ -302,18 +302,18 @@ class TrainFeeder:
             with ctx, kernels.sm_budget(max(sms, 1)):
                 ms = next(self.gen)
         except StopIteration:
-            self.done, self.launching_kind = True, None
+            self.done = True
             return 0.0
         except OOM_ERRORS as err:
             self._rebuild = None
-            self.launching_kind = None
             if threading.current_thread() is self._thread:
                 self._pending_oom = err  # the decode thread recovers (and decode never sees it)
             else:
                 self._recover_oom(err)
             return 0.0
+        finally:
+            self.launching_kind = None
         seconds = time.perf_counter() - t0
-        self.launching_kind = None
         self.last_stream = stream
         self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
         self._track(ms, first_sm)

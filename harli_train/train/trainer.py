@@ -156,10 +156,7 @@ class Trainer:
                 g["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
         for st in self.optimizer.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"].zero_()
-            elif "step" in st:
-                st["step"] = 0
+            st["step"].zero_()  # a tensor in torch's AdamW
 
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Replace the fresh adapter with the checkpoint's; refuse one made with other LoRA settings."""
