@@ -11,7 +11,7 @@ the same base model (one copy of the weights) serves recipes/traces/{steady,burs
 measured once up front on a coarse grid, and the trainer's kernels are compiled for every SM budget before
 any window starts. Each window starts a fresh adapter and optimizer on the shared weights. Policies run one after
 the other, each through every cell as one service: torch's cache is emptied before a policy, which then serves the
-heaviest cell's load for --warm-s seconds unrecorded before its windows.
+last cell's load (bursty/heavy by default) for --warm-s seconds unrecorded before its windows.
 
 Policies: harli (per-step controller), static:N (N = the smallest split whose predicted step at the peak
 batch meets the objective beside the trainer: provisioned for the peak, as a fixed split must be), streams,
@@ -112,9 +112,7 @@ class Bench:
     trainer_thread: bool | None = None
     switch_interval_s: float | None = None  # None: the runtime's default
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
-    sample_stalls: bool = (
-        False  # stacks of every thread inside the decode loop's host stalls (stall_sampler.py)
-    )
+    sample_stalls: bool = False  # thread stacks inside decode's host stalls (stall_sampler.py)
     tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
