@@ -113,6 +113,7 @@ class Bench:
     switch_interval_s: float | None = None  # None: the runtime's default
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
     sample_stalls: bool = False  # thread stacks inside decode's host stalls (stall_sampler.py)
+    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most
     tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
@@ -167,6 +168,7 @@ def setup(args, results: dict) -> Bench:
     bench.switch_interval_s = args.switch_interval_us * 1e-6 if args.switch_interval_us else None
     bench.keep_steps = args.keep_steps
     bench.sample_stalls = args.sample_stalls
+    bench.max_in_flight = args.max_in_flight
     results["setup"] = {
         "model": cfg.model.name,
         "dtype": str(dtype),
@@ -177,6 +179,7 @@ def setup(args, results: dict) -> Bench:
         "max_batch": cfg.colocation.max_batch,
         "train_batch": [cfg.train.batch_size, cfg.data.seq_len],
         "layers_per_microstep": cfg.train.layers_per_microstep,
+        "max_in_flight": args.max_in_flight,
         "lora": {"rank": cfg.lora.rank, "targets": cfg.lora.targets},
         "cuda_env": {k: os.environ.get(k) for k in SETTINGS} | {"set_by_bench": sorted(CUDA_ENV)},
         "ladder": {"kind": ladder.kind, "rungs": ladder.describe()},
@@ -360,6 +363,7 @@ def run_window(
         plots=plot_to is not None,
         trainer_thread=bench.trainer_thread,
         **({"switch_interval_s": bench.switch_interval_s} if bench.switch_interval_s else {}),
+        max_in_flight=bench.max_in_flight,
     )
     alloc_before = allocator_counts()
     rt = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts)
@@ -640,6 +644,12 @@ def main() -> None:
         help="the GIL hand-over interval while the trainer thread runs (default: the runtime's)",
     )
     ap.add_argument("--keep-steps", type=int, default=0, help="per-step records kept per window in the JSON")
+    ap.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=RuntimeOptions.max_in_flight,
+        help="trainer micro-steps queued on the GPU at most beside decode (default %(default)s)",
+    )
     ap.add_argument(
         "--sample-stalls",
         action="store_true",

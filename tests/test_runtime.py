@@ -253,6 +253,11 @@ def test_feeder_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
     feeder.in_flight.pop()
     assert may()
     feeder.in_flight.clear()
+    # The runtime hands its option down, and refuses a cap that would stop the trainer for good.
+    opts = RuntimeOptions(quiet=True, plots=False, max_in_flight=3)
+    assert runtime(tmp_path / "three", ladder, make, [], opts).feeder.max_in_flight == 3
+    with pytest.raises(ValueError, match="max_in_flight"):
+        RuntimeOptions(max_in_flight=0)
 
 
 def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():

@@ -100,10 +100,13 @@ class RuntimeOptions:
     # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
     trainer_thread: bool | None = None
     switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
+    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainFeeder.max_in_flight)
 
     def __post_init__(self) -> None:
         if self.until not in ("train", "load"):
             raise ValueError(f"RuntimeOptions.until must be 'train' or 'load', got {self.until!r}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"RuntimeOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
 
 
 class ColocatedRuntime:
@@ -127,7 +130,11 @@ class ColocatedRuntime:
         self._stop = threading.Event()
         self._hard_stop = False
         self.feeder = TrainFeeder(
-            trainer, memory_hook, on_slice=policy.observe_train_slice, should_stop=self._stop.is_set
+            trainer,
+            memory_hook,
+            on_slice=policy.observe_train_slice,
+            should_stop=self._stop.is_set,
+            max_in_flight=self.opts.max_in_flight,
         )
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
