@@ -5,8 +5,9 @@ predicted latency beside the trainer fits ``tpot_s * (1 - margin)``. It grows de
 when a step needs it and shrinks it only after ``hysteresis_steps`` consecutive steps that would all
 allow a smaller one (then to the largest of those), so the partition does not flap; a prefill restarts
 that count, and leaving the whole GPU (the trainer resumes beside decode) takes ``resume_margin`` more
-headroom when a share has it. When no share fits, decode gets the whole GPU and the trainer pauses. On a time-sliced ladder (no green contexts)
-the trainer runs a micro-step between decode steps only while step + micro-step fit the budget.
+headroom when a share has it. When no share fits, decode gets the whole GPU and the trainer pauses. On a
+time-sliced ladder (no green contexts) the trainer runs a micro-step between decode steps only while step +
+micro-step fit the budget.
 Every decision is logged with its prediction and, once observed, the measured latency.
 """
 

@@ -60,9 +60,7 @@ class LatencyPredictor:
     batch_max: int
     alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio when it is below the correction
     alpha_up: float = 0.5  # ... and when it is above: running slower than predicted is caught at once
-    idle_alpha: float = (
-        0.02  # per step, how much of an unmeasured factor's excess relaxes toward a measured one
-    )
+    idle_alpha: float = 0.02  # per step: how much of an unmeasured factor's excess relaxes to a measured one
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)

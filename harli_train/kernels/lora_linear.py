@@ -208,9 +208,8 @@ class _MasterCasts:
         self._entries = {}
 
     def get(self, a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        if (
-            torch.is_inference_mode_enabled()
-        ):  # inference tensors could not be saved by a later training forward
+        # Not under inference mode: its tensors could not be saved by a later training forward.
+        if torch.is_inference_mode_enabled():
             return _cast(a_list, b_list, dt)
         masters = (*a_list, *b_list)
         key = (*(id(t) for t in masters), dt)
