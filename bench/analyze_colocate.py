@@ -33,7 +33,15 @@ from bench_colocate import STEP_COLUMNS  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
-ADDED_COLUMNS = ("predicted_s", "gpu_s", "interval_s", "trainer_launching", "trainer_phase")
+ADDED_COLUMNS = (
+    "predicted_s",
+    "gpu_s",
+    "interval_s",
+    "trainer_launching",
+    "trainer_phase",
+    "launch_s",
+    "trainer_queue",
+)
 
 
 def rows_of(entry: dict) -> list[dict[str, Any]]:
@@ -116,13 +124,31 @@ def stalls(rows: list[dict]) -> list[dict]:
     ]
 
 
+def spikes(rows: list[dict], factor: float = 1.3) -> list[dict]:
+    """Decode steps whose GPU span exceeds ``factor`` x every neighbour's (two each side) on the same share: the
+    isolated slow steps that no smooth model predicts. ``launch_s`` in them tells a stream that waited for its
+    host (the launch took the extra time) from a GPU that ran slow."""
+    dec = [r for r in rows if r["kind"] == "decode" and r.get("gpu_s")]
+    found = []
+    for i, row in enumerate(dec):
+        near = [
+            dec[j]["gpu_s"]
+            for j in (i - 2, i - 1, i + 1, i + 2)
+            if 0 <= j < len(dec) and dec[j]["infer_sms"] == row["infer_sms"]
+        ]
+        if near and row["gpu_s"] > factor * max(near):
+            found.append(row)
+    return found
+
+
 def _step(row: dict) -> str:
     ms = lambda k: "-" if row.get(k) is None else f"{1e3 * row[k]:.1f}"
     return (
         f"t={row['t']:.3f} {row['kind']} batch {row.get('batch')} on {row.get('infer_sms')} SMs "
         f"(trainer {row.get('train_sms')}, {row.get('train')}): predicted {ms('predicted_s')} ms, "
-        f"measured {ms('measured_s')}, GPU {ms('gpu_s')}, interval {ms('interval_s')}"
+        f"measured {ms('measured_s')}, GPU {ms('gpu_s')} (launch {ms('launch_s')}), interval {ms('interval_s')}"
         + (f", trainer launching {row['trainer_phase']}" if row.get("trainer_phase") else "")
+        + (f", queued {row['trainer_queue']}" if row.get("trainer_queue") else "")
         + f" | {row.get('reason')}"
     )
 
@@ -156,6 +182,7 @@ def analyze(results: dict) -> dict[str, Any]:
                 "device_allocs": (entry.get("allocator") or {}).get("num_device_alloc"),
                 "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
                 "stalls": [_step(r) for r in stalls(rows)],
+                "spikes": [_step(r) for r in spikes(rows)],
             }
     report["transitions"] = {
         name: {
@@ -231,6 +258,8 @@ def main() -> None:
                 print(f"\nviolation, {cell} {name}:\n  " + "\n  ".join(ctx))
             for line in r["stalls"]:
                 print(f"\nstall, {cell} {name}: {line}")
+            for line in r["spikes"]:
+                print(f"\nGPU spike, {cell} {name}: {line}")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ STEP_COLUMNS = (  # of the per-step records --keep-steps copies into the JSON (b
     "trainer_launching",
     "trainer_phase",
     "reason",
+    "launch_s",
+    "trainer_queue",
 )
 log = logging.getLogger("bench_colocate")
 

@@ -281,6 +281,7 @@ class ColocatedRuntime:
         if plan.train == AFTER:
             feeder.drain()  # same stream: the step must not queue behind the trainer's work
         trainer_launching, trainer_phase = feeder.launching, feeder.launching_kind
+        queued = "+".join(kind for *_, kind in tuple(feeder.in_flight))  # the trainer's work on the GPU
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition)
@@ -306,9 +307,11 @@ class ColocatedRuntime:
             "predicted_s": plan.predicted_s,
             "measured_s": measured,
             "gpu_s": result.gpu_s,
+            "launch_s": result.launch_s,
             "micro_steps": launched,
             "trainer_launching": trainer_launching,
             "trainer_phase": trainer_phase if trainer_launching else None,
+            "trainer_queue": queued,
             "reason": plan.reason,
         }
         if result.kind == "decode":

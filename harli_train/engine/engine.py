@@ -46,6 +46,7 @@ class StepResult:
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     gpu_s: float | None = None  # the step's span on its stream (GPU only): latency_s less this is host time
+    launch_s: float | None = None  # host time queuing the step's work (GPU only), which gpu_s includes
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
@@ -245,6 +246,7 @@ class DecodeEngine:
             finished,
             batch.preempted,
             launched.gpu_s(),
+            launched.launch_s,
         )
         self.metrics.add_step(
             StepRecord(

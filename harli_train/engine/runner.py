@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class LaunchedStep:
     host: torch.Tensor | None  # pinned [>= len(sampling)] int64 the tokens are copied into (GPU)
     event: torch.cuda.Event | None  # recorded after that copy (GPU)
     start: torch.cuda.Event | None = None  # recorded before the step's work, on the same stream (GPU)
+    launch_s: float | None = None  # host seconds from `start` to `event` (GPU): a stream waiting for its host
 
     def gpu_s(self) -> float | None:
         """Seconds from the stream reaching the step to its tokens' copy (after `read()`; None on a CPU).
@@ -160,10 +162,11 @@ class ModelRunner:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])  # the previous step ran on another partition's stream
-            start = None
+            start = launch_s = None
             if stream is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
+                t_start = time.perf_counter()
             if batch.is_prefill:
                 assert not ahead, "only decode steps are launched ahead"
                 logits = self._prefill(batch, sampling, part)
@@ -183,9 +186,10 @@ class ModelRunner:
                     host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
+                launch_s = time.perf_counter() - t_start
                 self._last = (stream, event)
         self._num_launched += 1
-        return LaunchedStep(batch, sampling, tokens, host, event, start)
+        return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s)
 
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
