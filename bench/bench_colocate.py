@@ -649,7 +649,7 @@ def main() -> None:
     ap.add_argument(
         "--max-in-flight",
         type=int,
-        default=RuntimeOptions.max_in_flight,
+        default=RuntimeOptions().max_in_flight,
         help="trainer micro-steps queued on the GPU at most beside decode (default %(default)s)",
     )
     ap.add_argument(

@@ -75,3 +75,36 @@ def test_analysis_attributes_steps_and_shares():
     assert gaps["trainer launching"]["steps"] == 1 and gaps["trainer launching"]["max"] == pytest.approx(1.5)
     assert gaps["trainer launching bwd"]["steps"] == 1  # and by what it was launching
     assert gaps["trainer idle"]["steps"] == 4 and gaps["trainer idle"]["max"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_bench_colocate_dry_run_writes_every_window(tmp_path):
+    """The bench's own set-up (its parser's defaults into RuntimeOptions, the windows, the JSON) on the CPU
+    stand-ins: a default that only the GPU run reached once cost a device run (every window failed)."""
+    import json
+    import os
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_colocate.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    args = ["--dry-run", "--policies", "harli,static", "--traces", "bursty", "--loads", "light"]
+    proc = subprocess.run(
+        [sys.executable, str(bench), *args, "--keep-steps", "40", "--window-s", "0.8", "--solo-s", "0.5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "bench_colocate.json").read_text())
+    assert "error" not in out["standalone"], out["standalone"]
+    (cell,) = out["cells"].values()
+    names = [k for k in cell if k == "harli" or k.startswith("static:")]
+    assert len(names) == 2, sorted(cell)
+    for name in names:
+        entry = cell[name]
+        assert isinstance(entry, dict), entry  # a failed window is stored as its error message
+        assert entry["decode_steps"] > 0 and entry["finetune_tokens_per_s"] > 0
+        rows = analyze_colocate.rows_of(entry)
+        decode = [r for r in rows if r["kind"] == "decode"]
+        assert decode and all("launch_s" in r and "trainer_queue" in r for r in decode)
