@@ -116,6 +116,7 @@ class Bench:
     keep_steps: int = 0  # per-step records kept in the JSON for each window (0: none)
     sample_stalls: bool = False  # thread stacks inside decode's host stalls (stall_sampler.py)
     max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most
+    host_priority: bool = True  # decode's launches hold the trainer's back (RuntimeOptions.host_priority)
     tag: str = ""  # "-<objective>" on the outputs of one objective of several
     scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_colocate_")))
 
@@ -171,6 +172,7 @@ def setup(args, results: dict) -> Bench:
     bench.keep_steps = args.keep_steps
     bench.sample_stalls = args.sample_stalls
     bench.max_in_flight = args.max_in_flight
+    bench.host_priority = not args.no_host_priority
     results["setup"] = {
         "model": cfg.model.name,
         "dtype": str(dtype),
@@ -182,6 +184,7 @@ def setup(args, results: dict) -> Bench:
         "train_batch": [cfg.train.batch_size, cfg.data.seq_len],
         "layers_per_microstep": cfg.train.layers_per_microstep,
         "max_in_flight": args.max_in_flight,
+        "host_priority": not args.no_host_priority,
         "lora": {"rank": cfg.lora.rank, "targets": cfg.lora.targets},
         "cuda_env": {k: os.environ.get(k) for k in SETTINGS} | {"set_by_bench": sorted(CUDA_ENV)},
         "ladder": {"kind": ladder.kind, "rungs": ladder.describe()},
@@ -366,6 +369,7 @@ def run_window(
         trainer_thread=bench.trainer_thread,
         **({"switch_interval_s": bench.switch_interval_s} if bench.switch_interval_s else {}),
         max_in_flight=bench.max_in_flight,
+        host_priority=bench.host_priority,
     )
     alloc_before = allocator_counts()
     rt = ColocatedRuntime(trainer, bench.engine, policy, requests, run_dir / "colocate", opts)
@@ -651,6 +655,11 @@ def main() -> None:
         type=int,
         default=RuntimeOptions().max_in_flight,
         help="trainer micro-steps queued on the GPU at most beside decode (default %(default)s)",
+    )
+    ap.add_argument(
+        "--no-host-priority",
+        action="store_true",
+        help="diagnosis: the trainer's launches do not wait while decode launches a step",
     )
     ap.add_argument(
         "--sample-stalls",

@@ -1,6 +1,7 @@
 """The co-located runtime on the CPU stand-ins: policies, shares and streams, pause and resume, outputs, and
 the training result of a co-located run equal to a standalone run (co-location changes when, never what)."""
 
+import contextlib
 import gc
 import json
 import os
@@ -33,6 +34,8 @@ from harli_train.colocate.sm import SMLadder, TimeSliceLadder
 from harli_train.config import load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
+from harli_train.engine.runner import LaunchedStep
+from harli_train.kernels import launch_config
 from harli_train.model import load_model
 from harli_train.train.trainer import Trainer
 
@@ -485,6 +488,50 @@ def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp
     assert budgets[: len(launches)] == [sms for _, _, sms in launches][: len(budgets)]
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_it_waits(tmp_path):
+    # With the trainer thread, the runtime installs its host-priority gate in every launcher: decode's launches
+    # run with it held, its waits for the GPU with it open, and the trainer's launcher calls pass through it.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    seen = {"launch": [], "read": [], "trainer": 0}
+
+    def spy(trainer, gen):
+        for ms in gen:
+            launch_config.launch_gate()  # where a Triton launcher asks (on the CPU the ops may be torch's)
+            seen["trainer"] += 1
+            yield ms
+
+    make = lambda ladder: HarliPolicy(
+        ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, hysteresis_steps=2
+    )
+    load = requests([(0.0, 2, 40), (0.1, 4, 10)])
+    rt = runtime(
+        tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False, trainer_thread=True), spy
+    )
+    engine, gate = rt.engine.engine, rt.feeder.priority
+    launch, read = engine.runner.launch, LaunchedStep.read
+
+    def spy_launch(*args, **kwargs):
+        seen["launch"].append(gate.held)
+        return launch(*args, **kwargs)
+
+    def spy_read(step):
+        seen["read"].append(gate.held)
+        return read(step)
+
+    engine.runner.launch = spy_launch
+    LaunchedStep.read = spy_read
+    try:
+        summary = rt.run()
+    finally:
+        LaunchedStep.read = read
+    assert summary["stop_reason"] == "trained" and seen["trainer"] > 0
+    assert seen["launch"] and all(seen["launch"])  # every step launched with the host held ...
+    assert seen["read"] and not any(seen["read"])  # ... and waited for with it open
+    assert launch_config._launch_gate is None and engine.host_yield is contextlib.nullcontext  # uninstalled
+    assert not gate.held and gate.timeouts == 0
+    assert summary["finetune"]["feed"]["host_priority"]["waits"] == gate.waits
 
 
 # ---- the other policies ----------------------------------------------------------------------------------

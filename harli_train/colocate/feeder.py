@@ -43,6 +43,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import is_cuda_stream
+from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
 from harli_train.colocate.policies import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent
@@ -114,6 +115,9 @@ class TrainFeeder:
         self._host_recent: deque[float] = deque(maxlen=9)
         self.rounds = 0
         self.stops: dict[str, int] = {}
+        # The decode thread's claim on the host (set by the runtime with the trainer thread); every wait of the
+        # decode thread for the trainer thread or the GPU opens it.
+        self.priority = HostPriority()
 
     def _reset_tracking(self) -> None:
         self.last_phase: str | None = None
@@ -175,7 +179,8 @@ class TrainFeeder:
         self.pause()
         if plan.paused:
             return 0
-        with self._exclusive():
+        # The decode thread launches these itself: autograd's backward threads must pass the gate.
+        with self._exclusive(), self.priority.yielded():
             return self._feed_now(plan)
 
     def _feed_now(self, plan: StepPlan) -> int:
@@ -240,6 +245,7 @@ class TrainFeeder:
             "rebuilt_chunks": self.rebuilt_chunks,
             "abandoned_steps": self.abandoned_steps,
             "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
+            "host_priority": self.priority.stats(),
         }
 
     def _may_launch(
@@ -403,7 +409,8 @@ class TrainFeeder:
 
     def _drain(self) -> None:
         if self.in_flight:
-            self.in_flight[-1][1].synchronize()
+            with self.priority.yielded():
+                self.in_flight[-1][1].synchronize()
         self.poll()
 
     # ---- abandoning ----------------------------------------------------------------------------------
@@ -510,7 +517,8 @@ class TrainFeeder:
         with self._cv:
             self._quit = True
             self._cv.notify_all()
-        thread.join()
+        with self.priority.yielded():
+            thread.join()
         self._thread = None
         if self._pending_oom is not None:
             err, self._pending_oom = self._pending_oom, None
@@ -566,7 +574,7 @@ class TrainFeeder:
         if thread is None or threading.current_thread() is thread or self._excl_depth:
             yield
             return
-        with self._cv:
+        with self._cv, self.priority.yielded():
             self._want += 1
             while self._running:
                 self._cv.wait()

@@ -16,6 +16,7 @@ engine's per-request records under ``serve/``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -32,10 +33,12 @@ from typing import Any
 from harli_train.colocate import report
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
+from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policies import AFTER, BESIDE, Policy
 from harli_train.colocate.sm import Partition
 from harli_train.engine.load import TraceReplay, TraceRequest
+from harli_train.kernels.launch_config import set_launch_gate
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ class RuntimeOptions:
     trainer_thread: bool | None = None
     switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
     max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainFeeder.max_in_flight)
+    # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
+    # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
+    host_priority: bool = True
 
     def __post_init__(self) -> None:
         if self.until not in ("train", "load"):
@@ -149,6 +155,7 @@ class ColocatedRuntime:
         self._recent = deque(maxlen=512)
         self.gc_pauses = GcPauses()
         self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
+        self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -171,6 +178,8 @@ class ColocatedRuntime:
                 if threaded:
                     # The decode thread gets the GIL back within this long of asking for it.
                     sys.setswitchinterval(self.opts.switch_interval_s)
+                    if self.opts.host_priority:
+                        self._prioritise(True)
                     self.feeder.start()
                 self._serve()
                 if self._solo_wanted():
@@ -181,9 +190,21 @@ class ColocatedRuntime:
                 try:
                     self.feeder.stop()  # at the next micro-step boundary; the rest of the run is this thread's
                 finally:
+                    self._prioritise(False)
                     sys.setswitchinterval(switch_interval)
                     restore()
         return self._finish()
+
+    def _prioritise(self, on: bool) -> None:
+        """Install (or remove) the feeder's host-priority gate in every Triton launcher and around the engine's
+        waits for the GPU; ``_engine_step`` holds it."""
+        gate = self.feeder.priority
+        gate.release()
+        set_launch_gate(gate.wait if on else None)
+        engine = getattr(self.engine, "engine", None)
+        if engine is not None and hasattr(engine, "host_yield"):
+            engine.host_yield = gate.yielded if on else contextlib.nullcontext
+        self._priority = gate if on else None
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
@@ -263,6 +284,13 @@ class ColocatedRuntime:
         self._last_kind = "idle"
 
     def _engine_step(self, kind: str, batch: int, kv_tokens: int) -> None:
+        if self._priority is None:
+            self._step(kind, batch, kv_tokens)
+            return
+        with self._priority.holding():  # opened while the step waits for the GPU (the engine's host_yield)
+            self._step(kind, batch, kv_tokens)
+
+    def _step(self, kind: str, batch: int, kv_tokens: int) -> None:
         feeder, policy = self.feeder, self.policy
         feeder.tick()
         plan = policy.plan(kind, batch, kv_tokens)

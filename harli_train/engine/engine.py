@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -105,6 +106,9 @@ class DecodeEngine:
         self.runner.add_partition(DEFAULT_PARTITION, stream, num_sms)
         self.overlap = self.runner.use_graphs if cfg.overlap is None else cfg.overlap
         self._inflight: LaunchedStep | None = None  # launched ahead, not completed yet
+        # Entered around each step's wait for its tokens: the co-location runtime opens its host-priority gate
+        # there (harli_train.colocate.host_priority).
+        self.host_yield: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.num_launched_ahead = 0  # decode steps launched before their predecessor's tokens were read
         self.metrics = EngineMetrics(clock())
         self._next_id = 0
@@ -231,7 +235,8 @@ class DecodeEngine:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)
                 self.num_launched_ahead += 1
         kv_tokens = sum(s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens, strict=True))
-        tokens = launched.read()
+        with self.host_yield():  # waiting for the GPU: other threads may have the host meanwhile
+            tokens = launched.read()
         now = self.clock()
         finished = self.scheduler.postprocess(batch, tokens, now)
         if self._inflight is not None and not any(s.status is SequenceStatus.RUNNING for s in ahead.seqs):

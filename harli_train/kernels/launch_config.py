@@ -23,6 +23,7 @@ DEFAULT_NUM_SMS = 132
 LOGITS_CHUNK_BYTES = 1 << 30
 
 _process_num_sms: int | None = None
+_launch_gate: Callable[[], None] | None = None
 _budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("harli_sm_budget", default=None)
 
 
@@ -60,6 +61,24 @@ def sm_budget(n: int) -> Iterator[None]:
         yield
     finally:
         _budget.reset(token)
+
+
+def set_launch_gate(gate: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Install ``gate``, called by every launcher before it launches (None: none); returns the previous one.
+
+    The co-location runtime installs one that holds the trainer's launches back while the decode thread
+    launches a step, so that the two threads do not take turns on the GIL inside decode's critical path
+    (``harli_train.colocate.host_priority``)."""
+    global _launch_gate
+    previous, _launch_gate = _launch_gate, gate
+    return previous
+
+
+def launch_gate() -> None:
+    """Every launcher calls this right before its kernel launch."""
+    gate = _launch_gate
+    if gate is not None:
+        gate()
 
 
 def with_forward_budget(backward: Callable) -> Callable:

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from harli_train.kernels.common import check_dtype, compute_dtype, new_output
-from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
+from harli_train.kernels.launch_config import get_config, launch_gate, num_sms, with_forward_budget
 
 
 # X: [M, K] strides (sxm, sxk); W: [R, K] strides (swr, swk), read as W^T [K, R];
@@ -129,6 +129,7 @@ def lora_shrink(
     target = out if split == 1 else torch.empty((split, m, r), dtype=torch.float32, device=x.device)
     sos = 0 if split == 1 else target.stride(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), split, triton.cdiv(r, cfg["BLOCK_R"]))
+    launch_gate()
     _lora_shrink_kernel[grid](
         x,
         *x.stride(),
@@ -170,6 +171,7 @@ def lora_expand_(
     if y.numel() == 0 or r == 0:
         return y
     cfg = get_config("lora_expand", (m, n, r), num_sms(), z.dtype)
+    launch_gate()
     _lora_expand_kernel[(cfg["num_programs"],)](
         z,
         *z.stride(),

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from harli_train.kernels.common import check_dtype, new_output
-from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
+from harli_train.kernels.launch_config import get_config, launch_gate, num_sms, with_forward_budget
 
 
 # X, R, HOUT, Y: [rows, H] with row strides stride_*, column stride 1; W: [H]; RSTD: [rows] fp32.
@@ -120,6 +120,7 @@ def rms_norm_fwd(
     if rows == 0:
         return y, h, rstd
     cfg = get_config("rms_norm", (rows, cols), num_sms(), x.dtype)
+    launch_gate()
     _rms_norm_fwd_kernel[(cfg["num_programs"],)](
         x,
         x.stride(0),
@@ -161,6 +162,7 @@ def rms_norm_bwd(
     cfg = get_config("rms_norm", (rows, cols), num_sms(), h.dtype)
     programs = cfg["num_programs"]
     dw = torch.empty((programs, cols), dtype=torch.float32, device=h.device) if compute_dw else rstd
+    launch_gate()
     _rms_norm_bwd_kernel[(programs,)](
         dy,
         dy.stride(0),

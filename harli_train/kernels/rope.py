@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from harli_train.kernels.common import check_dtype, new_output
-from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
+from harli_train.kernels.launch_config import get_config, launch_gate, num_sms, with_forward_budget
 
 
 @triton.jit
@@ -172,6 +172,7 @@ def rope_launch(
         return qo, ko
     cfg = get_config("rope", (rows, n_qh, k.shape[2], head_dim), num_sms(), q.dtype)
     batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
+    launch_gate()
     _rope_kernel[(cfg["num_programs"],)](
         q,
         *q.stride()[:3],

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from harli_train.kernels.common import check_dtype, new_output
-from harli_train.kernels.launch_config import get_config, num_sms, with_forward_budget
+from harli_train.kernels.launch_config import get_config, launch_gate, num_sms, with_forward_budget
 
 
 # G, U: [rows, N] row strides stride_g / stride_u, column stride 1; Y: [rows, N] contiguous.
@@ -57,6 +57,7 @@ def swiglu_fwd(
     y = new_output((rows, cols), torch.promote_types(gate.dtype, up.dtype), gate.device)
     if y.numel():
         grid, cfg = _grid(rows, cols, gate.dtype)
+        launch_gate()
         _swiglu_fwd_kernel[grid](
             gate,
             gate.stride(0),
@@ -82,6 +83,7 @@ def swiglu_bwd(
     du = new_output((rows, cols), up.dtype, up.device)
     if dg.numel():
         grid, cfg = _grid(rows, cols, gate.dtype)
+        launch_gate()
         _swiglu_bwd_kernel[grid](
             dy,
             dy.stride(0),
