@@ -491,10 +491,10 @@ def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp
 
 
 def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_it_waits(tmp_path):
-    # With the trainer thread, the runtime installs its host-priority gate in every launcher: decode's launches
-    # run with it held, its waits for the GPU with it open, and the trainer's launcher calls pass through it.
+    # With the trainer thread, the runtime installs its host-priority gate in every launcher: decode steps launch
+    # with it held, wait for the GPU with it open, and the trainer's launcher calls pass through it.
     ladder = SMLadder.cpu_standin(TOTAL, 8)
-    seen = {"launch": [], "read": [], "trainer": 0}
+    seen = {"launch": [], "prefill": [], "read": [], "trainer": 0}
 
     def spy(trainer, gen):
         for ms in gen:
@@ -512,9 +512,9 @@ def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_i
     engine, gate = rt.engine.engine, rt.feeder.priority
     launch, read = engine.runner.launch, LaunchedStep.read
 
-    def spy_launch(*args, **kwargs):
-        seen["launch"].append(gate.held)
-        return launch(*args, **kwargs)
+    def spy_launch(batch, *args, **kwargs):
+        seen["prefill" if batch.is_prefill else "launch"].append(gate.held)
+        return launch(batch, *args, **kwargs)
 
     def spy_read(step):
         seen["read"].append(gate.held)
@@ -527,7 +527,8 @@ def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_i
     finally:
         LaunchedStep.read = read
     assert summary["stop_reason"] == "trained" and seen["trainer"] > 0
-    assert seen["launch"] and all(seen["launch"])  # every step launched with the host held ...
+    assert seen["launch"] and all(seen["launch"])  # every decode step launched with the host held ...
+    assert seen["prefill"] and not any(seen["prefill"])  # (prefills do not hold it)
     assert seen["read"] and not any(seen["read"])  # ... and waited for with it open
     assert launch_config._launch_gate is None and engine.host_yield is contextlib.nullcontext  # uninstalled
     assert not gate.held and gate.timeouts == 0
