@@ -476,6 +476,18 @@ def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, 
         )
 
 
+def split_policies(text: str) -> list[str]:
+    """``--policies``: comma-separated names, where a harli variant's own options continue the name before
+    them ("harli,harli:prefill=paused,grow=0.05,static" is three policies)."""
+    out: list[str] = []
+    for item in filter(None, text.split(",")):
+        if out and "=" in item and ":" not in item:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def verdict(cell_out: dict, solo: float | None) -> dict:
     harli = cell_out.get("harli", {})
     ok = [
@@ -499,6 +511,19 @@ def verdict(cell_out: dict, solo: float | None) -> dict:
         else None
     )
     out["fraction_of_standalone"] = tok / solo if tok is not None and solo else None
+    # harli variants (harli:OPTIONS) against the same baseline, for an A/B within one run.
+    out["variants"] = {
+        k: {
+            "violations": v.get("violations"),
+            "ratio_vs_best_baseline": (
+                v["finetune_tokens_per_s"] / best[1]["finetune_tokens_per_s"]
+                if best and best[1]["finetune_tokens_per_s"] > 0 and "finetune_tokens_per_s" in v
+                else None
+            ),
+        }
+        for k, v in cell_out.items()
+        if k.startswith("harli:") and isinstance(v, dict) and "error" not in v
+    }
     out["pass"] = bool(
         harli.get("violations") == 0 and (best is None or (out["ratio_vs_best_baseline"] or 0) >= RATIO_BAR)
     )
@@ -673,7 +698,8 @@ def main() -> None:
         help="seconds each policy serves the last cell's load, unrecorded, before its windows (default 2; 0 dry)",
     )
     args = ap.parse_args()
-    args.policies, args.traces, args.loads = (a.split(",") for a in (args.policies, args.traces, args.loads))
+    args.policies = split_policies(args.policies)
+    args.traces, args.loads = (a.split(",") for a in (args.traces, args.loads))
     args.recipe = Path(
         args.recipe or ROOT / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml")
     )

@@ -11,7 +11,7 @@ from functools import wraps
 import click
 
 from harli_train import __version__
-from harli_train.config import LADDER_STEPS, PREFILL_MODES
+from harli_train.config import HARLI_OPTIONS, LADDER_STEPS
 
 # Mistakes a user can make; each prints one clear line instead of a traceback.
 _USER_ERRORS: tuple[type[BaseException], ...] = ()
@@ -91,8 +91,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--policy",
-    help=f"Co-location policy: harli (harli:prefill={'|'.join(PREFILL_MODES)}), static:N, streams, temporal "
-    "or exclusive.",
+    help=f"Co-location policy: harli (variants: {HARLI_OPTIONS}), static:N, streams, temporal or exclusive.",
 )
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option(

@@ -19,6 +19,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
 POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixed split at N SMs
 PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
+HARLI_OPTIONS = f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5))"
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
 
@@ -128,17 +129,43 @@ EXISTS = Limit("that exists", lambda path: Path(path).exists())
 _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair))
 
 
+def parse_harli_options(text: str) -> dict[str, Any]:
+    """``prefill=MODE,grow=H`` (either, in any order; "" for none) as HarliPolicy keyword arguments."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key == "prefill" and value in PREFILL_MODES:
+            out["prefill"] = value
+        elif key == "grow" and re.fullmatch(r"\d*\.?\d+", value) and float(value) < 0.5:
+            out["grow_headroom"] = float(value)
+        else:
+            raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
+    return out
+
+
+def harli_name(prefill: str = PREFILL_MODES[0], grow_headroom: float = 0.0) -> str:
+    """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
+    options = ([f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []) + (
+        [f"grow={grow_headroom:g}"] if grow_headroom else []
+    )
+    return "harli" + (":" + ",".join(options) if options else "")
+
+
 def _is_policy(v: str) -> bool:
     static = re.fullmatch(r"static:(\d+)", v)
     if static:
         return 1 <= int(static.group(1)) <= 1024
-    return v in POLICIES or v in {f"harli:prefill={mode}" for mode in PREFILL_MODES}
+    base, sep, options = v.partition(":")
+    if base == "harli" and sep:
+        try:
+            parse_harli_options(options)
+        except ValueError:
+            return False
+        return bool(options)
+    return v in POLICIES
 
 
-_POLICY = Limit(
-    f"among {', '.join(POLICIES)}, static:N (N = 1..1024), harli:prefill={'|'.join(PREFILL_MODES)}",
-    _is_policy,
-)
+_POLICY = Limit(f"among {', '.join(POLICIES)}, static:N (N = 1..1024), {HARLI_OPTIONS}", _is_policy)
 
 
 LADDER_STEPS = tuple(range(8, 65, 8))  # green contexts come in 8-SM groups

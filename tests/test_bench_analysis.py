@@ -108,3 +108,18 @@ def test_bench_colocate_dry_run_writes_every_window(tmp_path):
         rows = analyze_colocate.rows_of(entry)
         decode = [r for r in rows if r["kind"] == "decode"]
         assert decode and all("launch_s" in r and "trainer_queue" in r for r in decode)
+
+
+def test_policies_flag_keeps_a_harli_variants_options_together():
+    split = bench_colocate.split_policies("harli,harli:prefill=paused,grow=0.05,static,temporal")
+    assert split == ["harli", "harli:prefill=paused,grow=0.05", "static", "temporal"]
+    cell = {
+        "harli": {"finetune_tokens_per_s": 300.0, "violations": 0},
+        "harli:grow=0.05": {"finetune_tokens_per_s": 250.0, "violations": 0},
+        "static:112": {"finetune_tokens_per_s": 100.0, "violations": 0},
+    }
+    v = bench_colocate.verdict(cell, 1000.0)
+    assert v["best_baseline"] == "static:112" and v["ratio_vs_best_baseline"] == pytest.approx(3.0)
+    assert v["variants"] == {
+        "harli:grow=0.05": {"violations": 0, "ratio_vs_best_baseline": pytest.approx(2.5)}
+    }

@@ -258,7 +258,17 @@ def test_override_of_unknown_key(tmp_path):
     assert_names(message, "command line override", "train.lrr", "expected a key among", "did you mean 'lr'?")
 
 
-@pytest.mark.parametrize("policy", ["static", "static:0", "static:2000", "static:x", "static:N", "harly"])
+@pytest.mark.parametrize(
+    "policy",
+    ["static", "static:0", "static:2000", "static:x", "static:N", "harly", "harli:", "harli:grow=0.9"],
+)
 def test_bad_policy(tmp_path, policy):
     message = load_error(recipe_with(tmp_path, "colocation.policy", policy))
     assert_names(message, "recipe.yaml", "colocation.policy", "among harli, streams", "static:N (N = 1..")
+
+
+@pytest.mark.parametrize(
+    "policy", ["harli:prefill=beside", "harli:grow=0.05", "harli:grow=0.1,prefill=paused"]
+)
+def test_harli_variants_are_policies(tmp_path, policy):
+    assert load_recipe(recipe_with(tmp_path, "colocation.policy", policy)).colocation.policy == policy

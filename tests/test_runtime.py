@@ -168,6 +168,14 @@ def test_make_policy_names_and_shapes():
     assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
+    both = make_policy("harli:grow=0.1,prefill=paused", ladder, pred, 0.05)
+    assert both.name == "harli:prefill=paused,grow=0.1" and (both.prefill_mode, both.grow_headroom) == (
+        "paused",
+        0.1,
+    )
+    for bad in ("harli:grow=0.5", "harli:grow=x", "harli:speed=2"):
+        with pytest.raises(ValueError, match="unknown harli option"):
+            make_policy(bad, ladder, pred, 0.05)
     # The streams each policy's trainer launches on (the ones warmed up before serving).
     for name in ("harli", "static:56", "streams", "temporal", "exclusive"):
         places = make_policy(name, ladder, pred, 0.05).trainer_partitions()
@@ -281,6 +289,50 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
     assert every.trainer_rungs == ladder.spatial
     with pytest.raises(ValueError, match="trainer_stride"):
         HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=0)
+
+
+def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near_its_budget():
+    # harli:grow=H: while decode's predicted step is within H of the budget, the trainer's next micro-steps go
+    # to a rung clear of the share decode would grow to; the trailing window keeps decode's real shares only.
+    ladder = SMLadder.cpu_standin(132, 16)
+    pred = synthetic_predictor(ladder.shares)
+
+    tpot = 0.03
+
+    def settle(policy, batch, kv=100):
+        """Plan decode steps of `batch` until the controller has left the whole GPU; the last plan (None if it
+        never does: no share fits with the margin to resume the trainer)."""
+        for _ in range(20):
+            plan = policy.plan("decode", batch, kv)
+            if plan.partition.infer_sms < 132:
+                return plan
+        return None
+
+    near = None
+    for batch in range(1, 40):  # a batch whose least share is predicted within 5 % of the budget
+        plain = HarliPolicy(ladder, pred, tpot, 0.1, hysteresis_steps=1)
+        plan = settle(plain, batch)
+        if plan is None:
+            continue
+        budget = plain.controller.budget_s
+        larger = [p.infer_sms for p in ladder.spatial if p.infer_sms > plan.partition.infer_sms]
+        if plan.predicted_s > 0.95 * budget and larger and plan.train_from_sm < larger[0] <= 112:
+            near = batch, plan, larger[0]
+            break
+    assert near, "no batch put decode near its budget with the trainer next to it"
+    batch, plain_plan, next_share = near
+    policy = make_policy("harli:grow=0.05", ladder, pred, tpot, 0.1, hysteresis_steps=1)
+    assert policy.name == "harli:grow=0.05" and policy.grow_headroom == 0.05
+    plan = settle(policy, batch)
+    assert plan.partition.infer_sms == plain_plan.partition.infer_sms  # decode's own share is unchanged
+    assert plan.train_from_sm >= next_share and plan.train_sms < plain_plan.train_sms  # the trainer moved
+    assert all(sms == plan.partition.infer_sms for _, sms in policy._recent)  # the window saw decode's shares
+    # Far from the budget (a small batch) the trainer goes back next to decode's recent peak share.
+    relaxed = policy.plan("decode", 1, 10)
+    assert relaxed.predicted_s < 0.95 * policy.controller.budget_s
+    assert relaxed.train_from_sm == plain_plan.train_from_sm
+    with pytest.raises(ValueError, match="grow_headroom"):
+        HarliPolicy(ladder, pred, 0.02, 0.1, grow_headroom=0.5)
 
 
 @pytest.mark.parametrize("prefill", ["rung", "paused", "beside"])

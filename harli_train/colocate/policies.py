@@ -24,7 +24,7 @@ from typing import Any
 from harli_train.colocate.controller import Controller, Decision
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
-from harli_train.config import DEFAULT_MARGIN, PREFILL_MODES
+from harli_train.config import DEFAULT_MARGIN, PREFILL_MODES, harli_name, parse_harli_options
 
 BESIDE, AFTER, NONE = "beside", "after", "none"
 # With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
@@ -207,6 +207,14 @@ class HarliPolicy(Policy):
     ran the GPU out of memory in 4 of 6 harli windows, and each allocator retry (a device-wide sync and ~2800
     cudaFree calls) held the decode loop for up to 266 ms (bench/results/2026-11-29-bench_colocate-s6-first.json).
     The trainer gives up the SMs between its rungs and the decode share (16 at most with stride 2).
+
+    ``grow_headroom`` (``harli:grow=H``, off by default; not yet measured on the H200) anticipates a grow: while
+    decode's predicted step on its share is within ``H`` of the budget, the trainer's next micro-steps go to a
+    rung clear of the next larger share too. A grow lands on SMs where the trainer's queued work still runs
+    (up to ``max_in_flight`` micro-steps, launched for the old split), and both violations of the two last
+    all-policy runs were such steps (bench/results/2026-11-29-bench_colocate-s7-all-gate.json and
+    -s7-all-gate-decode.json: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05
+    about 6 % of that run's steps would have moved the trainer, each time by up to 32 SMs.
     """
 
     name = "harli"
@@ -222,17 +230,19 @@ class HarliPolicy(Policy):
         prefill_sms: int | None = None,
         prefill: str = DEFAULT_PREFILL,
         trainer_stride: int = 2,
+        grow_headroom: float = 0.0,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
         if trainer_stride < 1:
             raise ValueError(f"harli: trainer_stride must be >= 1, got {trainer_stride}")
+        if not 0 <= grow_headroom < 0.5:
+            raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
         super().__init__(ladder, tpot_s, margin)
         # Ascending decode share; the rung with the least trainer SMs is always one of them.
         self.trainer_rungs = ladder.spatial[::-1][::trainer_stride][::-1]
-        self.prefill_mode = prefill
-        if prefill != DEFAULT_PREFILL:
-            self.name = f"harli:prefill={prefill}"
+        self.prefill_mode, self.grow_headroom = prefill, grow_headroom
+        self.name = harli_name(prefill, grow_headroom)
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
@@ -300,7 +310,17 @@ class HarliPolicy(Policy):
                 part, AFTER, part.train_stream, self.ladder.total_sms, slack, d.predicted_s, d.reason, d
             )
         trainer = self._trainer_rung(part.infer_sms)
+        if self.grow_headroom and d.predicted_s > (1.0 - self.grow_headroom) * self.controller.budget_s:
+            trainer = self._clear_of_grow(part, trainer)
         return _beside(part, trainer, d.predicted_s, d.predicted_s, d.reason, d)
+
+    def _clear_of_grow(self, part: Partition, trainer: Partition) -> Partition:
+        """The trainer's rung for a step whose decode may grow next: clear of the next larger spatial share
+        too (``trainer`` itself when it already is, or when no trainer rung leaves decode that much)."""
+        larger = [p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms]
+        if not larger or trainer.infer_sms >= larger[0] or larger[0] > self.trainer_rungs[-1].infer_sms:
+            return trainer
+        return self._trainer_select(larger[0])
 
     def idle_plan(self) -> StepPlan:
         trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
@@ -427,16 +447,12 @@ def make_policy(
         return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
     base, _, option = name.partition(":")
     if name == "temporal" or base == "harli":
-        prefill = DEFAULT_PREFILL
-        if option:
-            key, _, prefill = option.partition("=")
-            if key != "prefill" or prefill not in PREFILL_MODES:
-                raise ValueError(f"unknown harli option {option!r} (harli:prefill={'|'.join(PREFILL_MODES)})")
+        options = parse_harli_options(option) if base == "harli" else {}
         if predictor is None:
             raise ValueError(f"policy {name!r} needs a latency predictor (a decode profile)")
         if name == "temporal":
             return TemporalPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps)
-        return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, prefill=prefill)
+        return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, **options)
     if name == "streams":
         return StreamsPolicy(ladder, tpot_s, margin)
     if name == "exclusive":
