@@ -201,9 +201,7 @@ class ColocatedRuntime:
         gate = self.feeder.priority
         gate.release()
         set_launch_gate(gate.wait if on else None)
-        engine = getattr(self.engine, "engine", None)
-        if engine is not None and hasattr(engine, "host_yield"):
-            engine.host_yield = gate.yielded if on else contextlib.nullcontext
+        self.engine.engine.host_yield = gate.yielded if on else contextlib.nullcontext
         self._priority = gate if on else None
 
     def _now(self) -> float:
@@ -313,7 +311,7 @@ class ColocatedRuntime:
         if plan.train == AFTER:
             feeder.drain()  # same stream: the step must not queue behind the trainer's work
         trainer_launching, trainer_phase = feeder.launching, feeder.launching_kind
-        queued = "+".join(kind for *_, kind in tuple(feeder.in_flight))  # the trainer's work on the GPU
+        queued = "+".join(k for *_, k in tuple(feeder.in_flight))  # the trainer's micro-steps on the GPU
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition)
