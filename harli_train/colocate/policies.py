@@ -213,8 +213,8 @@ class HarliPolicy(Policy):
     rung clear of the next larger share too. A grow lands on SMs where the trainer's queued work still runs
     (up to ``max_in_flight`` micro-steps, launched for the old split), and both violations of the two last
     all-policy runs were such steps (bench/results/2026-11-29-bench_colocate-s7-all-gate.json and
-    -s7-all-gate-decode.json: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05
-    about 6 % of that run's steps would have moved the trainer, each time by up to 32 SMs.
+    -s7-all-gate-decode.json: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05,
+    6 % of the first of those runs' steps would have moved the trainer, each time by up to 32 SMs.
     """
 
     name = "harli"
