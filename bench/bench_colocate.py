@@ -326,6 +326,13 @@ def policy_name(bench: Bench, name: str) -> str:
     return f"static:{bench.static_sms}" if name == "static" else name
 
 
+def bench_policy(bench: Bench, name: str):
+    """A fresh policy of that name over the bench's ladder, predictor and objective."""
+    return make_policy(
+        policy_name(bench, name), bench.ladder, bench.predictor, bench.tpot_s, bench.cfg.colocation.margin
+    )
+
+
 ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
@@ -355,9 +362,7 @@ def run_window(
     trainer = fresh_trainer(bench.cfg, bench.model, run_dir)
     if bench.predictor is not None:
         bench.predictor.reset_corrections()
-    policy = make_policy(
-        policy_name(bench, name), bench.ladder, bench.predictor, bench.tpot_s, bench.cfg.colocation.margin
-    )
+    policy = bench_policy(bench, name)
     opts = RuntimeOptions(
         until="load",
         window_s=window_s,
@@ -447,9 +452,7 @@ def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, 
     trainer call cudaMalloc ~600-1600 times while decode serves (-s5-replicate.json)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        policy = make_policy(
-            policy_name(bench, name), bench.ladder, bench.predictor, bench.tpot_s, bench.cfg.colocation.margin
-        )
+        policy = bench_policy(bench, name)
         places = policy.trainer_partitions() + [bench.ladder.full]
         trainer = fresh_trainer(bench.cfg, bench.model, Path(tempfile.mkdtemp(dir=bench.scratch)))
         warm_up_trainer(trainer, places, bench.ladder.total_sms, release=False)
