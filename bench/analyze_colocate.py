@@ -1,6 +1,6 @@
 """Where a co-location run's violations and trainer throughput came from (no GPU needed).
 
-    python bench/analyze_colocate.py bench/results/2026-11-29-bench_colocate-objective1.5x-final.json
+    python bench/analyze_colocate.py bench/results/2026-11-29-bench_colocate-objective1.5x-final.json.gz
 
 Reads a bench_colocate JSON written with --keep-steps and prints, for every harli-like policy (and any policy
 with per-step records):
@@ -20,6 +20,7 @@ with per-step records):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -211,11 +212,19 @@ def analyze(results: dict) -> dict[str, Any]:
     return report
 
 
+def load(path: Path) -> dict:
+    """A results file, as bench_colocate wrote it or gzipped for the record (bench/results keeps big ones gzipped)."""
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        data = gzip.decompress(data)
+    return json.loads(data)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="a bench_colocate JSON written with --keep-steps")
+    ap.add_argument("results", help="a bench_colocate JSON (or .json.gz) written with --keep-steps")
     args = ap.parse_args()
-    report = analyze(json.loads(Path(args.results).read_text()))
+    report = analyze(load(Path(args.results)))
     print(f"objective {report['objective_tpot_ms']:.3f} ms")
     rows = []
     for cell, policies in report["cells"].items():

@@ -448,8 +448,8 @@ def policy_windows(bench: Bench, name: str, cells: list[tuple[str, str]], args, 
 
     torch's caching allocator hands a freed block out again only on the stream that allocated it, so a cache
     left by another policy's streams is of no use to this one and crowds its own out (on the H200, harli
-    windows after other policies ran out of memory in 4 of 6 cells, -s6-first.json); a cold cache makes the
-    trainer call cudaMalloc ~600-1600 times while decode serves (-s5-replicate.json)."""
+    windows after other policies ran out of memory in 4 of 6 cells, -s6-first.json.gz); a cold cache makes the
+    trainer call cudaMalloc ~600-1600 times while decode serves (-s5-replicate.json.gz)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         policy = bench_policy(bench, name)

@@ -300,7 +300,7 @@ class OutputSection:
 
 # Fraction of the TPOT objective kept free of predicted decode time. On the H200 a decode step's token interval
 # ran up to 1.15x its corrected prediction (host delays up to 2.8 ms beyond the GPU span, and GPU noise): with
-# 0.1 the default harli had 1-3 violations in 6 cells (bench/results/2026-11-29-bench_colocate-s5-decay.json).
+# 0.1 the default harli had 1-3 violations in 6 cells (bench/results/2026-11-29-bench_colocate-s5-decay.json.gz).
 DEFAULT_MARGIN = 0.15
 
 

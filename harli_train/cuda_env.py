@@ -6,7 +6,7 @@ trainer stream. On the H200, the trainer's kernel launches on a small rung fille
 (``cuLaunchKernelEx`` in Triton's launcher), and decode's own submissions on the shared queue blocked with them:
 a stack sampler caught the decode loop in ``Event.record`` and in the engine's step for 25-36 ms while the
 trainer's autograd thread sat in a launch, the GIL free all along
-(``bench/results/2026-11-29-bench_colocate-s6-stall-samples.json``, ``bench/stall_sampler.py``).
+(``bench/results/2026-11-29-bench_colocate-s6-stall-samples.json.gz``, ``bench/stall_sampler.py``).
 
 A value the user set is left alone.
 """

@@ -1,5 +1,7 @@
 """bench/analyze_colocate.py on a hand-made co-location result: shares, transitions, violations, stalls."""
 
+import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -78,6 +80,13 @@ def test_analysis_attributes_steps_and_shares():
 
 
 @pytest.mark.slow
+def test_analysis_reads_plain_and_gzipped_results(tmp_path):
+    plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"
+    plain.write_text(json.dumps(results()))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert analyze_colocate.load(plain) == analyze_colocate.load(packed) == json.loads(json.dumps(results()))
+
+
 def test_bench_colocate_dry_run_writes_every_window(tmp_path):
     """The bench's own set-up (its parser's defaults into RuntimeOptions, the windows, the JSON) on the CPU
     stand-ins: a default that only the GPU run reached once cost a device run (every window failed)."""

@@ -202,7 +202,7 @@ def warm_up_trainer(
     their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
     cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
     allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
-    the H200, bench/results/2026-11-29-bench_colocate-s6-first.json).
+    the H200, bench/results/2026-11-29-bench_colocate-s6-first.json.gz).
     """
     if trainer.device.type != "cuda":
         return set()

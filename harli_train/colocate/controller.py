@@ -63,7 +63,7 @@ class Controller:
         self.hysteresis_steps = max(int(hysteresis_steps), 1)
         # Leaving the whole GPU for a share, the trainer restarts beside decode. On the H200 those first
         # steps ran up to 1.35x the prediction (2 of 8 to 3 of 12 over it; they were the default harli's
-        # violations in bench/results/2026-11-29-bench_colocate-objective1.5x-final.json and -s5-decay.json),
+        # violations in bench/results/2026-11-29-bench_colocate-objective1.5x-final.json.gz and -s5-decay.json.gz),
         # where shrinks between shares ran 0.7-0.95x: that shrink goes to the least share that fits a budget
         # smaller by this fraction (0.15 still let a 1.35x exit through). When none does, it takes the plain
         # target: holding the whole GPU instead kept the trainer paused for 99 % of a heavy window

@@ -73,7 +73,7 @@ class TrainFeeder:
         # Micro-steps queued on the GPU at most (beside decode). The time estimates run short on a small rung,
         # and a queue grown too long fills the stream's hardware queue: the trainer's launches then block in
         # the driver, and on the H200 decode's submissions (event records, its step's return) blocked with them
-        # for up to 28 ms (bench/results/2026-11-29-bench_colocate-s6-connections32.json, stall samples).
+        # for up to 28 ms (bench/results/2026-11-29-bench_colocate-s6-connections32.json.gz, stall samples).
         self.max_in_flight = max_in_flight
         self.hook = memory_hook or CacheReleaseHook()
         self.on_slice, self.should_stop = on_slice, should_stop

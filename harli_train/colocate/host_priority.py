@@ -4,7 +4,7 @@ Both threads run Python, so they take turns on the GIL. While the decode thread 
 every time it lets the GIL go (a CUDA call, a copy) it waits for the trainer thread to hand it back, which is
 at best one switch interval later and at worst after whatever C call the trainer is in. Those waits add up
 inside decode's critical path. On the H200, on a host ~1.8x slower at Python than the run before it
-(`bench/results/2026-11-29-bench_colocate-s7-all-nogate-2.json` against `-s7-all-nogate-1.json`), harli's
+(`bench/results/2026-11-29-bench_colocate-s7-all-nogate-2.json.gz` against `-s7-all-nogate-1.json.gz`), harli's
 decode steps took 0.73 ms to launch at the median, 1.8 at p99 and 4.1 at most (0.41 / 1.2 / 2.0 before), and
 up to 3.7 ms passed between a step's last GPU work and its return: 8 objective violations, against none.
 
@@ -17,7 +17,7 @@ itself until it waits for the GPU. The trainer loses only host time: its queued 
 A wait is bounded (``timeout_s``), so a holder that forgets to open the gate costs the trainer time, never a
 deadlock; the decode thread also opens it around every wait for the trainer thread (``yielded``).
 
-With it (decode steps only, `-s7-all-gate-decode.json`): launches took 0.46 / 1.1 / 2.5 ms (p50 / p99 / max),
+With it (decode steps only, `-s7-all-gate-decode.json.gz`): launches took 0.46 / 1.1 / 2.5 ms (p50 / p99 / max),
 and the trainer's launches waited 0.05-0.08 s per 5 s window, never into the timeout.
 """
 

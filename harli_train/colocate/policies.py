@@ -184,7 +184,7 @@ class HarliPolicy(Policy):
     A prefill is compute-bound and outside the decode model. Modes:
     - ``rung`` (default): on a rung of its own (``prefill_sms``, half the GPU by default, as a static split
       would), the trainer going on on the other SMs. On the H200, in the runs that had both (objective at
-      1.5x and 1.75x the whole GPU's step, bench/results/2026-11-29-bench_colocate-objective1.5x-final.json
+      1.5x and 1.75x the whole GPU's step, bench/results/2026-11-29-bench_colocate-objective1.5x-final.json.gz
       and -objective1.75x.json), it had 4 objective violations in 12 cells against 12 paused, equal or more
       finetune throughput in 6 of 12 and never the paused mode's drops (4.5k against 5.9k tokens/s in
       bursty/medium), at a similar p99 TTFT (96-284 ms against 67-282).
@@ -196,7 +196,7 @@ class HarliPolicy(Policy):
       during the prefill still holds SMs when decode grows right after it (new sequences joined), and
       the prefill's TTFT suffers: on the H200 its p99 TTFT was 95-272 ms against 48-103 ms paused, with
       objective violations in the bursty cells that ``paused`` did not have
-      (bench/results/2026-11-29-bench_colocate-correction.json).
+      (bench/results/2026-11-29-bench_colocate-correction.json.gz).
     In ``beside`` and ``rung`` the plan is a transient detour: the trainer's rung does not trail it, and a
     backward whose forward's SMs the prefill covers goes on there (it is not rebuilt).
 
@@ -205,15 +205,15 @@ class HarliPolicy(Policy):
     block out again only on the stream that allocated it, so every stream the trainer uses grows its own copy of
     its working set (~19 GiB for Llama-3-8B at batch 4 x 1024): on the H200 the trainer on all 7 rungs' streams
     ran the GPU out of memory in 4 of 6 harli windows, and each allocator retry (a device-wide sync and ~2800
-    cudaFree calls) held the decode loop for up to 266 ms (bench/results/2026-11-29-bench_colocate-s6-first.json).
+    cudaFree calls) held the decode loop for up to 266 ms (bench/results/2026-11-29-bench_colocate-s6-first.json.gz).
     The trainer gives up the SMs between its rungs and the decode share (16 at most with stride 2).
 
     ``grow_headroom`` (``harli:grow=H``, off by default; not yet measured on the H200) anticipates a grow: while
     decode's predicted step on its share is within ``H`` of the budget, the trainer's next micro-steps go to a
     rung clear of the next larger share too. A grow lands on SMs where the trainer's queued work still runs
     (up to ``max_in_flight`` micro-steps, launched for the old split), and both violations of the two last
-    all-policy runs were such steps (bench/results/2026-11-29-bench_colocate-s7-all-gate.json and
-    -s7-all-gate-decode.json: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05,
+    all-policy runs were such steps (bench/results/2026-11-29-bench_colocate-s7-all-gate.json.gz and
+    -s7-all-gate-decode.json.gz: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05,
     6 % of the first of those runs' steps would have moved the trainer, each time by up to 32 SMs.
     """
 
@@ -289,7 +289,7 @@ class HarliPolicy(Policy):
                 # the decode steps after it: on the H200, whole-GPU decode steps within 0.15 s of the trainer
                 # running had host gaps to 3.9 ms (the trainer thread still launching) and GPU spans to 31 ms,
                 # against at most 0.5 ms and 8 ms later on; they held all 16 violations of the default harli
-                # in bench/results/2026-11-29-bench_colocate-s5-margin.json and -s5-switch20us.json.
+                # in bench/results/2026-11-29-bench_colocate-s5-margin.json.gz and -s5-switch20us.json.gz.
                 return _paused(full, f"{kind}: whole GPU, decode holds it (trainer stays paused)")
             if self.prefill_mode == "rung" and self.prefill_rung is not None:
                 rung = self.prefill_rung

@@ -231,7 +231,7 @@ class LatencyPredictor:
         family's GPU-wide one. Only an excess relaxes. Without the first, a co-run spike learnt just before the
         trainer paused stayed in force while decode ran alone on the whole GPU, so no share ever fitted beside
         the trainer again: on the H200 the trainer stayed paused for 92-94 % of two 5 s windows, decode at
-        batch 2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json)."""
+        batch 2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json.gz)."""
         a, other = self.idle_alpha, not corun
         if self._glob[other] > self._glob[corun]:
             self._glob[other] -= a * (self._glob[other] - self._glob[corun])

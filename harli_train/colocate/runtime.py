@@ -285,7 +285,7 @@ class ColocatedRuntime:
         # Decode steps only: the objective is on the interval between decode tokens, which a prefill's launch
         # does not enter, and an eager prefill launches for 30-100 ms, long enough for the trainer's queue to
         # run dry behind a closed gate (on the H200, up to 34 of its 20 ms waits per window timed out:
-        # bench/results/2026-11-29-bench_colocate-s7-all-gate.json).
+        # bench/results/2026-11-29-bench_colocate-s7-all-gate.json.gz).
         if self._priority is None or kind != "decode":
             self._step(kind, batch, kv_tokens)
             return
