@@ -19,7 +19,11 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
 POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixed split at N SMs
 PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
-HARLI_OPTIONS = f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5))"
+# harli:grow=H, harli's default: anticipate a grow while decode is within 5 % of its budget (0 turns it off).
+DEFAULT_GROW_HEADROOM = 0.05
+HARLI_OPTIONS = (
+    f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g})"
+)
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
 
@@ -143,10 +147,10 @@ def parse_harli_options(text: str) -> dict[str, Any]:
     return out
 
 
-def harli_name(prefill: str = PREFILL_MODES[0], grow_headroom: float = 0.0) -> str:
+def harli_name(prefill: str = PREFILL_MODES[0], grow_headroom: float = DEFAULT_GROW_HEADROOM) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = ([f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []) + (
-        [f"grow={grow_headroom:g}"] if grow_headroom else []
+        [f"grow={grow_headroom:g}"] if grow_headroom != DEFAULT_GROW_HEADROOM else []
     )
     return "harli" + (":" + ",".join(options) if options else "")
 

@@ -292,7 +292,7 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
 
 
 def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near_its_budget():
-    # harli:grow=H: while decode's predicted step is within H of the budget, the trainer's next micro-steps go
+    # harli:grow=H (default 0.05): while decode's predicted step is within H of the budget, the trainer's next micro-steps go
     # to a rung clear of the share decode would grow to; the trailing window keeps decode's real shares only.
     ladder = SMLadder.cpu_standin(132, 16)
     pred = synthetic_predictor(ladder.shares)
@@ -310,7 +310,7 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
 
     near = None
     for batch in range(1, 40):  # a batch whose least share is predicted within 5 % of the budget
-        plain = HarliPolicy(ladder, pred, tpot, 0.1, hysteresis_steps=1)
+        plain = HarliPolicy(ladder, pred, tpot, 0.1, hysteresis_steps=1, grow_headroom=0.0)
         plan = settle(plain, batch)
         if plan is None:
             continue
@@ -321,8 +321,11 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
             break
     assert near, "no batch put decode near its budget with the trainer next to it"
     batch, plain_plan, next_share = near
-    policy = make_policy("harli:grow=0.05", ladder, pred, tpot, 0.1, hysteresis_steps=1)
-    assert policy.name == "harli:grow=0.05" and policy.grow_headroom == 0.05
+    policy = make_policy("harli", ladder, pred, tpot, 0.1, hysteresis_steps=1)  # grow=0.05 is harli's default
+    assert policy.name == "harli" and policy.grow_headroom == 0.05
+    off = make_policy("harli:grow=0", ladder, pred, tpot, 0.1, hysteresis_steps=1)
+    assert off.name == "harli:grow=0" and off.grow_headroom == 0.0
+    assert settle(off, batch).train_from_sm == plain_plan.train_from_sm
     plan = settle(policy, batch)
     assert plan.partition.infer_sms == plain_plan.partition.infer_sms  # decode's own share is unchanged
     assert plan.train_from_sm >= next_share and plan.train_sms < plain_plan.train_sms  # the trainer moved

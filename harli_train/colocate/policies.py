@@ -24,7 +24,13 @@ from typing import Any
 from harli_train.colocate.controller import Controller, Decision
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
-from harli_train.config import DEFAULT_MARGIN, PREFILL_MODES, harli_name, parse_harli_options
+from harli_train.config import (
+    DEFAULT_GROW_HEADROOM,
+    DEFAULT_MARGIN,
+    PREFILL_MODES,
+    harli_name,
+    parse_harli_options,
+)
 
 BESIDE, AFTER, NONE = "beside", "after", "none"
 # With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
@@ -208,13 +214,16 @@ class HarliPolicy(Policy):
     cudaFree calls) held the decode loop for up to 266 ms (bench/results/2026-11-29-bench_colocate-s6-first.json.gz).
     The trainer gives up the SMs between its rungs and the decode share (16 at most with stride 2).
 
-    ``grow_headroom`` (``harli:grow=H``, off by default; not yet measured on the H200) anticipates a grow: while
+    ``grow_headroom`` (``harli:grow=H``, 0.05 by default, ``grow=0`` turns it off) anticipates a grow: while
     decode's predicted step on its share is within ``H`` of the budget, the trainer's next micro-steps go to a
     rung clear of the next larger share too. A grow lands on SMs where the trainer's queued work still runs
-    (up to ``max_in_flight`` micro-steps, launched for the old split), and both violations of the two last
-    all-policy runs were such steps (bench/results/2026-11-29-bench_colocate-s7-all-gate.json.gz and
-    -s7-all-gate-decode.json.gz: 9.9 ms on the GPU against 7.4 predicted, and 9.2 against 8.6). With H = 0.05,
-    6 % of the first of those runs' steps would have moved the trainer, each time by up to 32 SMs.
+    (up to ``max_in_flight`` micro-steps, launched for the old split); without it, harli's violations in the
+    all-policy runs on the H200 were such steps (9.9 ms on the GPU against 7.4 predicted, 9.2 against 8.6 in
+    bench/results/2026-11-29-bench_colocate-s7-all-gate.json.gz and -s7-all-gate-decode.json.gz). In one run of
+    both (bench/results/2026-11-29-bench_colocate-s8-grow-ab.json.gz), harli without it had 2 violations in 6
+    cells, both on a grow right after a prefill; with H = 0.05 it had none, at 0.94-1.12x the finetune
+    throughput of the run without it, and measured/predicted after a grow fell from 1.04 (median) / 1.36 (max)
+    to 0.98 / 1.14.
     """
 
     name = "harli"
@@ -230,7 +239,7 @@ class HarliPolicy(Policy):
         prefill_sms: int | None = None,
         prefill: str = DEFAULT_PREFILL,
         trainer_stride: int = 2,
-        grow_headroom: float = 0.0,
+        grow_headroom: float = DEFAULT_GROW_HEADROOM,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
