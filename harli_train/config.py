@@ -21,8 +21,11 @@ POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixe
 PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
 # harli:grow=H, harli's default: anticipate a grow while decode is within 5 % of its budget (0 turns it off).
 DEFAULT_GROW_HEADROOM = 0.05
+# harli:ahead=on: a prefill's trainer stays clear of the share the decode step after it will need.
+DEFAULT_PREFILL_AHEAD = False
 HARLI_OPTIONS = (
-    f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g})"
+    f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
+    f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'})"
 )
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
@@ -134,7 +137,8 @@ _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair)
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H`` (either, in any order; "" for none) as HarliPolicy keyword arguments."""
+    """``prefill=MODE,grow=H,ahead=on|off`` (any of them, in any order; "" for none) as HarliPolicy keyword
+    arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -142,16 +146,24 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["prefill"] = value
         elif key == "grow" and re.fullmatch(r"\d*\.?\d+", value) and float(value) < 0.5:
             out["grow_headroom"] = float(value)
+        elif key == "ahead" and value in ("on", "off"):
+            out["prefill_ahead"] = value == "on"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
 
 
-def harli_name(prefill: str = PREFILL_MODES[0], grow_headroom: float = DEFAULT_GROW_HEADROOM) -> str:
+def harli_name(
+    prefill: str = PREFILL_MODES[0],
+    grow_headroom: float = DEFAULT_GROW_HEADROOM,
+    prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
+) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
-    options = ([f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []) + (
-        [f"grow={grow_headroom:g}"] if grow_headroom != DEFAULT_GROW_HEADROOM else []
-    )
+    options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
+    if grow_headroom != DEFAULT_GROW_HEADROOM:
+        options.append(f"grow={grow_headroom:g}")
+    if prefill_ahead != DEFAULT_PREFILL_AHEAD:
+        options.append(f"ahead={'on' if prefill_ahead else 'off'}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -260,7 +260,17 @@ def test_override_of_unknown_key(tmp_path):
 
 @pytest.mark.parametrize(
     "policy",
-    ["static", "static:0", "static:2000", "static:x", "static:N", "harly", "harli:", "harli:grow=0.9"],
+    [
+        "static",
+        "static:0",
+        "static:2000",
+        "static:x",
+        "static:N",
+        "harly",
+        "harli:",
+        "harli:grow=0.9",
+        "harli:ahead=1",
+    ],
 )
 def test_bad_policy(tmp_path, policy):
     message = load_error(recipe_with(tmp_path, "colocation.policy", policy))
@@ -268,7 +278,8 @@ def test_bad_policy(tmp_path, policy):
 
 
 @pytest.mark.parametrize(
-    "policy", ["harli:prefill=beside", "harli:grow=0.05", "harli:grow=0.1,prefill=paused"]
+    "policy",
+    ["harli:prefill=beside", "harli:grow=0.05", "harli:grow=0.1,prefill=paused", "harli:ahead=on,grow=0"],
 )
 def test_harli_variants_are_policies(tmp_path, policy):
     assert load_recipe(recipe_with(tmp_path, "colocation.policy", policy)).colocation.policy == policy

@@ -255,6 +255,7 @@ def test_peek_abort_and_synthetic_decode(hf_pair):
     for p in _prompts(9, [5, 9]):
         engine.add_request(p, SamplingParams(max_tokens=8))
     assert engine.peek() == ("prefill", 2, 14)
+    assert engine.peek_decode_after() == (2, 16)  # both prompts finish in this prefill, a token each
     engine.step()
     assert engine.peek() == ("decode", 2, 16)
     engine.synthetic_decode(3, 20)  # a profiling step: no request, no metrics, no blocks change

@@ -37,6 +37,7 @@ def test_scheduler_random_load_keeps_block_invariants(seed):
             seqs.append(seq)
             next_id += 1
         kind, n_seqs, kv_tokens = sched.peek()
+        after = sched.peek_decode_after()
         batch = sched.schedule()
         if batch is None:
             assert kind == "idle" and (not sched.has_unfinished() or not sched.running)
@@ -53,7 +54,12 @@ def test_scheduler_random_load_keeps_block_invariants(seed):
             assert len(seq.block_table) * bm.block_size >= seq.num_computed + n
         assert not batch.is_prefill or sum(batch.num_tokens) <= cfg.max_num_batched_tokens
         sampled = [rng.choice([EOS, 1, 2, 3]) if batch.samples(i) else None for i in range(len(batch.seqs))]
-        finished += sched.postprocess(batch, sampled, float(step))
+        done = sched.postprocess(batch, sampled, float(step))
+        finished += done
+        if batch.is_prefill and not batch.preempted:
+            # The decode step after a prefill: the sequences decoding now, counting those this step finished.
+            decoding = [s for s in sched.running if s.pending == 1] + done
+            assert after == (len(decoding), sum(len(s) for s in decoding))
         bm.check(_holders(sched))
         assert len(sched.running) <= cfg.max_num_seqs
     while sched.has_unfinished():

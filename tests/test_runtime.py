@@ -338,6 +338,46 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
         HarliPolicy(ladder, pred, 0.02, 0.1, grow_headroom=0.5)
 
 
+def test_prefill_ahead_keeps_the_trainer_clear_of_the_decode_after_the_prefill():
+    # harli:ahead=on: a prefill's plan sees the decode step after it (its batch grows by the prompts it
+    # finishes); when that step needs more SMs than the prefill's rung leaves, the trainer moves to a rung
+    # clear of that share (the prefill takes the rest), or pauses when decode will need the whole GPU.
+    ladder = SMLadder.cpu_standin(132, 16)
+    pred = synthetic_predictor(ladder.shares)
+    tpot = 0.03
+    ahead = make_policy("harli:ahead=on", ladder, pred, tpot, 0.1, hysteresis_steps=1)
+    plain = make_policy("harli", ladder, pred, tpot, 0.1, hysteresis_steps=1)
+    assert ahead.name == "harli:ahead=on" and ahead.prefill_ahead and not plain.prefill_ahead
+    for policy in (ahead, plain):
+        while policy.plan("decode", 1, 10).partition.infer_sms == 132:
+            pass  # decode leaves the whole GPU: prefills go on their rung, the trainer beside
+    rung, top = ahead.prefill_rung, ahead.trainer_rungs[-1].infer_sms  # top: the most a trainer rung leaves
+
+    def need(batch):  # the share the decode after a prefill needs (grow headroom included), 132 for none
+        part, t = ahead.controller.target(batch, 10 * batch)
+        if part is None:
+            return 132
+        larger = [p.infer_sms for p in ladder.spatial if p.infer_sms > part.infer_sms]
+        near = t > (1 - ahead.grow_headroom) * ahead.controller.budget_s
+        return (larger[0] if larger else 132) if near else part.infer_sms
+
+    small = next(b for b in range(1, 200) if need(b) <= rung.infer_sms)
+    mid = next(b for b in range(1, 200) if rung.infer_sms < need(b) <= top)
+    whole = next(b for b in range(1, 400) if need(b) > top)
+    plan = ahead.plan("prefill", 2, 32, (small, 10 * small))
+    assert plan.partition is rung and plan.train_stream is rung.train_stream and not plan.paused
+    plan = ahead.plan("prefill", 2, 32, (mid, 10 * mid))
+    assert not plan.paused and plan.transient and plan.train_from_sm >= need(mid)
+    assert plan.partition.infer_sms == plan.train_from_sm  # the prefill takes every SM the trainer left
+    assert f"needs {need(mid)}" in plan.reason
+    plan = ahead.plan("prefill", 2, 32, (whole, 10 * whole))
+    assert plan.paused and plan.partition.infer_sms == 132
+    # Without the option (the default) the prefill's rung does not look ahead.
+    for batch in (small, mid, whole):
+        plan = plain.plan("prefill", 2, 32, (batch, 10 * batch))
+        assert plan.partition is plain.prefill_rung and not plan.paused
+
+
 @pytest.mark.parametrize("prefill", ["rung", "paused", "beside"])
 def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path, prefill):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
@@ -435,7 +475,7 @@ class ScriptedPolicy(Policy):
     def partitions(self):
         return list(self.ladder.partitions)
 
-    def plan(self, kind, batch, kv_tokens):
+    def plan(self, kind, batch, kv_tokens, after=None):
         part = self.ladder.select(self.script())
         return StepPlan(
             part,
@@ -450,6 +490,31 @@ class ScriptedPolicy(Policy):
             strict=False,
             transient=self.transient(),
         )
+
+
+def test_the_runtime_shows_a_prefill_the_decode_step_after_it(tmp_path):
+    # A prefill's plan gets the batch and KV tokens of the decode step after it (harli:ahead sizes the
+    # trainer's rung from them); a decode step's plan gets none.
+    seen = []
+
+    class Recording(ScriptedPolicy):
+        def plan(self, kind, batch, kv_tokens, after=None):
+            seen.append((kind, batch, after))
+            return super().plan(kind, batch, kv_tokens, after)
+
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    load = requests([(0.0, 3, 4)])
+    runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: Recording(ladder, lambda: 16),
+        load,
+        RuntimeOptions(quiet=True, plots=False),
+    ).run()
+    prefills = [(batch, after) for kind, batch, after in seen if kind == "prefill"]
+    assert prefills and all(kind == "prefill" or after is None for kind, _, after in seen)
+    # The 16-token prompts each finish in their prefill: the decode after it holds them, a token each.
+    assert sum(b for b, _ in prefills) == 3 and prefills[0][1] == (prefills[0][0], 17 * prefills[0][0])
 
 
 def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_unchanged(tmp_path, standalone):

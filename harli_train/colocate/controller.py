@@ -126,6 +126,12 @@ class Controller:
             self._write(self._open.pop(next(iter(self._open))))
         return d
 
+    def target(self, batch: int, kv_tokens: int) -> tuple[Partition | None, float]:
+        """The smallest spatial share whose predicted step for ``batch`` meets the budget, and that prediction
+        ((None, inf) when none does); decides nothing."""
+        index, t = self._target(batch, kv_tokens)
+        return (self.ladder.partitions[index] if index >= 0 else None), t
+
     def _target(self, batch: int, kv_tokens: int, budget: float | None = None) -> tuple[int, float]:
         """Index and prediction of the smallest spatial rung within budget; (-1, inf) when none is."""
         predict, budget = self.predictor.predict, self.budget_s if budget is None else budget

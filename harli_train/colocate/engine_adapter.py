@@ -88,6 +88,10 @@ class EngineAdapter:
         """(kind, sequences, KV tokens) of the step ``step()`` would run now: idle, prefill or decode."""
         return self.engine.peek()
 
+    def peek_decode_after(self) -> tuple[int, int]:
+        """(sequences, KV tokens) of the decode step after the prefill ``peek()`` describes."""
+        return self.engine.peek_decode_after()
+
     def step(self, partition: Partition) -> StepResult:
         return self.engine.step(self.key(partition))
 

@@ -27,6 +27,7 @@ from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
 from harli_train.config import (
     DEFAULT_GROW_HEADROOM,
     DEFAULT_MARGIN,
+    DEFAULT_PREFILL_AHEAD,
     PREFILL_MODES,
     harli_name,
     parse_harli_options,
@@ -127,7 +128,9 @@ class Policy:
         """The partitions whose trainer streams the trainer launches on (warmed up before serving)."""
         return self.partitions()
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
+        """Where the next step of ``kind`` (``batch`` sequences, ``kv_tokens`` KV tokens) and the trainer run.
+        ``after``: for a prefill, the batch and KV tokens of the decode step after it (None: unknown)."""
         raise NotImplementedError
 
     def idle_plan(self) -> StepPlan:
@@ -240,6 +243,7 @@ class HarliPolicy(Policy):
         prefill: str = DEFAULT_PREFILL,
         trainer_stride: int = 2,
         grow_headroom: float = DEFAULT_GROW_HEADROOM,
+        prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
@@ -250,8 +254,8 @@ class HarliPolicy(Policy):
         super().__init__(ladder, tpot_s, margin)
         # Ascending decode share; the rung with the least trainer SMs is always one of them.
         self.trainer_rungs = ladder.spatial[::-1][::trainer_stride][::-1]
-        self.prefill_mode, self.grow_headroom = prefill, grow_headroom
-        self.name = harli_name(prefill, grow_headroom)
+        self.prefill_mode, self.grow_headroom, self.prefill_ahead = prefill, grow_headroom, prefill_ahead
+        self.name = harli_name(prefill, grow_headroom, prefill_ahead)
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
@@ -285,7 +289,7 @@ class HarliPolicy(Policy):
             return None
         return self._trainer_select(max(sms for _, sms in self._recent))
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
         full = self.ladder.full
         if kind != "decode":
             self.controller.restart_shrink_streak()
@@ -302,12 +306,25 @@ class HarliPolicy(Policy):
                 return _paused(full, f"{kind}: whole GPU, decode holds it (trainer stays paused)")
             if self.prefill_mode == "rung" and self.prefill_rung is not None:
                 rung = self.prefill_rung
-                reason = f"{kind}: {rung.infer_sms} SMs"
-                return _beside(rung, rung, horizon, None, reason, strict=False, transient=True)
+                trainer, need = self._ahead_of(rung, after)
+                if need is None:
+                    reason = f"{kind}: {rung.infer_sms} SMs"
+                    return _beside(rung, rung, horizon, None, reason, strict=False, transient=True)
+                if trainer.exclusive:
+                    return _paused(
+                        full, f"{kind}: whole GPU, the decode after it needs {need} SMs (trainer paused)"
+                    )
+                # Moved for the decode after it, the trainer leaves the prefill the rest of the GPU.
+                reason = f"{kind}: {trainer.infer_sms} SMs, the decode after it needs {need}"
+                return _beside(trainer, trainer, horizon, None, reason, strict=False, transient=True)
             trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
             if self.prefill_mode == "paused" or trainer is None or trainer.exclusive:
                 return _paused(full, f"{kind}: whole GPU")
-            reason = f"{kind}: whole GPU, trainer beside on {trainer.train_sms} SMs"
+            trainer, need = self._ahead_of(trainer, after)
+            ahead = "" if need is None else f", the decode after it needs {need} SMs"
+            if trainer.exclusive:
+                return _paused(full, f"{kind}: whole GPU{ahead} (trainer paused)")
+            reason = f"{kind}: whole GPU, trainer beside on {trainer.train_sms} SMs{ahead}"
             return _beside(full, trainer, horizon, None, reason, strict=False, transient=True)
         d = self.controller.decide(batch, kv_tokens)
         part = d.partition
@@ -322,6 +339,27 @@ class HarliPolicy(Policy):
         if self.grow_headroom and d.predicted_s > (1.0 - self.grow_headroom) * self.controller.budget_s:
             trainer = self._clear_of_grow(part, trainer)
         return _beside(part, trainer, d.predicted_s, d.predicted_s, d.reason, d)
+
+    def _ahead_of(self, trainer: Partition, after: tuple[int, int] | None) -> tuple[Partition, int | None]:
+        """A prefill's trainer rung with ``prefill_ahead``: clear of the share the decode step after the prefill
+        will need too (its batch grows by the prompts the prefill finishes), one share larger while that
+        step's prediction is within ``grow_headroom`` of the budget; the full rung when no trainer rung leaves
+        decode that much (the trainer then pauses). Its queued work would otherwise still run on SMs that
+        decode grows into right after the prefill. Returns the rung and, when it moved, the share it made room
+        for."""
+        if not self.prefill_ahead or after is None or self.ladder.time_sliced:
+            return trainer, None
+        part, t = self.controller.target(*after)
+        if part is None:
+            need = self.ladder.total_sms
+        elif self.grow_headroom and t > (1.0 - self.grow_headroom) * self.controller.budget_s:
+            larger = [p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms]
+            need = larger[0] if larger else self.ladder.total_sms
+        else:
+            need = part.infer_sms
+        if trainer.infer_sms >= need:
+            return trainer, None
+        return self._trainer_select(need), need
 
     def _clear_of_grow(self, part: Partition, trainer: Partition) -> Partition:
         """The trainer's rung for a step whose decode may grow next: clear of the next larger spatial share
@@ -377,10 +415,10 @@ class TemporalPolicy(HarliPolicy):
     def trainer_partitions(self) -> list[Partition]:
         return [self.slices.full]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
         if kind != "decode":
             return _paused(self.slices.full, f"{kind}: whole GPU")
-        return super().plan(kind, batch, kv_tokens)
+        return super().plan(kind, batch, kv_tokens, after)
 
     def idle_plan(self) -> StepPlan:
         return _whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
@@ -407,7 +445,7 @@ class StaticPolicy(Policy):
     def partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
         return _beside(self.part, self.part, self.step_estimate.value, None, "static")
 
     def idle_plan(self) -> StepPlan:
@@ -426,7 +464,7 @@ class StreamsPolicy(Policy):
     def trainer_partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
         return _whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")
 
     def idle_plan(self) -> StepPlan:
@@ -439,7 +477,7 @@ class ExclusivePolicy(Policy):
     name = "exclusive"
     serve_alone = True
 
-    def plan(self, kind: str, batch: int, kv_tokens: int) -> StepPlan:
+    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
         return _paused(self.ladder.full, "exclusive: decode alone")
 
 

@@ -295,7 +295,8 @@ class ColocatedRuntime:
     def _step(self, kind: str, batch: int, kv_tokens: int) -> None:
         feeder, policy = self.feeder, self.policy
         feeder.tick()
-        plan = policy.plan(kind, batch, kv_tokens)
+        after = self.engine.peek_decode_after() if kind == "prefill" else None
+        plan = policy.plan(kind, batch, kv_tokens, after)
         policy.ladder.switch(self._prev, plan.partition)
         self._prev = plan.partition
         if self.hook is not None:

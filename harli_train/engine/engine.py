@@ -199,6 +199,11 @@ class DecodeEngine:
         without running it: what a controller sizes the next step's partition from."""
         return self.scheduler.peek()
 
+    def peek_decode_after(self) -> tuple[int, int]:
+        """(sequences, KV tokens) of the decode step after the prefill `peek()` describes (see the
+        scheduler's); the decode step itself when there is no prefill."""
+        return self.scheduler.peek_decode_after()
+
     def abort_all(self) -> int:
         """Drop every queued and running request (blocks freed, finish_reason 'aborted', not recorded in
         the metrics); returns how many."""

@@ -103,14 +103,15 @@ class Scheduler:
             bm.allocate(seq, len(seq) + 1)
         return ScheduledBatch(False, seqs, [1] * len(seqs))
 
-    def peek(self) -> tuple[str, int, int]:
-        """(kind, sequences, KV tokens after it) of the step `schedule()` would make now, changing nothing.
-        kind is "prefill", "decode" or "idle"; preemptions a decode step may need are not foreseen."""
-        budget, seqs, kv_tokens = self.config.max_num_batched_tokens, 0, 0
+    def _prefill_chunk(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, tokens computed, its KV tokens after) of each sequence the next prefill step would
+        compute, as `schedule()` would admit them, changing nothing."""
+        budget, chunk = self.config.max_num_batched_tokens, []
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
-                seqs, kv_tokens, budget = seqs + 1, kv_tokens + seq.num_computed + n, budget - n
+                chunk.append((seq, n, seq.num_computed + n))
+                budget -= n
         free, rows = self.block_manager.num_free, len(self.block_manager.free_rows)
         admitted = 0
         for seq in self.waiting:
@@ -119,15 +120,34 @@ class Scheduler:
             if budget == 0 or full or need > free or rows == 0:
                 break
             n = min(seq.pending, budget)
-            admitted, kv_tokens, budget = admitted + 1, kv_tokens + n, budget - n
+            chunk.append((seq, n, n))
+            admitted, budget = admitted + 1, budget - n
             free, rows = free - need, rows - 1
-        seqs += admitted
-        if seqs:
-            return "prefill", seqs, kv_tokens
+        return chunk
+
+    def peek(self) -> tuple[str, int, int]:
+        """(kind, sequences, KV tokens after it) of the step `schedule()` would make now, changing nothing.
+        kind is "prefill", "decode" or "idle"; preemptions a decode step may need are not foreseen."""
+        chunk = self._prefill_chunk()
+        if chunk:
+            return "prefill", len(chunk), sum(kv for _, _, kv in chunk)
         decoding = [s for s in self.running if s.pending == 1]
         if not decoding:
             return "idle", 0, 0
         return "decode", len(decoding), sum(len(s) for s in decoding)
+
+    def peek_decode_after(self) -> tuple[int, int]:
+        """(sequences, KV tokens) of the decode step after the prefill `peek()` describes: the sequences
+        decoding now and those whose prompts it finishes (each with its first sampled token, or its last prompt
+        token left for the decode step when a chunk ends there); the decode step
+        `peek()` describes when there is no prefill. What a controller sizes a prefill's neighbours from: the
+        batch usually jumps when prompts join."""
+        decoding = [s for s in self.running if s.pending == 1]
+        batch, kv_tokens = len(decoding), sum(len(s) for s in decoding)
+        for seq, n, _ in self._prefill_chunk():
+            if n >= seq.pending - 1:  # all but its last token (then computed by a decode step) or all of it
+                batch, kv_tokens = batch + 1, kv_tokens + len(seq) + (n == seq.pending)
+        return batch, kv_tokens
 
     def abort_all(self) -> list[Sequence]:
         """Drop every waiting and running sequence (their blocks are freed); returns them."""
