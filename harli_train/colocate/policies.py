@@ -227,6 +227,18 @@ class HarliPolicy(Policy):
     cells, both on a grow right after a prefill; with H = 0.05 it had none, at 0.94-1.12x the finetune
     throughput of the run without it, and measured/predicted after a grow fell from 1.04 (median) / 1.36 (max)
     to 0.98 / 1.14.
+
+    ``prefill_ahead`` (``harli:ahead=on``, off by default) looks past a prefill: the runtime hands its plan the
+    batch of the decode step after it (``Scheduler.peek_decode_after``), which grows by the prompts the prefill
+    finishes. When that step needs more SMs than the prefill's rung leaves (one share more within
+    ``grow_headroom`` of the budget), the trainer moves for the prefill's length to a rung clear of that share,
+    the prefill taking the rest, or pauses when decode will need the whole GPU. It targets what grow=0.05 left:
+    in 2 of 5 all-policy runs with it, harli violated on the first decode step after a run of prefills, its
+    batch jumped to 33-36, on SMs where the micro-steps the trainer queued during the prefills still ran (9.9 ms
+    on the GPU against 8.0 and 8.7 predicted, bench/results/2026-11-29-bench_colocate-s8-final-3.json.gz and
+    -s8-final-4.json.gz). In one run of the bursty cells (-s8-ahead-ab.json.gz) neither variant violated; it
+    moved the trainer in 13 of 30 prefills at medium load and 2 of 20 at heavy, at 0.93-1.0x the finetune
+    throughput. It stays off until a run shows it removes those violations.
     """
 
     name = "harli"
