@@ -348,7 +348,7 @@ class HarliPolicy(Policy):
                 part, AFTER, part.train_stream, self.ladder.total_sms, slack, d.predicted_s, d.reason, d
             )
         trainer = self._trainer_rung(part.infer_sms)
-        if self.grow_headroom and d.predicted_s > (1.0 - self.grow_headroom) * self.controller.budget_s:
+        if self._near_budget(d.predicted_s):
             trainer = self._clear_of_grow(part, trainer)
         return _beside(part, trainer, d.predicted_s, d.predicted_s, d.reason, d)
 
@@ -364,22 +364,31 @@ class HarliPolicy(Policy):
         part, t = self.controller.target(*after)
         if part is None:
             need = self.ladder.total_sms
-        elif self.grow_headroom and t > (1.0 - self.grow_headroom) * self.controller.budget_s:
-            larger = [p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms]
-            need = larger[0] if larger else self.ladder.total_sms
+        elif self._near_budget(t):
+            need = self._next_share(part) or self.ladder.total_sms
         else:
             need = part.infer_sms
         if trainer.infer_sms >= need:
             return trainer, None
         return self._trainer_select(need), need
 
+    def _near_budget(self, predicted_s: float) -> bool:
+        """A decode step predicted within ``grow_headroom`` of the budget: it may grow next."""
+        return (
+            bool(self.grow_headroom) and predicted_s > (1.0 - self.grow_headroom) * self.controller.budget_s
+        )
+
+    def _next_share(self, part: Partition) -> int | None:
+        """The next larger spatial decode share than ``part``'s (None past the largest)."""
+        return next((p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms), None)
+
     def _clear_of_grow(self, part: Partition, trainer: Partition) -> Partition:
         """The trainer's rung for a step whose decode may grow next: clear of the next larger spatial share
         too (``trainer`` itself when it already is, or when no trainer rung leaves decode that much)."""
-        larger = [p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms]
-        if not larger or trainer.infer_sms >= larger[0] or larger[0] > self.trainer_rungs[-1].infer_sms:
+        larger = self._next_share(part)
+        if larger is None or trainer.infer_sms >= larger or larger > self.trainer_rungs[-1].infer_sms:
             return trainer
-        return self._trainer_select(larger[0])
+        return self._trainer_select(larger)
 
     def idle_plan(self) -> StepPlan:
         trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
