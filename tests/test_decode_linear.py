@@ -22,6 +22,7 @@ from harli_train.engine.decode_linear import (  # noqa: E402
 from harli_train.kernels import reference as kernel_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # natively on the GPU machine (bench/smoke_gpu.sh), interpreted here
 # Per output dtype; the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only.
 TOL = {
     torch.float32: dict(atol=1e-3, rtol=1e-4),

@@ -264,6 +264,20 @@ def test_peek_abort_and_synthetic_decode(hf_pair):
     assert engine.block_manager.num_free == 32 and engine.peek() == ("idle", 0, 0)
 
 
+def test_close_releases_buffers_and_later_steps_are_refused(hf_pair):
+    _, ours = hf_pair
+    engine = DecodeEngine(
+        ours, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64, kernels="torch")
+    )
+    engine.add_request(_prompts(3, [5])[0], SamplingParams(max_tokens=4))
+    engine.step()
+    engine.close()
+    engine.close()  # idempotent
+    assert not engine.runner.partitions and not engine.runner._token_host
+    with pytest.raises(EngineError, match="closed"):
+        engine.step()
+
+
 def test_warm_up_runs_prefill_shapes_and_leaves_the_engine_as_it_was(hf_pair):
     _, ours = hf_pair
     engine = DecodeEngine(
@@ -331,6 +345,7 @@ def test_serve_trace_and_generate_text_on_tiny(tmp_path):
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
     hf, _ = hf_pair

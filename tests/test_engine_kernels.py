@@ -23,6 +23,7 @@ from harli_train.engine.reference import (  # noqa: E402
 from harli_train.kernels.reference import apply_rope as apply_rope_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # natively on the GPU machine (bench/smoke_gpu.sh), interpreted here
 # Tolerance per dtype (the interpreter's bf16 tl.dot is wrong, so bf16 runs on a GPU only).
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

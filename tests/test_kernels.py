@@ -1,8 +1,7 @@
-"""Triton kernels against the fp32 torch reference, forward and backward, in Triton's CPU interpreter.
-
-The interpreter computes tl.dot on bf16 wrongly, so dtypes here are fp32 and fp16; bf16 is checked on the
-GPU by bench/bench_kernels.py. Shapes are small and odd; outputs are poisoned with NaN before kernels
-write them; inputs are random and never zero (lora_b included).
+"""Triton kernels against the fp32 torch reference, forward and backward: natively on a GPU (fp32, fp16 and
+bf16), in Triton's CPU interpreter elsewhere (fp32 and fp16: the interpreter computes tl.dot on bf16 wrongly).
+Shapes are small and odd; outputs are poisoned with NaN before kernels write them; inputs are random and
+never zero (lora_b included).
 """
 
 import os
@@ -10,12 +9,12 @@ import os
 import pytest
 import torch
 
-# Interpreter tests only: on a machine with a GPU, setting TRITON_INTERPRET here (at collection) would turn
-# every kernel that other test modules import later into an interpreted one, which CUDA graph capture
-# cannot record (the engine's GPU tests then fail). bench/bench_kernels.py checks the kernels on the GPU.
-if torch.cuda.is_available():
-    pytest.skip("interpreter tests: run them on a machine without a GPU", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# On a GPU the kernels compile for it (TRITON_INTERPRET must stay unset: CUDA graph capture, which other test
+# modules use, cannot record interpreted kernels); elsewhere they run in the interpreter.
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
 import gc  # noqa: E402
 import importlib  # noqa: E402
@@ -28,18 +27,22 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from harli_train import kernels  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # natively on the GPU machine (bench/smoke_gpu.sh), interpreted here
+interpreter_only = pytest.mark.skipif(ON_GPU, reason="checks the CPU interpreter's dispatch rules")
+
 # triton.language decides at import whether its own jit helpers (tl.sum, ...) are interpreted: if an
 # earlier test module imported it (peft does) before TRITON_INTERPRET was set, nothing here can run.
-if not isinstance(tl.sum, InterpretedFunction):
+if not ON_GPU and not isinstance(tl.sum, InterpretedFunction):
     reason = (
         "triton.language was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py "
         "(before anything imports triton) to run the kernel tests in any order"
     )
     pytest.skip(reason, allow_module_level=True)
 # Kernel modules imported earlier (without the interpreter) hold JIT kernels: re-execute them.
-for _name in ["rms_norm", "rope", "swiglu", "lora_linear", "linear_cross_entropy"]:
-    if f"harli_train.kernels.{_name}" in sys.modules:
-        importlib.reload(sys.modules[f"harli_train.kernels.{_name}"])
+if not ON_GPU:
+    for _name in ["rms_norm", "rope", "swiglu", "lora_linear", "linear_cross_entropy"]:
+        if f"harli_train.kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"harli_train.kernels.{_name}"])
 from harli_train.kernels import reference  # noqa: E402
 from harli_train.kernels.common import poison_outputs  # noqa: E402
 from harli_train.kernels.launch_config import get_config, num_sms, set_num_sms, sm_budget  # noqa: E402
@@ -47,11 +50,13 @@ from harli_train.kernels.launch_config import get_config, num_sms, set_num_sms, 
 # One tolerance table for every comparison against the fp32 reference (inputs identical after rounding).
 # Both tensors are divided by max(1, max |reference|) first, so atol is relative to the tensor's scale
 # (a gradient summed over rows can reach ~100, where one fp16 ulp is 0.06).
+# On a GPU, fp32 dots may run in TF32 unless disabled; the tests disable it (fixture below).
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=5e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
 }
-DTYPES = list(TOLERANCES)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
@@ -68,12 +73,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.fixture(autouse=True)
 def _triton_poisoned():
     torch.manual_seed(0)
-    with kernels.use_backend("triton"), poison_outputs():
-        yield
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference's matmuls in IEEE fp32
+    try:
+        with kernels.use_backend("triton"), poison_outputs():
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def rand(*shape, dtype=torch.float32, scale=1.0, grad=True):
-    return (torch.randn(*shape) * scale).to(dtype).requires_grad_(grad)
+    return (torch.randn(*shape) * scale).to(DEVICE, dtype).requires_grad_(grad)
 
 
 def ref_copy(*tensors):
@@ -85,7 +95,7 @@ def grads(outputs, inputs, seed=1):
     """Gradients of sum(out * random) w.r.t. inputs, with the same random cotangents for every call."""
     outputs = [o for o in outputs if o is not None]
     gen = torch.Generator().manual_seed(seed)
-    cot = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outputs]
+    cot = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outputs]
     return torch.autograd.grad(outputs, inputs, cot)
 
 
@@ -136,7 +146,7 @@ def _rope_tables(batch, seq, head_dim):
     pos = torch.arange(seq, dtype=torch.float32)[None, :, None] + torch.arange(batch)[:, None, None]
     inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.cat([pos * inv, pos * inv], dim=-1)
-    return ang.cos(), ang.sin()
+    return ang.cos().to(DEVICE), ang.sin().to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -327,7 +337,7 @@ def test_linear_cross_entropy(dtype, chunk_rows):
     from harli_train.kernels.linear_cross_entropy import linear_cross_entropy
 
     h, w = rand(37, 48, dtype=dtype), rand(203, 48, dtype=dtype, scale=0.3, grad=False)
-    labels = torch.randint(0, 203, (37,))
+    labels = torch.randint(0, 203, (37,), device=DEVICE)
     labels[::5] = -100
     loss, n = linear_cross_entropy(h, w, labels, -100, chunk_rows)
     hr, wr = ref_copy(h, w)
@@ -341,11 +351,11 @@ def test_linear_cross_entropy(dtype, chunk_rows):
 
 def test_linear_cross_entropy_all_ignored_and_no_grad():
     h, w = rand(9, 48), rand(203, 48, grad=False)
-    loss, n = kernels.linear_cross_entropy(h, w, torch.full((9,), -100))
+    loss, n = kernels.linear_cross_entropy(h, w, torch.full((9,), -100, device=DEVICE))
     assert loss.item() == 0 and n.item() == 0
     assert torch.autograd.grad(loss, h)[0].abs().max() == 0
     with torch.no_grad():
-        labels = torch.randint(0, 203, (9,))
+        labels = torch.randint(0, 203, (9,), device=DEVICE)
         loss, _ = kernels.linear_cross_entropy(h, w, labels)
         assert_close(loss, reference.linear_cross_entropy(h, w, labels)[0], torch.float32, "no-grad loss")
 
@@ -365,6 +375,7 @@ def test_backend_switch_same_results():
     assert kernels.get_backend() == "triton"
 
 
+@interpreter_only
 def test_backend_selection_rules(monkeypatch):
     x, w = rand(4, 32), rand(32, grad=False)
     with kernels.use_backend("auto"):  # CPU tensors take the reference under auto, interpreter or not

@@ -794,3 +794,17 @@ def test_cuda_env_gives_streams_their_own_hardware_queues_unless_the_user_chose(
     )
     mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert prefer_cuda_env(mine) == {} and mine["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_colocation_closes_the_engine_before_the_ladder():
+    """The engine's pinned buffers record events on the ladder's streams when freed: the engine goes first
+    (the other order aborted the process at exit on the H200 with 'context is destroyed')."""
+    from types import SimpleNamespace
+
+    from harli_train.colocate.assembly import Colocation
+
+    order: list[str] = []
+    engine = SimpleNamespace(close=lambda: order.append("engine"))
+    ladder = SimpleNamespace(close=lambda: order.append("ladder"))
+    Colocation(trainer=None, engine=engine, ladder=ladder, policy=None, requests=[]).close()
+    assert order == ["engine", "ladder"]

@@ -59,6 +59,14 @@ class Colocation:
     info: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
+        """Release everything that ran on the ladder's streams, then the ladder itself.
+
+        The engine's pinned staging buffers were copied on green-context streams; torch's pinned-memory
+        allocator records an event on each such stream when a buffer is freed, so the buffers must be freed
+        while the contexts exist (freed later, the process aborts with 'context is destroyed'). The ladder
+        is therefore the last thing to go. Idempotent.
+        """
+        self.engine.close()
         self.ladder.close()
 
 

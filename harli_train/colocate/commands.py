@@ -119,6 +119,7 @@ def run_profile(
     torch_dtype = resolve_dtype(dtype, dev)
     weights = load_model(model, torch_dtype, dev, seed=seed)
     ladder = build_ladder("harli", dev, ladder_step)
+    engine = None
     try:
         load = poisson_trace(1.0, 1.0, max_model_len // 2, max_model_len - max_model_len // 2 - 1, seed=seed)
         engine = build_engine(weights, load_tokenizer(model, is_preset(model)), ladder, load, max_batch, seed)
@@ -145,6 +146,8 @@ def run_profile(
             kv_lens,
         )
     finally:
+        if engine is not None:
+            engine.close()  # before the ladder: see Colocation.close
         ladder.close()
     log.info(
         "profile of %s: %d samples on %s -> %s", model, len(profile.samples), profile.key.describe(), path

@@ -95,6 +95,10 @@ class EngineAdapter:
     def step(self, partition: Partition) -> StepResult:
         return self.engine.step(self.key(partition))
 
+    def close(self) -> None:
+        """Release the engine's GPU resources (graphs, staging buffers); see ``DecodeEngine.close``."""
+        self.engine.close()
+
     def abort_all(self) -> int:
         """Drop every queued and running request (their KV blocks are freed); returns how many."""
         return self.engine.abort_all()

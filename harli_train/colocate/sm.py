@@ -167,10 +167,15 @@ class SMLadder:
         import torch
 
         # Work still queued on these streams, and torch events recorded on them, must be gone before the
-        # contexts are: destroying first ends the process in a 'context is destroyed' abort.
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        # contexts are: destroying first ends the process in a 'context is destroyed' abort. Freed pinned
+        # buffers hold such events until the pinned-memory cache is emptied.
         gc.collect()
+        if torch.cuda.is_available():  # (a test's fake driver has no GPU behind it)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+            if host_empty_cache is not None:
+                host_empty_cache()
         cu = self._driver
         for kind, handle in reversed(self._owned):
             if kind == "stream":

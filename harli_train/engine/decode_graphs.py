@@ -53,6 +53,13 @@ class DecodeGraphs:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
+    def close(self) -> None:
+        """Drop the graphs, their memory pool and the pinned staging buffers."""
+        self.graphs.clear()
+        self.pool = None
+        self.host_i64.clear()
+        self.host_i32.clear()
+
     def bucket(self, n: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 

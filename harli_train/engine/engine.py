@@ -110,6 +110,7 @@ class DecodeEngine:
         # there (harli_train.colocate.host_priority).
         self.host_yield: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.num_launched_ahead = 0  # decode steps launched before their predecessor's tokens were read
+        self.closed = False
         self.metrics = EngineMetrics(clock())
         self._next_id = 0
         log.info(
@@ -212,6 +213,15 @@ class DecodeEngine:
             self._inflight = None
         return len(self.scheduler.abort_all())
 
+    def close(self) -> None:
+        """Wait for a step launched ahead and free the decode graphs and pinned staging buffers; the engine
+        cannot step afterwards. Call before destroying the contexts of the streams it ran on. Idempotent."""
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
+        self.runner.close()
+        self.closed = True
+
     def reset_metrics(self) -> None:
         """Start the metrics afresh (e.g. after a warm-up)."""
         self.metrics = EngineMetrics(self.clock())
@@ -224,6 +234,8 @@ class DecodeEngine:
     # ---- stepping -----------------------------------------------------------------------------------------
     def step(self, partition: str = DEFAULT_PARTITION) -> StepResult:
         """Schedule and run one step (prefill or decode) on `partition`; returns what happened."""
+        if self.closed:
+            raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
             raise EngineError(f"unknown partition {partition!r} (known: {', '.join(self.runner.partitions)})")
         t0 = self.clock()

@@ -137,6 +137,14 @@ class ModelRunner:
             with _sm_budget(num_sms):
                 self.graphs.capture(key, stream, num_sms)
 
+    def close(self) -> None:
+        """Drop every partition, its graphs and the pinned token buffers (see ``DecodeEngine.close``)."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.partitions.clear()
+        self._token_host.clear()
+        self._last = None
+
     @contextlib.contextmanager
     def _on(self, partition: Partition) -> Iterator[None]:
         stream_ctx = (

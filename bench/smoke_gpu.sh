@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# On the GPU machine: install the project, run every command the README shows (short: few steps, small
+# models, one llama-8b co-located run), check each one's exit code and outputs, run the GPU tests, and print
+# one PASS/FAIL line per command last. Budget: at most 4 minutes of device time.
+#
+#   bash bench/smoke_gpu.sh          # the device tool: the log lands in $OUT/smoke_gpu.log
+#
+# Every command runs in a fresh scratch folder (recipes/ linked in), so runs/ starts empty each time.
+# The README forms are listed with `readme_form` (tests/test_smoke_script.py checks that every command of the
+# README appears here); what a line appends to the form makes it short.
+set -u
+export PYTHONUNBUFFERED=1
+repo=$(cd "$(dirname "$0")/.." && pwd)
+OUT="${OUT:-$repo/bench_out}"
+mkdir -p "$OUT"
+log="$OUT/smoke_gpu.log"
+: >"$log"
+scratch=$(mktemp -d)
+ln -s "$repo/recipes" "$scratch/recipes"
+results=()
+failed=0
+start_all=$(date +%s)
+
+note() { echo "$*" | tee -a "$log"; }
+
+# run NAME LIMIT_S CHECK -- COMMAND...: COMMAND in the scratch folder (stdout in $scratch/NAME.out, stderr in
+# $scratch/NAME.err, both appended to the log); CHECK is a bash expression evaluated there afterwards.
+run() {
+  local name=$1 limit=$2 check=$3
+  shift 4
+  local t0 rc verdict why=""
+  t0=$(date +%s)
+  note "=== $name: $*"
+  (cd "$scratch" && timeout -s INT -k 15 "$limit" "$@" >"$scratch/$name.out" 2>"$scratch/$name.err")
+  rc=$?
+  cat "$scratch/$name.out" "$scratch/$name.err" >>"$log"
+  if [ "$rc" -ne 0 ]; then
+    verdict=FAIL why="exit $rc"
+  elif grep -q -E "terminate called|Traceback|CUDA error" "$scratch/$name.err"; then
+    verdict=FAIL why="abort or traceback on stderr"
+  elif ! (cd "$scratch" && eval "$check") >>"$log" 2>&1; then
+    verdict=FAIL why="check failed: $check"
+  else
+    verdict=PASS
+  fi
+  [ "$verdict" = PASS ] || failed=$((failed + 1))
+  results+=("$(printf '%-4s %-28s %4ss  %s' "$verdict" "$name" "$(($(date +%s) - t0))" "$why")")
+  note "=== $name: $verdict ($rc) $why"
+}
+
+# The summary a training command prints is its whole stdout: one JSON document.
+json_ok() { python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1.out"; }
+readme_form() { :; } # marks the README command a run line stands for
+
+note "smoke_gpu: $(date -u +%FT%TZ) $(git -C "$repo" rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$log"
+run install 240 "true" -- python3 -m pip install -q --no-deps --no-build-isolation -e "$repo"
+q=recipes/quickstart.yaml
+b=recipes/llama-8b-lora.yaml
+
+readme_form "harli-train recipes/quickstart.yaml"
+run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
+  -- harli-train $q train.steps=40
+readme_form "harli-train recipes/quickstart.yaml --resume"
+run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
+  -- harli-train $q --resume train.steps=60
+readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
+run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
+  -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
+readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
+run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
+  -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
+     train.steps=12 data.seq_len=256 output.dir=runs/hf"
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
+run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
+  && test -f runs/quickstart-colocated/colocate/timeline.png" \
+  -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8
+readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b --policy static:64"
+run colocate-8b 200 "json_ok colocate-8b && test -f runs/llama-8b-lora-colocated/colocate/summary.json \
+  && test -f runs/llama-8b-lora-colocated/colocate/throughput.png \
+  && test -f runs/llama-8b-lora-colocated/adapter/adapter_model.safetensors" \
+  -- harli-train $b --colocate-with llama-8b train.steps=20
+run colocate-static 120 "json_ok colocate-static" \
+  -- harli-train $b --colocate-with llama-1b --policy static:64 model.name=llama-1b train.steps=12 \
+  output.dir=runs/static
+readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
+run generate 60 "test -s generate.out" \
+  -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
+readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/steady.jsonl --out runs/serve"
+run serve-trace 90 "test -f runs/serve/requests.jsonl" \
+  -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.25 \
+  --out runs/serve
+readme_form "harli-train profile --model llama-8b"
+run profile 90 "json_ok profile" -- harli-train profile --model llama-1b --out runs/profile.json
+readme_form "harli-train --help ; harli-train --version"
+run help 30 "grep -q -- --colocate-with help.out" -- harli-train --help
+run version 30 "test -s version.out" -- harli-train --version
+run gpu-tests 200 "grep -q -E '[0-9]+ passed' gpu-tests.out && ! grep -q -E '[0-9]+ failed' gpu-tests.out" \
+  -- bash -c "cd '$repo' && python3 -m pytest -q -m 'gpu and not slow' -p no:cacheprovider tests"
+
+note ""
+note "smoke_gpu: $((${#results[@]} - failed)) of ${#results[@]} passed in $(($(date +%s) - start_all))s"
+for line in "${results[@]}"; do note "$line"; done
+rm -rf "$scratch"
+[ "$failed" -eq 0 ]

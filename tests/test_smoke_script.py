@@ -1,0 +1,38 @@
+"""bench/smoke_gpu.sh covers every command the README shows (it runs them on the GPU machine)."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> set[str]:
+    """Each `harli-train ...` command in the README's shell blocks (synopses with [options] left out)."""
+    text = (ROOT / "README.md").read_text()
+    commands = set()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            for part in line.split("&&"):
+                part = re.sub(r"\s+#.*$", "", part).strip()
+                if part.startswith("harli-train") and "[" not in part:
+                    commands.add(" ".join(shlex.split(part)))
+    return commands
+
+
+def smoke_forms() -> set[str]:
+    text = (ROOT / "bench" / "smoke_gpu.sh").read_text()
+    lines = re.findall(r"^readme_form .*$", text, flags=re.M)
+    return {" ".join(shlex.split(shlex.split(line)[1])) for line in lines}
+
+
+def test_smoke_script_runs_every_readme_command():
+    readme, smoke = readme_commands(), {c for f in smoke_forms() for c in f.split(" ; ")}
+    readme = {c for cmd in readme for c in cmd.split(" ; ")}
+    assert len(readme) >= 8, readme
+    assert readme <= smoke, f"README commands bench/smoke_gpu.sh does not run: {sorted(readme - smoke)}"
+
+
+def test_smoke_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "smoke_gpu.sh")], check=True)
