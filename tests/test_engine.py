@@ -26,6 +26,7 @@ from harli_train.engine import (  # noqa: E402
     read_trace,
     serve_trace,
 )
+from harli_train.engine.scheduler import PrefillPiece, StepPreview  # noqa: E402
 from harli_train.model import load_model  # noqa: E402
 
 from .hf_models import save_tiny_llama  # noqa: E402
@@ -251,17 +252,77 @@ def test_peek_abort_and_synthetic_decode(hf_pair):
     engine = DecodeEngine(
         ours, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64, kernels="torch")
     )
-    assert engine.peek() == ("idle", 0, 0)
+    assert engine.peek() == StepPreview()
+    assert engine.peek().kind == "idle"
     for p in _prompts(9, [5, 9]):
         engine.add_request(p, SamplingParams(max_tokens=8))
-    assert engine.peek() == ("prefill", 2, 14)
-    assert engine.peek_decode_after() == (2, 16)  # both prompts finish in this prefill, a token each
+    preview = engine.peek()
+    assert preview.kind == "prefill" and preview.prefill_tokens == 14
+    assert preview.pieces == (PrefillPiece(5, 0, 0), PrefillPiece(9, 0, 0))
+    assert preview.decode_after() == (2, 16)  # both prompts finish in this prefill, a token each
+    assert preview.decode_after(budget=10) == (1, 6)  # the second prompt is cut: 4 of 9 tokens
     engine.step()
-    assert engine.peek() == ("decode", 2, 16)
+    assert engine.peek() == StepPreview(2, 16)
     engine.synthetic_decode(3, 20)  # a profiling step: no request, no metrics, no blocks change
+    engine.synthetic_mixed(2, 20, prefill_tokens=7, prefill_context=5)  # the same, a mixed step
+    with pytest.raises(EngineError, match="exceed max_model_len"):
+        engine.synthetic_mixed(1, 20, prefill_tokens=60, prefill_context=10)
     assert len(engine.metrics.steps) == 1 and engine.block_manager.num_free == 32 - 2 - 3
     assert engine.abort_all() == 2 and not engine.has_unfinished()
-    assert engine.block_manager.num_free == 32 and engine.peek() == ("idle", 0, 0)
+    assert engine.block_manager.num_free == 32 and engine.peek().kind == "idle"
+
+
+def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair):
+    """Prefill chunks ride in decode steps: while a long prompt is prefilled over many steps (within each
+    step's budget), every decoding request still gets a token per step, and every request draws exactly the
+    tokens of a prefill-first engine (greedy and seeded) and of transformers (greedy)."""
+    hf, ours = hf_pair
+    prompts = _prompts(12, [6, 40, 3, 25])
+    params = [
+        SamplingParams(max_tokens=14),
+        SamplingParams(max_tokens=6),
+        SamplingParams(max_tokens=10, temperature=1.1, top_p=0.9, seed=4),
+        SamplingParams(max_tokens=8),
+    ]
+
+    def run(mixed: bool, budget: int | None):
+        cfg = EngineConfig(
+            block_size=4,
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            max_model_len=64,
+            max_num_batched_tokens=32,
+            prefill_chunk_tokens=5,
+            mixed_prefill=mixed,
+            kernels="torch",
+        )
+        engine, seqs, kinds = DecodeEngine(ours, cfg), [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            seqs.append(engine.add_request(prompt, p))
+            for _ in range(2 if i == 0 else 1):  # the first request decodes before the others arrive
+                decoding = len(engine.scheduler._decoding())
+                result = engine.step(prefill_tokens=budget)
+                kinds.append((decoding, result))
+        while engine.has_unfinished():
+            decoding = len(engine.scheduler._decoding())
+            kinds.append((decoding, engine.step(prefill_tokens=budget)))
+        return seqs, kinds
+
+    plain, plain_steps = run(False, None)
+    assert any(r.kind == "prefill" and n for n, r in plain_steps), "prefill-first stalls decoding requests"
+    for budget in (None, 3):
+        seqs, steps = run(True, budget)
+        assert [s.token_ids for s in seqs] == [s.token_ids for s in plain]
+        cap = 5 if budget is None else budget
+        for decoding, r in steps:
+            assert r.num_decode == decoding, "a decoding request waited out a step"
+            assert r.kind != "prefill" or decoding == 0
+            assert r.prefill_tokens <= (cap if decoding else 32)
+        assert sum(r.kind == "mixed" for _, r in steps) >= 40 // cap, "the long prompt is chunked over steps"
+        # Every drawn token was timed: one interval per token after the first.
+        assert all(len(s.token_times) == s.num_completion_tokens for s in seqs)
+    for i in (0, 1, 3):
+        assert seqs[i].completion_token_ids == _hf_greedy(hf, prompts[i], params[i].max_tokens)
 
 
 def test_close_releases_buffers_and_later_steps_are_refused(hf_pair):

@@ -16,7 +16,7 @@ from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage,
 from harli_train.engine.metrics import EngineMetrics, StepRecord
 from harli_train.engine.runner import DEFAULT_PARTITION, LaunchedStep, ModelRunner
 from harli_train.engine.sampling_params import SamplingParams
-from harli_train.engine.scheduler import Scheduler
+from harli_train.engine.scheduler import Scheduler, StepPreview
 from harli_train.engine.sequence import Sequence, SequenceStatus
 from harli_train.model import LlamaForCausalLM
 
@@ -39,10 +39,12 @@ class RequestRefused(EngineError):
 class StepResult:
     """What one `step()` did; `latency_s` spans scheduling, the model, sampling and bookkeeping."""
 
-    kind: str  # "prefill", "decode" or "idle" (nothing to run)
+    kind: str  # "decode", "mixed" (decode rows and prefill chunks), "prefill" or "idle" (nothing to run)
     num_seqs: int = 0
     num_tokens: int = 0
     kv_tokens: int = 0
+    num_decode: int = 0  # decode rows (each drew a token a running request waited for)
+    prefill_tokens: int = 0
     latency_s: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -195,23 +197,24 @@ class DecodeEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def peek(self) -> tuple[str, int, int]:
-        """(kind, sequences, KV tokens) of the step `step()` would run now ("prefill", "decode" or "idle"),
-        without running it: what a controller sizes the next step's partition from."""
+    def peek(self) -> StepPreview:
+        """The step `step()` would run now, without running it (`StepPreview`: its decode rows and the
+        prefill work that may ride with them): what a controller sizes the next step's partition and prefill
+        budget from."""
         return self.scheduler.peek()
 
-    def peek_decode_after(self) -> tuple[int, int]:
-        """(sequences, KV tokens) of the decode step after the prefill `peek()` describes (see the
-        scheduler's); the decode step itself when there is no prefill."""
-        return self.scheduler.peek_decode_after()
-
-    def abort_all(self) -> int:
-        """Drop every queued and running request (blocks freed, finish_reason 'aborted', not recorded in
-        the metrics); returns how many."""
+    def abort_all(self, record: bool = False) -> int:
+        """Drop every queued and running request (blocks freed, finish_reason 'aborted'); returns how many.
+        With `record`, each is recorded in the metrics with the tokens it drew so far (a window's end: what
+        its clients saw counts)."""
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
-        return len(self.scheduler.abort_all())
+        dropped = self.scheduler.abort_all(self.clock())
+        if record:
+            for seq in dropped:
+                self.metrics.add_finished(seq)
+        return len(dropped)
 
     def close(self) -> None:
         """Wait for a step launched ahead and free the decode graphs and pinned staging buffers; the engine
@@ -231,9 +234,23 @@ class DecodeEngine:
         step latency (launched, not waited for, on a GPU)."""
         self.runner.synthetic_decode(batch, kv_len, partition)
 
+    def synthetic_mixed(
+        self,
+        batch: int,
+        kv_len: int,
+        prefill_tokens: int,
+        prefill_context: int = 0,
+        partition: str = DEFAULT_PARTITION,
+    ) -> None:
+        """A mixed step (`batch` decode rows over `kv_len` tokens each, one prefill piece of `prefill_tokens`
+        after `prefill_context` cached ones) that touches no request and no cached value: for profiling."""
+        self.runner.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, partition)
+
     # ---- stepping -----------------------------------------------------------------------------------------
-    def step(self, partition: str = DEFAULT_PARTITION) -> StepResult:
-        """Schedule and run one step (prefill or decode) on `partition`; returns what happened."""
+    def step(self, partition: str = DEFAULT_PARTITION, prefill_tokens: int | None = None) -> StepResult:
+        """Schedule and run one step on `partition`; returns what happened. With mixed prefill,
+        `prefill_tokens` caps the prefill tokens riding with the decode rows (None: the config's
+        `prefill_chunk_tokens`, or `max_num_batched_tokens` when nothing decodes)."""
         if self.closed:
             raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
@@ -241,7 +258,7 @@ class DecodeEngine:
         t0 = self.clock()
         launched, self._inflight = self._inflight, None
         if launched is None:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(prefill_tokens)
             if batch is None:
                 return StepResult("idle")
             launched = self.runner.launch(batch, partition)
@@ -258,12 +275,14 @@ class DecodeEngine:
         finished = self.scheduler.postprocess(batch, tokens, now)
         if self._inflight is not None and not any(s.status is SequenceStatus.RUNNING for s in ahead.seqs):
             self._inflight = None  # every sequence it continues has ended: nothing to complete
-        kind = "prefill" if batch.is_prefill else "decode"
+        kind = batch.kind
         result = StepResult(
             kind,
             len(batch.seqs),
             sum(batch.num_tokens),
             kv_tokens,
+            batch.num_decode,
+            batch.prefill_tokens,
             now - t0,
             finished,
             batch.preempted,

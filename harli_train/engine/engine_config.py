@@ -17,7 +17,10 @@ class EngineConfig:
 
     The KV cache holds `num_kv_blocks` blocks of `block_size` tokens; when `num_kv_blocks` is None it is sized
     from the memory left after the weights and a warm-up (GPU: `gpu_memory_utilization` of the device;
-    CPU: `cpu_kv_bytes`). Prompts longer than `max_num_batched_tokens` are prefilled in chunks.
+    CPU: `cpu_kv_bytes`). A step computes at most `max_num_batched_tokens` tokens; longer prompts are
+    prefilled in chunks. With `mixed_prefill` (stall-free) prefill chunks ride in decode steps, at most
+    `prefill_chunk_tokens` of them per step unless the caller of `step()` names another budget; a step with
+    nothing to decode is a pure prefill step. Without it a step is either prefill or decode (prefill first).
     """
 
     block_size: int = 16
@@ -27,6 +30,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    mixed_prefill: bool = True
+    prefill_chunk_tokens: int = 512
     enforce_eager: bool = False
     kernels: str = "auto"  # "triton", "torch" (references), or "auto": triton on a GPU, torch on the CPU
     graph_batch_sizes: tuple[int, ...] = ()  # derived from max_num_seqs when empty
@@ -39,7 +44,14 @@ class EngineConfig:
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        names = (
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_tokens",
+        )
+        for name in names:
             if getattr(self, name) < 1:
                 raise EngineError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):

@@ -1,8 +1,10 @@
-"""Serving metrics: per request (TTFT, TPOT, tokens), per step (batch, KV tokens, latency), p50/p99."""
+"""Serving metrics: per request (TTFT, TPOT, tokens), per step (batch, KV tokens, latency), every token
+interval a client saw, p50/p99."""
 
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from harli_train.engine.sequence import Sequence
 class StepRecord:
     step: int
     start_s: float  # since the metrics' start
-    kind: str  # "prefill" | "decode"
+    kind: str  # "decode", "mixed" or "prefill"
     partition: str
     num_seqs: int
     num_tokens: int  # tokens computed (prefill chunk tokens, or one per sequence)
@@ -33,11 +35,12 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     ttft_ms: float | None
-    tpot_ms: float | None  # (finish - first token) / (output tokens - 1)
+    tpot_ms: float | None  # (last token - first token) / (output tokens - 1)
     latency_ms: float | None
-    finish_reason: str
+    finish_reason: str  # "eos", "length", "refused" or "aborted" (still queued or running at the end)
     preemptions: int
     error: str | None = None
+    max_interval_ms: float | None = None  # the longest wait between two of its tokens
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -54,39 +57,53 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     }
 
 
+def request_record(seq: Sequence, t0: float) -> RequestRecord:
+    """A request's record: TTFT from arrival, TPOT and the longest wait over the tokens drawn so far."""
+    first, n_out, times = seq.first_token_time, seq.num_completion_tokens, seq.token_times
+    last = times[-1] if times else None
+    ms = lambda a, b: None if a is None or b is None else (b - a) * 1e3
+    tpot = ms(first, last) / (n_out - 1) if n_out > 1 and first is not None else None
+    longest = max((b - a for a, b in zip(times, times[1:], strict=False)), default=None)
+    return RequestRecord(
+        seq.request_id,
+        seq.arrival_time - t0,
+        seq.num_prompt_tokens,
+        n_out,
+        ms(seq.arrival_time, first),
+        tpot,
+        ms(seq.arrival_time, seq.finish_time),
+        seq.finish_reason or "",
+        seq.num_preemptions,
+        seq.error,
+        None if longest is None else longest * 1e3,
+    )
+
+
 class EngineMetrics:
-    """Collects records while the engine runs; `summary()` and `write()` report them."""
+    """Collects records while the engine runs; `summary()` and `write()` report them.
+
+    `intervals` holds every token interval of every recorded request (seconds from one of its tokens to the
+    next, whatever the steps between them were), the figure a streaming client's TPOT is made of."""
 
     def __init__(self, t0: float):
         self.t0 = t0
         self.steps: list[StepRecord] = []
         self.requests: list[RequestRecord] = []
+        self.intervals = array("d")
 
     def add_step(self, record: StepRecord) -> None:
         self.steps.append(record)
 
     def add_finished(self, seq: Sequence) -> None:
-        first, end, n_out = seq.first_token_time, seq.finish_time, seq.num_completion_tokens
-        ms = lambda a, b: None if a is None or b is None else (b - a) * 1e3
-        tpot = ms(first, end) / (n_out - 1) if n_out > 1 and first is not None and end is not None else None
-        self.requests.append(
-            RequestRecord(
-                seq.request_id,
-                seq.arrival_time - self.t0,
-                seq.num_prompt_tokens,
-                n_out,
-                ms(seq.arrival_time, first),
-                tpot,
-                ms(seq.arrival_time, end),
-                seq.finish_reason or "",
-                seq.num_preemptions,
-                seq.error,
-            )
-        )
+        """Record a request that ended (finished, refused, or aborted with the tokens it had so far)."""
+        self.requests.append(request_record(seq, self.t0))
+        times = seq.token_times
+        self.intervals.extend(b - a for a, b in zip(times, times[1:], strict=False))
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.requests if r.finish_reason != "refused"]
         decode = [s for s in self.steps if s.kind == "decode"]
+        mixed = [s for s in self.steps if s.kind == "mixed"]
         prefill = [s for s in self.steps if s.kind == "prefill"]
         span_s = 0.0
         if self.steps:
@@ -95,6 +112,7 @@ class EngineMetrics:
         return {
             "requests": len(done),
             "refused": len(self.requests) - len(done),
+            "aborted": sum(r.finish_reason == "aborted" for r in done),
             "preemptions": sum(r.preemptions for r in done),
             "output_tokens": out_tokens,
             "prompt_tokens": sum(r.prompt_tokens for r in done),
@@ -103,11 +121,13 @@ class EngineMetrics:
             "ttft_ms": percentiles([r.ttft_ms for r in done if r.ttft_ms is not None]),
             "tpot_ms": percentiles([r.tpot_ms for r in done if r.tpot_ms is not None]),
             "latency_ms": percentiles([r.latency_ms for r in done if r.latency_ms is not None]),
+            "token_interval_ms": percentiles([1e3 * x for x in self.intervals]),
             "decode_step_ms": percentiles([s.latency_ms for s in decode]),
+            "mixed_step_ms": percentiles([s.latency_ms for s in mixed]),
             "prefill_step_ms": percentiles([s.latency_ms for s in prefill]),
             "decode_batch": percentiles([float(s.num_seqs) for s in decode]),
             "kv_tokens": percentiles([float(s.kv_tokens) for s in decode]),
-            "steps": {"decode": len(decode), "prefill": len(prefill)},
+            "steps": {"decode": len(decode), "mixed": len(mixed), "prefill": len(prefill)},
         }
 
     def write(self, out_dir: str | Path) -> dict[str, Any]:

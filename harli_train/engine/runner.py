@@ -203,6 +203,8 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
 
     def _prefill(self, batch: ScheduledBatch, sampling: list[int], part: Partition) -> torch.Tensor:
+        """A varlen step (prefill pieces, with decode rows when mixed): every row's new tokens packed in one
+        row, attending over its cache; returns the logits of the rows that sample."""
         bm = self.block_manager
         ids, positions, slots, context_lens = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
@@ -211,21 +213,38 @@ class ModelRunner:
             positions.append(np.arange(start, start + n))
             slots.append(bm.slots(seq, start, start + n))
             context_lens.append(start + n)
-        cu = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
-        cu[1:] = np.cumsum(batch.num_tokens)
-        width = bm.blocks_for(max(context_lens))
-        tables = bm.tables[[s.row for s in batch.seqs], :width]
+        tables = bm.tables[[s.row for s in batch.seqs], : bm.blocks_for(max(context_lens))]
+        positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
+        return self._varlen_forward(
+            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, part
+        )
+
+    def _varlen_forward(
+        self,
+        ids: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        context_lens: list[int],
+        num_tokens: list[int],
+        tables: np.ndarray,
+        sampling: list[int],
+        part: Partition,
+    ) -> torch.Tensor:
+        """The model over packed rows (`num_tokens[i]` new tokens of row i, cached context after it
+        `context_lens[i]`); logits of the last token of each row in `sampling`."""
+        cu = np.zeros(len(num_tokens) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(num_tokens)
         self.attn.meta = AttentionMetadata(
             True,
-            self._to_device(np.concatenate(slots), torch.int64),
+            self._to_device(slots, torch.int64),
             self._to_device(tables, torch.int32),
             self._to_device(context_lens, torch.int32),
             self._to_device(cu, torch.int32),
-            max_q_len=max(batch.num_tokens),
+            max_q_len=max(num_tokens),
             num_sms=part.num_sms,
         )
         input_ids = self._to_device(ids, torch.int64)[None]
-        positions_t = self._to_device(np.concatenate(positions), torch.int64)[None]
+        positions_t = self._to_device(positions, torch.int64)[None]
         hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.meta = None
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
@@ -304,6 +323,33 @@ class ModelRunner:
                 self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables)
                 return
             self._eager_decode(self._to_device([0] * batch, torch.int64), lens - 1, slots, lens, tables, part)
+
+    def synthetic_mixed(
+        self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: str
+    ) -> None:
+        """One mixed step for timing: `batch` decode rows over `kv_len` cached tokens each and one prefill
+        piece of `prefill_tokens` new tokens after `prefill_context` cached ones (the varlen path, as a served
+        mixed step runs). Reads existing blocks, writes no K/V (slot -1), draws nothing; launched on the
+        partition's stream and not waited for on a GPU."""
+        part, bm, cfg = self.partitions[partition], self.block_manager, self.config
+        total = prefill_context + prefill_tokens
+        if not (0 <= batch <= cfg.max_num_seqs - 1 and 1 <= prefill_tokens <= cfg.max_num_batched_tokens):
+            raise EngineError(
+                f"synthetic_mixed: batch {batch} must be in 0..{cfg.max_num_seqs - 1} and prefill_tokens "
+                f"{prefill_tokens} in 1..{cfg.max_num_batched_tokens}"
+            )
+        if not (1 <= kv_len <= cfg.max_model_len and total <= cfg.max_model_len):
+            raise EngineError(f"synthetic_mixed: kv_len {kv_len} and context {total} exceed max_model_len")
+        context_lens = [kv_len] * batch + [total]
+        num_tokens = [1] * batch + [prefill_tokens]
+        width = bm.blocks_for(max(context_lens))
+        tables = (np.arange((batch + 1) * width).reshape(batch + 1, width) % bm.num_blocks).astype(np.int32)
+        positions = np.concatenate([np.full(batch, kv_len - 1), np.arange(prefill_context, total)])
+        slots = np.full(batch + prefill_tokens, -1, dtype=np.int64)
+        ids = [0] * (batch + prefill_tokens)
+        with self._on(part):
+            rows = list(range(batch + 1))  # the LM head over every row, as a served mixed step draws
+            self._varlen_forward(ids, positions, slots, context_lens, num_tokens, tables, rows, part)
 
     def _sampling_batch(self, seqs: list[Sequence], ahead: int = 0) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):

@@ -12,23 +12,104 @@ from harli_train.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: `num_tokens[i]` new tokens of `seqs[i]` (a prefill chunk, or 1 when decoding)."""
+    """One step's work: `num_tokens[i]` new tokens of `seqs[i]`. The first `num_decode` rows are decoding
+    sequences (one token each); the rest are prefill pieces (a prompt's chunk). `is_prefill` steps (any
+    prefill piece) run through the varlen path; pure decode steps replay the decode graphs."""
 
     is_prefill: bool
     seqs: list[Sequence]
     num_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
+    num_decode: int = 0
 
     def samples(self, i: int) -> bool:
         """Whether seqs[i] draws a token this step: all its tokens are computed once this step is done."""
         return self.num_tokens[i] == self.seqs[i].pending
 
+    @property
+    def kind(self) -> str:
+        """ "decode" (decode rows only), "mixed" (decode rows and prefill pieces) or "prefill"."""
+        if not self.is_prefill:
+            return "decode"
+        return "mixed" if self.num_decode else "prefill"
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.num_tokens[self.num_decode :])
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPiece:
+    """Part of a prompt a step would compute: `tokens` new tokens after `context` cached ones, `left` still
+    pending after it (0: the sequence draws its first token in that step)."""
+
+    tokens: int
+    context: int
+    left: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPreview:
+    """The step `schedule()` would make now, changing nothing (preemptions are not foreseen).
+
+    `decode_seqs` sequences decode one token each, reading `decode_kv_tokens` cached tokens (the new ones
+    included); `pieces` is the prefill work waiting, in the order `schedule()` takes it, before any prefill
+    budget cuts it (at most `max_num_batched_tokens` with the decode rows). `mixed`: the pieces ride in the
+    decode step; otherwise they run first, in a prefill step of their own."""
+
+    decode_seqs: int = 0
+    decode_kv_tokens: int = 0
+    pieces: tuple[PrefillPiece, ...] = ()
+    mixed: bool = True
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(p.tokens for p in self.pieces)
+
+    @property
+    def kind(self) -> str:
+        """ "idle", "decode", "mixed" or "prefill": the kind of the step `schedule()` would make."""
+        if self.pieces:
+            return "mixed" if self.mixed and self.decode_seqs else "prefill"
+        return "decode" if self.decode_seqs else "idle"
+
+    def take(self, budget: int | None) -> tuple[PrefillPiece, ...]:
+        """The pieces a step with a prefill budget of `budget` tokens computes (the last one cut; None: all)."""
+        if budget is None:
+            return self.pieces
+        out, room = [], budget
+        for p in self.pieces:
+            if room <= 0:
+                break
+            n = min(p.tokens, room)
+            out.append(PrefillPiece(n, p.context, p.left + p.tokens - n))
+            room -= n
+        return tuple(out)
+
+    def decode_after(self, budget: int | None = None) -> tuple[int, int]:
+        """(sequences, KV tokens) of the decode step after this one with a prefill budget of `budget`: the
+        decode rows one token further (unless this is a prefill-first step, which they wait out), and each
+        prompt this step finishes or leaves one token short of its end (that token is then decoded)."""
+        batch = self.decode_seqs
+        kv = self.decode_kv_tokens + (self.decode_seqs if self.kind != "prefill" else 0)
+        for p in self.take(budget):
+            if p.left <= 1:
+                batch, kv = batch + 1, kv + p.context + p.tokens + 1
+        return batch, kv
+
 
 class Scheduler:
-    """FCFS with prefill first (nano-vllm): a step is either prefill (new or continuing chunks, packed up to
-    `max_num_batched_tokens`) or decode (every running sequence). Admission needs free blocks for the whole
-    prompt; when a decoding sequence needs a block and none is free, the newest sequence is preempted: its
-    blocks are freed and it is recomputed later, so the oldest one always progresses."""
+    """FCFS continuous batching with chunked prefill.
+
+    Mixed (stall-free, `config.mixed_prefill`, the Sarathi-Serve idea): every step gives each decoding
+    sequence its next token, and prefill work rides in the same step up to a token budget (chunks of prompts
+    already admitted first, then new admissions), so a long prompt never stalls the running requests; only a
+    step with nothing to decode is a pure prefill step. Prefill-first (nano-vllm, `mixed_prefill=False`): a
+    step is either prefill (new or continuing chunks) or decode.
+
+    Admission needs free blocks for the whole prompt; when a decoding sequence needs a block and none is free,
+    the newest sequence is preempted: its blocks are freed and it is recomputed later, so the oldest one always
+    progresses."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_ids: set[int]):
         self.config = config
@@ -44,51 +125,108 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch(True, [], [])
-        # Chunked prefills already running continue first, then waiting sequences are admitted.
-        for seq in list(self.running):
-            if budget == 0:
-                break
+    def _decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.status is SequenceStatus.RUNNING and s.pending == 1]
+
+    def _budget(self, num_decode: int, prefill_tokens: int | None) -> int:
+        """Prefill tokens a step with `num_decode` decode rows may take (the caller's budget, capped)."""
+        cap = self.config.max_num_batched_tokens - num_decode
+        if prefill_tokens is None:  # a pure prefill step stalls nothing: it may take the whole cap
+            prefill_tokens = self.config.prefill_chunk_tokens if num_decode else cap
+        return max(0, min(cap, prefill_tokens))
+
+    def _prefill_plan(
+        self, budget: int, free_blocks: int, free_rows: int
+    ) -> list[tuple[Sequence, int, bool]]:
+        """(sequence, tokens, admitted now) of each prefill piece a step with `budget` prefill tokens takes:
+        continuing chunks first, then waiting prompts in order while blocks for the whole prompt, a table row
+        and a batch slot are free. Changes nothing: `schedule` applies it, `peek` describes it."""
+        plan: list[tuple[Sequence, int, bool]] = []
+        for seq in self.running:
+            if budget <= 0:
+                return plan
             if seq.status is SequenceStatus.RUNNING and seq.pending > 1:
                 n = min(seq.pending, budget)
-                if self._reserve(seq, seq.num_computed + n, batch):
-                    batch.seqs.append(seq)
-                    batch.num_tokens.append(n)
-                    budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+                plan.append((seq, n, False))
+                budget -= n
+        bm = self.block_manager
+        running = len(self.running)
+        for seq in self.waiting:
+            if budget <= 0 or running >= self.config.max_num_seqs or free_rows <= 0:
+                break
             # Blocks for the whole prompt up front: a chunked prefill that stalled half-way for blocks would
-            # hold them while prefill-first scheduling kept re-trying it instead of decoding (a livelock).
-            if not self.block_manager.can_allocate(seq, len(seq)):
+            # hold them while it was re-tried instead of decoding (a livelock).
+            need = bm.blocks_needed(seq, len(seq))
+            if need > free_blocks:
                 break
             n = min(seq.pending, budget)
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, len(seq))
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
-        if batch.seqs:
-            return batch
-        batch.is_prefill = False
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.pending != 1:
+            plan.append((seq, n, True))
+            budget, free_blocks, free_rows, running = (
+                budget - n,
+                free_blocks - need,
+                free_rows - 1,
+                running + 1,
+            )
+        return plan
+
+    def schedule(self, prefill_tokens: int | None = None) -> ScheduledBatch | None:
+        """The next step. Mixed: every decoding sequence, then prefill pieces up to `prefill_tokens` (None:
+        `config.prefill_chunk_tokens`, or up to `max_num_batched_tokens` when nothing decodes). Prefill-first:
+        the prefill pieces alone (as many as fit `max_num_batched_tokens`) when there are any, else the decode
+        rows."""
+        batch = ScheduledBatch(False, [], [])
+        if self.config.mixed_prefill:
+            self._add_decode(batch)
+            self._add_prefill(batch, self._budget(batch.num_decode, prefill_tokens))
+        elif not self._add_prefill(batch, self._budget(0, None)):
+            self._add_decode(batch)
+        return batch if batch.seqs else None
+
+    def _add_decode(self, batch: ScheduledBatch) -> None:
+        """Every decoding sequence, one token each (blocks reserved, preempting newer sequences if short)."""
+        for seq in self._decoding():
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if self._reserve(seq, len(seq), batch):
                 batch.seqs.append(seq)
                 batch.num_tokens.append(1)
-        return batch if batch.seqs else None
+        batch.num_decode = len(batch.seqs)
+
+    def _add_prefill(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Append the prefill pieces of `_prefill_plan` (admitting waiting prompts); whether there were any."""
+        bm = self.block_manager
+        plan = self._prefill_plan(budget, bm.num_free, len(bm.free_rows))
+        for seq, n, admit in plan:
+            if admit:
+                self.waiting.remove(seq)
+                bm.allocate(seq, len(seq))
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+        batch.is_prefill = batch.is_prefill or bool(plan)
+        return bool(plan)
+
+    def peek(self) -> StepPreview:
+        """The step `schedule()` would make now, changing nothing (see `StepPreview`)."""
+        bm = self.block_manager
+        decoding = self._decoding()
+        mixed = self.config.mixed_prefill
+        need = sum(bm.blocks_needed(s, len(s)) for s in decoding) if mixed else 0
+        budget = self._budget(len(decoding) if mixed else 0, self.config.max_num_batched_tokens)
+        plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
+        pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
+        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,
         less those that have ended (`batch` itself may have been launched ahead) or that its token ends by
         length, each one token further (blocks allocated for that token).
-        None when `schedule()` could pick differently once the tokens are known: a waiting request would be
-        admitted, or blocks are short (a preemption)."""
+        None when `schedule()` could pick differently once the tokens are known: prefill work would ride
+        along (a waiting request admitted, a chunk continued), or blocks are short (a preemption)."""
         bm = self.block_manager
+        if any(s.status is SequenceStatus.RUNNING and s.pending > 1 for s in self.running):
+            return None
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
                 return None
@@ -103,58 +241,13 @@ class Scheduler:
             bm.allocate(seq, len(seq) + 1)
         return ScheduledBatch(False, seqs, [1] * len(seqs))
 
-    def _prefill_chunk(self) -> list[tuple[Sequence, int, int]]:
-        """(sequence, tokens computed, its KV tokens after) of each sequence the next prefill step would
-        compute, as `schedule()` would admit them, changing nothing."""
-        budget, chunk = self.config.max_num_batched_tokens, []
-        for seq in self.running:
-            if seq.pending > 1 and budget > 0:
-                n = min(seq.pending, budget)
-                chunk.append((seq, n, seq.num_computed + n))
-                budget -= n
-        free, rows = self.block_manager.num_free, len(self.block_manager.free_rows)
-        admitted = 0
-        for seq in self.waiting:
-            need = self.block_manager.blocks_needed(seq, len(seq))
-            full = len(self.running) + admitted >= self.config.max_num_seqs
-            if budget == 0 or full or need > free or rows == 0:
-                break
-            n = min(seq.pending, budget)
-            chunk.append((seq, n, n))
-            admitted, budget = admitted + 1, budget - n
-            free, rows = free - need, rows - 1
-        return chunk
-
-    def peek(self) -> tuple[str, int, int]:
-        """(kind, sequences, KV tokens after it) of the step `schedule()` would make now, changing nothing.
-        kind is "prefill", "decode" or "idle"; preemptions a decode step may need are not foreseen."""
-        chunk = self._prefill_chunk()
-        if chunk:
-            return "prefill", len(chunk), sum(kv for _, _, kv in chunk)
-        decoding = [s for s in self.running if s.pending == 1]
-        if not decoding:
-            return "idle", 0, 0
-        return "decode", len(decoding), sum(len(s) for s in decoding)
-
-    def peek_decode_after(self) -> tuple[int, int]:
-        """(sequences, KV tokens) of the decode step after the prefill `peek()` describes: the sequences
-        decoding now and those whose prompts it finishes (each with its first sampled token, or its last prompt
-        token left for the decode step when a chunk ends there); the decode step
-        `peek()` describes when there is no prefill. What a controller sizes a prefill's neighbours from: the
-        batch usually jumps when prompts join."""
-        decoding = [s for s in self.running if s.pending == 1]
-        batch, kv_tokens = len(decoding), sum(len(s) for s in decoding)
-        for seq, n, _ in self._prefill_chunk():
-            if n >= seq.pending - 1:  # all but its last token (then computed by a decode step) or all of it
-                batch, kv_tokens = batch + 1, kv_tokens + len(seq) + (n == seq.pending)
-        return batch, kv_tokens
-
-    def abort_all(self) -> list[Sequence]:
-        """Drop every waiting and running sequence (their blocks are freed); returns them."""
+    def abort_all(self, now: float | None = None) -> list[Sequence]:
+        """Drop every waiting and running sequence (their blocks are freed, finish_reason 'aborted', finish
+        time `now`); returns them."""
         dropped = [*self.running, *self.waiting]
         for seq in dropped:
             self.block_manager.free(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "aborted"
+            seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, "aborted", now
         self.running.clear()
         self.waiting.clear()
         return dropped
@@ -190,6 +283,7 @@ class Scheduler:
             if token is None:
                 continue
             seq.token_ids.append(token)
+            seq.token_times.append(now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if not seq.params.ignore_eos and token in self.eos_ids:

@@ -40,6 +40,7 @@ class Sequence:
         self.row = -1  # row of the block manager's table while the sequence holds blocks
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.token_times: list[float] = []  # when each generated token was drawn (the client's clock)
         self.finish_time: float | None = None
         self.finish_reason: str | None = None  # "eos", "length", "refused"
         self.error: str | None = None  # why a refused request was refused
