@@ -17,11 +17,18 @@ def _holders(sched: Scheduler) -> list[Sequence]:
     return list(sched.running) + [s for s in sched.waiting if s.block_table]
 
 
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_scheduler_random_load_keeps_block_invariants(seed):
+def test_scheduler_random_load_keeps_block_invariants(seed, mixed):
     rng = random.Random(seed)
     cfg = EngineConfig(
-        block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=20, max_model_len=64
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_seqs=6,
+        max_num_batched_tokens=20,
+        max_model_len=64,
+        mixed_prefill=mixed,
+        prefill_chunk_tokens=7,
     )
     bm = BlockManager(24, 4, cfg.max_num_seqs, cfg.max_blocks_per_seq)
     sched = Scheduler(cfg, bm, {EOS})
@@ -36,30 +43,44 @@ def test_scheduler_random_load_keeps_block_invariants(seed):
             sched.add(seq)
             seqs.append(seq)
             next_id += 1
-        kind, n_seqs, kv_tokens = sched.peek()
-        after = sched.peek_decode_after()
-        batch = sched.schedule()
+        preview = sched.peek()
+        budget = rng.choice([None, 1, 3, 12]) if mixed else None
+        batch = sched.schedule(budget)
         if batch is None:
-            assert kind == "idle" and (not sched.has_unfinished() or not sched.running)
+            assert preview.kind == "idle" and (not sched.has_unfinished() or not sched.running)
             continue
-        assert kind == ("prefill" if batch.is_prefill else "decode")
+        assert sum(batch.num_tokens) <= cfg.max_num_batched_tokens
         if not batch.preempted:  # peek does not foresee preemptions
-            assert n_seqs == len(batch.seqs)
-            pairs = zip(batch.seqs, batch.num_tokens, strict=True)
-            assert kv_tokens == sum(s.num_computed + n for s, n in pairs)
+            assert batch.kind == preview.kind or (budget is not None and not preview.decode_seqs)
+            # Prefill-first: a prefill step leaves the decoding sequences waiting.
+            assert batch.num_decode == (0 if preview.kind == "prefill" else preview.decode_seqs)
+            if batch.num_decode:
+                rows = zip(batch.seqs[: batch.num_decode], batch.num_tokens, strict=False)
+                assert preview.decode_kv_tokens == sum(s.num_computed + n for s, n in rows)
+            if preview.decode_seqs and mixed:  # the pieces are the preview's, cut at the step's budget
+                taken = preview.take(cfg.prefill_chunk_tokens if budget is None else budget)
+            else:
+                taken = preview.take(None if budget is None else budget) if mixed else preview.pieces
+            assert batch.num_tokens[batch.num_decode :] == [p.tokens for p in taken]
         preemptions += len(batch.preempted)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.pending
             # Every token computed this step has a slot in a block the sequence owns.
             assert len(seq.block_table) * bm.block_size >= seq.num_computed + n
-        assert not batch.is_prefill or sum(batch.num_tokens) <= cfg.max_num_batched_tokens
+        if mixed:  # stall-free: a step with prefill work and nothing decoding is the only prefill step
+            assert batch.kind != "prefill" or batch.num_decode == 0
         sampled = [rng.choice([EOS, 1, 2, 3]) if batch.samples(i) else None for i in range(len(batch.seqs))]
         done = sched.postprocess(batch, sampled, float(step))
         finished += done
-        if batch.is_prefill and not batch.preempted:
-            # The decode step after a prefill: the sequences decoding now, counting those this step finished.
+        if not batch.preempted:
+            # The decode step after this one: the sequences decoding now, counting those this step finished.
             decoding = [s for s in sched.running if s.pending == 1] + done
-            assert after == (len(decoding), sum(len(s) for s in decoding))
+            used = (
+                None
+                if not mixed
+                else (cfg.prefill_chunk_tokens if budget is None and batch.num_decode else budget)
+            )
+            assert preview.decode_after(used) == (len(decoding), sum(len(s) for s in decoding))
         bm.check(_holders(sched))
         assert len(sched.running) <= cfg.max_num_seqs
     while sched.has_unfinished():

@@ -34,6 +34,7 @@ from harli_train.colocate.sm import SMLadder, TimeSliceLadder
 from harli_train.config import load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
+from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.engine.runner import LaunchedStep
 from harli_train.kernels import launch_config
 from harli_train.model import load_model
@@ -58,6 +59,21 @@ LOAD = [
     "colocation.max_batch=8",
     "colocation.tpot_ms=50",
 ]
+
+
+def preview(
+    kind: str, batch: int = 0, kv_tokens: int = 0, after: tuple[int, int] | None = None
+) -> StepPreview:
+    """A StepPreview of a decode step (``batch`` rows over ``kv_tokens``), or of a pure prefill step whose
+    prompts make the decode step after it ``after`` = (sequences, KV tokens)."""
+    if kind == "decode":
+        return StepPreview(batch, kv_tokens)
+    b, kv = after or (1, kv_tokens or 2)
+    sizes = [kv // b - 1] * b
+    sizes[0] += kv - sum(n + 1 for n in sizes)
+    return StepPreview(0, 0, tuple(PrefillPiece(n, 0, 0) for n in sizes))
+
+
 TOTAL = 132
 
 
@@ -125,7 +141,14 @@ def runtime(out: Path, ladder, make_policy_fn, load, options: RuntimeOptions, sp
     if spy is not None:
         original = trainer.micro_steps
         trainer.micro_steps = lambda: spy(trainer, original())
-    engine = build_engine(base_view(trainer.model), load_tokenizer("tiny", True), ladder, load, 16)
+    engine = build_engine(
+        base_view(trainer.model),
+        load_tokenizer("tiny", True),
+        ladder,
+        load,
+        16,
+        mixed_prefill=cfg.colocation.mixed_prefill,
+    )
     return ColocatedRuntime(trainer, engine, make_policy_fn(ladder), load, out / "colocate", options, hook)
 
 
@@ -141,9 +164,9 @@ def test_make_policy_names_and_shapes():
     pred = synthetic_predictor(ladder.shares)
     static = make_policy("static:50", ladder, None, 0.05)
     assert isinstance(static, StaticPolicy) and static.part.infer_sms == 56 and static.name == "static:56"
-    assert static.plan("decode", 4, 100).train_stream is static.part.train_stream
+    assert static.plan(preview("decode", 4, 100)).train_stream is static.part.train_stream
     streams = make_policy("streams", ladder, None, 0.05)
-    plan = streams.plan("decode", 4, 100)
+    plan = streams.plan(preview("decode", 4, 100))
     assert isinstance(streams, StreamsPolicy) and plan.partition.infer_sms == plan.train_sms == TOTAL
     assert plan.partition.infer_stream is not plan.train_stream and not plan.isolated
     temporal = make_policy("temporal", ladder, pred, 0.05)
@@ -159,11 +182,11 @@ def test_make_policy_names_and_shapes():
     # Decode starts on the whole GPU: a prefill then keeps the trainer paused; once decode has shrunk to a
     # share, prefills run on about half the GPU (the default rung: the least of the trainer's rungs that leaves
     # decode half), the trainer on the rest.
-    first = variant.plan("prefill", 1, 10)
+    first = variant.plan(preview("prefill", 1, 10))
     assert first.paused and first.partition.infer_sms == TOTAL
-    while variant.plan("decode", 1, 10).partition.infer_sms == TOTAL:
+    while variant.plan(preview("decode", 1, 10)).partition.infer_sms == TOTAL:
         pass
-    later = variant.plan("prefill", 1, 10)
+    later = variant.plan(preview("prefill", 1, 10))
     assert later.partition is variant.prefill_rung and not later.paused
     assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
     with pytest.raises(ValueError, match="unknown harli option"):
@@ -219,7 +242,7 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     assert json.loads((col / "summary.json").read_text())["policy"] == "harli"
     assert summary["gc_pauses"]["max_ms"] >= 0 and gc.get_freeze_count() == 0  # unfrozen after the run
     step_rows = rows(tmp_path)
-    last_decode = [r for r in step_rows if r["kind"] == "decode"][-1]
+    last_decode = [r for r in step_rows if r["kind"] in ("decode", "mixed")][-1]
     assert {
         "batch",
         "kv_tokens",
@@ -255,7 +278,7 @@ def test_feeder_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy("static:64", ladder, None, 0.05)
     rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
-    feeder, plan = rt.feeder, rt.policy.plan("decode", 1, 10)
+    feeder, plan = rt.feeder, rt.policy.plan(preview("decode", 1, 10))
     assert plan.train == "beside" and feeder.max_in_flight == 2
     may = lambda: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # the GPU path, budget to spare
     assert may()
@@ -303,7 +326,7 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
         """Plan decode steps of `batch` until the controller has left the whole GPU; the last plan (None if it
         never does: no share fits with the margin to resume the trainer)."""
         for _ in range(20):
-            plan = policy.plan("decode", batch, kv)
+            plan = policy.plan(preview("decode", batch, kv))
             if plan.partition.infer_sms < 132:
                 return plan
         return None
@@ -331,7 +354,7 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
     assert plan.train_from_sm >= next_share and plan.train_sms < plain_plan.train_sms  # the trainer moved
     assert all(sms == plan.partition.infer_sms for _, sms in policy._recent)  # the window saw decode's shares
     # Far from the budget (a small batch) the trainer goes back next to decode's recent peak share.
-    relaxed = policy.plan("decode", 1, 10)
+    relaxed = policy.plan(preview("decode", 1, 10))
     assert relaxed.predicted_s < 0.95 * policy.controller.budget_s
     assert relaxed.train_from_sm == plain_plan.train_from_sm
     with pytest.raises(ValueError, match="grow_headroom"):
@@ -349,7 +372,7 @@ def test_prefill_ahead_keeps_the_trainer_clear_of_the_decode_after_the_prefill()
     plain = make_policy("harli", ladder, pred, tpot, 0.1, hysteresis_steps=1)
     assert ahead.name == "harli:ahead=on" and ahead.prefill_ahead and not plain.prefill_ahead
     for policy in (ahead, plain):
-        while policy.plan("decode", 1, 10).partition.infer_sms == 132:
+        while policy.plan(preview("decode", 1, 10)).partition.infer_sms == 132:
             pass  # decode leaves the whole GPU: prefills go on their rung, the trainer beside
     rung, top = ahead.prefill_rung, ahead.trainer_rungs[-1].infer_sms  # top: the most a trainer rung leaves
 
@@ -364,17 +387,17 @@ def test_prefill_ahead_keeps_the_trainer_clear_of_the_decode_after_the_prefill()
     small = next(b for b in range(1, 200) if need(b) <= rung.infer_sms)
     mid = next(b for b in range(1, 200) if rung.infer_sms < need(b) <= top)
     whole = next(b for b in range(1, 400) if need(b) > top)
-    plan = ahead.plan("prefill", 2, 32, (small, 10 * small))
+    plan = ahead.plan(preview("prefill", 2, 32, (small, 10 * small)))
     assert plan.partition is rung and plan.train_stream is rung.train_stream and not plan.paused
-    plan = ahead.plan("prefill", 2, 32, (mid, 10 * mid))
+    plan = ahead.plan(preview("prefill", 2, 32, (mid, 10 * mid)))
     assert not plan.paused and plan.transient and plan.train_from_sm >= need(mid)
     assert plan.partition.infer_sms == plan.train_from_sm  # the prefill takes every SM the trainer left
     assert f"needs {need(mid)}" in plan.reason
-    plan = ahead.plan("prefill", 2, 32, (whole, 10 * whole))
+    plan = ahead.plan(preview("prefill", 2, 32, (whole, 10 * whole)))
     assert plan.paused and plan.partition.infer_sms == 132
     # Without the option (the default) the prefill's rung does not look ahead.
     for batch in (small, mid, whole):
-        plan = plain.plan("prefill", 2, 32, (batch, 10 * batch))
+        plan = plain.plan(preview("prefill", 2, 32, (batch, 10 * batch)))
         assert plan.partition is plain.prefill_rung and not plan.paused
 
 
@@ -402,9 +425,10 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
         spy,
         None,
         "train.steps=200",
+        "colocation.mixed_prefill=false",  # prefill steps of their own: where the prefill modes apply
     )
     summary = rt.run()
-    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]
     paused = [r for r in decode if r["paused"]]
     running = [r for r in decode if not r["paused"]]
     assert paused and running and summary["trainer_paused_fraction"] > 0
@@ -437,7 +461,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
         for i, r in enumerate(every):
             if r["kind"] != "prefill":
                 continue
-            before = [x for x in every[:i] if x["kind"] == "decode"]
+            before = [x for x in every[:i] if x["kind"] in ("decode", "mixed")]
             if not before or before[-1]["infer_sms"] == TOTAL:
                 assert r["infer_sms"] == TOTAL and r["train"] == "none" and r["micro_steps"] == 0
             else:
@@ -458,7 +482,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
         )
         assert steps[0]["train"] == "none"
     # Each decode step ran on the engine partition of the rung the controller chose.
-    engine_steps = [s for s in rt.engine.metrics.steps if s.kind == "decode"]
+    engine_steps = [s for s in rt.engine.metrics.steps if s.kind in ("decode", "mixed")]
     keys = {p.infer_sms: rt.engine.key(p) for p in ladder.partitions}
     assert [s.partition for s in engine_steps] == [keys[r["infer_sms"]] for r in decode]
 
@@ -475,7 +499,7 @@ class ScriptedPolicy(Policy):
     def partitions(self):
         return list(self.ladder.partitions)
 
-    def plan(self, kind, batch, kv_tokens, after=None):
+    def plan(self, preview):
         part = self.ladder.select(self.script())
         return StepPlan(
             part,
@@ -493,14 +517,14 @@ class ScriptedPolicy(Policy):
 
 
 def test_the_runtime_shows_a_prefill_the_decode_step_after_it(tmp_path):
-    # A prefill's plan gets the batch and KV tokens of the decode step after it (harli:ahead sizes the
-    # trainer's rung from them); a decode step's plan gets none.
+    # A prefill's preview tells the batch and KV tokens of the decode step after it (harli:ahead sizes the
+    # trainer's rung from them).
     seen = []
 
     class Recording(ScriptedPolicy):
-        def plan(self, kind, batch, kv_tokens, after=None):
-            seen.append((kind, batch, after))
-            return super().plan(kind, batch, kv_tokens, after)
+        def plan(self, preview):
+            seen.append((preview.kind, preview.prefill_tokens, preview.decode_after()))
+            return super().plan(preview)
 
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     load = requests([(0.0, 3, 4)])
@@ -511,10 +535,11 @@ def test_the_runtime_shows_a_prefill_the_decode_step_after_it(tmp_path):
         load,
         RuntimeOptions(quiet=True, plots=False),
     ).run()
-    prefills = [(batch, after) for kind, batch, after in seen if kind == "prefill"]
-    assert prefills and all(kind == "prefill" or after is None for kind, _, after in seen)
+    prefills = [(tokens, after) for kind, tokens, after in seen if kind == "prefill"]
+    assert prefills
     # The 16-token prompts each finish in their prefill: the decode after it holds them, a token each.
-    assert sum(b for b, _ in prefills) == 3 and prefills[0][1] == (prefills[0][0], 17 * prefills[0][0])
+    tokens, after = prefills[0]
+    assert tokens % 16 == 0 and after == (tokens // 16, 17 * (tokens // 16))
 
 
 def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_unchanged(tmp_path, standalone):
@@ -601,7 +626,7 @@ def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp
     summary = rt.run()
     assert summary["stop_reason"] == "trained" and summary["finetune"]["steps_run"] == 6
     assert threads == {"harli-train"} and not rt.feeder.threaded and sys.getswitchinterval() == interval
-    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]
     assert decode and all(r["micro_steps"] == 0 for r in decode if r["paused"])
     launches = list(rt.feeder.launches)
     assert all(stream == f"train{sms}" for _, stream, sms in launches)  # the budget went with the stream
@@ -665,7 +690,7 @@ def test_baseline_policies_honour_their_rules(tmp_path, name):
     load = requests([(0.05, 3, 12), (0.4, 2, 12)])
     opts = RuntimeOptions(until="load", window_s=0.8, solo_s=0.3, quiet=True, finish=False, plots=False)
     summary = runtime(tmp_path, ladder, make, load, opts, None, None, "train.steps=200").run()
-    decode = [r for r in rows(tmp_path) if r["kind"] == "decode"]
+    decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]
     assert decode and summary["serving"]["decode_steps"] == len(decode)
     if name == "static:48":
         assert all(

@@ -18,9 +18,10 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
-from harli_train.colocate.policies import Policy, make_policy, needs_predictor
+from harli_train.colocate.policies import Policy, make_policy, profile_shares
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
+    MixedGrid,
     Profile,
     ProfileKey,
     build_profile,
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RATE = {"cuda": 4.0, "cpu": 0.5}  # requests/s when a recipe gives neither a trace nor a rate
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
+GPU_MIXED = MixedGrid(batches=(8, 32), kv_len=512, tokens=(32, 128, 256, 512), contexts=(0, 768))
+CPU_MIXED = MixedGrid(batches=(2, 8), kv_len=64, tokens=(8, 32, 64, 96), contexts=(0, 48))
 KV_MEMORY_FRACTION = 0.2  # of the GPU, at most, for the KV cache beside the trainer
 
 
@@ -106,12 +109,20 @@ def build_engine(
     requests: list[TraceRequest],
     max_batch: int,
     seed: int = 0,
+    mixed_prefill: bool = True,
 ) -> EngineAdapter:
-    """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung."""
+    """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
+    ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own)."""
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
     # Steps are not overlapped: the controller sizes each step's partition from the step before it (its
     # measured latency and the batch it leaves), so every step completes before the next is planned.
-    cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=max(longest + 1, 256), seed=seed, overlap=False)
+    cfg = EngineConfig(
+        max_num_seqs=max_batch,
+        max_model_len=max(longest + 1, 256),
+        seed=seed,
+        overlap=False,
+        mixed_prefill=mixed_prefill,
+    )
     device = model.lm_head.weight.device
     if (
         device.type == "cuda"
@@ -153,8 +164,10 @@ def build_predictor(
     reps: int | None = None,
     batches: tuple[int, ...] | None = None,
     kv_lens: tuple[int, ...] | None = None,
+    shares: list[int] | None = None,
 ) -> tuple[LatencyPredictor, Profile]:
-    """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it)."""
+    """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it);
+    ``shares``: the decode shares to cover (default: every rung)."""
     on_gpu = is_cuda_stream(ladder.full.infer_stream)
     engine.register(ladder.partitions)
     max_len = engine.engine.config.max_model_len - 1
@@ -168,14 +181,29 @@ def build_predictor(
     if len(kv_lens) < 2:  # stage 1 of the predictor needs two KV sizes per share
         kv_lens = (max(max_len // 4, 1), max_len)
     key = ProfileKey.current(model_id, sm_count=ladder.total_sms)
+    cfg = engine.engine.config
+    mixed = GPU_MIXED if on_gpu else CPU_MIXED
+    mixed = MixedGrid(
+        tuple(b for b in mixed.batches if b < max_batch) or (max(max_batch - 1, 1),),
+        min(mixed.kv_len, max_len),
+        tuple(sorted({min(n, cfg.max_num_batched_tokens, max_len // 2) for n in mixed.tokens})),
+        tuple(sorted({min(c, max_len // 2) for c in mixed.contexts})),
+    )
+    shares = sorted(set(shares or ladder.shares))
     grid = dict(
-        batches=batches, kv_lens=kv_lens, warmup=3 if on_gpu else 1, reps=reps or (10 if on_gpu else 3)
+        batches=batches,
+        kv_lens=kv_lens,
+        shares=shares,
+        warmup=3 if on_gpu else 1,
+        reps=reps or (10 if on_gpu else 3),
+        mixed_step_fn=engine.synthetic_mixed,
+        mixed_grid=mixed,
     )
 
     def build() -> Profile:
         log.info(
             "profiling decode on %d partitions (%s): batches %s, KV lengths %s",
-            len(ladder.partitions),
+            len(grid["shares"]),
             ladder.kind,
             batches,
             kv_lens,
@@ -187,7 +215,7 @@ def build_predictor(
     if path is None and not on_gpu:  # CPU timings depend on the machine's load: measure afresh
         profile = build()
     else:
-        profile = get_or_build_profile(path or default_profile_path(key), key, build, ladder.shares)
+        profile = get_or_build_profile(path or default_profile_path(key), key, build, shares)
     predictor = LatencyPredictor.fit(
         profile.samples,
         ladder.total_sms,
@@ -298,18 +326,21 @@ def assemble(
         requests,
         col.max_batch,
         seed=cfg.train.seed,
+        mixed_prefill=col.mixed_prefill,
     )
-    predictor = profile = None
-    if needs_predictor(col.policy):
-        model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
-        corun = (
-            corun_workload(
-                trainer.model, cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep, dtype
-            )
-            if device.type == "cuda"
-            else None
+    # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
+    model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
+    corun = (
+        corun_workload(
+            trainer.model, cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep, dtype
         )
-        predictor, profile = build_predictor(engine, ladder, model_id, corun, col.max_batch, col.profile)
+        if device.type == "cuda"
+        else None
+    )
+    shares = profile_shares(col.policy, ladder)
+    predictor, profile = build_predictor(
+        engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
+    )
 
     def policy_on_ladder() -> Policy:  # on the rungs the ladder has now
         return make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)

@@ -71,16 +71,20 @@ def run_colocated(
     finally:
         col.close()
     ft, sv = summary["finetune"], summary["serving"]
+    attained = "-" if sv["tpot_attainment"] is None else f"{100 * sv['tpot_attainment']:.1f}%"
     log.info(
-        "%s: finetune %.0f tokens/s while serving; TPOT p50 %s / p99 %s ms (objective %g); %d violations "
-        "in %d decode steps; summary in %s",
+        "%s: finetune %.0f tokens/s while serving; objective %g ms: %d of %d token intervals over it, TPOT "
+        "met by %s of %d requests (TPOT p50 %s / p99 %s ms, TTFT p99 %s ms); summary in %s",
         summary["policy"],
         ft["tokens_per_s"],
-        _fmt(sv["tpot_ms"], "p50"),
-        _fmt(sv["tpot_ms"], "p99"),
         cfg.colocation.tpot_ms,
         sv["violations"],
-        sv["decode_steps"],
+        sv["intervals"],
+        attained,
+        sv["requests_judged"],
+        _fmt(sv["tpot_ms"], "p50"),
+        _fmt(sv["tpot_ms"], "p99"),
+        _fmt(sv["ttft_ms"], "p99"),
         Path(cfg.output.dir) / "colocate" / "summary.json",
     )
     summary["interrupted"] = summary["stop_reason"] == "interrupted"

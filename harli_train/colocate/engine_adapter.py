@@ -18,6 +18,8 @@ from harli_train.colocate.sm import Partition
 from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, SamplingParams, StepResult
 from harli_train.engine.load import TraceRequest, synthetic_prompt
 from harli_train.engine.runner import DEFAULT_PARTITION
+from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.sequence import Sequence
 
 
 def is_cuda_stream(stream: Any) -> bool:
@@ -84,24 +86,26 @@ class EngineAdapter:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
-    def peek(self) -> tuple[str, int, int]:
-        """(kind, sequences, KV tokens) of the step ``step()`` would run now: idle, prefill or decode."""
+    def peek(self) -> StepPreview:
+        """The step ``step()`` would run now: its decode rows and the prefill work that may ride with them."""
         return self.engine.peek()
 
-    def peek_decode_after(self) -> tuple[int, int]:
-        """(sequences, KV tokens) of the decode step after the prefill ``peek()`` describes."""
-        return self.engine.peek_decode_after()
+    def running(self) -> list[Sequence]:
+        """The requests admitted and not finished (decoding or mid-prefill)."""
+        return list(self.engine.scheduler.running)
 
-    def step(self, partition: Partition) -> StepResult:
-        return self.engine.step(self.key(partition))
+    def step(self, partition: Partition, prefill_tokens: int | None = None) -> StepResult:
+        """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along."""
+        return self.engine.step(self.key(partition), prefill_tokens)
 
     def close(self) -> None:
         """Release the engine's GPU resources (graphs, staging buffers); see ``DecodeEngine.close``."""
         self.engine.close()
 
     def abort_all(self) -> int:
-        """Drop every queued and running request (their KV blocks are freed); returns how many."""
-        return self.engine.abort_all()
+        """Drop every queued and running request (their KV blocks are freed), recording each with the tokens
+        it drew (a window's end: what its client saw counts); returns how many."""
+        return self.engine.abort_all(record=True)
 
     def reset_metrics(self) -> None:
         self.engine.reset_metrics()
@@ -114,3 +118,10 @@ class EngineAdapter:
         """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, for
         profiling (launched, not waited for, on a GPU)."""
         self.engine.synthetic_decode(batch, kv_len, self.key(partition))
+
+    def synthetic_mixed(
+        self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: Partition
+    ) -> None:
+        """One mixed step (``batch`` decode rows over ``kv_len`` tokens, a prefill chunk of ``prefill_tokens``
+        after ``prefill_context``) on ``partition``, for profiling (launched, not waited for, on a GPU)."""
+        self.engine.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, self.key(partition))

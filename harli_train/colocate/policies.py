@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harli_train.colocate.controller import Controller, Decision
+from harli_train.colocate.mixed_model import attention_pairs
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
 from harli_train.config import (
@@ -32,6 +33,7 @@ from harli_train.config import (
     harli_name,
     parse_harli_options,
 )
+from harli_train.engine.scheduler import StepPreview
 
 BESIDE, AFTER, NONE = "beside", "after", "none"
 # With nothing to decode the loop comes back every few ms; keeping the trainer's queue that short means
@@ -55,6 +57,9 @@ class StepPlan:
     train_from_sm: int = 0  # isolated: the trainer's rung gives it SMs [train_from_sm, total)
     strict: bool = True  # the horizon is a hard limit (an objective is at stake), not a pacing hint
     transient: bool = False  # a one-step detour (a prefill): backwards it strands wait, never restart
+    prefill_tokens: int | None = None  # the prefill budget of the step (None: the engine's default)
+    mixed_raw_s: float | None = None  # a mixed step: the uncorrected prediction, for the online correction
+    corun: bool = True  # the prediction assumes the trainer beside the step
 
     @property
     def paused(self) -> bool:
@@ -110,15 +115,22 @@ class _Ewma:
 
 
 class Policy:
-    """Base: decode on the whole GPU, the trainer beside it when idle; subclasses override ``plan``."""
+    """Base: decode on the whole GPU, the trainer beside it when idle; subclasses override ``plan``.
+
+    With a predictor that models mixed steps, every policy sizes the prefill chunk riding in a decode step
+    the same way (``chunk``): the most prefill tokens whose mixed step on the step's share is predicted
+    within the budget, so each policy keeps the objective by its own share and none is favoured."""
 
     name = "policy"
     serve_alone = False  # the trainer waits until the load is over (exclusive)
 
-    def __init__(self, ladder: SMLadder, tpot_s: float, margin: float) -> None:
+    def __init__(
+        self, ladder: SMLadder, tpot_s: float, margin: float, predictor: LatencyPredictor | None = None
+    ) -> None:
         self.ladder, self.tpot_s, self.margin = ladder, tpot_s, margin
         self.budget_s = tpot_s * (1.0 - margin)
         self.step_estimate = _Ewma(self.budget_s / 2)
+        self.predictor = predictor
 
     def partitions(self) -> list[Partition]:
         """Every partition a step may run on (the engine prepares each one's decode graphs)."""
@@ -128,16 +140,40 @@ class Policy:
         """The partitions whose trainer streams the trainer launches on (warmed up before serving)."""
         return self.partitions()
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        """Where the next step of ``kind`` (``batch`` sequences, ``kv_tokens`` KV tokens) and the trainer run.
-        ``after``: for a prefill, the batch and KV tokens of the decode step after it (None: unknown)."""
+    def plan(self, preview: StepPreview) -> StepPlan:
+        """Where the step ``preview`` describes runs, its prefill budget, and what the trainer does."""
         raise NotImplementedError
 
     def idle_plan(self) -> StepPlan:
         """Where the trainer runs when there is nothing to decode: the whole GPU."""
         return _whole_gpu(self.ladder.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
 
+    def chunk(
+        self, preview: StepPreview, sms: int, corun: bool
+    ) -> tuple[int | None, float | None, float | None]:
+        """(prefill tokens, corrected and raw predicted seconds) of the largest chunk whose mixed step on
+        ``sms`` SMs fits the budget, at least ``MIN_CHUNK`` (or what is pending); (None, None, None) without
+        a mixed model (the engine's default budget then applies)."""
+        pred = self.predictor
+        if pred is None or pred.mixed is None or preview.kind != "mixed":
+            return None, None, None
+        return largest_chunk(pred, preview, sms, corun, self.budget_s)
+
+    def with_chunk(self, plan: StepPlan, preview: StepPreview) -> StepPlan:
+        """``plan`` with the chunk its share fits, for a mixed step (unchanged otherwise)."""
+        if preview.kind != "mixed":
+            return plan
+        sms = plan.partition.infer_sms
+        n, t, raw = self.chunk(preview, sms, not plan.paused)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, not plan.paused
+        if t is not None:
+            plan.predicted_s = t
+        return plan
+
     def observe(self, plan: StepPlan, measured_s: float) -> None:
+        if plan.mixed_raw_s is not None and self.predictor is not None:
+            self.predictor.observe(plan.partition.infer_sms, plan.corun, measured_s, plan.mixed_raw_s, True)
+            return
         self.step_estimate.update(measured_s)
 
     def observe_train_slice(self, seconds: float) -> None:
@@ -145,6 +181,38 @@ class Policy:
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.name}
+
+
+MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
+
+
+def largest_chunk(
+    predictor: LatencyPredictor, preview: StepPreview, sms: int, corun: bool, budget_s: float
+) -> tuple[int, float, float]:
+    """The most prefill tokens of ``preview`` whose mixed step on ``sms`` is predicted within ``budget_s``
+    (at least ``MIN_CHUNK`` or all that is pending, whichever is less), with the step's corrected and raw
+    prediction. The cost grows with the tokens, so a bisection finds it in ~log2(pending) predictions."""
+    b, kv = preview.decode_seqs, preview.decode_kv_tokens
+    corr = predictor.correction(sms, corun, mixed=True)
+
+    def raw(n: int) -> float:
+        pieces = preview.take(n)
+        return predictor.predict_mixed(
+            b, kv, n, attention_pairs([(p.tokens, p.context) for p in pieces]), sms, corun, raw=True
+        )
+
+    lo, hi = min(MIN_CHUNK, preview.prefill_tokens), preview.prefill_tokens
+    if raw(hi) * corr <= budget_s:
+        lo = hi
+    hi -= lo < hi  # hi does not fit
+    while lo < hi:  # invariant: lo fits (or is the floor), hi + 1 does not
+        mid = (lo + hi + 1) // 2
+        if raw(mid) * corr <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    t = raw(lo)
+    return lo, t * corr, t
 
 
 def _whole_gpu_pair(ladder: SMLadder) -> Partition:
@@ -256,6 +324,7 @@ class HarliPolicy(Policy):
         trainer_stride: int = 2,
         grow_headroom: float = DEFAULT_GROW_HEADROOM,
         prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
+        prefill_floor: int = 128,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
@@ -263,10 +332,11 @@ class HarliPolicy(Policy):
             raise ValueError(f"harli: trainer_stride must be >= 1, got {trainer_stride}")
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
-        super().__init__(ladder, tpot_s, margin)
+        super().__init__(ladder, tpot_s, margin, predictor)
         # Ascending decode share; the rung with the least trainer SMs is always one of them.
         self.trainer_rungs = ladder.spatial[::-1][::trainer_stride][::-1]
         self.prefill_mode, self.grow_headroom, self.prefill_ahead = prefill, grow_headroom, prefill_ahead
+        self.prefill_floor = prefill_floor  # prefill tokens a mixed step gets at least (when pending)
         self.name = harli_name(prefill, grow_headroom, prefill_ahead)
         self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
         self.trainer_window_s = trainer_window_s
@@ -301,43 +371,74 @@ class HarliPolicy(Policy):
             return None
         return self._trainer_select(max(sms for _, sms in self._recent))
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        full = self.ladder.full
-        if kind != "decode":
-            self.controller.restart_shrink_streak()
-            # Tried on the H200: prefill on the recent *decode* share (32 SMs) lifted the trainer but the
-            # 4x longer prefill delayed running decodes into objective violations
-            # (bench/results/2026-11-29-bench_colocate-prefill-beside.json).
-            horizon = self.prefill_estimate.value
-            if self.controller.holds_whole_gpu:
-                # Waking the trainer for a prefill while decode needs the whole GPU spills its micro-step into
-                # the decode steps after it: on the H200, whole-GPU decode steps within 0.15 s of the trainer
-                # running had host gaps to 3.9 ms (the trainer thread still launching) and GPU spans to 31 ms,
-                # against at most 0.5 ms and 8 ms later on; they held all 16 violations of the default harli
-                # in bench/results/2026-11-29-bench_colocate-s5-margin.json.gz and -s5-switch20us.json.gz.
-                return _paused(full, f"{kind}: whole GPU, decode holds it (trainer stays paused)")
-            if self.prefill_mode == "rung" and self.prefill_rung is not None:
-                rung = self.prefill_rung
-                trainer, need = self._ahead_of(rung, after)
-                if need is None:
-                    reason = f"{kind}: {rung.infer_sms} SMs"
-                    return _beside(rung, rung, horizon, None, reason, strict=False, transient=True)
-                if trainer.exclusive:
-                    return _paused(
-                        full, f"{kind}: whole GPU, the decode after it needs {need} SMs (trainer paused)"
-                    )
-                # Moved for the decode after it, the trainer leaves the prefill the rest of the GPU.
-                reason = f"{kind}: {trainer.infer_sms} SMs, the decode after it needs {need}"
-                return _beside(trainer, trainer, horizon, None, reason, strict=False, transient=True)
-            trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
-            if self.prefill_mode == "paused" or trainer is None or trainer.exclusive:
-                return _paused(full, f"{kind}: whole GPU")
-            trainer, need = self._ahead_of(trainer, after)
-            ahead = "" if need is None else f", the decode after it needs {need} SMs"
+    def plan(self, preview: StepPreview) -> StepPlan:
+        if preview.kind == "prefill":
+            return self._prefill(preview.decode_after())
+        if preview.kind == "mixed" and self.predictor.mixed is not None:
+            return self._mixed(preview)
+        return self.with_chunk(self._decode(preview.decode_seqs, preview.decode_kv_tokens), preview)
+
+    def _prefill(self, after: tuple[int, int] | None) -> StepPlan:
+        """A pure prefill step (nothing decodes), as ``prefill_mode`` says."""
+        full, kind = self.ladder.full, "prefill"
+        self.controller.restart_shrink_streak()
+        horizon = self.prefill_estimate.value
+        if self.controller.holds_whole_gpu:
+            # Waking the trainer for a prefill while decode needs the whole GPU spills its micro-step into
+            # the decode steps after it (whole-GPU steps right after the trainer ran had host gaps to 3.9 ms).
+            return _paused(full, f"{kind}: whole GPU, decode holds it (trainer stays paused)")
+        if self.prefill_mode == "rung" and self.prefill_rung is not None:
+            rung = self.prefill_rung
+            trainer, need = self._ahead_of(rung, after)
+            if need is None:
+                reason = f"{kind}: {rung.infer_sms} SMs"
+                return _beside(rung, rung, horizon, None, reason, strict=False, transient=True)
             if trainer.exclusive:
-                return _paused(full, f"{kind}: whole GPU{ahead} (trainer paused)")
-            reason = f"{kind}: whole GPU, trainer beside on {trainer.train_sms} SMs{ahead}"
-            return _beside(full, trainer, horizon, None, reason, strict=False, transient=True)
+                return _paused(
+                    full, f"{kind}: whole GPU, the decode after it needs {need} SMs (trainer paused)"
+                )
+            # Moved for the decode after it, the trainer leaves the prefill the rest of the GPU.
+            reason = f"{kind}: {trainer.infer_sms} SMs, the decode after it needs {need}"
+            return _beside(trainer, trainer, horizon, None, reason, strict=False, transient=True)
+        trainer = None if self.ladder.time_sliced else self._trainer_rung(None)
+        if self.prefill_mode == "paused" or trainer is None or trainer.exclusive:
+            return _paused(full, f"{kind}: whole GPU")
+        trainer, need = self._ahead_of(trainer, after)
+        ahead = "" if need is None else f", the decode after it needs {need} SMs"
+        if trainer.exclusive:
+            return _paused(full, f"{kind}: whole GPU{ahead} (trainer paused)")
+        reason = f"{kind}: whole GPU, trainer beside on {trainer.train_sms} SMs{ahead}"
+        return _beside(full, trainer, horizon, None, reason, strict=False, transient=True)
+
+    def _mixed(self, preview: StepPreview) -> StepPlan:
+        """A decode step carrying prefill chunks: the smallest share (at least decode's own) whose mixed step
+        fits the budget with at least ``prefill_floor`` tokens, filled with as many as fit there; the whole
+        GPU with the trainer paused when none does. A one-step detour: the controller's decode share and its
+        shrink count are left as they are."""
+        b, kv = preview.decode_seqs, preview.decode_kv_tokens
+        floor = min(self.prefill_floor, preview.prefill_tokens)
+        own, _ = self.controller.target(b, kv)
+        start = own.infer_sms if own is not None else self.ladder.total_sms
+        if not self.ladder.time_sliced:
+            for part in self.ladder.spatial:
+                if part.infer_sms < start:
+                    continue
+                n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s)
+                if n >= floor and t <= self.budget_s:
+                    trainer = self._trainer_rung(part.infer_sms)
+                    if trainer is None or trainer.exclusive:
+                        break
+                    reason = f"mixed: {part.infer_sms} SMs fit {n} prefill tokens"
+                    plan = _beside(part, trainer, t, t, reason, transient=True)
+                    plan.prefill_tokens, plan.mixed_raw_s = n, raw
+                    return plan
+        full = self.ladder.full
+        n, t, raw = largest_chunk(self.predictor, preview, full.infer_sms, False, self.budget_s)
+        plan = _paused(full, f"mixed: whole GPU for {n} prefill tokens (trainer paused)", t)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        return plan
+
+    def _decode(self, batch: int, kv_tokens: int) -> StepPlan:
         d = self.controller.decide(batch, kv_tokens)
         part = d.partition
         if d.pause_trainer:
@@ -399,6 +500,9 @@ class HarliPolicy(Policy):
         )
 
     def observe(self, plan: StepPlan, measured_s: float) -> None:
+        if plan.mixed_raw_s is not None:
+            super().observe(plan, measured_s)  # the mixed model's correction
+            return
         if plan.transient:
             self.prefill_estimate.update(measured_s)
             return
@@ -426,7 +530,7 @@ class TemporalPolicy(HarliPolicy):
         margin: float,
         hysteresis_steps: int = 8,
     ) -> None:
-        Policy.__init__(self, ladder, tpot_s, margin)
+        Policy.__init__(self, ladder, tpot_s, margin, predictor)
         self.slices = _time_slice(ladder)
         self.controller = Controller(predictor, self.slices, tpot_s, margin, hysteresis_steps)
 
@@ -436,10 +540,10 @@ class TemporalPolicy(HarliPolicy):
     def trainer_partitions(self) -> list[Partition]:
         return [self.slices.full]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        if kind != "decode":
-            return _paused(self.slices.full, f"{kind}: whole GPU")
-        return super().plan(kind, batch, kv_tokens, after)
+    def plan(self, preview: StepPreview) -> StepPlan:
+        if preview.kind != "decode":  # prefill work: decode and prefill alone on the whole GPU
+            return self.with_chunk(_paused(self.slices.full, f"{preview.kind}: whole GPU"), preview)
+        return self._decode(preview.decode_seqs, preview.decode_kv_tokens)
 
     def idle_plan(self) -> StepPlan:
         return _whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
@@ -448,8 +552,15 @@ class TemporalPolicy(HarliPolicy):
 class StaticPolicy(Policy):
     """A fixed split: decode on the rung of (at least) N SMs, the trainer always on the others."""
 
-    def __init__(self, ladder: SMLadder, infer_sms: int, tpot_s: float, margin: float) -> None:
-        super().__init__(ladder, tpot_s, margin)
+    def __init__(
+        self,
+        ladder: SMLadder,
+        infer_sms: int,
+        tpot_s: float,
+        margin: float,
+        predictor: LatencyPredictor | None = None,
+    ) -> None:
+        super().__init__(ladder, tpot_s, margin, predictor)
         if ladder.time_sliced or not ladder.spatial:
             raise ValueError(
                 f"static:{infer_sms} needs SM partitions (green contexts); this GPU's ladder is "
@@ -466,8 +577,10 @@ class StaticPolicy(Policy):
     def partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        return _beside(self.part, self.part, self.step_estimate.value, None, "static")
+    def plan(self, preview: StepPreview) -> StepPlan:
+        return self.with_chunk(
+            _beside(self.part, self.part, self.step_estimate.value, None, "static"), preview
+        )
 
     def idle_plan(self) -> StepPlan:
         return _beside(self.part, self.part, IDLE_HORIZON_S, None, "idle (static)", strict=False)
@@ -478,15 +591,18 @@ class StreamsPolicy(Policy):
 
     name = "streams"
 
-    def __init__(self, ladder: SMLadder, tpot_s: float, margin: float) -> None:
-        super().__init__(ladder, tpot_s, margin)
+    def __init__(
+        self, ladder: SMLadder, tpot_s: float, margin: float, predictor: LatencyPredictor | None = None
+    ) -> None:
+        super().__init__(ladder, tpot_s, margin, predictor)
         self.part = _whole_gpu_pair(ladder)
 
     def trainer_partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        return _whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")
+    def plan(self, preview: StepPreview) -> StepPlan:
+        plan = _whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")
+        return self.with_chunk(plan, preview)
 
     def idle_plan(self) -> StepPlan:
         return _whole_gpu(self.part, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
@@ -498,8 +614,8 @@ class ExclusivePolicy(Policy):
     name = "exclusive"
     serve_alone = True
 
-    def plan(self, kind: str, batch: int, kv_tokens: int, after: tuple[int, int] | None = None) -> StepPlan:
-        return _paused(self.ladder.full, "exclusive: decode alone")
+    def plan(self, preview: StepPreview) -> StepPlan:
+        return self.with_chunk(_paused(self.ladder.full, "exclusive: decode alone"), preview)
 
 
 def make_policy(
@@ -512,7 +628,7 @@ def make_policy(
 ) -> Policy:
     """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal or exclusive."""
     if name.startswith("static:"):
-        return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin)
+        return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin, predictor)
     base, _, option = name.partition(":")
     if name == "temporal" or base == "harli":
         options = parse_harli_options(option) if base == "harli" else {}
@@ -522,11 +638,17 @@ def make_policy(
             return TemporalPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps)
         return HarliPolicy(ladder, predictor, tpot_s, margin, hysteresis_steps, **options)
     if name == "streams":
-        return StreamsPolicy(ladder, tpot_s, margin)
+        return StreamsPolicy(ladder, tpot_s, margin, predictor)
     if name == "exclusive":
-        return ExclusivePolicy(ladder, tpot_s, margin)
+        return ExclusivePolicy(ladder, tpot_s, margin, predictor)
     raise ValueError(f"unknown co-location policy {name!r} (harli, static:N, streams, temporal, exclusive)")
 
 
-def needs_predictor(name: str) -> bool:
-    return name.partition(":")[0] in ("harli", "temporal")
+def profile_shares(name: str, ladder: SMLadder) -> list[int]:
+    """The decode shares the predictor must cover for policy ``name``: every policy sizes its mixed steps'
+    prefill chunks from it on its own share(s); harli also picks its share from it."""
+    if name.startswith("static:") and ladder.spatial and not ladder.time_sliced:
+        return [ladder.select(int(name.split(":", 1)[1])).infer_sms]
+    if name.partition(":")[0] == "harli":
+        return ladder.shares
+    return [ladder.full.infer_sms]

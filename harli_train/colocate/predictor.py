@@ -43,6 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from harli_train.colocate.mixed_model import MixedStepModel
+from harli_train.colocate.regression import weighted_lstsq
+
 N_GLOBAL = 4  # b/s, b^2/s, b^3/s, b
 RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
 
@@ -63,9 +66,11 @@ class LatencyPredictor:
     idle_alpha: float = 0.02  # per step: how much of an unmeasured factor's excess relaxes to a measured one
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
+    mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
-    _glob: list[float] = field(default_factory=lambda: [1.0, 1.0], repr=False)  # [solo, corun], GPU-wide
-    _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> [solo, corun]
+    # Correction factors by family: decode solo, decode co-run, mixed solo, mixed co-run.
+    _glob: list[float] = field(default_factory=lambda: [1.0] * 4, repr=False)  # GPU-wide
+    _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -79,7 +84,10 @@ class LatencyPredictor:
     def fit(
         cls, samples: Sequence[dict], total_sms: int, kv_bytes_per_token: float, alpha: float = 0.1
     ) -> LatencyPredictor:
-        """Fit both stages to profile samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``."""
+        """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
+        model to mixed samples (those with ``prefill_tokens``) when the profile has them."""
+        mixed = [r for r in samples if "prefill_tokens" in r]
+        samples = [r for r in samples if "prefill_tokens" not in r]
         solo = [r for r in samples if not r["corun"]]
         corun = [r for r in samples if r["corun"]]
         # A share's A and C need at least two KV sizes; thinner shares are interpolated from neighbours.
@@ -105,7 +113,7 @@ class LatencyPredictor:
             X[i, k + col[int(s)]] = float(r["kv_tokens"]) * kv_bytes_per_token
             X[i, 2 * k :] = (b / s, b * b / s, b**3 / s, b)
         X[:, 2 * k :] *= np.array(used, dtype=float)  # an all-zero column gets a zero coefficient
-        coef = _weighted_lstsq(X, y, 1.0 / y)
+        coef = weighted_lstsq(X, y, 1.0 / y)
         params = {s: [float(coef[col[s]]), float(coef[k + col[s]]), 0.0] for s in shares}
         pred = cls(
             total_sms,
@@ -119,11 +127,15 @@ class LatencyPredictor:
         )
         if corun:
             pred._fit_stage2(solo, corun)
+        if mixed:
+            pred.mixed = MixedStepModel.fit(mixed)
         pred.fit_report = {
             "skipped_shares": skipped,
             "n_solo": len(solo),
             "n_corun": len(corun),
+            "n_mixed": len(mixed),
             **pred.evaluate(samples, prefix="fit_"),
+            **(pred.mixed.fit_report if pred.mixed else {}),
         }
         return pred
 
@@ -143,7 +155,7 @@ class LatencyPredictor:
             ratio[i] = float(r["latency_s"]) / ref
             X[i, col[int(r["infer_sms"])]] = 1.0
             X[i, k:] = (float(r["batch"]), float(r["kv_tokens"]) * self.kv_bytes_per_token)
-        coef = _weighted_lstsq(X, ratio - 1.0, 1.0 / ratio)
+        coef = weighted_lstsq(X, ratio - 1.0, 1.0 / ratio)
         self.slow_global = [float(coef[k]), float(coef[k + 1])]
         fitted = {s: float(coef[col[s]]) for s in shares}
         for s in self.shares:  # solo-only shares (the full GPU) borrow the nearest co-run share's D
@@ -199,6 +211,24 @@ class LatencyPredictor:
             return t
         return t * self.correction(infer_sms, corun)
 
+    def predict_mixed(
+        self,
+        batch: int,
+        kv_tokens: int,
+        prefill_tokens: int,
+        attn_pairs: int,
+        infer_sms: int,
+        corun: bool = True,
+        raw: bool = False,
+    ) -> float:
+        """Seconds for one mixed step: ``batch`` decode rows reading ``kv_tokens`` cached tokens and prefill
+        chunks of ``prefill_tokens`` tokens whose attention covers ``attn_pairs`` query-key pairs. Needs a
+        profile with mixed samples (``self.mixed``)."""
+        if self.mixed is None:
+            raise ValueError("this profile has no mixed-step samples: re-profile to predict mixed steps")
+        t = self.mixed.predict(batch, kv_tokens, prefill_tokens, attn_pairs, infer_sms, corun)
+        return t if raw else t * self.correction(infer_sms, corun, mixed=True)
+
     def predict_all_shares(
         self, batch: int, kv_tokens: int, corun: bool = True, shares: Iterable[int] | None = None
     ) -> list[tuple[int, float]]:
@@ -207,53 +237,62 @@ class LatencyPredictor:
 
     # --- online correction -----------------------------------------------------------------------------
 
-    def observe(self, infer_sms: int, corun: bool, measured_s: float, raw_predicted_s: float) -> float:
+    def observe(
+        self, infer_sms: int, corun: bool, measured_s: float, raw_predicted_s: float, mixed: bool = False
+    ) -> float:
         """Fold a measured step latency into the share's correction; returns the new correction factor.
 
-        ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``).
+        ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``, or
+        ``predict_mixed`` for a mixed step).
         """
+        family = int(corun) + 2 * mixed
         raw = raw_predicted_s
         if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
-            return self.correction(infer_sms, corun)
+            return self.correction(infer_sms, corun, mixed)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
         # only costs the trainer some SMs until the decay brings the share back.
-        for factors in (self._corr.setdefault(infer_sms, [1.0, 1.0]), self._glob):
-            alpha = self.alpha_up if ratio > factors[corun] else self.alpha
-            factors[corun] += alpha * (ratio - factors[corun])
-        self._relax_unused(infer_sms, corun)
-        return self.correction(infer_sms, corun)
+        for factors in (self._corr.setdefault(infer_sms, [1.0] * 4), self._glob):
+            alpha = self.alpha_up if ratio > factors[family] else self.alpha
+            factors[family] += alpha * (ratio - factors[family])
+        self._relax_unused(infer_sms, family)
+        return self.correction(infer_sms, corun, mixed)
 
-    def _relax_unused(self, infer_sms: int, corun: bool) -> None:
-        """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the other family's
-        GPU-wide factor toward this family's, and every share's factor that was not measured toward its
-        family's GPU-wide one. Only an excess relaxes. Without the first, a co-run spike learnt just before the
-        trainer paused stayed in force while decode ran alone on the whole GPU, so no share ever fitted beside
-        the trainer again: on the H200 the trainer stayed paused for 92-94 % of two 5 s windows, decode at
-        batch 2-3 stepping in under 5 ms (bench/results/2026-11-29-bench_colocate-s5-replicate.json.gz)."""
-        a, other = self.idle_alpha, not corun
-        if self._glob[other] > self._glob[corun]:
-            self._glob[other] -= a * (self._glob[other] - self._glob[corun])
-        for family in (corun, other):
-            glob = self._glob[family]
+    def _relax_unused(self, infer_sms: int, family: int) -> None:
+        """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
+        of the same kind of step with the trainer in the other state (solo <-> co-run) toward this one's, and
+        every share's factor of that kind that was not measured toward its family's GPU-wide one. Only an
+        excess relaxes. Without the first, a co-run spike learnt just before the trainer paused stayed in force
+        while decode ran alone on the whole GPU, so no share ever fitted beside the trainer again: on the H200
+        the trainer stayed paused for 92-94 % of two 5 s windows, decode at batch 2-3 stepping in under 5 ms."""
+        a, other = self.idle_alpha, family ^ 1
+        if self._glob[other] > self._glob[family]:
+            self._glob[other] -= a * (self._glob[other] - self._glob[family])
+        for fam in (family, other):
+            glob = self._glob[fam]
             for sms, factors in self._corr.items():
-                if factors[family] > glob and (sms != infer_sms or family != corun):
-                    factors[family] -= a * (factors[family] - glob)
+                if factors[fam] > glob and (sms != infer_sms or fam != family):
+                    factors[fam] -= a * (factors[fam] - glob)
 
-    def correction(self, infer_sms: int, corun: bool) -> float:
-        """The factor ``predict`` applies on ``infer_sms``: the larger of the share's and the GPU-wide one."""
+    def correction(self, infer_sms: int, corun: bool, mixed: bool = False) -> float:
+        """The factor ``predict`` (``predict_mixed``) applies on ``infer_sms``: the larger of the share's and
+        the GPU-wide one."""
+        family = int(corun) + 2 * mixed
         corr = self._corr.get(infer_sms)
-        return max(1.0 if corr is None else corr[corun], self._glob[corun])
+        return max(1.0 if corr is None else corr[family], self._glob[family])
 
     def reset_corrections(self) -> None:
         self._corr.clear()
-        self._glob[:] = [1.0, 1.0]
+        self._glob[:] = [1.0] * 4
 
     # --- evaluation and persistence --------------------------------------------------------------------
 
     def evaluate(self, samples: Sequence[dict], prefix: str = "") -> dict[str, float]:
-        """Mean and max absolute percentage error of the uncorrected model, solo and co-run."""
+        """Mean and max absolute percentage error of the uncorrected model: decode solo and co-run, and mixed
+        steps (samples with ``prefill_tokens``) when the model has them."""
+        mixed = [r for r in samples if "prefill_tokens" in r]
+        samples = [r for r in samples if "prefill_tokens" not in r]
         out: dict[str, float] = {}
         for name, want in (("solo", False), ("corun", True)):
             errs = [
@@ -268,6 +307,8 @@ class LatencyPredictor:
                 out[f"{prefix}{name}_mape_pct"] = 100.0 * sum(errs) / len(errs)
                 out[f"{prefix}{name}_max_ape_pct"] = 100.0 * max(errs)
                 out[f"{prefix}{name}_n"] = len(errs)
+        if mixed and self.mixed is not None:
+            out.update(self.mixed.evaluate(mixed, prefix))
         return out
 
     def effective_bandwidth(self) -> dict[int, float]:
@@ -290,6 +331,7 @@ class LatencyPredictor:
             "fit_report": dict(self.fit_report),
             "corrections": {str(s): list(c) for s, c in self._corr.items()},
             "gpu_correction": list(self._glob),
+            "mixed": None if self.mixed is None else self.mixed.to_dict(),
         }
 
     @classmethod
@@ -307,18 +349,12 @@ class LatencyPredictor:
             idle_alpha=float(d.get("idle_alpha", 0.02)),
             intensity=float(d.get("intensity", 1.0)),
             fit_report=dict(d.get("fit_report", {})),
+            mixed=MixedStepModel.from_dict(d["mixed"]) if d.get("mixed") else None,
         )
-        pred._corr = {int(s): [float(x) for x in c] for s, c in d.get("corrections", {}).items()}
-        pred._glob = [float(x) for x in d.get("gpu_correction", (1.0, 1.0))]
+        pad = lambda c: [float(x) for x in c] + [1.0] * (4 - len(c))  # files of two families (decode only)
+        pred._corr = {int(s): pad(c) for s, c in d.get("corrections", {}).items()}
+        pred._glob = pad(d.get("gpu_correction", ()))
         return pred
-
-
-def _weighted_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Least squares of ``w * (X @ c - y)`` with columns scaled to unit range (KV bytes reach 1e10)."""
-    scale = np.abs(X).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef, *_ = np.linalg.lstsq((X / scale) * w[:, None], y * w, rcond=None)
-    return coef / scale
 
 
 def split_samples(samples: Sequence[dict], train_fraction: float = 0.7, seed: int = 0) -> tuple[list, list]:

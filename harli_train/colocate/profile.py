@@ -1,7 +1,8 @@
 """Decode-latency profiles: timed on the GPU once, stored as JSON keyed by hardware and software.
 
 A profile holds the median latency of real decode steps over a grid of batch size, KV length and SM
-share, alone and beside representative trainer micro-steps; the predictor is fitted to it. A profile is
+share, and of mixed steps (decode rows plus a prefill chunk) over a grid of chunk sizes and contexts, alone
+and beside representative trainer micro-steps; the predictor is fitted to it. A profile is
 only reused when its key (GPU, SM count, model, torch, triton, driver, harli-train) matches the machine
 exactly: a stale, corrupt or incomplete file raises ``ProfileError`` with the reason, and
 ``get_or_build_profile`` re-profiles instead of using it.
@@ -22,14 +23,30 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from harli_train.colocate.mixed_model import attention_pairs
 from harli_train.colocate.sm import Partition, SMLadder
 
 log = logging.getLogger(__name__)
 
-FORMAT, VERSION = "harli-train-profile", 1
+FORMAT, VERSION = "harli-train-profile", 2  # 2: mixed-step samples
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 DEFAULT_KV_LENS = (512, 1024, 2048)
 SAMPLE_FIELDS = {"batch": int, "kv_tokens": int, "infer_sms": int, "corun": bool, "latency_s": float}
+MIXED_FIELDS = {"prefill_tokens": int, "attn_pairs": int}  # and SAMPLE_FIELDS, in a mixed-step sample
+
+
+@dataclass(frozen=True, slots=True)
+class MixedGrid:
+    """Mixed steps to time per share: ``batches`` decode rows over ``kv_len`` tokens each, beside one prefill
+    chunk of each of ``tokens`` after each of ``contexts`` cached tokens."""
+
+    batches: tuple[int, ...] = (8, 32)
+    kv_len: int = 512
+    tokens: tuple[int, ...] = (32, 128, 256, 512)
+    contexts: tuple[int, ...] = (0, 768)
+
+    def points(self) -> list[tuple[int, int, int]]:
+        return [(b, n, c) for b in self.batches for n in self.tokens for c in self.contexts]
 
 
 class ProfileError(RuntimeError):
@@ -171,7 +188,7 @@ def _validate_samples(samples: Any, sm_count: int, where: str) -> None:
     for i, s in enumerate(samples):
         if not isinstance(s, dict):
             raise ProfileError(f"profile {where}: sample {i} is not an object", "invalid")
-        for name, kind in SAMPLE_FIELDS.items():
+        for name, kind in {**SAMPLE_FIELDS, **(MIXED_FIELDS if "prefill_tokens" in s else {})}.items():
             v = s.get(name)
             ok = (
                 isinstance(v, bool)
@@ -228,6 +245,8 @@ def default_profile_path(key: ProfileKey, root: str | os.PathLike | None = None)
 # --- timing the grid -----------------------------------------------------------------------------------
 
 DecodeStepFn = Callable[[int, int, Partition], Any]  # (batch, kv_len, partition): enqueue one decode step
+# (batch, kv_len, prefill tokens, prefill context, partition): enqueue one mixed step
+MixedStepFn = Callable[[int, int, int, int, Partition], Any]
 CorunFn = Callable[[Partition], Any]  # (partition): enqueue one trainer micro-step on partition.train_stream
 
 
@@ -240,10 +259,14 @@ def run_profile_grid(
     shares: Iterable[int] | None = None,
     warmup: int = 3,
     reps: int = 10,
+    mixed_step_fn: MixedStepFn | None = None,
+    mixed_grid: MixedGrid | None = None,
 ) -> list[dict[str, Any]]:
-    """Median latency of decode steps per (partition, batch, kv_len), alone and beside the trainer.
+    """Median latency of decode steps per (partition, batch, kv_len), and of mixed steps per (partition,
+    ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer.
 
-    ``decode_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on ``train_stream``
+    ``decode_step_fn`` and ``mixed_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on
+    ``train_stream``
     (GPU: both asynchronously; timed with CUDA events). On the CPU stand-in the calls run synchronously,
     are timed with ``perf_counter`` and the trainer loops in a thread.
     """
@@ -255,22 +278,30 @@ def run_profile_grid(
         t_train = (
             _median(_time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
         )
-        for b in batches:
-            for kv in kv_lens:
+        points = [(b, kv, None) for b in batches for kv in kv_lens]
+        if mixed_step_fn is not None:
+            grid = mixed_grid or MixedGrid()
+            points += [(b, grid.kv_len, (n, c)) for b, n, c in grid.points()]
+        for b, kv, chunk in points:
+            base = {
+                "batch": b,
+                "kv_len": kv,
+                "kv_tokens": b * kv,
+                "infer_sms": p.infer_sms,
+                "train_sms": p.train_sms,
+            }
+            if chunk is None:
                 step = lambda b=b, kv=kv, p=p: decode_step_fn(b, kv, p)
-                t_solo = _median(_time_calls(step, p.infer_stream, warmup, reps))
-                base = {
-                    "batch": b,
-                    "kv_len": kv,
-                    "kv_tokens": b * kv,
-                    "infer_sms": p.infer_sms,
-                    "train_sms": p.train_sms,
-                }
-                samples.append({**base, "corun": False, "latency_s": t_solo})
-                if corun:
-                    trainer = _Trainer(corun_fn, p, t_solo * (warmup + reps), t_train)
-                    t_co = _median(_time_calls(step, p.infer_stream, warmup, reps, trainer))
-                    samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
+            else:
+                n, c = chunk
+                step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
+                base.update(prefill_tokens=n, prefill_context=c, attn_pairs=attention_pairs([(n, c)]))
+            t_solo = _median(_time_calls(step, p.infer_stream, warmup, reps))
+            samples.append({**base, "corun": False, "latency_s": t_solo})
+            if corun:
+                trainer = _Trainer(corun_fn, p, t_solo * (warmup + reps), t_train)
+                t_co = _median(_time_calls(step, p.infer_stream, warmup, reps, trainer))
+                samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
     return samples
 
@@ -292,7 +323,11 @@ def build_profile(
         "ladder_kind": ladder.kind,
         "created_unix": t0,
         "profile_seconds": time.time() - t0,
-        "grid": {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in grid.items()},
+        "grid": {
+            k: asdict(v) if isinstance(v, MixedGrid) else list(v) if isinstance(v, (list, tuple)) else v
+            for k, v in grid.items()
+            if not callable(v)
+        },
     }
     return Profile(key, samples, meta)
 

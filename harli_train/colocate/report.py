@@ -1,10 +1,8 @@
 """What a co-located run reports: the summary JSON and two PNG plots (matplotlib, Agg backend).
 
-Violations are counted per decode step against the TPOT objective, on the token interval a running request
-saw (previous decode step's end to this one's end: it includes trainer launches, time-sliced trainer work
-and bookkeeping), or on the step's own latency after a prefill or an idle spell. Requests whose own TPOT
-(first token to last) exceeds the objective are counted separately; prefill steps stall running requests
-under every policy alike.
+The objective figures (``serving``) are the clients': every token interval of every request and each
+request's own TPOT, counted by ``accounting.objective_stats`` with nothing left out. The step rows' interval
+(one step's token-producing end to the next) is what the plots show and the policy learns from.
 """
 
 from __future__ import annotations
@@ -16,19 +14,6 @@ from typing import Any
 import numpy as np
 
 MAX_PLOT_POINTS = 20_000
-
-
-def _pct(values: Any, scale: float = 1.0) -> dict[str, float | None]:
-    a = np.asarray(values, dtype=np.float64) * scale
-    if a.size == 0:
-        return {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
-    return {
-        "p50": float(np.percentile(a, 50)),
-        "p99": float(np.percentile(a, 99)),
-        "mean": float(a.mean()),
-        "max": float(a.max()),
-        "count": int(a.size),
-    }
 
 
 def _phases(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
@@ -51,7 +36,7 @@ def build_summary(
     marks[-1] = (marks[-1][0], marks[-1][1], end_tokens)
     phases = _phases(marks)
     tpot_ms = rt.tpot_s * 1e3
-    tpots = [r.tpot_ms for r in rt.engine.metrics.requests if r.tpot_ms is not None]
+    objective = rt.objective()
     duration = marks[-1][1] - marks[0][1]
     total_tokens = end_tokens - rt.start_tokens
     serve = phases.get("serve", {"seconds": 0.0, "finetune_tokens": 0.0, "finetune_tokens_per_s": 0.0})
@@ -63,7 +48,7 @@ def build_summary(
             "tpot_ms": tpot_ms,
             "margin": rt.policy.margin,
             "budget_ms": rt.policy.budget_s * 1e3,
-            "violation": "decode token interval (or step latency after a prefill/idle) > tpot_ms",
+            "violation": "a token interval of a request (one of its tokens to its next) > tpot_ms",
         },
         "stop_reason": rt.stop_reason,
         "duration_s": duration,
@@ -88,17 +73,20 @@ def build_summary(
             "aborted_at_end": aborted,
             "output_tokens": serving.get("output_tokens"),
             "output_tokens_per_s": serving.get("output_tokens_per_s"),
-            "ttft_ms": serving.get("ttft_ms"),
-            "tpot_ms": serving.get("tpot_ms"),
-            "token_interval_ms": _pct(rt.intervals, 1e3),
+            **{k: objective[k] for k in ("violations", "violation_rate", "tpot_attainment", "clean")},
+            "intervals": objective["intervals"],
+            "requests_judged": objective["requests_judged"],
+            "requests_missing_tpot": objective["requests_missing_tpot"],
+            "ttft_ms": objective["ttft_ms"],
+            "tpot_ms": objective["tpot_ms"],
+            "token_interval_ms": objective["token_interval_ms"],
             "decode_step_ms": serving.get("decode_step_ms"),
+            "mixed_step_ms": serving.get("mixed_step_ms"),
+            "prefill_step_ms": serving.get("prefill_step_ms"),
             "decode_batch": serving.get("decode_batch"),
             "decode_steps": rt.decode_steps,
+            "mixed_steps": rt.mixed_steps,
             "prefill_steps": rt.prefill_steps,
-            "violations": rt.violations,
-            "violation_rate": rt.violations / steps,
-            "step_latency_violations": rt.step_violations,
-            "request_tpot_violations": sum(t > tpot_ms for t in tpots),
         },
         "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
         "trainer_paused_fraction": rt.paused_steps / steps,
@@ -133,7 +121,7 @@ def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str 
 
     out_dir = Path(out_dir)
     rows = read_steps(out_dir / "steps.jsonl")
-    decode = _thin([r for r in rows if r["kind"] == "decode"])
+    decode = _thin([r for r in rows if r["kind"] in ("decode", "mixed")])
     files = {"timeline": str(out_dir / "timeline.png"), "throughput": str(out_dir / "throughput.png")}
 
     fig, (ax_share, ax_batch, ax_lat) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
@@ -181,8 +169,8 @@ def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str 
         ax.step(
             edges[1:], np.diff(at_edges) / width, where="pre", color="tab:green", label="finetune tokens/s"
         )
-        dec_t = np.array([r["t"] for r in rows if r["kind"] == "decode"])
-        dec_b = np.array([r["batch"] for r in rows if r["kind"] == "decode"], dtype=float)
+        dec_t = np.array([r["t"] for r in rows if r["kind"] in ("decode", "mixed")])
+        dec_b = np.array([r["batch"] for r in rows if r["kind"] in ("decode", "mixed")], dtype=float)
         out_tok, _ = np.histogram(dec_t, bins=edges, weights=dec_b)
         ax2 = ax.twinx()
         ax2.step(

@@ -43,9 +43,9 @@ class RequestRecord:
     max_interval_ms: float | None = None  # the longest wait between two of its tokens
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50 / p99 / mean / max of `values` (None when empty)."""
-    if not values:
+def percentiles(values: Any) -> dict[str, float | None]:
+    """p50 / p99 / mean / max of `values` (a sequence or array; None when empty)."""
+    if len(values) == 0:
         return {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
     a = np.asarray(values, dtype=np.float64)
     return {

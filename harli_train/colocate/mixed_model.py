@@ -1,0 +1,131 @@
+"""Linear model of a mixed step's latency per SM share: decode rows plus prefill chunks in one varlen step.
+
+For a step of ``b`` decode rows reading ``kv`` cached tokens and prefill chunks of ``n`` tokens in all, whose
+attention covers ``w`` query-key pairs, on ``s`` SMs::
+
+    t_solo = M0[s] + M1[s]*r + M2[s]*max(r - K1, 0) + M3[s]*max(r - K2, 0) + M4[s]*w + M5[s]*kv,  r = b + n
+
+The row terms are a linear spline in the rows the projections process: flat while reading the weights
+dominates, then compute-bound with a slope that depends on the share. ``w`` is the chunks' attention, ``kv``
+the decode rows' KV read. Beside the trainer the step runs ``1 + D[s]`` times longer (fitted per share from
+co-run samples of the same points). Each share is fitted on its own by least squares weighted to relative
+error; a share the profile lacks borrows the nearest profiled one scaled by the SM ratio (fewer SMs: slower).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harli_train.colocate.regression import weighted_lstsq
+
+KNOTS = (64, 256)  # rows where the projections' cost per row changes (weight-bound -> compute-bound)
+MIXED_FIELDS = ("batch", "kv_tokens", "prefill_tokens", "attn_pairs", "infer_sms", "corun", "latency_s")
+
+
+def attention_pairs(pieces: Sequence[tuple[int, int]]) -> int:
+    """Query-key pairs of prefill pieces ``(tokens, context before them)`` under a causal mask."""
+    return sum(n * c + n * (n + 1) // 2 for n, c in pieces)
+
+
+def _features(batch: int, kv_tokens: int, tokens: int, pairs: int) -> tuple[float, ...]:
+    r = float(batch + tokens)
+    return (1.0, r, max(r - KNOTS[0], 0.0), max(r - KNOTS[1], 0.0), float(pairs), float(kv_tokens))
+
+
+@dataclass(slots=True)
+class MixedStepModel:
+    """Per-share coefficients of the mixed-step model; ``predict`` is a dot product of six terms."""
+
+    coef: dict[int, list[float]]  # sms -> M0..M5
+    slowdown: dict[int, float]  # sms -> D (co-run)
+    fit_report: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, samples: Sequence[dict]) -> MixedStepModel:
+        """Fit every share with at least as many solo samples as terms."""
+        solo = [r for r in samples if not r["corun"]]
+        by_share: dict[int, list[dict]] = {}
+        for r in solo:
+            by_share.setdefault(int(r["infer_sms"]), []).append(r)
+        coef = {}
+        for sms, rows in by_share.items():
+            if len(rows) < 6:
+                continue
+            X = np.array(
+                [_features(r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"]) for r in rows]
+            )
+            y = np.array([float(r["latency_s"]) for r in rows])
+            coef[sms] = [float(c) for c in weighted_lstsq(X, y, 1.0 / y)]
+        if not coef:
+            raise ValueError("no SM share has six solo mixed-step samples to fit the mixed model")
+        model = cls(coef, {})
+        measured = {_point(r): float(r["latency_s"]) for r in solo}
+        ratios: dict[int, list[float]] = {}
+        for r in samples:
+            if r["corun"] and _point(r) in measured:
+                ratios.setdefault(int(r["infer_sms"]), []).append(float(r["latency_s"]) / measured[_point(r)])
+        model.slowdown = {s: max(float(np.median(v)) - 1.0, 0.0) for s, v in ratios.items()}
+        model.fit_report = model.evaluate(samples, prefix="fit_")
+        return model
+
+    def _share(self, sms: int) -> tuple[list[float], float]:
+        """Coefficients at ``sms``: its own, or the nearest profiled share's scaled by the SM ratio."""
+        if sms in self.coef:
+            return self.coef[sms], self.slowdown.get(sms, self._nearest_slowdown(sms))
+        near = min(self.coef, key=lambda s: abs(s - sms))
+        scale = max(near / sms, 1.0)  # fewer SMs than profiled: everything slows in proportion (safe side)
+        return [c * scale for c in self.coef[near]], self._nearest_slowdown(sms)
+
+    def _nearest_slowdown(self, sms: int) -> float:
+        if not self.slowdown:
+            return 0.0
+        return self.slowdown[min(self.slowdown, key=lambda s: abs(s - sms))]
+
+    def predict(self, batch: int, kv_tokens: int, tokens: int, pairs: int, sms: int, corun: bool) -> float:
+        coef, slow = self._share(sms)
+        t = sum(c * x for c, x in zip(coef, _features(batch, kv_tokens, tokens, pairs), strict=True))
+        return t * (1.0 + slow) if corun else t
+
+    def evaluate(self, samples: Sequence[dict], prefix: str = "") -> dict[str, float]:
+        """Mean and max absolute percentage error, solo and co-run."""
+        out: dict[str, float] = {}
+        for name, want in (("mixed_solo", False), ("mixed_corun", True)):
+            errs = [
+                abs(
+                    self.predict(
+                        r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], r["infer_sms"], want
+                    )
+                    / r["latency_s"]
+                    - 1
+                )
+                for r in samples
+                if bool(r["corun"]) == want
+            ]
+            if errs:
+                out[f"{prefix}{name}_mape_pct"] = 100.0 * sum(errs) / len(errs)
+                out[f"{prefix}{name}_max_ape_pct"] = 100.0 * max(errs)
+                out[f"{prefix}{name}_n"] = len(errs)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "coef": {str(s): list(c) for s, c in self.coef.items()},
+            "slowdown": {str(s): d for s, d in self.slowdown.items()},
+            "fit_report": dict(self.fit_report),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MixedStepModel:
+        return cls(
+            {int(s): [float(x) for x in c] for s, c in d["coef"].items()},
+            {int(s): float(x) for s, x in d.get("slowdown", {}).items()},
+            dict(d.get("fit_report", {})),
+        )
+
+
+def _point(r: dict) -> tuple:
+    return (r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], r["infer_sms"])

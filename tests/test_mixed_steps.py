@@ -1,0 +1,150 @@
+"""Mixed steps in co-location: the mixed-step model, the prefill chunk each policy sizes with it, the
+objective accounting over every token interval, and a co-located run that rides prefill in decode steps."""
+
+import json
+
+import numpy as np
+import pytest
+
+from harli_train.colocate.accounting import objective_stats
+from harli_train.colocate.mixed_model import MixedStepModel, attention_pairs
+from harli_train.colocate.policies import MIN_CHUNK, largest_chunk, make_policy
+from harli_train.colocate.predictor import LatencyPredictor, split_samples
+from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.colocate.sm import SMLadder
+from harli_train.engine.metrics import EngineMetrics
+from harli_train.engine.sampling_params import SamplingParams
+from harli_train.engine.scheduler import PrefillPiece, StepPreview
+from harli_train.engine.sequence import Sequence
+
+from .test_runtime import TOTAL, requests, rows, runtime, synthetic_predictor
+
+
+def mixed_predictor(shares):
+    """The test_runtime decode model plus mixed steps of 1 ms * (1 + 64/s) + 0.1 ms * 64/s per row."""
+    pred = synthetic_predictor(shares)
+    pred.mixed = MixedStepModel({s: [1e-3 * (1 + 64 / s), 1e-4 * 64 / s, 0, 0, 0, 0] for s in shares}, {})
+    return pred
+
+
+def test_mixed_model_fits_the_spline_and_holds_out():
+    rng = np.random.default_rng(0)
+    truth = {s: [2e-3 + 0.1 / s, 4e-6 * 64 / s, 3e-6 * 64 / s, 1e-6, 2e-9, 1e-8] for s in (32, 64, 132)}
+    samples = []
+    for s, c in truth.items():
+        for b in (8, 32):
+            for n in (32, 128, 256, 512):
+                for ctx in (0, 768):
+                    pairs = attention_pairs([(n, ctx)])
+                    r = b + n
+                    t = c[0] + c[1] * r + c[2] * max(r - 64, 0) + c[3] * max(r - 256, 0) + c[4] * pairs
+                    t = (t + c[5] * b * 512) * (1 + rng.normal(0, 0.01))
+                    base = dict(batch=b, kv_tokens=b * 512, prefill_tokens=n, attn_pairs=pairs, infer_sms=s)
+                    samples.append({**base, "corun": False, "latency_s": t})
+                    samples.append({**base, "corun": True, "latency_s": t * 1.2})
+    fit, held = split_samples(samples, 0.7, seed=1)
+    model = MixedStepModel.fit(fit)
+    errors = model.evaluate(held)
+    assert errors["mixed_solo_mape_pct"] < 3 and errors["mixed_corun_mape_pct"] < 3
+    assert model.slowdown[64] == pytest.approx(0.2, abs=0.03)
+    assert MixedStepModel.from_dict(json.loads(json.dumps(model.to_dict()))).coef == model.coef
+    # A share the profile lacks: the nearest one, slower in proportion to the SMs it has fewer.
+    assert model.predict(8, 4096, 128, 0, 16, False) > model.predict(8, 4096, 128, 0, 32, False)
+
+
+def test_the_predictor_separates_and_keeps_mixed_samples():
+    pred = mixed_predictor([16, 64])
+    restored = LatencyPredictor.from_dict(json.loads(json.dumps(pred.to_dict())))
+    assert restored.predict_mixed(4, 100, 50, 0, 64, False) == pytest.approx(
+        pred.predict_mixed(4, 100, 50, 0, 64, False)
+    )
+    raw = pred.predict_mixed(4, 100, 50, 0, 64, True, raw=True)
+    pred.alpha_up = 0.5
+    pred.observe(64, True, 1.4 * raw, raw, mixed=True)
+    assert pred.correction(64, True, mixed=True) > 1.1 and pred.correction(64, True) == 1.0  # kept apart
+    with pytest.raises(ValueError, match="no mixed-step samples"):
+        synthetic_predictor([16]).predict_mixed(1, 1, 1, 0, 16)
+
+
+def test_chunks_fit_the_budget_on_each_policys_share():
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    preview = StepPreview(2, 40, (PrefillPiece(200, 0, 0), PrefillPiece(100, 0, 0)))
+    assert preview.kind == "mixed" and preview.prefill_tokens == 300
+    # 18.09 ms budget: on s SMs, 1e-3 (1 + 64/s) + 1e-4 (64/s) (2 + n) fits n <= 158 at 64 SMs, 73 at 32.
+    budget = 0.0201 * 0.9
+    n, t, _ = largest_chunk(pred, preview, 64, True, budget)
+    assert n == 158 and t <= budget < pred.predict_mixed(2, 40, 159, 0, 64, True)
+    assert largest_chunk(pred, preview, 8, True, budget)[0] == MIN_CHUNK  # nothing fits: prefill still moves
+    assert largest_chunk(pred, StepPreview(2, 40, (PrefillPiece(20, 0, 0),)), 8, True, budget)[0] == 20
+    static = make_policy("static:32", ladder, pred, 0.0201, 0.1)
+    plan = static.plan(preview)
+    assert plan.partition.infer_sms == 32 and plan.prefill_tokens == 73 and plan.mixed_raw_s is not None
+    # harli: the smallest share that fits at least its floor (128 tokens; 48 SMs fit 116), filled to what
+    # fits there.
+    harli = make_policy("harli", ladder, pred, 0.0201, 0.1)
+    plan = harli.plan(preview)
+    assert plan.partition.infer_sms == 64 and plan.prefill_tokens == 158 and not plan.paused
+    assert plan.train_from_sm >= 64 and plan.transient
+    # Nothing fits beside the trainer: the whole GPU, the trainer paused.
+    tight = make_policy("harli", ladder, pred, 0.004, 0.1)
+    plan = tight.plan(preview)
+    assert plan.paused and plan.partition.infer_sms == TOTAL and plan.prefill_tokens >= MIN_CHUNK
+    # Without a mixed model a policy leaves the engine's default budget.
+    assert (
+        make_policy("static:32", ladder, synthetic_predictor(ladder.shares), 0.02)
+        .plan(preview)
+        .prefill_tokens
+        is None
+    )
+
+
+def _seq(i: int, times: list[float], arrival: float = 0.0) -> Sequence:
+    seq = Sequence(i, [1, 2, 3], SamplingParams(max_tokens=len(times)), arrival)
+    seq.token_ids += [5] * len(times)
+    seq.token_times = list(times)
+    seq.first_token_time = times[0] if times else None
+    seq.finish_time = times[-1] if times else None
+    seq.finish_reason = "length"
+    return seq
+
+
+def test_objective_counts_every_interval_and_requests_still_running():
+    metrics = EngineMetrics(0.0)
+    metrics.add_finished(_seq(0, [0.10, 0.11, 0.12, 0.20]))  # one 80 ms wait (a prefill stalled it)
+    metrics.add_finished(_seq(1, [0.10, 0.11, 0.12, 0.13]))
+    running = _seq(2, [0.3, 0.302, 0.322])  # cut off at the end: counted with its tokens so far
+    stats = objective_stats(metrics, 0.015, [running])
+    assert stats["intervals"] == 3 + 3 + 2 and stats["violations"] == 2  # the 80 ms and a 20 ms wait
+    assert stats["violation_rate"] == pytest.approx(2 / 8)
+    # TPOT (first to last): 33.3 ms (misses), 10 ms, 11 ms: 2 of 3 meet 15 ms.
+    assert stats["tpot_attainment"] == pytest.approx(2 / 3) and stats["requests_missing_tpot"] == 1
+    assert not stats["clean"] and stats["token_interval_ms"]["max"] == pytest.approx(80)
+    clean = EngineMetrics(0.0)
+    for i in range(3):
+        clean.add_finished(_seq(i, [0.1, 0.11, 0.12]))
+    assert objective_stats(clean, 0.015)["clean"]
+
+
+def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)
+    load = requests([(0.0, 2, 60), (0.4, 3, 8), (0.6, 2, 8)])
+    opts = RuntimeOptions(until="load", window_s=1.5, quiet=True, finish=False, plots=False)
+    # Short micro-steps (the CPU runs them between engine steps), so the requests are served as they arrive.
+    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32")
+    summary = runtime(tmp_path, ladder, make, load, opts, None, None, *small).run()
+    steps = rows(tmp_path)
+    mixed = [r for r in steps if r["kind"] == "mixed"]
+    assert mixed and all(r["batch"] > 0 and r["prefill_tokens"] > 0 for r in mixed)
+    decoding = [r for r in steps if r["kind"] in ("decode", "mixed")]
+    assert summary["serving"]["decode_steps"] == len(decoding)
+    assert summary["serving"]["mixed_steps"] == len(mixed)
+    # Prefill steps of their own only while nothing decodes.
+    requests_out = [
+        json.loads(x) for x in (tmp_path / "colocate/serve/requests.jsonl").read_text().splitlines()
+    ]
+    served = sum(r["output_tokens"] - 1 for r in requests_out if r["output_tokens"] > 1)
+    sv = summary["serving"]
+    assert sv["intervals"] == served and sv["tpot_attainment"] is not None
+    assert set(sv) >= {"violations", "violation_rate", "tpot_attainment", "clean", "ttft_ms", "tpot_ms"}
