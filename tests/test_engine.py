@@ -23,6 +23,7 @@ from harli_train.engine import (  # noqa: E402
     TraceError,
     generate_text,
     poisson_trace,
+    rate_profile_trace,
     read_trace,
     serve_trace,
 )
@@ -361,7 +362,7 @@ def test_engine_refuses_a_model_with_an_adapter():
 
 
 def test_traces_and_synthetic_load(tmp_path):
-    for name in ("steady", "bursty"):
+    for name in ("steady", "bursty", "varying"):
         reqs = read_trace(os.path.join(TRACES, f"{name}.jsonl"))
         assert len(reqs) >= 20 and all(r.output_len >= 1 and (r.prompt_len or r.prompt) for r in reqs)
         assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
@@ -371,6 +372,24 @@ def test_traces_and_synthetic_load(tmp_path):
     bursty = poisson_trace(1.0, 40.0, 32, 8, seed=3, burst_rate=20.0, burst_every_s=10.0, burst_len_s=2.0)
     in_burst = sum((r.arrival_s % 10.0) < 2.0 for r in bursty)
     assert in_burst > 2 * (len(bursty) - in_burst)
+    ramp = rate_profile_trace([(0, 1.0), (10, 1.0), (20, 10.0), (30, 10.0)], 32, 8, seed=1)
+    counts = [sum(lo <= r.arrival_s < lo + 10 for r in ramp) for lo in (0, 10, 20)]
+    assert counts[0] < counts[1] < counts[2] and 60 <= counts[2] <= 140 and ramp[-1].arrival_s < 30
+    with pytest.raises(TraceError, match="time order"):
+        rate_profile_trace([(5, 1.0), (0, 1.0)], 32, 8)
+
+
+def test_shipped_traces_regenerate_byte_for_byte(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_traces", os.path.join(TRACES, "make_traces.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "HERE", tmp_path)
+    module.main()
+    for name in ("steady", "bursty", "varying"):
+        with open(os.path.join(TRACES, f"{name}.jsonl")) as shipped:
+            assert (tmp_path / f"{name}.jsonl").read_text() == shipped.read(), name
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_s": 0, "prompt_len": 4, "output_len": 2}\n{"arrival_s": 1, "output_len": 2}\n')
     with pytest.raises(TraceError, match=r"bad.jsonl:2: give exactly one of 'prompt'"):

@@ -10,6 +10,7 @@ from harli_train.engine.load import (
     TraceReplay,
     TraceRequest,
     poisson_trace,
+    rate_profile_trace,
     read_trace,
 )
 from harli_train.engine.metrics import EngineMetrics
@@ -38,6 +39,7 @@ __all__ = [
     "build_engine",
     "generate_text",
     "poisson_trace",
+    "rate_profile_trace",
     "read_trace",
     "serve_trace",
 ]

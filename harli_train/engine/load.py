@@ -7,6 +7,7 @@ A trace line is one request: {"arrival_s": 0.25, "prompt": "text" | "prompt_len"
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,15 +159,47 @@ def poisson_trace(
     the first `burst_len_s` of every `burst_every_s` window (on/off modulated Poisson, drawn by thinning)."""
     if rate <= 0 or duration_s <= 0:
         raise TraceError(f"synthetic load: rate ({rate}) and duration_s ({duration_s}) must be > 0")
+
+    def rate_at(t: float) -> float:
+        return burst_rate if burst_rate is not None and (t % burst_every_s) < burst_len_s else rate
+
+    return _thinned_trace(rate_at, max(rate, burst_rate or 0.0), duration_s, prompt_len, output_len, seed)
+
+
+def rate_profile_trace(
+    knots: Sequence[tuple[float, float]],
+    prompt_len: int | str | LengthDist,
+    output_len: int | str | LengthDist,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Poisson arrivals whose rate follows `knots` [(seconds, requests/s), ...], linear between knots, from
+    the first knot's time to the last's (a load that ramps up and down)."""
+    times = [t for t, _ in knots]
+    rates = [r for _, r in knots]
+    if len(knots) < 2 or times != sorted(times) or min(rates) < 0 or max(rates) <= 0:
+        raise TraceError(f"rate profile {list(knots)}: want >= 2 knots in time order with rates >= 0")
+    return _thinned_trace(
+        lambda t: float(np.interp(t, times, rates)), max(rates), times[-1], prompt_len, output_len, seed
+    )
+
+
+def _thinned_trace(
+    rate_at: Callable[[float], float],
+    peak: float,
+    duration_s: float,
+    prompt_len: int | str | LengthDist,
+    output_len: int | str | LengthDist,
+    seed: int,
+) -> list[TraceRequest]:
+    """Arrivals of a Poisson process of rate `rate_at(t)` <= `peak` over [0, duration_s), by thinning, and
+    their lengths."""
     rng = np.random.default_rng(seed)
-    peak = max(rate, burst_rate or 0.0)
     t, times = 0.0, []
     while True:
         t += rng.exponential(1.0 / peak)
         if t >= duration_s:
             break
-        now_rate = burst_rate if burst_rate is not None and (t % burst_every_s) < burst_len_s else rate
-        if rng.random() < now_rate / peak:
+        if rng.random() < rate_at(t) / peak:
             times.append(t)
     p = LengthDist.parse(prompt_len, "prompt_len").sample(rng, len(times))
     o = LengthDist.parse(output_len, "output_len").sample(rng, len(times))
