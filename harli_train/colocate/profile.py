@@ -397,6 +397,12 @@ def _time_calls(
             trainer.stop()
 
 
+def median_step_s(call: Callable[[], Any], stream: Any, warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds of ``call`` (which launches one step on ``stream``) over ``reps`` runs after ``warmup``:
+    CUDA events on a GPU stream, the host clock on a CPU stand-in."""
+    return _median(_time_calls(call, stream, warmup, reps))
+
+
 def _is_cuda_stream(stream: Any) -> bool:
     try:
         import torch
