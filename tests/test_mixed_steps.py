@@ -148,3 +148,7 @@ def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     sv = summary["serving"]
     assert sv["intervals"] == served and sv["tpot_attainment"] is not None
     assert set(sv) >= {"violations", "violation_rate", "tpot_attainment", "clean", "ttft_ms", "tpot_ms"}
+    # The trainer's SMs over the whole run, plan to plan (what its shares were worth).
+    held = summary["trainer_sm_seconds"]
+    assert sum(held.values()) == pytest.approx(summary["duration_s"], rel=0.05, abs=0.02)
+    assert any(int(sms) > 0 for sms in held)

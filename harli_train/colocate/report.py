@@ -91,6 +91,9 @@ def build_summary(
         "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
         "trainer_paused_fraction": rt.paused_steps / steps,
         "share_histogram": {str(k): v for k, v in sorted(rt.shares.items())},
+        "trainer_sm_seconds": {
+            str(k): round(v, 4) for k, v in sorted(rt.trainer_sm_seconds.items()) if v > 0
+        },
         "mean_infer_sms": sum(k * v for k, v in rt.shares.items()) / steps,
         "phases": phases,
         "policy_detail": rt.policy.summary(),

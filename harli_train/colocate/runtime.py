@@ -35,7 +35,7 @@ from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
-from harli_train.colocate.policies import AFTER, BESIDE, Policy
+from harli_train.colocate.policies import AFTER, BESIDE, Policy, StepPlan
 from harli_train.colocate.sm import Partition
 from harli_train.engine.load import TraceReplay, TraceRequest
 from harli_train.engine.scheduler import StepPreview
@@ -154,6 +154,9 @@ class ColocatedRuntime:
         self.shares: Counter[int] = Counter()
         self.gc_pauses = GcPauses()
         self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
+        # Seconds the trainer held each SM count (0: paused), plan to plan: what its shares were worth.
+        self.trainer_sm_seconds: Counter[int] = Counter()
+        self._held_sms, self._held_since = 0, 0.0
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -164,6 +167,7 @@ class ColocatedRuntime:
         self.engine.reset_metrics()
         self.t0 = time.perf_counter()
         self._last_progress = self.t0
+        self._held_since = 0.0
         self._prev: Partition | None = None
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.feeder.progress_tokens()
@@ -249,6 +253,7 @@ class ColocatedRuntime:
         self._mark("solo")
         end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
         plan = self.policy.idle_plan()
+        self._hold(plan)
         while not self._stop.is_set() and not self.feeder.done and self._now() < end:
             self.feeder.tick()
             if not self.feeder.feed(plan) or self.feeder.threaded:
@@ -263,6 +268,7 @@ class ColocatedRuntime:
         if not (self.policy.serve_alone or self.feeder.done):
             self.feeder.tick()
             plan = self.policy.idle_plan()
+            self._hold(plan)
             launched = self.feeder.feed(plan)
             if launched:
                 self._record(
@@ -293,6 +299,7 @@ class ColocatedRuntime:
         feeder, policy = self.feeder, self.policy
         feeder.tick()
         plan = policy.plan(preview)
+        self._hold(plan)
         policy.ladder.switch(self._prev, plan.partition)
         self._prev = plan.partition
         if self.hook is not None:
@@ -362,6 +369,13 @@ class ColocatedRuntime:
             self._last_kind = result.kind
         self._last_end = end
         self._record(row, t=end)
+
+    def _hold(self, plan: StepPlan | None) -> None:
+        """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""
+        now = self._now()
+        self.trainer_sm_seconds[self._held_sms] += now - self._held_since
+        sms = 0 if plan is None or plan.paused else plan.train_sms
+        self._held_sms, self._held_since = sms, now
 
     def _decode_oom(self, err: BaseException) -> None:
         self.decode_ooms += 1
@@ -436,6 +450,7 @@ class ColocatedRuntime:
     def _finish(self) -> dict[str, Any]:
         feeder, trainer = self.feeder, self.trainer
         self._mark("end")
+        self._hold(None)
         if self.stop_reason == "trained" and not feeder.done:
             self.stop_reason = "window"
         if not self.opts.quiet:
