@@ -167,7 +167,6 @@ class ColocatedRuntime:
         self.engine.reset_metrics()
         self.t0 = time.perf_counter()
         self._last_progress = self.t0
-        self._held_since = 0.0
         self._prev: Partition | None = None
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.feeder.progress_tokens()
@@ -219,6 +218,7 @@ class ColocatedRuntime:
         window = opts.window_s if opts.until == "load" else None
         trained_at: float | None = None
         self._mark("serve")
+        self._held_since = self._now()
         while not self._stop.is_set():
             now = self._now()
             if feeder.done and trained_at is None:
