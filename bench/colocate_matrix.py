@@ -1,0 +1,215 @@
+"""The co-location matrix: what each policy did in each cell (trace x load) under each objective, against the
+strongest fixed split and the ideal harvest; merged over device calls into the result of record.
+
+Layout (one call's file and the merged matrix alike)::
+
+    {"objectives": {"auto:1.5": {"tpot_ms": ..,
+                                 "cells": {"steady/light": {"policies": {"harli": {..}, "static:48": {..}},
+                                                            "best_static": "static:48",
+                                                            "ideal_tokens_per_s": .., ..}},
+                                 "traces": {"steady": {"best_single_static": "static:64", ..}}}},
+     "standalone": {"whole_gpu_tokens_per_s": .., "by_train_sms": {"84": .., ..}}, ...}
+
+A policy row holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``, ``violations``,
+``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
+``fraction_of_ideal`` and the TTFT/TPOT figures; the policy under test is keyed ``harli`` whatever its
+options. Every policy is judged by the same bar (``clean``: every token interval counted).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+NOISE = 0.02  # run-to-run noise of finetune tokens/s: a shortfall within it counts as equal
+EFFICIENCY_SLACK = 0.10  # harli's share efficiency within this of the best fixed split's
+VARYING_BAR = 1.3  # harli over the best single fixed split on the varying trace
+LIGHT_FRACTION_BAR = 0.70  # harli's tokens/s over the same-run standalone rate at light load
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def standalone_rate(by_train_sms: dict[int, float], sms: int) -> float:
+    """The trainer's standalone tokens/s on ``sms`` SMs: measured, or linear between the measured counts
+    (0 at 0 SMs; the largest measured past it)."""
+    points = sorted((int(k), float(v)) for k, v in by_train_sms.items())
+    if sms <= 0 or not points:
+        return 0.0
+    lo = (0, 0.0)
+    for hi in points:
+        if sms <= hi[0]:
+            w = (sms - lo[0]) / (hi[0] - lo[0])
+            return lo[1] + w * (hi[1] - lo[1])
+        lo = hi
+    return points[-1][1]
+
+
+def share_worth(trainer_sm_seconds: dict[Any, float], by_train_sms: dict[int, float]) -> float | None:
+    """Time-weighted standalone tokens/s of the SM counts a policy's trainer held (None: no time)."""
+    total = sum(trainer_sm_seconds.values())
+    if total <= 0:
+        return None
+    return sum(s * standalone_rate(by_train_sms, int(k)) for k, s in trainer_sm_seconds.items()) / total
+
+
+def rate_cell(cell: dict[str, Any], by_train_sms: dict[int, float]) -> dict[str, Any]:
+    """Fill in each policy's share efficiency and fraction of the ideal, and the cell's best clean fixed
+    split (``best_static``: None when no fixed split is clean)."""
+    ideal = cell.get("ideal_tokens_per_s")
+    for row in cell["policies"].values():
+        if "error" in row:
+            continue
+        worth = share_worth(row.get("trainer_sm_seconds") or {}, by_train_sms)
+        tok = row["finetune_tokens_per_s"]
+        row["share_efficiency"] = tok / worth if worth else None
+        row["fraction_of_ideal"] = tok / ideal if ideal else None
+    clean = [
+        (name, row)
+        for name, row in cell["policies"].items()
+        if name.startswith("static:") and "error" not in row and row.get("clean")
+    ]
+    best = max(clean, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=(None, None))
+    cell["best_static"] = best[0]
+    return cell
+
+
+def best_single_static(cells: dict[str, dict[str, Any]]) -> str | None:
+    """The one fixed split clean in every load of a trace with the highest mean tokens/s over those loads
+    (what an operator would fix); None when no split is clean in all of them."""
+    candidates = None
+    for cell in cells.values():
+        clean = {n for n, r in cell["policies"].items() if n.startswith("static:") and r.get("clean")}
+        candidates = clean if candidates is None else candidates & clean
+    if not candidates:
+        return None
+
+    def mean_tokens(name: str) -> float:
+        return sum(c["policies"][name]["finetune_tokens_per_s"] for c in cells.values()) / len(cells)
+
+    return max(sorted(candidates), key=mean_tokens)
+
+
+def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
+    """Each bar of the co-location issues, per cell and overall. A cell fails when no fixed split is clean
+    (there is nothing honest to compare against) or harli is not clean."""
+    cells_out, ok = {}, True
+    for obj_name, obj in matrix.get("objectives", {}).items():
+        for key, cell in obj.get("cells", {}).items():
+            trace, load_name = key.split("/", 1)
+            harli = cell["policies"].get("harli", {})
+            best = cell.get("best_static")
+            base = cell["policies"].get(best) if best else None
+            v: dict[str, Any] = {"harli_clean": bool(harli.get("clean")), "best_static": best}
+            tok = harli.get("finetune_tokens_per_s")
+            if base is not None and tok is not None:
+                v["vs_best_static"] = (
+                    tok / base["finetune_tokens_per_s"] if base["finetune_tokens_per_s"] else None
+                )
+                v["beats_best_static"] = v["vs_best_static"] is not None and v["vs_best_static"] >= 1 - NOISE
+                eff, base_eff = harli.get("share_efficiency"), base.get("share_efficiency")
+                v["share_efficiency_ok"] = (
+                    eff is not None and base_eff is not None and eff >= (1 - EFFICIENCY_SLACK) * base_eff
+                )
+            single = obj.get("traces", {}).get(trace, {}).get("best_single_static")
+            if single and tok is not None and single in cell["policies"]:
+                v["vs_best_single_static"] = tok / max(
+                    cell["policies"][single]["finetune_tokens_per_s"], 1e-9
+                )
+            solo = matrix.get("standalone", {}).get("whole_gpu_tokens_per_s")
+            if load_name == "light" and solo and tok is not None:
+                v["fraction_of_standalone"] = tok / solo
+            v["pass"] = bool(
+                v["harli_clean"]
+                and base is not None
+                and v.get("beats_best_static")
+                and v.get("share_efficiency_ok")
+                and (trace != "varying" or (v.get("vs_best_single_static") or 0) >= VARYING_BAR)
+                and (load_name != "light" or (v.get("fraction_of_standalone") or 0) >= LIGHT_FRACTION_BAR)
+            )
+            ok &= v["pass"]
+            cells_out[f"{obj_name} {key}"] = v
+    return {"cells": cells_out, "all_pass": ok and bool(cells_out)}
+
+
+def finish(matrix: dict[str, Any]) -> dict[str, Any]:
+    """Rate every cell, name each trace's best single fixed split, and judge: the derived fields of a run's
+    result or of a merged matrix (recomputed after a merge, from the rows)."""
+    by_sms = {int(k): v for k, v in matrix.get("standalone", {}).get("by_train_sms", {}).items()}
+    for obj in matrix.get("objectives", {}).values():
+        traces: dict[str, dict[str, Any]] = {}
+        for key, cell in obj.get("cells", {}).items():
+            rate_cell(cell, by_sms)
+            traces.setdefault(key.split("/", 1)[0], {})[key] = cell
+        obj["traces"] = {
+            t: {**obj.get("traces", {}).get(t, {}), "best_single_static": best_single_static(cells)}
+            for t, cells in traces.items()
+        }
+    matrix["verdict"] = verdict(matrix)
+    return matrix
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One matrix from per-call results: their cells side by side (a later call's cell of the same name
+    replaces an earlier one), the standalone rates of the first call that measured them, each call's set-up
+    kept under ``calls``."""
+    out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": []}
+    for part in parts:
+        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s")})
+        if not out["standalone"] and part.get("standalone"):
+            out["standalone"] = part["standalone"]
+        for name, obj in part.get("objectives", {}).items():
+            dst = out["objectives"].setdefault(name, {"cells": {}, "traces": {}})
+            dst.update({k: v for k, v in obj.items() if k not in ("cells", "traces")})
+            dst["cells"].update(obj.get("cells", {}))
+    return finish(out)
+
+
+def table(matrix: dict[str, Any]) -> str:
+    """harli against best_static, best_single_static and the ideal, per objective and cell."""
+    head = [
+        "objective", "cell", "harli tok/s", "clean", "attain", "viol. rate", "best static", "tok/s",
+        "harli/best", "single", "harli/single", "ideal", "harli/ideal", "eff harli", "eff best", "pass",
+    ]  # fmt: skip
+    rows = []
+    verdicts = matrix.get("verdict", {}).get("cells", {})
+    for obj_name, obj in matrix.get("objectives", {}).items():
+        for key, cell in obj.get("cells", {}).items():
+            h = cell["policies"].get("harli", {})
+            best = cell.get("best_static")
+            b = cell["policies"].get(best, {}) if best else {}
+            single = obj.get("traces", {}).get(key.split("/")[0], {}).get("best_single_static")
+            v = verdicts.get(f"{obj_name} {key}", {})
+            rows.append(
+                [
+                    obj_name,
+                    key,
+                    _f(h.get("finetune_tokens_per_s"), 0),
+                    "yes" if h.get("clean") else "no",
+                    _f(h.get("tpot_attainment"), 3),
+                    _f(h.get("violation_rate"), 4),
+                    best or "none clean",
+                    _f(b.get("finetune_tokens_per_s"), 0),
+                    _f(v.get("vs_best_static"), 2),
+                    single or "-",
+                    _f(v.get("vs_best_single_static"), 2),
+                    _f(cell.get("ideal_tokens_per_s"), 0),
+                    _f(h.get("fraction_of_ideal"), 2),
+                    _f(h.get("share_efficiency"), 2),
+                    _f(b.get("share_efficiency"), 2),
+                    "PASS" if v.get("pass") else "FAIL",
+                ]
+            )
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
+    return "\n".join([fmt(head), *map(fmt, rows)])
+
+
+def _f(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"

@@ -1,0 +1,87 @@
+"""bench/colocate_matrix.py: share worth and efficiency, the best clean fixed split per cell and per trace,
+the verdict's bars, and merging per-call results into one matrix."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import colocate_matrix as cm  # noqa: E402
+
+RATES = {20: 4000.0, 52: 9000.0, 84: 13000.0, 116: 15000.0}
+
+
+def row(tok, clean=True, held=None):
+    return {
+        "finetune_tokens_per_s": tok,
+        "clean": clean,
+        "tpot_attainment": 1.0 if clean else 0.8,
+        "violation_rate": 0.0 if clean else 0.01,
+        "trainer_sm_seconds": held or {"84": 10.0},
+    }
+
+
+def cell(**policies):
+    return {"policies": policies, "ideal_tokens_per_s": 14000.0}
+
+
+def test_standalone_rate_interpolates_and_share_worth_weights_by_time():
+    assert cm.standalone_rate(RATES, 84) == 13000.0
+    assert cm.standalone_rate(RATES, 68) == pytest.approx(11000.0)
+    assert cm.standalone_rate(RATES, 10) == pytest.approx(2000.0)  # toward 0 at 0 SMs
+    assert cm.standalone_rate(RATES, 132) == 15000.0 and cm.standalone_rate(RATES, 0) == 0.0
+    assert cm.share_worth({"84": 1.0, "52": 1.0, "0": 2.0}, RATES) == pytest.approx((13000 + 9000) / 4)
+    assert cm.share_worth({}, RATES) is None
+
+
+def test_best_fixed_splits_and_the_verdict():
+    light = cell(
+        harli=row(12000.0, held={"84": 5.0, "116": 5.0}),
+        **{"static:48": row(11000.0), "static:32": row(12500.0, clean=False), "static:64": row(9000.0)},
+    )
+    heavy = cell(
+        harli=row(9000.0, held={"52": 10.0}),
+        **{"static:48": row(8000.0, clean=False), "static:64": row(8900.0), "static:80": row(7000.0)},
+    )
+    none_clean = cell(harli=row(9000.0), **{"static:48": row(9500.0, clean=False)})
+    matrix = {
+        "objectives": {
+            "auto:1.5": {"cells": {"steady/light": light, "steady/heavy": heavy, "bursty/light": none_clean}}
+        },
+        "standalone": {
+            "whole_gpu_tokens_per_s": 16000.0,
+            "by_train_sms": {str(k): v for k, v in RATES.items()},
+        },
+    }
+    cm.finish(matrix)
+    obj = matrix["objectives"]["auto:1.5"]
+    assert light["best_static"] == "static:48"  # static:32 trains more but is not clean
+    assert heavy["best_static"] == "static:64" and none_clean["best_static"] is None
+    # Clean in every steady load, the highest mean: static:64 (static:48 is not clean at heavy).
+    assert obj["traces"]["steady"]["best_single_static"] == "static:64"
+    assert obj["traces"]["bursty"]["best_single_static"] is None
+    assert light["policies"]["harli"]["share_efficiency"] == pytest.approx(12000 / 14000)
+    assert light["policies"]["harli"]["fraction_of_ideal"] == pytest.approx(12000 / 14000)
+    v = matrix["verdict"]["cells"]
+    assert v["auto:1.5 steady/light"]["pass"]  # 1.09x static:48, efficiency 0.86 vs 0.85, 0.75 of solo
+    assert v["auto:1.5 steady/heavy"]["beats_best_static"]  # 9000 vs 8900: within the noise
+    assert not v["auto:1.5 bursty/light"]["pass"]  # no fixed split to compare against: a failure
+    assert not matrix["verdict"]["all_pass"]
+    assert "none clean" in cm.table(matrix)
+
+
+def test_merge_puts_calls_side_by_side_and_recomputes():
+    a = {
+        "setup": {"trace": "steady"},
+        "standalone": {"whole_gpu_tokens_per_s": 16000.0, "by_train_sms": {"84": 13000.0}},
+        "objectives": {"auto:2": {"tpot_ms": 18.0, "cells": {"steady/light": cell(harli=row(1.0))}}},
+    }
+    b = {
+        "setup": {"trace": "bursty"},
+        "objectives": {"auto:2": {"tpot_ms": 18.0, "cells": {"bursty/light": cell(harli=row(2.0))}}},
+    }
+    merged = cm.merge([a, b])
+    assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["bursty/light", "steady/light"]
+    assert merged["standalone"]["by_train_sms"] == {"84": 13000.0} and len(merged["calls"]) == 2
+    assert "verdict" in merged and merged["objectives"]["auto:2"]["tpot_ms"] == 18.0
