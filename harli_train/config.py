@@ -7,6 +7,7 @@ Every key is declared once, as a dataclass field whose metadata holds its rule (
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -58,9 +59,12 @@ def _as_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise _Mismatch()
     try:
-        return float(v)
+        number = float(v)
     except ValueError:
         raise _Mismatch() from None
+    if not math.isfinite(number):  # `inf` and `nan` pass every `>` test, and poison training silently
+        raise _Mismatch("not a finite number")
+    return number
 
 
 def _exactly(kind: type) -> Callable[[Any], Any]:
