@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import sys
@@ -13,42 +15,61 @@ import click
 from harli_train import __version__
 from harli_train.config import HARLI_OPTIONS, LADDER_STEPS
 
-# Mistakes a user can make; each prints one clear line instead of a traceback.
-_USER_ERRORS: tuple[type[BaseException], ...] = ()
+# Exit codes: 2 when the command line, the recipe or an input file is wrong (click's own usage errors use it
+# too), 1 when the run fails while it works (it diverged, a file could not be written).
+USAGE_ERROR, RUN_FAILURE = 2, 1
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    global _USER_ERRORS
-    if not _USER_ERRORS:
-        from harli_train.adapter import AdapterError
-        from harli_train.colocate.profile import ProfileError
-        from harli_train.config import RecipeError
-        from harli_train.data.dataset import DataError
-        from harli_train.engine.engine_config import EngineError
-        from harli_train.model import ModelError
-        from harli_train.train.checkpoint import CheckpointError
+@functools.cache
+def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
+    """The errors that end a command with one line instead of a traceback, each with its exit code; the first
+    class an error is an instance of decides (subclasses come before their bases). Imported on first use, so
+    `--help` does not load torch."""
+    from harli_train.adapter import AdapterError
+    from harli_train.colocate.profile import ProfileError
+    from harli_train.config import RecipeError
+    from harli_train.data.dataset import DataError
+    from harli_train.engine.engine_config import EngineError
+    from harli_train.engine.load import TraceError
+    from harli_train.model import ModelError
+    from harli_train.train.checkpoint import CheckpointError
+    from harli_train.train.divergence import TrainingDiverged
 
-        _USER_ERRORS = (
-            RecipeError,
-            ModelError,
-            DataError,
-            AdapterError,
-            CheckpointError,
-            EngineError,
-            ProfileError,
-        )
-    return _USER_ERRORS
+    return (
+        (RecipeError, USAGE_ERROR),
+        (ModelError, USAGE_ERROR),
+        (DataError, USAGE_ERROR),
+        (AdapterError, USAGE_ERROR),
+        (CheckpointError, USAGE_ERROR),
+        (TraceError, USAGE_ERROR),  # an EngineError
+        (FileNotFoundError, USAGE_ERROR),  # an OSError: an input named on the command line or in the recipe
+        (TrainingDiverged, RUN_FAILURE),
+        (EngineError, RUN_FAILURE),  # a request the engine refused, a cache too small for the load
+        (ProfileError, RUN_FAILURE),
+        (OSError, RUN_FAILURE),  # writing outputs: a full disk, a path that is a file, no permission
+    )
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, FileNotFoundError):
+        return f"file not found: {err.filename}"
+    if isinstance(err, OSError) and err.filename is not None:
+        code = errno.errorcode.get(err.errno or 0)
+        return f"{err.filename}: {err.strerror}" + (f" ({code})" if code else "")
+    return str(err)
 
 
 def _friendly(fn: Callable) -> Callable:
+    """Run a command so that each error of `_exit_codes` prints one line and exits with its code."""
+
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
-            raise click.ClickException(str(e)) from None
-        except FileNotFoundError as e:
-            raise click.ClickException(f"file not found: {e.filename}") from None
+        except tuple(cls for cls, _ in _exit_codes()) as err:
+            failure = click.ClickException(_message(err))
+            failure.exit_code = next(code for cls, code in _exit_codes() if isinstance(err, cls))
+            raise failure from None
 
     return wrapper
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from harli_train.cli import main
 from harli_train.config import load_recipe
 from harli_train.model import load_model
+from harli_train.train.divergence import TrainingDiverged
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer
 
@@ -180,6 +181,41 @@ def test_quickstart_loss_falls(tmp_path):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.5 * first, (first, last)
     assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_diverged_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+    # lr 1e30 is finite (the recipe takes it): step 1 is finite, its update makes the weights ~1e30, and
+    # step 2's loss is nan. The run must stop there with one line, exit 1, and save nothing of step 2.
+    run = tmp_path / "run"
+    args = ["train.lr=1e30", "train.steps=5", "train.warmup_steps=0", "train.batch_size=2"]
+    args += ["data.seq_len=32", "output.checkpoint_every=1", f"output.dir={run}", "--quiet"]
+    result = CliRunner().invoke(main, [str(QUICKSTART), *args])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output
+    assert "diverged at step 2: the loss is nan" in errors[0] and "step_000001" in errors[0]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (run / "adapter").exists()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_non_finite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
+    # A finite loss with an inf gradient norm (an overflow in the backward) stops the run just the same.
+    t = Trainer(_recipe(tmp_path, **{"train.steps": 3, "output.checkpoint_every": 0}), quiet=True)
+    t.setup()
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def overflow_at_step_2(params, max_norm):
+        calls.append(real(params, max_norm))
+        return torch.tensor(float("inf")) if len(calls) == 2 else calls[-1]
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", overflow_at_step_2)
+    with pytest.raises(TrainingDiverged) as info:
+        t.train()
+    assert info.value.step == 2 and info.value.what == "gradient norm" and info.value.checkpoint is None
+    assert "no checkpoint was written" in str(info.value) and t.step == 1
+    assert not (Path(t.cfg.output.dir) / "adapter").exists()
 
 
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):

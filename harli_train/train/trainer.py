@@ -28,6 +28,7 @@ from harli_train.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from harli_train.train.divergence import TrainingDiverged, check_step
 from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.schedule import lr_at
 from harli_train.train.step import MicroStep, StepResult, train_step
@@ -214,16 +215,22 @@ class Trainer:
                 pass
         except KeyboardInterrupt:
             self.interrupt()
+        except TrainingDiverged:
+            self.metrics.close()  # nothing of the diverged state is saved: no checkpoint, no adapter
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
 
     def _commit_step(self) -> None:
-        """Count and log the step whose optimizer update has run; from here on it is kept, never redone."""
+        """Count and log the step whose optimizer update has run; from here on it is kept, never redone.
+        A step whose loss or gradient norm is not finite raises TrainingDiverged instead (nothing counted)."""
         (result, lr, grad_norm, t0), self._pending_commit = self._pending_commit, None
+        loss, grad_norm = result.loss_sum.item() / result.target_tokens, float(grad_norm)
+        check_step(self.step + 1, loss, grad_norm, self.out_dir)
         self.step += 1
         self.tokens_seen += result.input_tokens
-        self.last_loss = result.loss_sum.item() / result.target_tokens
+        self.last_loss = loss
         self._loader_state = None
         if self.device.type == "cuda":
             # The trainer's own stream: a device-wide sync would also wait for a co-located decode step.
@@ -234,7 +241,7 @@ class Trainer:
                 "step": self.step,
                 "loss": self.last_loss,
                 "lr": lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 "tokens": result.input_tokens,
                 "target_tokens": result.target_tokens,
                 "tokens_per_s": result.input_tokens / dt,
