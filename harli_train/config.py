@@ -274,7 +274,8 @@ class DataSection:
 
 @dataclass(slots=True)
 class TrainSection:
-    """Optimiser, schedule and step budget; exactly one of `steps` and `epochs` is set."""
+    """Optimiser, schedule and step budget; exactly one of `steps` and `epochs` is set. A `warmup_steps` that
+    is not below the run's step count is clamped to one less by the trainer (which knows the count)."""
 
     batch_size: int = key(8, "int", above(0))
     grad_accum: int = key(1, "int", above(0))
@@ -299,9 +300,6 @@ class TrainSection:
         if (self.steps is None) == (self.epochs is None):
             found = "neither" if self.steps is None else f"both (steps={self.steps}, epochs={self.epochs})"
             raise RecipeError(_UNPLACED, "train.steps", "exactly one of train.steps and train.epochs", found)
-        if self.steps is not None and self.warmup_steps >= self.steps:
-            expected = f"an integer < train.steps ({self.steps})"
-            raise RecipeError(_UNPLACED, "train.warmup_steps", expected, repr(self.warmup_steps))
         if self.clip_grad_norm == 0:
             self.clip_grad_norm = None
 

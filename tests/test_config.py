@@ -211,7 +211,6 @@ def test_wrong_type(tmp_path, key, value, expected, found):
         ("data.seq_len", 1, "expected an integer >= 2, got 1"),
         ("lora.dropout", 1, "expected a number in [0, 1), got 1.0"),
         ("train.batch_size", -2, "expected an integer > 0, got -2"),
-        ("train.warmup_steps", 10, "expected an integer < train.steps (10), got 10"),
         ("colocation.margin", 0.95, "expected a number in [0, 0.9], got 0.95"),
         ("colocation.tpot_ms", 0, "expected a number > 0, got 0.0"),
         ("colocation.ladder_step", 12, "expected an integer that is a multiple of 8 in [8, 64]"),

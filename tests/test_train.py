@@ -183,6 +183,21 @@ def test_quickstart_loss_falls(tmp_path):
     assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_warmup_at_or_past_the_run_length_is_clamped_with_a_warning(tmp_path, caplog):
+    # The quickstart warms up for 20 steps; `train.steps=6` must still run, warming up for 5.
+    run = tmp_path / "run"
+    args = ["train.steps=6", "train.batch_size=2", "data.seq_len=32", f"output.dir={run}", "--quiet"]
+    with caplog.at_level("WARNING"):
+        result = CliRunner().invoke(main, [str(QUICKSTART), *args])
+    assert result.exit_code == 0, result.output
+    warned = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert warned == ["train.warmup_steps (20) is not below the run's 6 steps: warming up for 5 instead"]
+    lrs = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    base = 3.0e-3  # the quickstart's train.lr
+    assert lrs[:5] == pytest.approx([base * k / 5 for k in range(1, 6)]) and lrs[5] == pytest.approx(base)
+    assert "warmup_steps: 5" in (run / "recipe.yaml").read_text()
+
+
 def test_a_diverged_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
     # lr 1e30 is finite (the recipe takes it): step 1 is finite, its update makes the weights ~1e30, and
     # step 2's loss is nan. The run must stop there with one line, exit 1, and save nothing of step 2.

@@ -98,6 +98,14 @@ class Trainer:
             self.total_steps = max(
                 1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum)
             )
+        if cfg.train.warmup_steps >= self.total_steps:
+            log.warning(
+                "train.warmup_steps (%d) is not below the run's %d steps: warming up for %d instead",
+                cfg.train.warmup_steps,
+                self.total_steps,
+                self.total_steps - 1,
+            )
+            cfg.train.warmup_steps = self.total_steps - 1  # before the recipe is written: it records this
         model.add_lora(
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
         )
