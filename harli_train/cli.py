@@ -203,17 +203,23 @@ def generate(
     seed: int,
     device: str,
 ) -> None:
-    """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0)."""
+    """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0).
+
+    A prompt that does not fit (with --max-tokens) in the model's context or the KV cache ends the command
+    with exit code 1 before anything is generated.
+    """
     from harli_train.engine.api import build_engine
     from harli_train.engine.engine_config import EngineConfig
     from harli_train.engine.sampling_params import SamplingParams
 
     longest = max(len(p.encode()) for p in prompts) + max_tokens + 1
     cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
-    engine = build_engine(model_source, device, config=cfg, adapter=adapter)
+    engine = build_engine(model_source, device, config=cfg, adapter=adapter)  # capped at the model's context
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    for prompt, seq in zip(prompts, engine.generate(list(prompts), params), strict=True):
-        text = f"[refused: {seq.error}]" if seq.finish_reason == "refused" else engine.decode_text(seq)
+    seqs = [engine.add_request(prompt, params) for prompt in prompts]  # RequestRefused: one line, exit 1
+    engine.run_until_done()
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        text = engine.decode_text(seq)
         click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
 
 

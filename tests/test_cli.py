@@ -96,3 +96,17 @@ def test_each_error_class_exits_with_its_code_and_one_line(monkeypatch, error, c
 def test_a_command_line_mistake_is_a_usage_error():
     result = CliRunner().invoke(main, ["generate"])  # --prompt is required
     assert result.exit_code == 2 and "--prompt" in result.output
+
+
+def test_generate_with_a_prompt_past_the_context_exits_1_with_one_line():
+    # tiny's context is 2048 tokens; its byte-level tokenizer adds a BOS to the prompt's bytes.
+    for prompt, max_tokens, total in (("x" * 3000, 8, 3009), ("y" * 2040, 16, 2057)):
+        result = CliRunner().invoke(
+            main, ["generate", "--prompt", prompt, "--max-tokens", str(max_tokens), "--device", "cpu"]
+        )
+        assert result.exit_code == 1, result.output[-300:]
+        lines = [line for line in result.output.splitlines() if "RANDOM weights" not in line]
+        assert len(lines) == 1 and "Traceback" not in result.output, lines
+        prompt_tokens = len(prompt) + 1
+        assert f"its prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = {total}" in lines[0]
+        assert "exceeds the model's context of 2048 tokens" in lines[0]

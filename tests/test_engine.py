@@ -304,6 +304,27 @@ def test_traces_and_synthetic_load(tmp_path):
         LengthDist.parse("gauss:3")
 
 
+def test_a_load_request_past_the_model_context_is_refused_not_served(tmp_path):
+    # A 100000-token prompt once sized the engine (and its prefill) past the machine's memory. The engine is
+    # capped at tiny's 2048-token context: that request is refused and recorded, the others are served.
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.0, "prompt_len": 12, "output_len": 3},
+        {"arrival_s": 0.0, "prompt_len": 100000, "output_len": 4, "id": "huge"},
+        {"arrival_s": 0.01, "prompt_len": 2046, "output_len": 3, "id": "just-past"},
+        {"arrival_s": 0.02, "prompt": "hello", "output_len": 3},
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    summary = serve_trace("tiny", tmp_path / "out", trace, device="cpu")
+    assert summary["requests"] == 2 and summary["refused"] == 2
+    assert summary["setup"]["engine"]["max_model_len"] == 2048
+    recs = {r["request_id"]: r for r in map(json.loads, (tmp_path / "out" / "requests.jsonl").open())}
+    for rid, total in (("huge", 100004), ("just-past", 2049)):
+        assert recs[rid]["finish_reason"] == "refused" and recs[rid]["output_tokens"] == 0
+        assert f"= {total} exceeds the model's context of 2048 tokens" in recs[rid]["error"]
+    assert recs["0"]["output_tokens"] == 3 and recs["3"]["output_tokens"] == 3
+
+
 def test_serve_trace_and_generate_text_on_tiny(tmp_path):
     trace = tmp_path / "t.jsonl"
     lines = [

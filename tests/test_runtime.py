@@ -233,6 +233,22 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
+def test_a_load_request_past_the_context_is_refused_and_the_run_goes_on(tmp_path):
+    # A 100000-token trace line once sized the co-located tiny engine past the machine's memory (killed at
+    # 24 GB). The engine is capped at tiny's 2048-token context; that request alone is refused and recorded.
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"arrival_s": 0.01 * i, "prompt_len": 16, "output_len": 6} for i in range(4)]
+    lines.insert(2, {"arrival_s": 0.015, "prompt_len": 100000, "output_len": 8, "id": "huge"})
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_colocated(recipe(tmp_path / "run", f"colocation.trace={trace}"), "tiny", quiet=True)
+    assert summary["stop_reason"] == "trained" and summary["trainer"]["steps"] == 6
+    assert summary["serving"]["refused"] == 1 and summary["serving"]["requests"] == 4
+    served = tmp_path / "run" / "colocate" / "serve" / "requests.jsonl"
+    refused = [r for r in map(json.loads, served.open()) if r["finish_reason"] == "refused"]
+    assert [r["request_id"] for r in refused] == ["huge"]
+    assert "100008 exceeds the model's context of 2048 tokens" in refused[0]["error"]
+
+
 def test_base_view_shares_weights_without_the_adapter():
     model = load_model("tiny", torch.float32, "cpu")
     model.add_lora(4, 8.0, 0.0, seed=1)

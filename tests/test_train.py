@@ -183,6 +183,13 @@ def test_quickstart_loss_falls(tmp_path):
     assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_seq_len_past_the_model_context_is_a_recipe_error():
+    result = CliRunner().invoke(main, [str(QUICKSTART), "data.seq_len=4096"])  # tiny's context: 2048 tokens
+    assert result.exit_code == 2, result.output
+    assert "data.seq_len" in result.output and "context of model 'tiny' (2048 tokens" in result.output
+    assert "got 4096" in result.output and "Traceback" not in result.output
+
+
 def test_warmup_at_or_past_the_run_length_is_clamped_with_a_warning(tmp_path, caplog):
     # The quickstart warms up for 20 steps; `train.steps=6` must still run, warming up for 5.
     run = tmp_path / "run"

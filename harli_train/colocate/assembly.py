@@ -32,6 +32,7 @@ from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_l
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
+from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
 from harli_train.train.checkpoint import rng_state, set_rng_state
@@ -99,11 +100,16 @@ def build_engine(
     max_batch: int,
     seed: int = 0,
 ) -> EngineAdapter:
-    """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung."""
+    """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung.
+
+    Sized for the longest of ``requests`` but never past the model's context: a longer request is refused
+    (and recorded so) when it arrives, as is one that needs more than the whole KV cache.
+    """
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
     # Steps are not overlapped: the controller sizes each step's partition from the step before it (its
     # measured latency and the batch it leaves), so every step completes before the next is planned.
     cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=max(longest + 1, 256), seed=seed, overlap=False)
+    cfg = capped_to_context(cfg, model.config.max_position_embeddings)  # before the cache is sized from it
     device = model.lm_head.weight.device
     if (
         device.type == "cuda"

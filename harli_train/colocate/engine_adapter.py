@@ -7,6 +7,7 @@ to change when the engine's interface does.
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections.abc import Iterable
@@ -18,6 +19,8 @@ from harli_train.colocate.sm import Partition
 from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, SamplingParams, StepResult
 from harli_train.engine.load import TraceRequest, synthetic_prompt
 from harli_train.engine.runner import DEFAULT_PARTITION
+
+log = logging.getLogger(__name__)
 
 
 def is_cuda_stream(stream: Any) -> bool:
@@ -77,7 +80,8 @@ class EngineAdapter:
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=ignore_eos, seed=self.seed)
         try:
             self.engine.add_request(prompt, params, request_id=request.request_id, arrival_time=arrival_time)
-        except RequestRefused:
+        except RequestRefused as e:
+            log.warning("%s", e)
             return False  # recorded in the engine's metrics
         return True
 

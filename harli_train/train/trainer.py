@@ -19,7 +19,14 @@ from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
 from harli_train.data.dataset import load_examples
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
-from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
+from harli_train.model import (
+    LlamaForCausalLM,
+    ModelConfig,
+    is_preset,
+    load_model,
+    model_config,
+    resolve_dtype,
+)
 from harli_train.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -74,6 +81,7 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
+        _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -304,6 +312,15 @@ class Trainer:
         return save_checkpoint(
             self.out_dir, self.step, self.model, state, self.cfg.model.name, self.cfg.output.keep_checkpoints
         )
+
+
+def _check_seq_len(cfg: RecipeConfig, model: ModelConfig) -> None:
+    """data.seq_len within the model's context: positions past it were never trained (and its RoPE scaling
+    is defined up to it)."""
+    context = model.max_position_embeddings
+    if cfg.data.seq_len > context:
+        expected = f"an integer <= the context of model {cfg.model.name!r} ({context} tokens, its max_position_embeddings)"
+        raise RecipeError(cfg.source, "data.seq_len", expected, repr(cfg.data.seq_len))
 
 
 def _raise_interrupt(signum, frame):
