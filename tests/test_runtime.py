@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from harli_train import kernels
+from harli_train.cli import main
 from harli_train.colocate.assembly import assemble, build_engine
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.policies import (
@@ -31,7 +33,7 @@ from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.runtime import ColocatedRuntime, GcPauses, RuntimeOptions
 from harli_train.colocate.shared_model import base_view, shares_weights
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder
-from harli_train.config import load_recipe
+from harli_train.config import RecipeError, load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
 from harli_train.engine.runner import LaunchedStep
@@ -231,6 +233,30 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     # Co-location changes when the trainer's work runs, never what it computes.
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+@pytest.mark.parametrize("policy", ["harli", "static:40", "streams"])
+def test_an_objective_no_decode_step_can_meet_is_refused_up_front(tmp_path, policy):
+    # colocation.tpot_ms=0.0001 once ran with every decode step violated and "trainer paused 100 %". The
+    # profile (harli) or a few timed steps (policies without a predictor) show it impossible before serving.
+    cfg = recipe(tmp_path, f"colocation.policy={policy}", "colocation.tpot_ms=0.0001")
+    with pytest.raises(RecipeError) as info:
+        assemble(cfg, "tiny", warm_up=False)
+    message = str(info.value)
+    assert message.startswith(f"{QUICKSTART}: colocation.tpot_ms: expected an objective a decode step can meet")
+    share = 48 if policy == "static:40" else TOTAL
+    assert f"(batch 1, decode on {share} of {TOTAL} SMs, the trainer paused) takes" in message
+    assert message.endswith(", got 0.0001")
+    fastest_ms = float(message.split(" takes ")[1].split(" ms ")[0])
+    assert 0.0001 < fastest_ms < 1000  # a CPU decode step of the tiny model: fractions of a ms to tens of ms
+
+
+def test_the_cli_refuses_an_impossible_objective_with_exit_2(tmp_path):
+    args = [str(QUICKSTART), "--colocate-with", "tiny", *SMALL, *LOAD, "colocation.tpot_ms=0.0001"]
+    result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path}", "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "colocation.tpot_ms: expected an objective a decode step can meet" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "colocate").exists()
 
 
 def test_a_load_request_past_the_context_is_refused_and_the_run_goes_on(tmp_path):

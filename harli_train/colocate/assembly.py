@@ -25,6 +25,7 @@ from harli_train.colocate.profile import (
     ProfileKey,
     build_profile,
     default_profile_path,
+    fastest_step_s,
     get_or_build_profile,
 )
 from harli_train.colocate.shared_model import base_view
@@ -261,6 +262,54 @@ def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> se
     return failed
 
 
+def fastest_decode_s(
+    policy: Policy,
+    engine: EngineAdapter,
+    predictor: LatencyPredictor | None = None,
+    profile: Profile | None = None,
+    reps: int = 5,
+) -> tuple[float, int, str]:
+    """The shortest decode step ``policy`` can run: batch 1 over one cached token, on its largest decode
+    share, the trainer paused. Returns (seconds, that share's SMs, where the figure comes from).
+
+    With a predictor it is the smaller of the uncorrected prediction and the profile's fastest measured step on
+    that share (no objective a step could meet is refused for a fit's error); without one (static, streams,
+    exclusive), the least of ``reps`` such steps timed now on the engine, a few milliseconds of work.
+    """
+    share = max(p.infer_sms for p in policy.partitions())
+    if predictor is not None:
+        measured = [
+            float(r["latency_s"])
+            for r in (profile.samples if profile is not None else [])
+            if not r["corun"] and int(r["infer_sms"]) == share
+        ]
+        return (
+            min([predictor.predict(1, 1, share, corun=False, raw=True), *measured]),
+            share,
+            "per the profile",
+        )
+    part = next(p for p in policy.partitions() if p.infer_sms == share)
+    return fastest_step_s(engine.synthetic_decode, part, reps=reps), share, "measured now"
+
+
+def check_objective(
+    cfg: RecipeConfig,
+    policy: Policy,
+    engine: EngineAdapter,
+    predictor: LatencyPredictor | None = None,
+    profile: Profile | None = None,
+) -> None:
+    """RecipeError on ``colocation.tpot_ms`` when not even the fastest decode step meets it: every step would
+    violate the objective, and a policy holding to it would keep the trainer paused for nothing."""
+    seconds, share, source = fastest_decode_s(policy, engine, predictor, profile)
+    if seconds > cfg.colocation.tpot_ms * 1e-3:
+        expected = (
+            f"an objective a decode step can meet: the fastest one (batch 1, decode on {share} of "
+            f"{policy.ladder.total_sms} SMs, the trainer paused) takes {seconds * 1e3:.3g} ms {source}"
+        )
+        raise RecipeError(cfg.source, "colocation.tpot_ms", expected, f"{cfg.colocation.tpot_ms:g}")
+
+
 def check_policy(name: str, where: str = "--policy") -> str:
     try:
         ColocationSection(policy=name)
@@ -320,6 +369,12 @@ def assemble(
             cfg.source, "colocation.policy", "a policy this machine can run", str(err)
         ) from None
     engine.register(policy.partitions())
+    try:
+        check_objective(cfg, policy, engine, predictor, profile)
+    except RecipeError:
+        ladder.close()
+        trainer.metrics.close()
+        raise
     while warm_up:  # the trainer's streams only, their caches kept warm for serving
         places = policy.trainer_partitions() + [ladder.full]
         failed = warm_up_trainer(trainer, places, ladder.total_sms, release=False)
