@@ -240,6 +240,19 @@ def test_a_non_finite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
     assert not (Path(t.cfg.output.dir) / "adapter").exists()
 
 
+def test_resuming_from_a_truncated_checkpoint_adapter_names_the_file(tmp_path):
+    run = tmp_path / "run"
+    args = [str(QUICKSTART), "train.steps=2", "train.warmup_steps=0", "train.batch_size=2", "data.seq_len=32"]
+    args += [f"output.dir={run}", "--quiet"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    weights = run / "checkpoints" / "step_000002" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    result = CliRunner().invoke(main, [*args, "train.steps=4", "--resume"])
+    lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith(f"Error: {weights}: not a readable safetensors file")
+
+
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     data = ROOT / "recipes" / "data" / "quickstart.jsonl"
