@@ -12,7 +12,9 @@ import copy  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
 
+from harli_train.cli import main  # noqa: E402
 from harli_train.engine import (  # noqa: E402
     DecodeEngine,
     EngineConfig,
@@ -323,6 +325,21 @@ def test_a_load_request_past_the_model_context_is_refused_not_served(tmp_path):
         assert recs[rid]["finish_reason"] == "refused" and recs[rid]["output_tokens"] == 0
         assert f"= {total} exceeds the model's context of 2048 tokens" in recs[rid]["error"]
     assert recs["0"]["output_tokens"] == 3 and recs["3"]["output_tokens"] == 3
+
+
+def test_a_trace_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    trace = tmp_path / "latin1.jsonl"
+    trace.write_bytes(
+        b'{"arrival_s": 0, "prompt_len": 4, "output_len": 2}\n{"arrival_s": 1, "prompt": "caf\xe9", "output_len": 2}\n'
+    )
+    with pytest.raises(TraceError) as info:
+        read_trace(trace)
+    assert str(info.value).startswith(f"{trace}:2: not UTF-8 text (invalid continuation byte at byte ")
+    result = CliRunner().invoke(main, ["serve-trace", "--trace", str(trace), "--out", str(tmp_path / "out")])
+    lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+    assert result.exit_code == 2 and lines == [f"Error: {info.value}"], result.output
+    trace.write_bytes(b'\xef\xbb\xbf{"arrival_s": 0, "prompt": "caf\xc3\xa9", "output_len": 2}\r\n')
+    assert read_trace(trace)[0].prompt == "caf\u00e9"  # a BOM and CRLF line ends are fine
 
 
 def test_serve_trace_and_generate_text_on_tiny(tmp_path):
