@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from harli_train import kernels
 from harli_train.cli import main
 from harli_train.config import load_recipe
 from harli_train.model import load_model
@@ -298,6 +299,25 @@ def test_cli_colocate_with_runs_both_sides(tmp_path):
     assert summary["trainer"]["steps"] == 4
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "colocate" / "timeline.png").is_file() and (out / "colocate" / "steps.jsonl").is_file()
+
+
+def test_triton_kernels_where_they_cannot_run_are_a_recipe_error(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = [str(QUICKSTART), "train.kernels=triton", f"output.dir={tmp_path / 'run'}"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/conftest.py sets it
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "train.kernels: expected 'auto' or 'torch' on this machine" in result.output
+    assert "'triton', but there is no GPU for it" in result.output and "TRITON_INTERPRET=1" in result.output
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "'triton', but triton cannot be imported" in result.output
+    monkeypatch.undo()  # TRITON_INTERPRET=1 again: the interpreter can run them, so they are accepted
+    with kernels.use_backend(kernels.get_backend()):  # setup selects the backend process-wide
+        Trainer(_recipe(tmp_path, **{"train.kernels": "triton"}), quiet=True).setup()
+        assert kernels.get_backend() == "triton"
 
 
 def test_gpu_recipe_on_a_cpu_machine_names_the_device_key():

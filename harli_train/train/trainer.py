@@ -83,6 +83,7 @@ class Trainer:
         cfg = self.cfg
         _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
+        _check_kernels(cfg, self.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
@@ -321,6 +322,16 @@ def _check_seq_len(cfg: RecipeConfig, model: ModelConfig) -> None:
     if cfg.data.seq_len > context:
         expected = f"an integer <= the context of model {cfg.model.name!r} ({context} tokens, its max_position_embeddings)"
         raise RecipeError(cfg.source, "data.seq_len", expected, repr(cfg.data.seq_len))
+
+
+def _check_kernels(cfg: RecipeConfig, device: torch.device) -> None:
+    """train.kernels=triton only where Triton kernels can run on the training device."""
+    problem = kernels.triton_unavailable(device.type == "cuda") if cfg.train.kernels == "triton" else None
+    if problem is not None:
+        expected = (
+            "'auto' or 'torch' on this machine (Triton kernels need a GPU, or Triton's CPU interpreter)"
+        )
+        raise RecipeError(cfg.source, "train.kernels", expected, f"'triton', but {problem}")
 
 
 def _raise_interrupt(signum, frame):
