@@ -1,6 +1,7 @@
 """The trainer: micro-steps equal a whole step, resume continues the same curve, the quickstart learns."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,20 @@ def test_resuming_from_a_truncated_checkpoint_adapter_names_the_file(tmp_path):
     lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
     assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
     assert lines[0].startswith(f"Error: {weights}: not a readable safetensors file")
+
+
+def test_an_output_dir_that_cannot_be_made_gives_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    cases = [a_file, a_file / "run"] + ([locked / "run"] if os.geteuid() != 0 else [])  # root writes anyway
+    for out in cases:
+        result = CliRunner().invoke(main, [str(QUICKSTART), "train.steps=1", f"output.dir={out}", "--quiet"])
+        lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+        assert result.exit_code != 0 and len(lines) == 1 and "Traceback" not in result.output, result.output
+        assert lines[0].startswith("Error: ") and str(out) in lines[0]
 
 
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):
