@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from harli_train import kernels
 from harli_train.cli import main
+from harli_train.colocate import report
 from harli_train.colocate.assembly import assemble, build_engine
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.policies import (
@@ -36,6 +37,7 @@ from harli_train.colocate.sm import SMLadder, TimeSliceLadder
 from harli_train.config import RecipeError, load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
+from harli_train.engine.metrics import percentiles
 from harli_train.engine.runner import LaunchedStep
 from harli_train.kernels import launch_config
 from harli_train.model import load_model
@@ -243,7 +245,9 @@ def test_an_objective_no_decode_step_can_meet_is_refused_up_front(tmp_path, poli
     with pytest.raises(RecipeError) as info:
         assemble(cfg, "tiny", warm_up=False)
     message = str(info.value)
-    assert message.startswith(f"{QUICKSTART}: colocation.tpot_ms: expected an objective a decode step can meet")
+    assert message.startswith(
+        f"{QUICKSTART}: colocation.tpot_ms: expected an objective a decode step can meet"
+    )
     share = 48 if policy == "static:40" else TOTAL
     assert f"(batch 1, decode on {share} of {TOTAL} SMs, the trainer paused) takes" in message
     assert message.endswith(", got 0.0001")
@@ -273,6 +277,26 @@ def test_a_load_request_past_the_context_is_refused_and_the_run_goes_on(tmp_path
     refused = [r for r in map(json.loads, served.open()) if r["finish_reason"] == "refused"]
     assert [r["request_id"] for r in refused] == ["huge"]
     assert "100008 exceeds the model's context of 2048 tokens" in refused[0]["error"]
+
+
+def test_live_and_final_tpot_are_one_statistic_over_the_same_requests(tmp_path, capsys):
+    # The live line once showed p99 436 ms (token intervals, last 512) where the summary said 102 ms (per
+    # request TPOT, all requests). Both are now the TPOT of every request finished so far.
+    opts = RuntimeOptions(progress_every_s=0.0)  # a progress line on every pass of the loop
+    summary = run_colocated(recipe(tmp_path), "tiny", options=opts)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[harli] train")]
+    served = [json.loads(line) for line in (tmp_path / "colocate" / "serve" / "requests.jsonl").open()]
+    tpots = [r["tpot_ms"] for r in served if r["tpot_ms"] is not None and r["finish_reason"] != "refused"]
+    assert len(tpots) > 2 and len(lines) > 10
+    shown = set()
+    for line in lines:  # each line: the requests finished by then, in finishing order
+        n = int(line.split("TPOT p50/p99 over ")[1].split(" ")[0])
+        assert report.tpot_text(percentiles(tpots[:n])) in line
+        shown.add(n)
+    assert len(shown) > 2  # the figure moved during the run
+    final = report.tpot_text(summary["serving"]["tpot_ms"])
+    assert final in lines[-1] and final == report.tpot_text(percentiles(tpots))
+    assert final.startswith(f"TPOT p50/p99 over {len(tpots)} finished requests ")
 
 
 def test_base_view_shares_weights_without_the_adapter():

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from harli_train.colocate import report
 from harli_train.colocate.assembly import (
     CPU_BATCHES,
     GPU_BATCHES,
@@ -72,12 +73,11 @@ def run_colocated(
         col.close()
     ft, sv = summary["finetune"], summary["serving"]
     log.info(
-        "%s: finetune %.0f tokens/s while serving; TPOT p50 %s / p99 %s ms (objective %g); %d violations "
-        "in %d decode steps; summary in %s",
+        "%s: finetune %.0f tokens/s while serving; %s (objective %g ms); %d violations in %d decode steps; "
+        "summary in %s",
         summary["policy"],
         ft["tokens_per_s"],
-        _fmt(sv["tpot_ms"], "p50"),
-        _fmt(sv["tpot_ms"], "p99"),
+        report.tpot_text(sv["tpot_ms"]),
         cfg.colocation.tpot_ms,
         sv["violations"],
         sv["decode_steps"],
@@ -86,11 +86,6 @@ def run_colocated(
     summary["interrupted"] = summary["stop_reason"] == "interrupted"
     summary["adapter"] = summary["trainer"].get("adapter")
     return summary
-
-
-def _fmt(d: dict | None, key: str) -> str:
-    v = (d or {}).get(key)
-    return "-" if v is None else f"{v:.1f}"
 
 
 def run_profile(

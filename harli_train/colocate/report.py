@@ -43,6 +43,16 @@ def _phases(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]
     return out
 
 
+def tpot_text(tpot_ms: dict[str, Any]) -> str:
+    """How the console shows `EngineMetrics.tpot_ms()` (live and at the end): the statistic, its window and
+    the figures, e.g. "TPOT p50/p99 over 12 finished requests 10.2/18.9 ms"."""
+    n = tpot_ms.get("count") or 0
+    if not n:
+        return "TPOT p50/p99 over 0 finished requests -"
+    plural = "" if n == 1 else "s"
+    return f"TPOT p50/p99 over {n} finished request{plural} {tpot_ms['p50']:.1f}/{tpot_ms['p99']:.1f} ms"
+
+
 def build_summary(
     rt: Any, serving: dict[str, Any], trained: dict[str, Any], aborted: int, end_tokens: float
 ) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from array import array
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +152,6 @@ class ColocatedRuntime:
         self.paused_steps = self.decode_ooms = 0
         self.shares: Counter[int] = Counter()
         self.intervals = array("d")
-        self._recent = deque(maxlen=512)
         self.gc_pauses = GcPauses()
         self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
@@ -359,7 +358,6 @@ class ColocatedRuntime:
             self.shares[plan.partition.infer_sms] += 1
             if interval is not None:
                 self.intervals.append(interval)
-                self._recent.append(interval)
             row.update(interval_s=interval, violated=violated)
         else:
             self.prefill_steps += 1
@@ -398,17 +396,13 @@ class ColocatedRuntime:
         elapsed = max(now - self.t0, 1e-9)
         tr, eng = self.trainer, self.engine.engine
         tok_s = (self.feeder.progress_tokens() - self.start_tokens) / elapsed
-        recent = sorted(self._recent)
-        tpot = "TPOT -"
-        if recent:
-            p50, p99 = recent[len(recent) // 2], recent[int(0.99 * (len(recent) - 1))]
-            tpot = f"TPOT p50 {1e3 * p50:.1f} p99 {1e3 * p99:.1f}"
+        tpot = report.tpot_text(self.engine.metrics.tpot_ms())  # the statistic the summary ends with
         share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
         paused = self.paused_steps / max(self.decode_steps, 1)
         line = (
             f"[{self.policy.name}] train {tr.step}/{tr.total_steps} loss {tr.last_loss:.3f}"
             f", {tok_s:,.0f} tok/s"
-            f" | serve {len(eng.scheduler.running)} seqs, {tpot} ms (objective {1e3 * self.tpot_s:g})"
+            f" | serve {len(eng.scheduler.running)} seqs, {tpot} (objective {1e3 * self.tpot_s:g} ms)"
             f" | decode on {share}, trainer paused {100 * paused:.0f}%, violations {self.violations}"
             f" [{elapsed:,.0f}s]"
         )

@@ -61,6 +61,7 @@ class EngineMetrics:
         self.t0 = t0
         self.steps: list[StepRecord] = []
         self.requests: list[RequestRecord] = []
+        self._tpots_ms: list[float] = []  # of the finished requests that have one, in finishing order
 
     def add_step(self, record: StepRecord) -> None:
         self.steps.append(record)
@@ -69,6 +70,8 @@ class EngineMetrics:
         first, end, n_out = seq.first_token_time, seq.finish_time, seq.num_completion_tokens
         ms = lambda a, b: None if a is None or b is None else (b - a) * 1e3
         tpot = ms(first, end) / (n_out - 1) if n_out > 1 and first is not None and end is not None else None
+        if tpot is not None and seq.finish_reason != "refused":
+            self._tpots_ms.append(tpot)
         self.requests.append(
             RequestRecord(
                 seq.request_id,
@@ -83,6 +86,12 @@ class EngineMetrics:
                 seq.error,
             )
         )
+
+    def tpot_ms(self) -> dict[str, float | None]:
+        """TPOT percentiles (ms) over every request finished so far: (finish - first token) / (tokens - 1)
+        of each, refused requests and those of one token left out. What a live progress line shows and what
+        `summary()` reports at the end, so the two always agree on the same requests."""
+        return percentiles(self._tpots_ms)
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.requests if r.finish_reason != "refused"]
@@ -101,7 +110,7 @@ class EngineMetrics:
             "span_s": span_s,
             "output_tokens_per_s": out_tokens / span_s if span_s > 0 else None,
             "ttft_ms": percentiles([r.ttft_ms for r in done if r.ttft_ms is not None]),
-            "tpot_ms": percentiles([r.tpot_ms for r in done if r.tpot_ms is not None]),
+            "tpot_ms": self.tpot_ms(),
             "latency_ms": percentiles([r.latency_ms for r in done if r.latency_ms is not None]),
             "decode_step_ms": percentiles([s.latency_ms for s in decode]),
             "prefill_step_ms": percentiles([s.latency_ms for s in prefill]),
