@@ -1,5 +1,6 @@
 """The trainer: micro-steps equal a whole step, resume continues the same curve, the quickstart learns."""
 
+import io
 import json
 import os
 from pathlib import Path
@@ -8,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from rich.console import Console
 
 from harli_train import kernels
 from harli_train.cli import main
 from harli_train.config import load_recipe
 from harli_train.model import load_model
 from harli_train.train.divergence import TrainingDiverged
+from harli_train.train.metrics import progress_bar
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer
 
@@ -183,6 +186,26 @@ def test_quickstart_loss_falls(tmp_path):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.5 * first, (first, last)
     assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("width", [80, 64])
+def test_the_progress_bar_keeps_its_step_count_and_time_left_in_a_narrow_terminal(width):
+    # At 80 columns the bar, "60/300" and the time left once vanished behind the status text.
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    clock = [0.0]
+    bar = progress_bar(console=console, get_time=lambda: clock[0])
+    task = bar.add_task("train", total=300, completed=0, status="")
+    status = "loss 1.2345  lr 3.00e-03  |g| 0.123  1,234 tok/s  0.40 GiB  epoch 0.25"
+    for step in range(1, 61):  # 2 s a step
+        clock[0] += 2.0
+        bar.update(task, completed=step, status=status)
+    console.print(bar.get_renderable())
+    line = out.getvalue().rstrip("\n")
+    assert "\n" not in line and len(line) <= width, line
+    assert line.startswith("train ━━━━ ") and " 60/300 " in line  # a fifth of 20 cells
+    assert " 0:08:00 " in line  # 240 steps left at 2 s each
+    assert "loss 1.2345" in line and line.endswith("…")  # the status gives way, cut on one line
 
 
 def test_seq_len_past_the_model_context_is_a_recipe_error():
