@@ -82,6 +82,20 @@ class _RecipeGroup(click.Group):
             args = ["train", *args]
         return super().parse_args(ctx, args)
 
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """After the commands, the main form's own options (those of `train`, read from it): the top-level help
+        is where one looks for --colocate-with or --resume."""
+        train = self.commands["train"]
+        sub = click.Context(train, info_name="train", parent=ctx)
+        helps = set(sub.help_option_names)
+        options = [
+            p for p in train.get_params(sub) if isinstance(p, click.Option) and not helps & set(p.opts)
+        ]
+        rows = [rec for p in options if (rec := p.get_help_record(sub))]
+        with formatter.section("Main form options (harli-train RECIPE.yaml [OPTIONS] [key.sub=value ...])"):
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
+
 
 @click.group(cls=_RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="harli-train")

@@ -36,6 +36,16 @@ def test_help_lists_every_verb_and_version():
         assert option in train_help
 
 
+def test_top_level_help_shows_the_main_form_options():
+    # `harli-train --help` is where a user looks for --colocate-with and --resume: they are the main form's.
+    text = CliRunner().invoke(main, ["--help"]).output
+    section = text.split("Main form options (harli-train RECIPE.yaml [OPTIONS] [key.sub=value ...]):\n")[1]
+    for option in ("--colocate-with MODEL", "--policy", "--resume ", "--resume-from PATH", "--quiet"):
+        assert option in section, option
+    assert "Serve MODEL (a preset or HF directory)" in section and "--help" not in section
+    assert text.index("Commands:") < text.index("Main form options")
+
+
 def test_profile_writes_and_reuses_a_profile(tmp_path):
     out = tmp_path / "profile.json"
     first = CliRunner().invoke(main, ["profile", "--model", "tiny", "--out", str(out)])
