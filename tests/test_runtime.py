@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from harli_train import kernels
 from harli_train.cli import main
 from harli_train.colocate import report
-from harli_train.colocate.assembly import assemble, build_engine
+from harli_train.colocate.assembly import assemble, build_engine, check_objective
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.policies import (
     BESIDE,
@@ -253,6 +253,21 @@ def test_an_objective_no_decode_step_can_meet_is_refused_up_front(tmp_path, poli
     assert message.endswith(", got 0.0001")
     fastest_ms = float(message.split(" takes ")[1].split(" ms ")[0])
     assert 0.0001 < fastest_ms < 1000  # a CPU decode step of the tiny model: fractions of a ms to tens of ms
+
+
+def test_a_profile_slowed_by_a_busy_host_does_not_refuse_a_reachable_objective(tmp_path):
+    # A CPU profile's few steps can run 50x slow on a loaded host: before refusing, steps are timed again.
+    cfg = recipe(tmp_path)  # colocation.tpot_ms=50
+    col = assemble(cfg, "tiny", warm_up=False)
+    try:
+        slow = synthetic_predictor(col.ladder.shares, per_seq_s=1.0)  # over a second for any step
+        assert slow.predict(1, 1, TOTAL, corun=False, raw=True) > 1.0
+        check_objective(cfg, col.policy, col.engine, slow)  # timed now: a few ms, so accepted
+        cfg.colocation.tpot_ms = 1e-4
+        with pytest.raises(RecipeError, match=r"takes [0-9.]+ ms measured now, got 0.0001$"):
+            check_objective(cfg, col.policy, col.engine, slow)
+    finally:
+        col.close()
 
 
 def test_the_cli_refuses_an_impossible_objective_with_exit_2(tmp_path):
