@@ -41,6 +41,7 @@ from harli_train.engine.metrics import percentiles
 from harli_train.engine.runner import LaunchedStep
 from harli_train.kernels import launch_config
 from harli_train.model import load_model
+from harli_train.train.divergence import TrainingDiverged
 from harli_train.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,6 +277,19 @@ def test_the_cli_refuses_an_impossible_objective_with_exit_2(tmp_path):
     assert result.exit_code == 2, result.output
     assert "colocation.tpot_ms: expected an objective a decode step can meet" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "colocate").exists()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_diverged_colocated_run_stops_without_saving(tmp_path, threaded, caplog):
+    # The trainer diverges at step 2 (lr 1e30); co-located, from the decode loop or the trainer thread, the
+    # run stops with TrainingDiverged and keeps step 1's checkpoint, no adapter written.
+    cfg = recipe(tmp_path, "train.lr=1e30", "train.warmup_steps=0", "output.checkpoint_every=1")
+    with pytest.raises(TrainingDiverged) as info:
+        run_colocated(cfg, "tiny", options=RuntimeOptions(quiet=True, trainer_thread=threaded))
+    assert info.value.step == 2 and info.value.what == "loss"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # the CLI prints the one line
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_a_load_request_past_the_context_is_refused_and_the_run_goes_on(tmp_path):
