@@ -8,7 +8,6 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from functools import wraps
 
 import click
 
@@ -62,7 +61,7 @@ def _message(err: BaseException) -> str:
 def _friendly(fn: Callable) -> Callable:
     """Run a command so that each error of `_exit_codes` prints one line and exits with its code."""
 
-    @wraps(fn)
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)

@@ -83,13 +83,20 @@ class _Reader:
         self.examples: list[Example] = []
         self.skipped: list[tuple[Path, int]] = []  # (file, line) of the rows with empty text
 
+    @property
+    def full(self) -> bool:
+        return self.max_examples is not None and len(self.examples) >= self.max_examples
+
     def read(self, path: Path) -> None:
+        """Append the examples of `path` (until `max_examples` are read); DataError naming the file and line."""
+        if self.full:
+            return
         if path.stat().st_size == 0:
             raise DataError(f"{path}: data file is empty")
         # Read bytes and decode line by line so a bad byte is reported on its own line.
         with path.open("rb") as f:
             for lineno, raw in enumerate(f, start=1):
-                if self.max_examples is not None and len(self.examples) >= self.max_examples:
+                if self.full:
                     return
                 where = f"{path}:{lineno}"
                 try:

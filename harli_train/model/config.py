@@ -126,7 +126,7 @@ class ModelConfig:
 def _describe(value: Any) -> str:
     """A JSON value as an error shows it: its kind, and the value itself when it is short."""
     kinds = {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number"}
-    text = json.dumps(value)
+    text = json.dumps(value, default=repr)
     return f"a JSON {kinds.get(type(value), 'null')}" + (f" {text}" if len(text) <= 40 else "")
 
 
