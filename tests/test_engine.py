@@ -325,6 +325,12 @@ def test_a_load_request_past_the_model_context_is_refused_not_served(tmp_path):
         assert recs[rid]["finish_reason"] == "refused" and recs[rid]["output_tokens"] == 0
         assert f"= {total} exceeds the model's context of 2048 tokens" in recs[rid]["error"]
     assert recs["0"]["output_tokens"] == 3 and recs["3"]["output_tokens"] == 3
+    # A synthetic load past the context: every request refused, none served, nothing sized for them.
+    synthetic = serve_trace(
+        "tiny", tmp_path / "syn", rate=40.0, duration_s=0.2, prompt_len=5000, output_len=4
+    )
+    assert synthetic["refused"] >= 1 and synthetic["requests"] == 0
+    assert synthetic["setup"]["engine"]["max_model_len"] == 2048
 
 
 def test_a_trace_that_is_not_utf8_names_the_file_and_line(tmp_path):
