@@ -7,7 +7,9 @@ scale = lora_alpha / r. Our module paths equal transformers' Llama ones, so the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,7 +78,9 @@ def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str =
 
 
 def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
-    """Attach the adapter stored in `adapter_dir` (PEFT format) to `model`; returns its config."""
+    """Attach the adapter stored in `adapter_dir` (PEFT format) to `model`; returns its config.
+    AdapterError (naming the file) for anything that does not fit: the model is then left as it was."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(adapter_dir)
@@ -85,15 +89,28 @@ def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
         if not p.is_file():
             raise AdapterError(f"adapter directory {path}: {p.name} not found")
     try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(
+            f"{cfg_path}: expected a JSON object (a PEFT LoRA config), got {type(config).__name__}"
+        )
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_rslora") or config.get("use_dora"):
         raise AdapterError(f"{cfg_path}: rsLoRA / DoRA adapters are not supported")
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    state = load_file(str(w_path))
+    rank = _setting(config, cfg_path, "r", "the LoRA rank, an integer > 0", lambda v: _is_int(v) and v > 0)
+    alpha = _setting(config, cfg_path, "lora_alpha", "a number > 0", lambda v: _is_number(v) and v > 0)
+    dropout = _setting(
+        config, cfg_path, "lora_dropout", "a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1, 0.0
+    )
+    try:
+        state = load_file(str(w_path))
+    except SafetensorError as e:
+        raise AdapterError(
+            f"{w_path}: not a readable safetensors file ({e}); it may be truncated (a save or copy cut short)"
+        ) from None
     modules = model.lora_modules()
     found = {}
     for key, t in state.items():
@@ -128,11 +145,33 @@ def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
     # Everything checked: only now touch the model, so a bad adapter leaves it as it was.
     for name, pair in found.items():
         m = modules[name]
-        m.add_lora(rank, alpha, float(config.get("lora_dropout", 0.0)))
+        m.add_lora(rank, float(alpha), float(dropout))
         with torch.no_grad():
             m.lora_A.copy_(pair["lora_A"])
             m.lora_B.copy_(pair["lora_B"])
     return config
+
+
+_MISSING = object()
+
+
+def _setting(config: dict, path: Path, key: str, expected: str, ok: Callable[[Any], bool], default=_MISSING):
+    """`config[key]` when `ok` accepts it (`default` when absent); AdapterError naming the file otherwise."""
+    if key not in config:
+        if default is _MISSING:
+            raise AdapterError(f"{path}: no {key!r} ({expected}); a PEFT LoRA config has it")
+        return default
+    if not ok(config[key]):
+        raise AdapterError(f"{path}: {key!r} must be {expected}, got {config[key]!r}")
+    return config[key]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @torch.no_grad()

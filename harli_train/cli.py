@@ -2,53 +2,73 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import sys
 from collections.abc import Callable
-from functools import wraps
 
 import click
 
 from harli_train import __version__
 from harli_train.config import HARLI_OPTIONS, LADDER_STEPS
 
-# Mistakes a user can make; each prints one clear line instead of a traceback.
-_USER_ERRORS: tuple[type[BaseException], ...] = ()
+# Exit codes: 2 when the command line, the recipe or an input file is wrong (click's own usage errors use it
+# too), 1 when the run fails while it works (it diverged, a file could not be written).
+USAGE_ERROR, RUN_FAILURE = 2, 1
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    global _USER_ERRORS
-    if not _USER_ERRORS:
-        from harli_train.adapter import AdapterError
-        from harli_train.colocate.profile import ProfileError
-        from harli_train.config import RecipeError
-        from harli_train.data.dataset import DataError
-        from harli_train.engine.engine_config import EngineError
-        from harli_train.model import ModelError
-        from harli_train.train.checkpoint import CheckpointError
+@functools.cache
+def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
+    """The errors that end a command with one line instead of a traceback, each with its exit code; the first
+    class an error is an instance of decides (subclasses come before their bases). Imported on first use, so
+    `--help` does not load torch."""
+    from harli_train.adapter import AdapterError
+    from harli_train.colocate.profile import ProfileError
+    from harli_train.config import RecipeError
+    from harli_train.data.dataset import DataError
+    from harli_train.engine.engine_config import EngineError
+    from harli_train.engine.load import TraceError
+    from harli_train.model import ModelError
+    from harli_train.train.checkpoint import CheckpointError
+    from harli_train.train.divergence import TrainingDiverged
 
-        _USER_ERRORS = (
-            RecipeError,
-            ModelError,
-            DataError,
-            AdapterError,
-            CheckpointError,
-            EngineError,
-            ProfileError,
-        )
-    return _USER_ERRORS
+    return (
+        (RecipeError, USAGE_ERROR),
+        (ModelError, USAGE_ERROR),
+        (DataError, USAGE_ERROR),
+        (AdapterError, USAGE_ERROR),
+        (CheckpointError, USAGE_ERROR),
+        (TraceError, USAGE_ERROR),  # an EngineError
+        (FileNotFoundError, USAGE_ERROR),  # an OSError: an input named on the command line or in the recipe
+        (TrainingDiverged, RUN_FAILURE),
+        (EngineError, RUN_FAILURE),  # a request the engine refused, a cache too small for the load
+        (ProfileError, RUN_FAILURE),
+        (OSError, RUN_FAILURE),  # writing outputs: a full disk, a path that is a file, no permission
+    )
+
+
+def _message(err: BaseException) -> str:
+    if isinstance(err, FileNotFoundError):
+        return f"file not found: {err.filename}"
+    if isinstance(err, OSError) and err.filename is not None:
+        code = errno.errorcode.get(err.errno or 0)
+        return f"{err.filename}: {err.strerror}" + (f" ({code})" if code else "")
+    return str(err)
 
 
 def _friendly(fn: Callable) -> Callable:
-    @wraps(fn)
+    """Run a command so that each error of `_exit_codes` prints one line and exits with its code."""
+
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
-            raise click.ClickException(str(e)) from None
-        except FileNotFoundError as e:
-            raise click.ClickException(f"file not found: {e.filename}") from None
+        except tuple(cls for cls, _ in _exit_codes()) as err:
+            failure = click.ClickException(_message(err))
+            failure.exit_code = next(code for cls, code in _exit_codes() if isinstance(err, cls))
+            raise failure from None
 
     return wrapper
 
@@ -60,6 +80,20 @@ class _RecipeGroup(click.Group):
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["train", *args]
         return super().parse_args(ctx, args)
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """After the commands, the main form's own options (those of `train`, read from it): the top-level help
+        is where one looks for --colocate-with or --resume."""
+        train = self.commands["train"]
+        sub = click.Context(train, info_name="train", parent=ctx)
+        helps = set(sub.help_option_names)
+        options = [
+            p for p in train.get_params(sub) if isinstance(p, click.Option) and not helps & set(p.opts)
+        ]
+        rows = [rec for p in options if (rec := p.get_help_record(sub))]
+        with formatter.section("Main form options (harli-train RECIPE.yaml [OPTIONS] [key.sub=value ...])"):
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
 
 
 @click.group(cls=_RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -182,17 +216,23 @@ def generate(
     seed: int,
     device: str,
 ) -> None:
-    """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0)."""
+    """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0).
+
+    A prompt that does not fit (with --max-tokens) in the model's context or the KV cache ends the command
+    with exit code 1 before anything is generated.
+    """
     from harli_train.engine.api import build_engine
     from harli_train.engine.engine_config import EngineConfig
     from harli_train.engine.sampling_params import SamplingParams
 
     longest = max(len(p.encode()) for p in prompts) + max_tokens + 1
     cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
-    engine = build_engine(model_source, device, config=cfg, adapter=adapter)
+    engine = build_engine(model_source, device, config=cfg, adapter=adapter)  # capped at the model's context
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    for prompt, seq in zip(prompts, engine.generate(list(prompts), params), strict=True):
-        text = f"[refused: {seq.error}]" if seq.finish_reason == "refused" else engine.decode_text(seq)
+    seqs = [engine.add_request(prompt, params) for prompt in prompts]  # RequestRefused: one line, exit 1
+    engine.run_until_done()
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        text = engine.decode_text(seq)
         click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
 
 

@@ -7,6 +7,7 @@ Every key is declared once, as a dataclass field whose metadata holds its rule (
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -58,9 +59,12 @@ def _as_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise _Mismatch()
     try:
-        return float(v)
+        number = float(v)
     except ValueError:
         raise _Mismatch() from None
+    if not math.isfinite(number):  # `inf` and `nan` pass every `>` test, and poison training silently
+        raise _Mismatch("not a finite number")
+    return number
 
 
 def _exactly(kind: type) -> Callable[[Any], Any]:
@@ -270,7 +274,8 @@ class DataSection:
 
 @dataclass(slots=True)
 class TrainSection:
-    """Optimiser, schedule and step budget; exactly one of `steps` and `epochs` is set."""
+    """Optimiser, schedule and step budget; exactly one of `steps` and `epochs` is set. A `warmup_steps` that
+    is not below the run's step count is clamped to one less by the trainer (which knows the count)."""
 
     batch_size: int = key(8, "int", above(0))
     grad_accum: int = key(1, "int", above(0))
@@ -295,9 +300,6 @@ class TrainSection:
         if (self.steps is None) == (self.epochs is None):
             found = "neither" if self.steps is None else f"both (steps={self.steps}, epochs={self.epochs})"
             raise RecipeError(_UNPLACED, "train.steps", "exactly one of train.steps and train.epochs", found)
-        if self.steps is not None and self.warmup_steps >= self.steps:
-            expected = f"an integer < train.steps ({self.steps})"
-            raise RecipeError(_UNPLACED, "train.warmup_steps", expected, repr(self.warmup_steps))
         if self.clip_grad_norm == 0:
             self.clip_grad_norm = None
 

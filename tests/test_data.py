@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from harli_train.cli import main
 from harli_train.data import (
     IGNORE_INDEX,
     ByteTokenizer,
@@ -21,6 +23,7 @@ from harli_train.data import (
 )
 
 RECIPE_DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+QUICKSTART = RECIPE_DATA.parent / "quickstart.yaml"
 BOS, EOS, PAD = 256, 257, 258
 
 
@@ -166,6 +169,31 @@ def test_errors_missing_empty_and_non_utf8_file(tmp_path):
         load_examples(tmp_path / "latin1.jsonl", "auto", ByteTokenizer())
     with pytest.raises(DataError, match="unknown data format 'csv'"):
         load_examples(tmp_path / "latin1.jsonl", "csv", ByteTokenizer())
+
+
+def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not data\n")
+    (folder / "sub.jsonl").mkdir()  # a folder named like a data file is not one
+    with pytest.raises(DataError) as e:
+        load_examples(folder, "auto", ByteTokenizer())
+    assert str(e.value) == (
+        f"{folder}: a directory holding no .jsonl files (data.path is a JSONL file or a folder of them)"
+    )
+    result = CliRunner().invoke(
+        main, [str(QUICKSTART), f"data.path={folder}", f"output.dir={tmp_path / 'r'}"]
+    )
+    assert result.exit_code == 2 and f"Error: {e.value}" in result.output and "Traceback" not in result.output
+    write_jsonl(folder / "b.jsonl", [{"text": "bb"}])
+    write_jsonl(folder / "a.jsonl", [{"text": "a"}, {"text": ""}])
+    examples = load_examples(folder, "auto", ByteTokenizer())  # name order: a.jsonl, then b.jsonl
+    assert [e.input_ids[1:-1] for e in examples] == [[ord("a")], [ord("b"), ord("b")]]
+    write_jsonl(folder / "c.jsonl", [{"prompt": "p", "completion": "c"}])
+    with pytest.raises(
+        DataError, match=r"c.jsonl:1: row is in prompt_completion format, but a.jsonl's format"
+    ):
+        load_examples(folder, "auto", ByteTokenizer())
 
 
 # ---- loader: packing ----

@@ -12,7 +12,9 @@ import copy  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
 
+from harli_train.cli import main  # noqa: E402
 from harli_train.engine import (  # noqa: E402
     DecodeEngine,
     EngineConfig,
@@ -396,6 +398,48 @@ def test_shipped_traces_regenerate_byte_for_byte(tmp_path, monkeypatch):
         read_trace(bad)
     with pytest.raises(TraceError, match="uniform:LOW:HIGH"):
         LengthDist.parse("gauss:3")
+
+
+def test_a_load_request_past_the_model_context_is_refused_not_served(tmp_path):
+    # A 100000-token prompt once sized the engine (and its prefill) past the machine's memory. The engine is
+    # capped at tiny's 2048-token context: that request is refused and recorded, the others are served.
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.0, "prompt_len": 12, "output_len": 3},
+        {"arrival_s": 0.0, "prompt_len": 100000, "output_len": 4, "id": "huge"},
+        {"arrival_s": 0.01, "prompt_len": 2046, "output_len": 3, "id": "just-past"},
+        {"arrival_s": 0.02, "prompt": "hello", "output_len": 3},
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    summary = serve_trace("tiny", tmp_path / "out", trace, device="cpu")
+    assert summary["requests"] == 2 and summary["refused"] == 2
+    assert summary["setup"]["engine"]["max_model_len"] == 2048
+    recs = {r["request_id"]: r for r in map(json.loads, (tmp_path / "out" / "requests.jsonl").open())}
+    for rid, total in (("huge", 100004), ("just-past", 2049)):
+        assert recs[rid]["finish_reason"] == "refused" and recs[rid]["output_tokens"] == 0
+        assert f"= {total} exceeds the model's context of 2048 tokens" in recs[rid]["error"]
+    assert recs["0"]["output_tokens"] == 3 and recs["3"]["output_tokens"] == 3
+    # A synthetic load past the context: every request refused, none served, nothing sized for them.
+    synthetic = serve_trace(
+        "tiny", tmp_path / "syn", rate=40.0, duration_s=0.2, prompt_len=5000, output_len=4
+    )
+    assert synthetic["refused"] >= 1 and synthetic["requests"] == 0
+    assert synthetic["setup"]["engine"]["max_model_len"] == 2048
+
+
+def test_a_trace_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    trace = tmp_path / "latin1.jsonl"
+    trace.write_bytes(
+        b'{"arrival_s": 0, "prompt_len": 4, "output_len": 2}\n{"arrival_s": 1, "prompt": "caf\xe9", "output_len": 2}\n'
+    )
+    with pytest.raises(TraceError) as info:
+        read_trace(trace)
+    assert str(info.value).startswith(f"{trace}:2: not UTF-8 text (invalid continuation byte at byte ")
+    result = CliRunner().invoke(main, ["serve-trace", "--trace", str(trace), "--out", str(tmp_path / "out")])
+    lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+    assert result.exit_code == 2 and lines == [f"Error: {info.value}"], result.output
+    trace.write_bytes(b'\xef\xbb\xbf{"arrival_s": 0, "prompt": "caf\xc3\xa9", "output_len": 2}\r\n')
+    assert read_trace(trace)[0].prompt == "caf\u00e9"  # a BOM and CRLF line ends are fine
 
 
 def test_serve_trace_and_generate_text_on_tiny(tmp_path):

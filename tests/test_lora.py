@@ -1,12 +1,15 @@
 """LoRA against peft: same initial gradients, and adapters that round-trip through peft's format."""
 
 import copy
+import json
 
 import peft
 import pytest
 import torch
+from click.testing import CliRunner
 
 from harli_train.adapter import AdapterError, load_adapter, save_adapter
+from harli_train.cli import main
 from harli_train.model import LORA_TARGETS, load_model
 from harli_train.train.step import train_step
 
@@ -113,6 +116,52 @@ def test_adapter_errors_name_the_problem(tiny_hf_dir, tmp_path):
     save_adapter(big, tmp_path / "other")
     with pytest.raises(AdapterError, match="another model"):
         load_adapter(ours, tmp_path / "other")
+
+
+def _saved_tiny_adapter(out):
+    model = load_model("tiny", torch.float32, "cpu")
+    model.add_lora(4, 8, 0.0)
+    save_adapter(model, out)
+    return load_model("tiny", torch.float32, "cpu")  # a fresh model to load it into
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: {k: v for k, v in c.items() if k != "r"}, "no 'r' (the LoRA rank, an integer > 0)"),
+        (lambda c: {**c, "r": "4"}, "'r' must be the LoRA rank, an integer > 0, got '4'"),
+        (lambda c: {**c, "r": 0}, "'r' must be the LoRA rank, an integer > 0, got 0"),
+        (lambda c: {k: v for k, v in c.items() if k != "lora_alpha"}, "no 'lora_alpha' (a number > 0)"),
+        (lambda c: {**c, "lora_dropout": None}, "'lora_dropout' must be a number in [0, 1), got None"),
+        (lambda c: [c], "expected a JSON object (a PEFT LoRA config), got list"),
+    ],
+)
+def test_an_adapter_config_of_the_wrong_shape_names_the_file_and_key(tmp_path, edit, message):
+    fresh = _saved_tiny_adapter(tmp_path / "a")
+    config = tmp_path / "a" / "adapter_config.json"
+    config.write_text(json.dumps(edit(json.loads(config.read_text()))))
+    with pytest.raises(AdapterError) as info:
+        load_adapter(fresh, tmp_path / "a")
+    assert str(info.value) == f"{config}: {message}" + (
+        "; a PEFT LoRA config has it" if "no '" in message else ""
+    )
+    assert not any(m.has_lora for m in fresh.lora_modules().values())  # left as it was
+
+
+def test_a_truncated_adapter_names_the_file(tmp_path):
+    fresh = _saved_tiny_adapter(tmp_path / "a")
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(AdapterError) as info:
+        load_adapter(fresh, tmp_path / "a")
+    assert str(info.value).startswith(f"{weights}: not a readable safetensors file (")
+    (tmp_path / "a" / "adapter_config.json").write_bytes(b'{"r": 4, "lora_alpha": 8\xff}')
+    with pytest.raises(AdapterError, match="adapter_config.json: invalid JSON"):
+        load_adapter(fresh, tmp_path / "a")
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--adapter", str(tmp_path / "a")])
+    lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("Error: ") and "adapter_config.json: invalid JSON" in lines[0]
 
 
 def test_merged_adapter_gives_the_same_logits(tiny_hf_dir):

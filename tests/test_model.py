@@ -1,9 +1,13 @@
-"""Our Llama against transformers' on the same weights (fp32, CPU)."""
+"""Our Llama against transformers' on the same weights (fp32, CPU); broken model files named in one line."""
+
+import json
 
 import pytest
 import torch
 import transformers
+from click.testing import CliRunner
 
+from harli_train.cli import main
 from harli_train.model import ModelError, load_model
 
 from .hf_models import save_tiny_llama
@@ -101,3 +105,65 @@ def test_missing_model_directory_names_what_it_looked_for(tmp_path):
     )
     with pytest.raises(ModelError, match="no weights found"):
         load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_a_truncated_weights_file_names_the_file(tiny_hf_dir):
+    path, _ = tiny_hf_dir
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    for cut in (len(data) // 2, 5):  # data cut short; the header itself cut short
+        weights.write_bytes(data[:cut])
+        with pytest.raises(ModelError) as info:
+            load_model(str(path), torch.float32, "cpu")
+        assert str(info.value).startswith(f"{weights}: not a readable safetensors file (")
+        assert "it may be truncated" in str(info.value)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ["model.safetensors"]}')
+    with pytest.raises(ModelError, match=r"model.safetensors.index.json: not a safetensors index"):
+        load_model(str(path), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: [c], "expected a JSON object of model settings, got a JSON list"),
+        (lambda c: {**c, "hidden_size": "32"}, 'hidden_size: expected an integer, got a JSON string "32"'),
+        (
+            lambda c: {**c, "num_hidden_layers": 2.5},
+            "num_hidden_layers: expected an integer, got a JSON number",
+        ),
+        (lambda c: {**c, "tie_word_embeddings": "no"}, "tie_word_embeddings: expected true or false"),
+        (lambda c: {**c, "rms_norm_eps": True}, "rms_norm_eps: expected a number, got a JSON boolean true"),
+        (
+            lambda c: {**c, "eos_token_id": [2, "x"]},
+            "eos_token_id: expected an integer or a list of integers",
+        ),
+        (lambda c: {**c, "rope_scaling": "llama3"}, "rope_scaling: expected an object"),
+        (lambda c: {**c, "num_attention_heads": 0}, "num_heads must be positive, got 0"),
+        (lambda c: {k: v for k, v in c.items() if k != "vocab_size"}, "vocab_size: missing"),
+    ],
+)
+def test_a_config_json_of_the_wrong_shape_names_the_file_and_key(tiny_hf_dir, edit, message):
+    path, _ = tiny_hf_dir
+    config = path / "config.json"
+    config.write_text(json.dumps(edit(json.loads(config.read_text()))))
+    with pytest.raises(ModelError) as info:
+        load_model(str(path), torch.float32, "cpu")
+    assert str(info.value).startswith(f"{config}: ") and message in str(info.value), str(info.value)
+
+
+def test_a_config_json_that_is_not_json_names_the_file(tiny_hf_dir):
+    path, _ = tiny_hf_dir
+    for text in (b'{"vocab_size": 96,', b'{"model_type": "llama\xff"}'):
+        (path / "config.json").write_bytes(text)
+        with pytest.raises(ModelError, match=r"config.json: not a JSON file"):
+            load_model(str(path), torch.float32, "cpu")
+
+
+def test_the_cli_reports_a_broken_model_with_exit_2(tiny_hf_dir):
+    path, _ = tiny_hf_dir
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", "hi", "--device", "cpu"])
+    lines = result.output.splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"Error: {weights}: not a readable safetensors file")

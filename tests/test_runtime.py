@@ -4,6 +4,7 @@ the training result of a co-located run equal to a standalone run (co-location c
 import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import sys
@@ -12,10 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from harli_train import kernels
-from harli_train.colocate.assembly import assemble, build_engine
+from harli_train.cli import main
+from harli_train.colocate import report
+from harli_train.colocate.assembly import assemble, build_engine, check_objective
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.policies import (
     BESIDE,
@@ -31,13 +35,14 @@ from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.runtime import ColocatedRuntime, GcPauses, RuntimeOptions
 from harli_train.colocate.shared_model import base_view, shares_weights
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder
-from harli_train.config import load_recipe
+from harli_train.config import RecipeError, load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
 from harli_train.engine.runner import LaunchedStep
 from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.kernels import launch_config
 from harli_train.model import load_model
+from harli_train.train.divergence import TrainingDiverged
 from harli_train.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,6 +259,94 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     # Co-location changes when the trainer's work runs, never what it computes.
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+@pytest.mark.parametrize("policy", ["harli", "static:40", "streams"])
+def test_an_objective_no_decode_step_can_meet_is_refused_up_front(tmp_path, policy):
+    # colocation.tpot_ms=0.0001 once ran with every decode step violated and "trainer paused 100 %". The
+    # profile (harli) or a few timed steps (policies without a predictor) show it impossible before serving.
+    cfg = recipe(tmp_path, f"colocation.policy={policy}", "colocation.tpot_ms=0.0001")
+    with pytest.raises(RecipeError) as info:
+        assemble(cfg, "tiny", warm_up=False)
+    message = str(info.value)
+    assert message.startswith(
+        f"{QUICKSTART}: colocation.tpot_ms: expected an objective a decode step can meet"
+    )
+    share = 48 if policy == "static:40" else TOTAL
+    assert f"(batch 1, decode on {share} of {TOTAL} SMs, the trainer paused) takes" in message
+    assert message.endswith(", got 0.0001")
+    fastest_ms = float(message.split(" takes ")[1].split(" ms ")[0])
+    assert 0.0001 < fastest_ms < 1000  # a CPU decode step of the tiny model: fractions of a ms to tens of ms
+
+
+def test_a_profile_slowed_by_a_busy_host_does_not_refuse_a_reachable_objective(tmp_path):
+    # A CPU profile's few steps can run 50x slow on a loaded host: before refusing, steps are timed again.
+    cfg = recipe(tmp_path)  # colocation.tpot_ms=50
+    col = assemble(cfg, "tiny", warm_up=False)
+    try:
+        slow = synthetic_predictor(col.ladder.shares, per_seq_s=1.0)  # over a second for any step
+        assert slow.predict(1, 1, TOTAL, corun=False, raw=True) > 1.0
+        check_objective(cfg, col.policy, col.engine, slow)  # timed now: a few ms, so accepted
+        cfg.colocation.tpot_ms = 1e-4
+        with pytest.raises(RecipeError, match=r"takes [0-9.]+ ms measured now, got 0.0001$"):
+            check_objective(cfg, col.policy, col.engine, slow)
+    finally:
+        col.close()
+
+
+def test_the_cli_refuses_an_impossible_objective_with_exit_2(tmp_path):
+    args = [str(QUICKSTART), "--colocate-with", "tiny", *SMALL, *LOAD, "colocation.tpot_ms=0.0001"]
+    result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path}", "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "colocation.tpot_ms: expected an objective a decode step can meet" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "colocate").exists()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_diverged_colocated_run_stops_without_saving(tmp_path, threaded, caplog):
+    # The trainer diverges at step 2 (lr 1e30); co-located, from the decode loop or the trainer thread, the
+    # run stops with TrainingDiverged and keeps step 1's checkpoint, no adapter written.
+    cfg = recipe(tmp_path, "train.lr=1e30", "train.warmup_steps=0", "output.checkpoint_every=1")
+    with pytest.raises(TrainingDiverged) as info:
+        run_colocated(cfg, "tiny", options=RuntimeOptions(quiet=True, trainer_thread=threaded))
+    assert info.value.step == 2 and info.value.what == "loss"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # the CLI prints the one line
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_a_load_request_past_the_context_is_refused_and_the_run_goes_on(tmp_path):
+    # A 100000-token trace line once sized the co-located tiny engine past the machine's memory (killed at
+    # 24 GB). The engine is capped at tiny's 2048-token context; that request alone is refused and recorded.
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"arrival_s": 0.01 * i, "prompt_len": 16, "output_len": 6} for i in range(4)]
+    lines.insert(2, {"arrival_s": 0.015, "prompt_len": 100000, "output_len": 8, "id": "huge"})
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_colocated(recipe(tmp_path / "run", f"colocation.trace={trace}"), "tiny", quiet=True)
+    assert summary["stop_reason"] == "trained" and summary["trainer"]["steps"] == 6
+    assert summary["serving"]["refused"] == 1 and summary["serving"]["requests"] == 4
+    served = tmp_path / "run" / "colocate" / "serve" / "requests.jsonl"
+    refused = [r for r in map(json.loads, served.open()) if r["finish_reason"] == "refused"]
+    assert [r["request_id"] for r in refused] == ["huge"]
+    assert "100008 exceeds the model's context of 2048 tokens" in refused[0]["error"]
+
+
+def test_live_and_final_tpot_are_one_statistic_over_the_same_requests(tmp_path, capsys, caplog):
+    # The live line once showed p99 436 ms (token intervals, last 512) where the summary said 102 ms (per
+    # request TPOT, all requests). Both are now accounting.objective_stats over every request so far (those
+    # still running with their tokens so far), so the last live line and the run's last line agree.
+    opts = RuntimeOptions(progress_every_s=0.0)  # a progress line on every pass of the loop
+    with caplog.at_level(logging.INFO):
+        summary = run_colocated(recipe(tmp_path), "tiny", options=opts)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[harli] train")]
+    assert len(lines) > 10
+    counts = [int(line.split("TPOT p50/p99 over ")[1].split(" ")[0]) for line in lines]
+    assert counts == sorted(counts) and len(set(counts)) > 2  # the figure moved during the run
+    final = report.objective_text(summary["objective_stats"])
+    assert final in lines[-1] and final in caplog.text
+    served = [json.loads(line) for line in (tmp_path / "colocate" / "serve" / "requests.jsonl").open()]
+    judged = [r for r in served if r["output_tokens"] >= 2 and r["finish_reason"] != "refused"]
+    assert final.startswith(f"TPOT p50/p99 over {len(judged)} requests so far ")
 
 
 def test_base_view_shares_weights_without_the_adapter():

@@ -1,16 +1,22 @@
 """The trainer: micro-steps equal a whole step, resume continues the same curve, the quickstart learns."""
 
+import io
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from rich.console import Console
 
+from harli_train import kernels
 from harli_train.cli import main
 from harli_train.config import load_recipe
 from harli_train.model import load_model
+from harli_train.train.divergence import TrainingDiverged
+from harli_train.train.metrics import progress_bar
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer
 
@@ -182,6 +188,110 @@ def test_quickstart_loss_falls(tmp_path):
     assert (tmp_path / "qs" / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.mark.parametrize("width", [80, 64])
+def test_the_progress_bar_keeps_its_step_count_and_time_left_in_a_narrow_terminal(width):
+    # At 80 columns the bar, "60/300" and the time left once vanished behind the status text.
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    clock = [0.0]
+    bar = progress_bar(console=console, get_time=lambda: clock[0])
+    task = bar.add_task("train", total=300, completed=0, status="")
+    status = "loss 1.2345  lr 3.00e-03  |g| 0.123  1,234 tok/s  0.40 GiB  epoch 0.25"
+    for step in range(1, 61):  # 2 s a step
+        clock[0] += 2.0
+        bar.update(task, completed=step, status=status)
+    console.print(bar.get_renderable())
+    line = out.getvalue().rstrip("\n")
+    assert "\n" not in line and len(line) <= width, line
+    assert line.startswith("train ━━━━ ") and " 60/300 " in line  # a fifth of 20 cells
+    assert " 0:08:00 " in line  # 240 steps left at 2 s each
+    assert "loss 1.2345" in line and line.endswith("…")  # the status gives way, cut on one line
+
+
+def test_seq_len_past_the_model_context_is_a_recipe_error():
+    result = CliRunner().invoke(main, [str(QUICKSTART), "data.seq_len=4096"])  # tiny's context: 2048 tokens
+    assert result.exit_code == 2, result.output
+    assert "data.seq_len" in result.output and "context of model 'tiny' (2048 tokens" in result.output
+    assert "got 4096" in result.output and "Traceback" not in result.output
+
+
+def test_warmup_at_or_past_the_run_length_is_clamped_with_a_warning(tmp_path, caplog):
+    # The quickstart warms up for 20 steps; `train.steps=6` must still run, warming up for 5.
+    run = tmp_path / "run"
+    args = ["train.steps=6", "train.batch_size=2", "data.seq_len=32", f"output.dir={run}", "--quiet"]
+    with caplog.at_level("WARNING"):
+        result = CliRunner().invoke(main, [str(QUICKSTART), *args])
+    assert result.exit_code == 0, result.output
+    warned = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert warned == ["train.warmup_steps (20) is not below the run's 6 steps: warming up for 5 instead"]
+    lrs = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    base = 3.0e-3  # the quickstart's train.lr
+    assert lrs[:5] == pytest.approx([base * k / 5 for k in range(1, 6)]) and lrs[5] == pytest.approx(base)
+    assert "warmup_steps: 5" in (run / "recipe.yaml").read_text()
+
+
+def test_a_diverged_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+    # lr 1e30 is finite (the recipe takes it): step 1 is finite, its update makes the weights ~1e30, and
+    # step 2's loss is nan. The run must stop there with one line, exit 1, and save nothing of step 2.
+    run = tmp_path / "run"
+    args = ["train.lr=1e30", "train.steps=5", "train.warmup_steps=0", "train.batch_size=2"]
+    args += ["data.seq_len=32", "output.checkpoint_every=1", f"output.dir={run}", "--quiet"]
+    result = CliRunner().invoke(main, [str(QUICKSTART), *args])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output
+    assert "diverged at step 2: the loss is nan" in errors[0] and "step_000001" in errors[0]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
+    assert not (run / "adapter").exists()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_non_finite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
+    # A finite loss with an inf gradient norm (an overflow in the backward) stops the run just the same.
+    t = Trainer(_recipe(tmp_path, **{"train.steps": 3, "output.checkpoint_every": 0}), quiet=True)
+    t.setup()
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def overflow_at_step_2(params, max_norm):
+        calls.append(real(params, max_norm))
+        return torch.tensor(float("inf")) if len(calls) == 2 else calls[-1]
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", overflow_at_step_2)
+    with pytest.raises(TrainingDiverged) as info:
+        t.train()
+    assert info.value.step == 2 and info.value.what == "gradient norm" and info.value.checkpoint is None
+    assert "no checkpoint was written" in str(info.value) and t.step == 1
+    assert not (Path(t.cfg.output.dir) / "adapter").exists()
+
+
+def test_resuming_from_a_truncated_checkpoint_adapter_names_the_file(tmp_path):
+    run = tmp_path / "run"
+    args = [str(QUICKSTART), "train.steps=2", "train.warmup_steps=0", "train.batch_size=2", "data.seq_len=32"]
+    args += [f"output.dir={run}", "--quiet"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    weights = run / "checkpoints" / "step_000002" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    result = CliRunner().invoke(main, [*args, "train.steps=4", "--resume"])
+    lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith(f"Error: {weights}: not a readable safetensors file")
+
+
+def test_an_output_dir_that_cannot_be_made_gives_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    cases = [a_file, a_file / "run"] + ([locked / "run"] if os.geteuid() != 0 else [])  # root writes anyway
+    for out in cases:
+        result = CliRunner().invoke(main, [str(QUICKSTART), "train.steps=1", f"output.dir={out}", "--quiet"])
+        lines = [line for line in result.output.splitlines() if not line.startswith("harli-train: ")]  # logs
+        assert result.exit_code != 0 and len(lines) == 1 and "Traceback" not in result.output, result.output
+        assert lines[0].startswith("Error: ") and str(out) in lines[0]
+
+
 def test_cli_reports_bad_recipe_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     data = ROOT / "recipes" / "data" / "quickstart.jsonl"
@@ -227,6 +337,25 @@ def test_cli_colocate_with_runs_both_sides(tmp_path):
     assert summary["trainer"]["steps"] == 4
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "colocate" / "timeline.png").is_file() and (out / "colocate" / "steps.jsonl").is_file()
+
+
+def test_triton_kernels_where_they_cannot_run_are_a_recipe_error(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = [str(QUICKSTART), "train.kernels=triton", f"output.dir={tmp_path / 'run'}"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/conftest.py sets it
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "train.kernels: expected 'auto' or 'torch' on this machine" in result.output
+    assert "'triton', but there is no GPU for it" in result.output and "TRITON_INTERPRET=1" in result.output
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "'triton', but triton cannot be imported" in result.output
+    monkeypatch.undo()  # TRITON_INTERPRET=1 again: the interpreter can run them, so they are accepted
+    with kernels.use_backend(kernels.get_backend()):  # setup selects the backend process-wide
+        Trainer(_recipe(tmp_path, **{"train.kernels": "triton"}), quiet=True).setup()
+        assert kernels.get_backend() == "triton"
 
 
 def test_gpu_recipe_on_a_cpu_machine_names_the_device_key():

@@ -26,6 +26,7 @@ from harli_train.colocate.profile import (
     ProfileKey,
     build_profile,
     default_profile_path,
+    fastest_step_s,
     get_or_build_profile,
 )
 from harli_train.colocate.shared_model import base_view
@@ -33,6 +34,7 @@ from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_l
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
+from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
 from harli_train.train.checkpoint import rng_state, set_rng_state
@@ -112,7 +114,11 @@ def build_engine(
     mixed_prefill: bool = True,
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
-    ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own)."""
+    ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own).
+
+    Sized for the longest of ``requests`` but never past the model's context: a longer request is refused
+    (and recorded so) when it arrives, as is one that needs more than the whole KV cache.
+    """
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
     # Steps are not overlapped: the controller sizes each step's partition from the step before it (its
     # measured latency and the batch it leaves), so every step completes before the next is planned.
@@ -123,6 +129,7 @@ def build_engine(
         overlap=False,
         mixed_prefill=mixed_prefill,
     )
+    cfg = capped_to_context(cfg, model.config.max_position_embeddings)  # before the cache is sized from it
     device = model.lm_head.weight.device
     if (
         device.type == "cuda"
@@ -291,6 +298,61 @@ def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> se
     return failed
 
 
+def fastest_decode_s(
+    policy: Policy,
+    engine: EngineAdapter,
+    tpot_s: float,
+    predictor: LatencyPredictor | None = None,
+    profile: Profile | None = None,
+    reps: int = 5,
+) -> tuple[float, int, str]:
+    """The shortest decode step ``policy`` can run: batch 1 over one cached token, on its largest decode
+    share, the trainer paused. Returns (seconds, that share's SMs, where the figure comes from).
+
+    With a predictor: the smaller of the uncorrected prediction and the profile's fastest step on that share
+    (a fit's error must not refuse an objective a step could meet). Without one (static, streams,
+    exclusive), or when that figure misses ``tpot_s``: also the least of ``reps`` such steps timed now on the
+    engine (a few milliseconds of work), as a busy host may have slowed the profile's few steps on a CPU.
+    """
+    share = max(p.infer_sms for p in policy.partitions())
+    best, source = float("inf"), "measured now"
+    if predictor is not None:
+        measured = [
+            float(r["latency_s"])
+            for r in (profile.samples if profile is not None else [])
+            if not r["corun"] and int(r["infer_sms"]) == share
+        ]
+        best, source = (
+            min([predictor.predict(1, 1, share, corun=False, raw=True), *measured]),
+            "per the profile",
+        )
+    if best > tpot_s:
+        part = next(p for p in policy.partitions() if p.infer_sms == share)
+        now = fastest_step_s(engine.synthetic_decode, part, reps=reps)
+        if now < best:
+            best, source = now, "measured now"
+    return best, share, source
+
+
+def check_objective(
+    cfg: RecipeConfig,
+    policy: Policy,
+    engine: EngineAdapter,
+    predictor: LatencyPredictor | None = None,
+    profile: Profile | None = None,
+) -> None:
+    """RecipeError on ``colocation.tpot_ms`` when not even the fastest decode step meets it: every step would
+    violate the objective, and a policy holding to it would keep the trainer paused for nothing."""
+    tpot_s = cfg.colocation.tpot_ms * 1e-3
+    seconds, share, source = fastest_decode_s(policy, engine, tpot_s, predictor, profile)
+    if seconds > tpot_s:
+        expected = (
+            f"an objective a decode step can meet: the fastest one (batch 1, decode on {share} of "
+            f"{policy.ladder.total_sms} SMs, the trainer paused) takes {seconds * 1e3:.3g} ms {source}"
+        )
+        raise RecipeError(cfg.source, "colocation.tpot_ms", expected, f"{cfg.colocation.tpot_ms:g}")
+
+
 def check_policy(name: str, where: str = "--policy") -> str:
     try:
         ColocationSection(policy=name)
@@ -353,6 +415,12 @@ def assemble(
             cfg.source, "colocation.policy", "a policy this machine can run", str(err)
         ) from None
     engine.register(policy.partitions())
+    try:
+        check_objective(cfg, policy, engine, predictor, profile)
+    except RecipeError:
+        ladder.close()
+        trainer.metrics.close()
+        raise
     while warm_up:  # the trainer's streams only, their caches kept warm for serving
         places = policy.trainer_partitions() + [ladder.full]
         failed = warm_up_trainer(trainer, places, ladder.total_sms, release=False)

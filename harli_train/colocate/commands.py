@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from harli_train.colocate import report
 from harli_train.colocate.assembly import (
     CPU_BATCHES,
     GPU_BATCHES,
@@ -73,17 +74,11 @@ def run_colocated(
     ft, sv = summary["finetune"], summary["serving"]
     attained = "-" if sv["tpot_attainment"] is None else f"{100 * sv['tpot_attainment']:.1f}%"
     log.info(
-        "%s: finetune %.0f tokens/s while serving; objective %g ms: %d of %d token intervals over it, TPOT "
-        "met by %s of %d requests (TPOT p50 %s / p99 %s ms, TTFT p99 %s ms); summary in %s",
+        "%s: finetune %.0f tokens/s while serving; %s; TPOT met by %s of them, TTFT p99 %s ms; summary in %s",
         summary["policy"],
         ft["tokens_per_s"],
-        cfg.colocation.tpot_ms,
-        sv["violations"],
-        sv["intervals"],
+        report.objective_text(summary["objective_stats"]),
         attained,
-        sv["requests_judged"],
-        _fmt(sv["tpot_ms"], "p50"),
-        _fmt(sv["tpot_ms"], "p99"),
         _fmt(sv["ttft_ms"], "p99"),
         Path(cfg.output.dir) / "colocate" / "summary.json",
     )

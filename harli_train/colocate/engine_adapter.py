@@ -7,6 +7,7 @@ to change when the engine's interface does.
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections.abc import Iterable
@@ -20,6 +21,8 @@ from harli_train.engine.load import TraceRequest, synthetic_prompt
 from harli_train.engine.runner import DEFAULT_PARTITION
 from harli_train.engine.scheduler import StepPreview
 from harli_train.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def is_cuda_stream(stream: Any) -> bool:
@@ -79,7 +82,8 @@ class EngineAdapter:
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=ignore_eos, seed=self.seed)
         try:
             self.engine.add_request(prompt, params, request_id=request.request_id, arrival_time=arrival_time)
-        except RequestRefused:
+        except RequestRefused as e:
+            log.warning("%s", e)
             return False  # recorded in the engine's metrics
         return True
 

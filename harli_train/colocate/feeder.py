@@ -47,6 +47,7 @@ from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
 from harli_train.colocate.policies import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent
+from harli_train.train.divergence import TrainingDiverged
 from harli_train.train.step import MicroStep
 
 log = logging.getLogger(__name__)
@@ -617,5 +618,6 @@ class TrainFeeder:
                         self._launched_total += launched
                         self._cv.notify_all()
         except BaseException as err:  # handed to the decode thread (check / stop)
-            log.error("the trainer thread failed: %s", err)
+            if not isinstance(err, TrainingDiverged):  # that one is the run's own one-line message
+                log.error("the trainer thread failed: %s", err)
             self._error = err

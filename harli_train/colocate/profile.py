@@ -362,6 +362,15 @@ class _Trainer:
             self._thread.join()
 
 
+def fastest_step_s(
+    decode_step_fn: DecodeStepFn, partition: Partition, batch: int = 1, kv_len: int = 1, reps: int = 5
+) -> float:
+    """The least latency of ``reps`` decode steps of ``batch`` x ``kv_len`` on ``partition`` alone, after a
+    warm-up of as many (the least, not the median: a busy host only ever slows a step down)."""
+    step = lambda: decode_step_fn(batch, kv_len, partition)
+    return min(_time_calls(step, partition.infer_stream, warmup=reps, reps=reps))
+
+
 def _time_calls(
     call: Callable[[], Any], stream: Any, warmup: int, reps: int, trainer: _Trainer | None = None
 ):

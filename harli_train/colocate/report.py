@@ -28,6 +28,18 @@ def _phases(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]
     return out
 
 
+def objective_text(stats: dict[str, Any]) -> str:
+    """How the console shows ``accounting.objective_stats`` (the live line and the run's last line alike): the
+    statistic, its window and the figures, e.g. "TPOT p50/p99 over 12 requests so far 10.2/18.9 ms, 3 of 940
+    token intervals over 20 ms"."""
+    tpot, n = stats["tpot_ms"], stats["requests_judged"]
+    figures = "-" if not n else f"{tpot['p50']:.1f}/{tpot['p99']:.1f} ms"
+    return (
+        f"TPOT p50/p99 over {n} request{'' if n == 1 else 's'} so far {figures}, {stats['violations']} of "
+        f"{stats['intervals']} token intervals over {stats['objective_tpot_ms']:g} ms"
+    )
+
+
 def build_summary(
     rt: Any, serving: dict[str, Any], trained: dict[str, Any], aborted: int, end_tokens: float
 ) -> dict[str, Any]:
@@ -36,7 +48,7 @@ def build_summary(
     marks[-1] = (marks[-1][0], marks[-1][1], end_tokens)
     phases = _phases(marks)
     tpot_ms = rt.tpot_s * 1e3
-    objective = rt.objective()
+    objective = rt.objective()  # every request recorded by now (those cut off at the end included)
     duration = marks[-1][1] - marks[0][1]
     total_tokens = end_tokens - rt.start_tokens
     serve = phases.get("serve", {"seconds": 0.0, "finetune_tokens": 0.0, "finetune_tokens_per_s": 0.0})
@@ -88,6 +100,7 @@ def build_summary(
             "mixed_steps": rt.mixed_steps,
             "prefill_steps": rt.prefill_steps,
         },
+        "objective_stats": objective,
         "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
         "trainer_paused_fraction": rt.paused_steps / steps,
         "share_histogram": {str(k): v for k, v in sorted(rt.shares.items())},

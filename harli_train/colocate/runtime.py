@@ -407,16 +407,13 @@ class ColocatedRuntime:
         elapsed = max(now - self.t0, 1e-9)
         tr, eng = self.trainer, self.engine.engine
         tok_s = (self.feeder.progress_tokens() - self.start_tokens) / elapsed
-        stats = self.objective()
-        pct = stats["token_interval_ms"]
-        tpot = "-" if pct["p50"] is None else f"p50 {pct['p50']:.1f} p99 {pct['p99']:.1f}"
+        objective = report.objective_text(self.objective())  # the statistic the run's last line gives
         share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
         paused = self.paused_steps / max(self.decode_steps, 1)
         line = (
             f"[{self.policy.name}] train {tr.step}/{tr.total_steps} loss {tr.last_loss:.3f}"
             f", {tok_s:,.0f} tok/s"
-            f" | serve {len(eng.scheduler.running)} seqs, token interval {tpot} ms over the run"
-            f" (objective {1e3 * self.tpot_s:g}), {stats['violations']} over"
+            f" | serve {len(eng.scheduler.running)} seqs, {objective}"
             f" | decode on {share}, trainer paused {100 * paused:.0f}% [{elapsed:,.0f}s]"
         )
         if sys.stderr.isatty():

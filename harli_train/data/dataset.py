@@ -31,12 +31,13 @@ class Example:
 def load_examples(
     path: str | Path, fmt: str, tokenizer: Tokenizer, max_examples: int | None = None
 ) -> list[Example]:
-    """Tokenize a JSONL file of {"prompt", "completion"} rows or {"text"} rows.
+    """Tokenize a JSONL file (or every `*.jsonl` file of a folder, in name order) of {"prompt", "completion"}
+    rows or {"text"} rows.
 
     prompt/completion -> [bos] + prompt + completion + [eos], loss on completion + eos only.
     text              -> [bos] + text + [eos], loss on everything but bos.
     Prompt and completion are tokenized separately so the loss mask falls exactly on their boundary.
-    With fmt="auto" the first row decides the format; a file mixing both is an error. Blank lines and
+    With fmt="auto" the first row decides the format; data mixing both is an error. Blank lines and
     rows whose text is empty are skipped. bos is left out when the tokenizer has none.
     """
     path = Path(path)
@@ -44,46 +45,84 @@ def load_examples(
         raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if max_examples is not None and max_examples < 1:
         raise DataError(f"max_examples must be at least 1, got {max_examples}")
+    files = data_files(path)
+    reader = _Reader(None if fmt == "auto" else fmt, tokenizer, max_examples)
+    for file in files:
+        reader.read(file)
+    if not reader.examples:
+        if not reader.skipped:
+            detail = "it has only blank lines" if len(files) == 1 else "its files have only blank lines"
+        elif len(files) == 1:
+            detail = f"rows on lines {_line_list([n for _, n in reader.skipped])} are empty"
+        else:
+            detail = f"rows at {_line_list([f'{p.name}:{n}' for p, n in reader.skipped])} are empty"
+        raise DataError(f"{path}: no usable rows: {detail}")
+    return reader.examples
+
+
+def data_files(path: Path) -> list[Path]:
+    """The JSONL files `path` names: the file itself, or a folder's `*.jsonl` files in name order."""
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if not files:
+            raise DataError(
+                f"{path}: a directory holding no .jsonl files (data.path is a JSONL file or a folder of them)"
+            )
+        return files
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: data file is empty")
+    return [path]
 
-    row_fmt = None if fmt == "auto" else fmt
-    fmt_origin = "the requested format"
-    examples: list[Example] = []
-    skipped: list[int] = []
-    # Read bytes and decode line by line so a bad byte is reported on its own line.
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if max_examples is not None and len(examples) >= max_examples:
-                break
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a leading BOM
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            row = _parse_row(line, where)
-            detected = _detect_format(row, where)
-            if row_fmt is None:
-                row_fmt, fmt_origin = detected, f"the file's format (from line {lineno})"
-            elif detected != row_fmt:
-                raise DataError(
-                    f"{where}: row is in {detected} format, but {fmt_origin} is {row_fmt}; "
-                    "a file must use one format"
-                )
-            fields = [_string_field(row, name, row_fmt, where) for name in FORMAT_FIELDS[row_fmt]]
-            if not any(fields):
-                skipped.append(lineno)
-                continue
-            examples.append(_tokenize(fields, tokenizer))
 
-    if not examples:
-        detail = f"rows on lines {_line_list(skipped)} are empty" if skipped else "it has only blank lines"
-        raise DataError(f"{path}: no usable rows: {detail}")
-    return examples
+class _Reader:
+    """Rows of one or more files into examples, one format throughout."""
+
+    def __init__(self, fmt: str | None, tokenizer: Tokenizer, max_examples: int | None):
+        self.fmt, self.fmt_origin, self.fmt_file = fmt, "the requested format", None
+        self.tokenizer, self.max_examples = tokenizer, max_examples
+        self.examples: list[Example] = []
+        self.skipped: list[tuple[Path, int]] = []  # (file, line) of the rows with empty text
+
+    @property
+    def full(self) -> bool:
+        return self.max_examples is not None and len(self.examples) >= self.max_examples
+
+    def read(self, path: Path) -> None:
+        """Append the examples of `path` (until `max_examples` are read); DataError naming the file and line."""
+        if self.full:
+            return
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: data file is empty")
+        # Read bytes and decode line by line so a bad byte is reported on its own line.
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if self.full:
+                    return
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a leading BOM
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                if not line.strip():
+                    continue
+                row = _parse_row(line, where)
+                detected = _detect_format(row, where)
+                if self.fmt is None:
+                    self.fmt, self.fmt_file = detected, path
+                    self.fmt_origin = f"the file's format (from line {lineno})"
+                elif detected != self.fmt:
+                    elsewhere = self.fmt_file is not None and path != self.fmt_file
+                    origin = f"{self.fmt_file.name}'s format" if elsewhere else self.fmt_origin
+                    one = "a folder's files" if elsewhere else "a file"
+                    raise DataError(
+                        f"{where}: row is in {detected} format, but {origin} is {self.fmt}; "
+                        f"{one} must use one format"
+                    )
+                fields = [_string_field(row, name, self.fmt, where) for name in FORMAT_FIELDS[self.fmt]]
+                if not any(fields):
+                    self.skipped.append((path, lineno))
+                    continue
+                self.examples.append(_tokenize(fields, self.tokenizer))
 
 
 def _parse_row(line: str, where: str) -> dict:

@@ -134,8 +134,8 @@ def serve_trace(
                 engine.add_request(
                     prompt, params, request_id=r.request_id, arrival_time=t0 + r.arrival_s * time_scale
                 )
-            except RequestRefused:
-                pass  # recorded in the metrics; the others continue
+            except RequestRefused as e:
+                log.warning("%s", e)  # recorded in the metrics; the others continue
         if engine.has_unfinished():
             engine.step()
         elif not replay.exhausted:
@@ -157,7 +157,7 @@ def serve_trace(
         "ignore_eos": ignore_eos,
         "device": str(engine.device),
         "kv_blocks": engine.storage.num_blocks,
-        "engine": asdict(cfg),
+        "engine": asdict(engine.config),  # max_model_len capped at the model's context
     }
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     log.info(

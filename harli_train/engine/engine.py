@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harli_train.engine.block_manager import BlockManager
-from harli_train.engine.engine_config import EngineConfig, EngineError
+from harli_train.engine.engine_config import EngineConfig, EngineError, capped_to_context
 from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage, kv_cache_blocks
 from harli_train.engine.metrics import EngineMetrics, StepRecord
 from harli_train.engine.runner import DEFAULT_PARTITION, LaunchedStep, ModelRunner
@@ -83,7 +83,8 @@ class DecodeEngine:
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.model, self.tokenizer, self.clock = model, tokenizer, clock
-        self.config = cfg = config or EngineConfig()
+        self.context = model.config.max_position_embeddings
+        self.config = cfg = capped_to_context(config or EngineConfig(), self.context)
         if any(m.has_lora for m in model.lora_modules().values()):
             raise EngineError(
                 "the engine serves the base model: pass a model object with no LoRA adapter "
@@ -157,7 +158,9 @@ class DecodeEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Sequence:
-        """Queue a request; raises RequestRefused (others are untouched) if it could never run here."""
+        """Queue a request; raises RequestRefused (others are untouched, the refusal is recorded in the
+        metrics) if it could never run here: longer than `max_model_len` (at most the model's context) or than
+        the whole KV cache."""
         params = params or SamplingParams()
         ids = self._encode(prompt)
         seq = Sequence(
@@ -169,7 +172,6 @@ class DecodeEngine:
             seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, "refused", problem
             seq.finish_time = self.clock()
             self.metrics.add_finished(seq)
-            log.warning("%s", problem)
             raise RequestRefused(problem, seq)
         self.scheduler.add(seq)
         return seq
@@ -180,10 +182,10 @@ class DecodeEngine:
         if n == 0:
             return f"{where}: the prompt is empty"
         if n + m > cfg.max_model_len:
-            return (
-                f"{where}: prompt of {n} tokens + max_tokens {m} = {n + m} exceeds max_model_len "
-                f"{cfg.max_model_len}"
-            )
+            limit = f"max_model_len {cfg.max_model_len}"
+            if cfg.max_model_len == self.context:
+                limit = f"the model's context of {self.context} tokens (max_position_embeddings)"
+            return f"{where}: its prompt of {n} tokens + max_tokens {m} = {n + m} exceeds {limit}"
         need = self.block_manager.blocks_for(n + m - 1)  # the last drawn token is never cached
         # A pooled cache can grow to max_blocks; only a request beyond that can never run.
         capacity = max(self.block_manager.num_blocks, getattr(self.storage, "max_blocks", 0))
@@ -357,6 +359,7 @@ class DecodeEngine:
             try:
                 seqs.append(self.add_request(prompt, p))
             except RequestRefused as e:
+                log.warning("%s", e)
                 seqs.append(e.seq)
         self.run_until_done()
         return seqs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
@@ -79,3 +79,13 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def capped_to_context(config: EngineConfig, context: int) -> EngineConfig:
+    """`config` with `max_model_len` no longer than the model's `context` (its max_position_embeddings), as
+    nano-vllm caps it: positions past the context were never trained, and sizing for a longer request than
+    the model takes would let one trace line size buffers (and a prefill) past memory. A longer request is
+    refused instead. Returns `config` itself when it already fits."""
+    if config.max_model_len <= context:
+        return config
+    return replace(config, max_model_len=context)

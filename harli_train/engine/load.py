@@ -74,7 +74,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     if not path.is_file():
         raise TraceError(f"trace {path}: file not found")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(_text_lines(path), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -92,6 +92,21 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             r.request_id = str(i)  # the line's order among the requests
     out.sort(key=lambda r: r.arrival_s)
     return out
+
+
+def _text_lines(path: Path) -> list[str]:
+    """The file's lines as text; TraceError naming the line of the first byte that is not UTF-8."""
+    with path.open("rb") as f:
+        raw_lines = f.read().split(b"\n")
+    lines = []
+    for n, raw in enumerate(raw_lines, 1):
+        try:
+            lines.append(raw.decode("utf-8-sig" if n == 1 else "utf-8"))  # a leading BOM is tolerated
+        except UnicodeDecodeError as e:
+            raise TraceError(
+                f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
+            ) from None
+    return lines
 
 
 def write_trace(path: str | Path, requests: list[TraceRequest], header: str = "") -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "sm_budget",
     "swiglu",
     "triton_available",
+    "triton_unavailable",
     "use_backend",
 ]
 
@@ -100,22 +101,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def triton_unavailable(on_cuda: bool) -> str | None:
+    """Why Triton kernels cannot run here on CUDA tensors (`on_cuda`) or CPU ones; None when they can: triton
+    imports, and the tensors are on a GPU or TRITON_INTERPRET=1 runs Triton's CPU interpreter."""
+    if not triton_available():
+        return "triton cannot be imported (install it, or use 'auto' or 'torch')"
+    if not on_cuda and not _interpreting():
+        return (
+            "there is no GPU for it: Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1, "
+            "set before the first kernel call)"
+        )
+    return None
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     backend = _backend
     if backend == "torch":
         return False
     if backend == "auto":
         return x.is_cuda and triton_available()
-    if not triton_available():
-        raise RuntimeError(
-            "kernel backend 'triton' was selected but triton cannot be imported; "
-            "install triton or use set_backend('torch')"
-        )
-    if not x.is_cuda and not _interpreting():
-        raise RuntimeError(
-            "kernel backend 'triton' got CPU tensors: set TRITON_INTERPRET=1 before the first "
-            "kernel call to run Triton on the CPU, or use backend 'auto' or 'torch'"
-        )
+    problem = triton_unavailable(x.is_cuda)
+    if problem is not None:
+        raise RuntimeError(f"kernel backend 'triton' was selected but {problem}")
     return True
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,9 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     model_type: str = "llama"
+    where: InitVar[str] = "model config"  # the file (or "model config") that errors name
 
-    def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_heads
+    def __post_init__(self, where: str) -> None:
         for name in (
             "vocab_size",
             "hidden_size",
@@ -46,13 +46,15 @@ class ModelConfig:
             "num_kv_heads",
         ):
             if getattr(self, name) <= 0:
-                raise ModelError(f"model config: {name} must be positive, got {getattr(self, name)}")
+                raise ModelError(f"{where}: {name} must be positive, got {getattr(self, name)}")
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ModelError(
-                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"{where}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ModelError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+            raise ModelError(f"{where}: head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
     def q_size(self) -> int:
@@ -72,28 +74,36 @@ class ModelConfig:
         return self.vocab_size * h + layers * per_layer + h + head
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        model_type = d.get("model_type", "llama")
+    def from_hf_dict(cls, d: dict[str, Any], where: str = "model config") -> ModelConfig:
+        """The shape a transformers `config.json` describes; ModelError naming `where` and the key for a
+        missing key or a value of the wrong type."""
+        if not isinstance(d, dict):
+            raise ModelError(f"{where}: expected a JSON object of model settings, got {_describe(d)}")
+        read = functools.partial(_read, d, where)
+        model_type = read("model_type", str, "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
-            raise ModelError(f"model type {model_type!r} is not supported (llama, qwen2, mistral)")
+            raise ModelError(f"{where}: model type {model_type!r} is not supported (llama, qwen2, mistral)")
+        rope_parameters = read("rope_parameters", dict, {})
+        heads = read("num_attention_heads", int)
         return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or 0,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(d),
-            max_position_embeddings=d.get("max_position_embeddings", 8192),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", model_type == "qwen2"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            vocab_size=read("vocab_size", int),
+            hidden_size=read("hidden_size", int),
+            intermediate_size=read("intermediate_size", int),
+            num_layers=read("num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=read("num_key_value_heads", int, heads),
+            head_dim=read("head_dim", int, 0),
+            rms_norm_eps=read("rms_norm_eps", float, 1e-5),
+            rope_theta=read("rope_theta", float, _read(rope_parameters, where, "rope_theta", float, 10000.0)),
+            rope_scaling=_rope_scaling(d, where),
+            max_position_embeddings=read("max_position_embeddings", int, 8192),
+            tie_word_embeddings=read("tie_word_embeddings", bool, False),
+            attention_bias=read("attention_bias", bool, model_type == "qwen2"),
+            bos_token_id=read("bos_token_id", int, None),
+            eos_token_id=_eos_ids(d, where),
+            pad_token_id=read("pad_token_id", int, None),
             model_type=model_type,
+            where=where,
         )
 
     @classmethod
@@ -104,28 +114,68 @@ class ModelConfig:
                 f"model directory {path}: no config.json found (expected a Hugging Face model folder)"
             )
         try:
-            return cls.from_hf_dict(json.loads(cfg.read_text()))
-        except (KeyError, json.JSONDecodeError) as e:
-            raise ModelError(f"{cfg}: not a usable Llama config ({type(e).__name__}: {e})") from None
+            d = json.loads(cfg.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelError(f"{cfg}: not a JSON file ({type(e).__name__}: {e})") from None
+        return cls.from_hf_dict(d, str(cfg))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+def _describe(value: Any) -> str:
+    """A JSON value as an error shows it: its kind, and the value itself when it is short."""
+    kinds = {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number"}
+    text = json.dumps(value, default=repr)
+    return f"a JSON {kinds.get(type(value), 'null')}" + (f" {text}" if len(text) <= 40 else "")
+
+
+_NOUNS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+_REQUIRED = object()
+
+
+def _read(d: dict[str, Any], where: str, key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """`d[key]` checked to be of `kind` (an integer is a number, a boolean is no integer); `default` when it
+    is null or absent (absent with no default: an error). ModelError names `where` and the key."""
+    value = d.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelError(f"{where}: {key}: missing (a Llama-family config.json has it)")
+        return default
+    if not _is(value, kind):
+        raise ModelError(f"{where}: {key}: expected {_NOUNS[kind]}, got {_describe(value)}")
+    return float(value) if kind is float else value
+
+
+def _is(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+def _eos_ids(d: dict[str, Any], where: str) -> int | list[int] | None:
+    eos = d.get("eos_token_id")
+    if eos is None or _is(eos, int) or (isinstance(eos, list) and all(_is(t, int) for t in eos)):
+        return eos
+    raise ModelError(
+        f"{where}: eos_token_id: expected an integer or a list of integers, got {_describe(eos)}"
+    )
+
+
+def _rope_scaling(d: dict[str, Any], where: str) -> dict[str, Any] | None:
     # transformers 5 moved rope settings into `rope_parameters`; 4.x keeps `rope_scaling`.
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    rs = _read(d, where, key, dict, None)
     if not rs:
         return None
-    kind = rs.get("rope_type", rs.get("type", "default"))
+    read = functools.partial(_read, rs, f"{where}: {key}")
+    kind = read("rope_type", str, None) or read("type", str, "default")
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ModelError(f"rope scaling {kind!r} is not supported (only Llama-3 style 'llama3')")
-    return {
-        k: rs[k]
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    }
+        raise ModelError(f"{where}: rope scaling {kind!r} is not supported (only Llama-3 style 'llama3')")
+    out = {k: read(k, float) for k in ("factor", "low_freq_factor", "high_freq_factor")}
+    return {**out, "original_max_position_embeddings": read("original_max_position_embeddings", int)}
 
 
 _LLAMA3_ROPE = {

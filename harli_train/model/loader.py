@@ -93,7 +93,16 @@ def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -
 def _shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, UTF-8, or its shape
+            raise ModelError(
+                f'{index}: not a safetensors index (expected {{"weight_map": {{tensor: file}}}}; '
+                f"{type(e).__name__}: {e})"
+            ) from None
+        if not all(isinstance(s, str) for s in shards):
+            raise ModelError(f"{index}: weight_map values must be file names")
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.is_file():
@@ -109,26 +118,20 @@ def _shard_files(path: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for shard in _shard_files(path):
         if not shard.is_file():
             raise ModelError(f"model directory {path}: shard {shard.name} listed in the index is missing")
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key not in params:
-                    if "rotary_emb" in key:
-                        continue
-                    raise ModelError(f"{shard}: unexpected tensor {key!r} (not a Llama-family weight)")
-                t = f.get_tensor(key)
-                if t.shape != params[key].shape:
-                    raise ModelError(
-                        f"{shard}: {key} has shape {tuple(t.shape)}, expected {tuple(params[key].shape)}"
-                    )
-                params[key].copy_(t)
-                loaded.add(key)
+        try:
+            loaded |= _load_shard(shard, params)
+        except SafetensorError as e:  # the header or the data ends early, or is not safetensors at all
+            raise ModelError(
+                f"{shard}: not a readable safetensors file ({e}); it may be truncated (an interrupted "
+                "download or copy)"
+            ) from None
     missing = [
         k
         for k in params
@@ -138,3 +141,24 @@ def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
         raise ModelError(
             f"model directory {path}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
         )
+
+
+def _load_shard(shard: Path, params: dict[str, torch.nn.Parameter]) -> set[str]:
+    """Copy the tensors of one safetensors file into `params`; returns the names it loaded."""
+    from safetensors import safe_open
+
+    loaded = set()
+    with safe_open(str(shard), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if key not in params:
+                if "rotary_emb" in key:
+                    continue
+                raise ModelError(f"{shard}: unexpected tensor {key!r} (not a Llama-family weight)")
+            t = f.get_tensor(key)
+            if t.shape != params[key].shape:
+                raise ModelError(
+                    f"{shard}: {key} has shape {tuple(t.shape)}, expected {tuple(params[key].shape)}"
+                )
+            params[key].copy_(t)
+            loaded.add(key)
+    return loaded

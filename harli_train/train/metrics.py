@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,31 @@ def memory_gib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def progress_bar(console: Any = None, get_time: Callable[[], float] | None = None) -> Any:
+    """The training progress bar (rich): "train", a 20-cell bar, steps done/total, the time left, then the
+    task's `status` field. Only the status gives way to a narrow terminal (it is cut with an ellipsis), so
+    the bar, the step count and the time left stay whole down to about 60 columns."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class StatusColumn(ProgressColumn):
+        # A column rich may shrink (it shrinks wrappable ones first), whose text never wraps to a second line.
+        def render(self, task: Any) -> Text:
+            return Text(task.fields.get("status", ""), no_wrap=True, overflow="ellipsis")
+
+    extra = {} if get_time is None else {"get_time": get_time}
+    return Progress(
+        "train",
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        StatusColumn(),
+        console=console,
+        transient=False,
+        **extra,
+    )
 
 
 class MetricsLogger:
@@ -40,16 +66,7 @@ class MetricsLogger:
         self.start = time.perf_counter()
         self.progress = None
         if not quiet and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[status]}"),
-                transient=False,
-            )
+            self.progress = progress_bar()
             self.task = self.progress.add_task(
                 "train", total=total_steps, completed=resume_step or 0, status=""
             )

@@ -19,7 +19,14 @@ from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
 from harli_train.data.dataset import load_examples
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
-from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
+from harli_train.model import (
+    LlamaForCausalLM,
+    ModelConfig,
+    is_preset,
+    load_model,
+    model_config,
+    resolve_dtype,
+)
 from harli_train.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -28,6 +35,7 @@ from harli_train.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from harli_train.train.divergence import TrainingDiverged, check_step
 from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.schedule import lr_at
 from harli_train.train.step import MicroStep, StepResult, train_step
@@ -73,7 +81,9 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
+        _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
+        _check_kernels(cfg, self.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
@@ -97,6 +107,14 @@ class Trainer:
             self.total_steps = max(
                 1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum)
             )
+        if cfg.train.warmup_steps >= self.total_steps:
+            log.warning(
+                "train.warmup_steps (%d) is not below the run's %d steps: warming up for %d instead",
+                cfg.train.warmup_steps,
+                self.total_steps,
+                self.total_steps - 1,
+            )
+            cfg.train.warmup_steps = self.total_steps - 1  # before the recipe is written: it records this
         model.add_lora(
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
         )
@@ -214,16 +232,22 @@ class Trainer:
                 pass
         except KeyboardInterrupt:
             self.interrupt()
+        except TrainingDiverged:
+            self.metrics.close()  # nothing of the diverged state is saved: no checkpoint, no adapter
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
 
     def _commit_step(self) -> None:
-        """Count and log the step whose optimizer update has run; from here on it is kept, never redone."""
+        """Count and log the step whose optimizer update has run; from here on it is kept, never redone.
+        A step whose loss or gradient norm is not finite raises TrainingDiverged instead (nothing counted)."""
         (result, lr, grad_norm, t0), self._pending_commit = self._pending_commit, None
+        loss, grad_norm = result.loss_sum.item() / result.target_tokens, float(grad_norm)
+        check_step(self.step + 1, loss, grad_norm, self.out_dir)
         self.step += 1
         self.tokens_seen += result.input_tokens
-        self.last_loss = result.loss_sum.item() / result.target_tokens
+        self.last_loss = loss
         self._loader_state = None
         if self.device.type == "cuda":
             # The trainer's own stream: a device-wide sync would also wait for a co-located decode step.
@@ -234,7 +258,7 @@ class Trainer:
                 "step": self.step,
                 "loss": self.last_loss,
                 "lr": lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 "tokens": result.input_tokens,
                 "target_tokens": result.target_tokens,
                 "tokens_per_s": result.input_tokens / dt,
@@ -289,6 +313,25 @@ class Trainer:
         return save_checkpoint(
             self.out_dir, self.step, self.model, state, self.cfg.model.name, self.cfg.output.keep_checkpoints
         )
+
+
+def _check_seq_len(cfg: RecipeConfig, model: ModelConfig) -> None:
+    """data.seq_len within the model's context: positions past it were never trained (and its RoPE scaling
+    is defined up to it)."""
+    context = model.max_position_embeddings
+    if cfg.data.seq_len > context:
+        expected = f"an integer <= the context of model {cfg.model.name!r} ({context} tokens, its max_position_embeddings)"
+        raise RecipeError(cfg.source, "data.seq_len", expected, repr(cfg.data.seq_len))
+
+
+def _check_kernels(cfg: RecipeConfig, device: torch.device) -> None:
+    """train.kernels=triton only where Triton kernels can run on the training device."""
+    problem = kernels.triton_unavailable(device.type == "cuda") if cfg.train.kernels == "triton" else None
+    if problem is not None:
+        expected = (
+            "'auto' or 'torch' on this machine (Triton kernels need a GPU, or Triton's CPU interpreter)"
+        )
+        raise RecipeError(cfg.source, "train.kernels", expected, f"'triton', but {problem}")
 
 
 def _raise_interrupt(signum, frame):
