@@ -211,7 +211,7 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     for name in ("steps.jsonl", "summary.json", "timeline.png", "throughput.png", "serve/requests.jsonl"):
         assert (col / name).is_file(), name
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    assert (tmp_path / "checkpoints" / "step_000006" / "trainer_state.pt").is_file()
+    assert (tmp_path / "checkpoints" / "step_000006" / "trainer_state.json").is_file()
     assert summary["shared_weights"] and summary["stop_reason"] == "trained" and not summary["interrupted"]
     assert summary["finetune"]["steps_run"] == 6 and summary["serving"]["decode_steps"] > 0
     assert summary["serving"]["requests"] > 0 and summary["serving"]["tpot_ms"]["p50"] is not None

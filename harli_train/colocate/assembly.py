@@ -34,9 +34,9 @@ from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
-from harli_train.train.checkpoint import rng_state, set_rng_state
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer, resolve_device
+from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 

@@ -16,21 +16,21 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import load_examples
+from harli_train.data.dataset import DataError, load_examples
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
 from harli_train.train.checkpoint import (
+    STATE_JSON,
     CheckpointError,
     find_checkpoint,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.schedule import lr_at
 from harli_train.train.step import MicroStep, StepResult, train_step
+from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class Trainer:
         model.add_lora(
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
         )
-        state = self._load_checkpoint(find_checkpoint(Path(resume))) if resume is not None else None
+        ckpt = find_checkpoint(Path(resume)) if resume is not None else None
+        state = self._load_checkpoint(ckpt) if ckpt is not None else None
         model.train()
         self.params = model.lora_parameters()
         self.optimizer = torch.optim.AdamW(
@@ -115,10 +116,17 @@ class Trainer:
         if state is None:
             self._init_optimizer_state()
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.loader.load_state_dict(state["loader"])
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            set_rng_state(state["rng"])
+            try:
+                self.loader.load_state_dict(state["loader"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                set_rng_state(state["rng"])
+                self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            except DataError:
+                raise  # says itself what changed
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(
+                    f"{ckpt / STATE_JSON}: does not fit this run ({type(e).__name__}: {e})"
+                ) from None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
         self.metrics = MetricsLogger(
