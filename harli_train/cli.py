@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         from harli_train.data.dataset import DataError
         from harli_train.engine.engine_config import EngineError
         from harli_train.model import ModelError
-        from harli_train.train.checkpoint import CheckpointError
+        from harli_train.train.checkpoint import CheckpointError, SaveError
 
         _USER_ERRORS = (
             RecipeError,
@@ -34,6 +34,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             DataError,
             AdapterError,
             CheckpointError,
+            SaveError,
             EngineError,
             ProfileError,
         )

@@ -1,5 +1,7 @@
-"""Checkpoints: stored without pickle and read back exactly, a pickled or damaged one refused by name."""
+"""Checkpoints: stored without pickle and read back exactly, a pickled or damaged one refused by name, and a
+save that is cut short (a kill, a full disk) never costing the checkpoint before it."""
 
+import errno
 import json
 import os
 import random
@@ -10,16 +12,24 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from harli_train import durable
 from harli_train.adapter import save_adapter
 from harli_train.cli import main
+from harli_train.config import load_recipe
 from harli_train.model import load_model
 from harli_train.train.checkpoint import (
+    FILES,
     LEGACY_STATE,
     STATE_JSON,
     STATE_TENSORS,
     CheckpointError,
+    SaveError,
     find_checkpoint,
+    is_complete,
+    list_checkpoints,
+    recover_checkpoints,
 )
+from harli_train.train.trainer import Trainer
 from harli_train.train.trainer_state import decode, encode, rng_state, set_rng_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +41,20 @@ def _run(out: Path, steps: int, *extra: str):
     """The quickstart recipe through the command line, ``steps`` short steps into ``out``."""
     args = [str(QUICKSTART), *SHORT, f"train.steps={steps}", f"output.dir={out}", *extra]
     return CliRunner().invoke(main, args)
+
+
+def _trainer(out: Path, steps: int = 4, **over) -> Trainer:
+    overrides = {
+        "train.steps": steps,
+        "train.batch_size": 2,
+        "data.seq_len": 64,
+        "train.warmup_steps": 1,
+        "train.device": "cpu",
+        "output.dir": str(out),
+        **over,
+    }
+    tr = Trainer(load_recipe(QUICKSTART, [f"{k}={v}" for k, v in overrides.items()]), quiet=True)
+    return tr
 
 
 # ---- the format ---------------------------------------------------------------------------------------
@@ -132,3 +156,89 @@ def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
         find_checkpoint(stray)
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         find_checkpoint(tmp_path)
+
+
+# ---- saves cut short ----------------------------------------------------------------------------------
+
+
+def test_a_kill_mid_save_keeps_the_previous_checkpoint_and_the_next_start_cleans_up(tmp_path, monkeypatch):
+    tr = _trainer(tmp_path / "run", steps=4, **{"output.checkpoint_every": 2})
+    tr.setup()
+    real = durable.write_file
+
+    def killed_at_step_4(path, data):
+        if ".tmp_step_000004" in str(path) and Path(path).name == STATE_JSON:
+            raise SystemExit("killed")  # stands for SIGKILL: nothing after this line runs
+        real(path, data)
+
+    monkeypatch.setattr(durable, "write_file", killed_at_step_4)
+    with pytest.raises(SystemExit):
+        tr.train()
+    monkeypatch.undo()
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
+    assert (ckpts / ".tmp_step_000004").is_dir() and not is_complete(ckpts / ".tmp_step_000004")
+    (ckpts / "step_000003").mkdir()  # an empty folder, as a kill can leave
+
+    resumed = _trainer(tmp_path / "run", steps=4)
+    resumed.setup(resume=tmp_path / "run")
+    assert resumed.step == 2
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]  # the partial and the empty one gone
+
+
+def test_a_complete_temporary_checkpoint_is_promoted_at_start_up(tmp_path):
+    assert _run(tmp_path / "run", 3).exit_code == 0
+    ckpts = tmp_path / "run" / "checkpoints"
+    # Killed between writing the last file and renaming the folder into place.
+    (ckpts / "step_000003").rename(ckpts / ".tmp_step_000003")
+    result = _run(tmp_path / "run", 5, "--resume")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["steps"] == 5
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 5  # 3 kept, 2 run
+    assert is_complete(ckpts / "step_000003") and not (ckpts / ".tmp_step_000003").exists()
+
+
+def test_recovery_removes_partial_folders_and_an_empty_checkpoints_folder(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_000007").mkdir(parents=True)
+    (ckpts / ".tmp_step_000008").mkdir()
+    (ckpts / ".tmp_step_000008" / FILES[0]).write_text("{}")
+    (ckpts / ".del_step_000001").mkdir()
+    recover_checkpoints(tmp_path)
+    assert not ckpts.exists()
+
+
+def test_a_full_disk_at_the_final_save_keeps_the_last_checkpoint_and_exits_1(tmp_path, monkeypatch):
+    real = durable.write_file
+
+    def disk_full(path, data):
+        if ".tmp_step_000003" in str(path) and Path(path).name == STATE_TENSORS:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(durable, "write_file", disk_full)
+    result = _run(tmp_path / "run", 3, "output.checkpoint_every=2")
+    monkeypatch.undo()
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert str(ckpts / ".tmp_step_000003" / STATE_TENSORS) in error and "[Errno 28]" in error, error
+    assert f"{ckpts / 'step_000002'}, is kept" in error
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"] and is_complete(ckpts / "step_000002")
+    resumed = _run(tmp_path / "run", 3, "--resume")
+    assert resumed.exit_code == 0 and json.loads(resumed.stdout)["steps"] == 3, resumed.output
+
+
+def test_a_failed_save_raises_save_error_naming_the_file(tmp_path, monkeypatch):
+    tr = _trainer(tmp_path / "run", steps=2)
+    tr.setup()
+
+    def read_only(path, data):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(durable, "write_file", read_only)
+    with pytest.raises(
+        SaveError, match=r"step 2: .*adapter_model.safetensors: \[Errno 30\].*there is no earlier one"
+    ):
+        tr.train()
+    assert not (tmp_path / "run" / "checkpoints" / ".tmp_step_000002").exists()

@@ -23,12 +23,16 @@ from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_d
 from harli_train.train.checkpoint import (
     STATE_JSON,
     CheckpointError,
+    SaveError,
+    describe_os_error,
     find_checkpoint,
     load_checkpoint,
+    recover_checkpoints,
     save_checkpoint,
 )
 from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.schedule import lr_at
+from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
@@ -74,6 +78,7 @@ class Trainer:
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
         self.device = resolve_device(cfg.train.device, cfg.source)
+        recover_checkpoints(self.out_dir)  # what a killed save left
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
@@ -273,9 +278,23 @@ class Trainer:
         log.warning("interrupted: checkpointing step %d", self.step)
 
     def finish(self) -> dict[str, Any]:
-        ckpt = self.save_checkpoint() if self.step > 0 else None
-        adapter_dir = save_adapter(self.model, self.out_dir / "adapter", base_model=self.cfg.model.name)
-        self.metrics.close()
+        """Checkpoint the last completed step and write the final adapter; returns the run's summary.
+
+        SIGINT and SIGTERM arriving meanwhile are logged and dropped: the run is ending anyway. SaveError
+        (naming the file and the OS error) when either cannot be written; earlier checkpoints stay.
+        """
+        try:
+            with held_signals("the final checkpoint and adapter", redeliver=False):
+                ckpt = self.save_checkpoint() if self.step > 0 else None
+                try:
+                    adapter_dir = save_adapter(
+                        self.model, self.out_dir / "adapter", base_model=self.cfg.model.name
+                    )
+                except OSError as err:
+                    saved = f"; checkpoint {ckpt} is complete" if ckpt else ""
+                    raise SaveError(f"could not save the adapter: {describe_os_error(err)}{saved}") from None
+        finally:
+            self.metrics.close()
         return {
             "steps": self.step,
             "total_steps": self.total_steps,
@@ -286,6 +305,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint the last completed step (``checkpoint.save_checkpoint``: crash-safe, SaveError)."""
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
