@@ -47,7 +47,12 @@ def _friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except _user_errors() as e:
-            raise click.ClickException(str(e)) from None
+            from harli_train.train.run_dir import OutputDirError
+
+            error = click.ClickException(str(e))
+            if isinstance(e, OutputDirError):
+                error.exit_code = 2  # a usage error: the recipe's output.dir cannot take this run
+            raise error from None
         except FileNotFoundError as e:
             raise click.ClickException(f"file not found: {e.filename}") from None
 
@@ -116,6 +121,10 @@ def train(
     if policy is not None:
         overrides = (*overrides, f"colocation.policy={policy}")
     cfg = load_recipe(recipe, overrides)
+    if colocate_with is not None:
+        from harli_train.colocate.commands import use_colocated_output_dir
+
+        use_colocated_output_dir(cfg)
     resume_path = resume_from or (cfg.output.dir if resume else None)
     if colocate_with is not None:
         from harli_train.colocate.commands import run_colocated

@@ -128,6 +128,9 @@ def test_a_pickled_checkpoint_is_refused_and_its_payload_never_runs(tmp_path):
         assert str(ckpt / LEGACY_STATE) in result.output and "cannot be resumed safely" in result.output, how
         assert "Traceback" not in result.output
         assert not marker.exists(), f"the pickle's payload ran ({how})"
+    # A new run into that directory is refused too: the old checkpoint is another run's work.
+    assert _run(tmp_path / "run", 4).exit_code == 2 and (ckpt / LEGACY_STATE).is_file()
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
@@ -191,11 +194,14 @@ def test_a_complete_temporary_checkpoint_is_promoted_at_start_up(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     # Killed between writing the last file and renaming the folder into place.
     (ckpts / "step_000003").rename(ckpts / ".tmp_step_000003")
+    # Found and promoted at start-up: a checkpoint that a new run is refused to take over.
+    assert _run(tmp_path / "run", 3).exit_code == 2
+    assert is_complete(ckpts / "step_000003") and not (ckpts / ".tmp_step_000003").exists()
+    (ckpts / "step_000003").rename(ckpts / ".tmp_step_000003")
     result = _run(tmp_path / "run", 5, "--resume")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["steps"] == 5
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 5  # 3 kept, 2 run
-    assert is_complete(ckpts / "step_000003") and not (ckpts / ".tmp_step_000003").exists()
 
 
 def test_recovery_removes_partial_folders_and_an_empty_checkpoints_folder(tmp_path):

@@ -275,9 +275,8 @@ def assemble(
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
-    base = load_model(cfg.model.name, dtype, device, seed=cfg.model.seed) if shared else None
-    trainer = Trainer(cfg, model=base, quiet=True)
-    trainer.setup(resume=resume)
+    trainer = Trainer(cfg, quiet=True)
+    trainer.setup(resume=resume)  # checks the output directory before loading anything
     served = (
         base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
     )

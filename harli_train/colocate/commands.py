@@ -22,13 +22,15 @@ from harli_train.colocate.assembly import (
 )
 from harli_train.colocate.profile import ProfileKey, default_profile_path
 from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
-from harli_train.config import RecipeConfig
+from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_dir
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import poisson_trace
 from harli_train.model import is_preset, load_model, resolve_dtype
 from harli_train.train.trainer import resolve_device
 
 log = logging.getLogger(__name__)
+
+COLOCATED_OUTPUT_DIR = DEFAULT_OUTPUT_DIR + "-colocated"
 
 
 def run_colocated(
@@ -86,6 +88,14 @@ def run_colocated(
     summary["interrupted"] = summary["stop_reason"] == "interrupted"
     summary["adapter"] = summary["trainer"].get("adapter")
     return summary
+
+
+def use_colocated_output_dir(cfg: RecipeConfig) -> None:
+    """Give a co-located run its own default run directory: an ``output.dir`` equal to the default
+    (``runs/{recipe_stem}``, written out in the recipe or not) becomes ``runs/{recipe_stem}-colocated``, so
+    that the run does not collide with the same recipe's standalone run. Any other ``output.dir`` is kept."""
+    if cfg.output.dir == resolve_output_dir(DEFAULT_OUTPUT_DIR, cfg.source):
+        cfg.output.dir = resolve_output_dir(COLOCATED_OUTPUT_DIR, cfg.source)
 
 
 def _fmt(d: dict | None, key: str) -> str:

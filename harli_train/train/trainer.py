@@ -27,10 +27,10 @@ from harli_train.train.checkpoint import (
     describe_os_error,
     find_checkpoint,
     load_checkpoint,
-    recover_checkpoints,
     save_checkpoint,
 )
 from harli_train.train.metrics import MetricsLogger, memory_gib
+from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
@@ -55,10 +55,11 @@ def resolve_device(name: str, source: str = "config") -> torch.device:
 class Trainer:
     """Trains a LoRA adapter as a recipe says.
 
-    `setup()` loads the model, data and optimizer (and a checkpoint when resuming); `micro_steps()` yields
-    after every launched chunk of work until training is done, which is how the co-location runtime drives
-    it; `train()` simply drains that generator. Checkpoints hold the adapter, optimizer, schedule position,
-    data position and RNG, so a resumed run continues the same loss curve.
+    `setup()` readies the output directory (`prepare_run_dir`), then loads the model, data and optimizer (and
+    a checkpoint when resuming); `micro_steps()` yields after every launched chunk of work until training is
+    done, which is how the co-location runtime drives it; `train()` simply drains that generator. Checkpoints
+    hold the adapter, optimizer, schedule position, data position and RNG, so a resumed run continues the
+    same loss curve.
     """
 
     def __init__(self, cfg: RecipeConfig, model: LlamaForCausalLM | None = None, quiet: bool = False):
@@ -78,7 +79,9 @@ class Trainer:
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
         self.device = resolve_device(cfg.train.device, cfg.source)
-        recover_checkpoints(self.out_dir)  # what a killed save left
+        prepare_run_dir(
+            self.out_dir, resuming=resume is not None, overwrite=cfg.output.overwrite, source=cfg.source
+        )
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
@@ -132,7 +135,6 @@ class Trainer:
                 raise CheckpointError(
                     f"{ckpt / STATE_JSON}: does not fit this run ({type(e).__name__}: {e})"
                 ) from None
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
         self.metrics = MetricsLogger(
             self.out_dir / "metrics.jsonl",
