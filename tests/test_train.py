@@ -322,3 +322,17 @@ def test_a_signal_during_a_checkpoint_lets_it_complete(
     assert resumed.step == stops_at
     resumed.train()
     assert _losses(tmp_path / "run") == pytest.approx(uninterrupted, rel=1e-6, abs=1e-7)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    from harli_train.train.checkpoint import CheckpointError
+    from harli_train.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(records) + '\n{"step": 4, "loss": 0.2')  # killed while writing step 4
+    MetricsLogger(path, 10, 1, resume_step=3, quiet=True).close()
+    assert path.read_text().splitlines() == records
+    path.write_text(records[0] + '\n{"step": 2, "lo\n' + records[2] + "\n")
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl: line 2 is not a metrics record"):
+        MetricsLogger(path, 10, 1, resume_step=3, quiet=True)
