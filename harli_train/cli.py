@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from functools import wraps
+from typing import Any
 
 import click
 
@@ -57,6 +59,22 @@ def _friendly(fn: Callable) -> Callable:
             raise click.ClickException(f"file not found: {e.filename}") from None
 
     return wrapper
+
+
+def _strict_json(obj: Any, indent: int) -> str:
+    """Valid JSON for the console: a non-finite float (the loss of a run that ran no step) prints as null,
+    anything else JSON has no type for as its str()."""
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(obj), indent=indent, default=str, allow_nan=False)
 
 
 class _RecipeGroup(click.Group):
@@ -134,7 +152,7 @@ def train(
         trainer = Trainer(cfg, quiet=quiet)
         trainer.setup(resume=resume_path)
         summary = trainer.train()
-    click.echo(json.dumps(summary, indent=2, default=str))
+    click.echo(_strict_json(summary, indent=2))
     if summary["interrupted"]:
         sys.exit(130)
 
@@ -163,7 +181,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
     from harli_train.colocate.commands import run_profile
 
     report = run_profile(model, out, dtype=dtype, max_batch=max_batch, ladder_step=int(ladder_step))
-    click.echo(json.dumps(report, indent=2, default=str))
+    click.echo(_strict_json(report, indent=2))
 
 
 @main.command()
@@ -258,4 +276,4 @@ def serve_trace(
         seed=seed,
         device=device,
     )
-    click.echo(json.dumps({k: summary[k] for k in summary if k != "setup"}, indent=1, default=str))
+    click.echo(_strict_json({k: summary[k] for k in summary if k != "setup"}, indent=1))

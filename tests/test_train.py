@@ -336,3 +336,17 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     path.write_text(records[0] + '\n{"step": 2, "lo\n' + records[2] + "\n")
     with pytest.raises(CheckpointError, match=r"metrics.jsonl: line 2 is not a metrics record"):
         MetricsLogger(path, 10, 1, resume_step=3, quiet=True)
+
+
+def test_resume_of_a_finished_run_prints_strict_json(tmp_path):
+    args = [str(QUICKSTART), "--quiet", "train.steps=2", "train.warmup_steps=1", "train.batch_size=2"]
+    args += ["data.seq_len=64", f"output.dir={tmp_path / 'run'}"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    summary = json.loads(result.stdout, parse_constant=refuse)
+    assert summary["steps"] == 2 and summary["loss"] is None  # no step ran: no loss
