@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from harli_train import durable
 from harli_train.model.llama import LORA_TARGETS, LlamaForCausalLM
 
 CONFIG_NAME = "adapter_config.json"
@@ -44,8 +45,11 @@ def _lora_settings(model: LlamaForCausalLM) -> tuple[int, float, float, list[str
 
 
 def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str = "") -> Path:
-    """Write the adapter so that `peft.PeftModel.from_pretrained(base, out_dir)` loads it."""
-    from safetensors.torch import save_file
+    """Write the adapter so that `peft.PeftModel.from_pretrained(base, out_dir)` loads it.
+
+    Raises OSError (naming the file) when a file cannot be written; each file is then left as it was.
+    """
+    from safetensors.torch import save
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,12 +72,9 @@ def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str =
         "layers_to_transform": None,
         "revision": None,
     }
-    # Write to temporaries and rename, so an interrupted save never leaves a half-written adapter.
-    tmp_w, tmp_c = out / (WEIGHTS_NAME + ".tmp"), out / (CONFIG_NAME + ".tmp")
-    save_file(adapter_state_dict(model), str(tmp_w), metadata={"format": "pt"})
-    tmp_c.write_text(json.dumps(config, indent=2))
-    tmp_w.replace(out / WEIGHTS_NAME)
-    tmp_c.replace(out / CONFIG_NAME)
+    # Each file is replaced whole, so an interrupted save never leaves a half-written adapter.
+    durable.write_file(out / WEIGHTS_NAME, save(adapter_state_dict(model), metadata={"format": "pt"}))
+    durable.write_file(out / CONFIG_NAME, json.dumps(config, indent=2).encode())
     return out
 
 

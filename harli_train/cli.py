@@ -6,8 +6,10 @@ import errno
 import functools
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -31,7 +33,7 @@ def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
     from harli_train.engine.engine_config import EngineError
     from harli_train.engine.load import TraceError
     from harli_train.model import ModelError
-    from harli_train.train.checkpoint import CheckpointError
+    from harli_train.train.checkpoint import CheckpointError, SaveError
     from harli_train.train.divergence import TrainingDiverged
 
     return (
@@ -43,6 +45,7 @@ def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
         (TraceError, USAGE_ERROR),  # an EngineError
         (FileNotFoundError, USAGE_ERROR),  # an OSError: an input named on the command line or in the recipe
         (TrainingDiverged, RUN_FAILURE),
+        (SaveError, RUN_FAILURE),  # a checkpoint or adapter could not be written (the last good one kept)
         (EngineError, RUN_FAILURE),  # a request the engine refused, a cache too small for the load
         (ProfileError, RUN_FAILURE),
         (OSError, RUN_FAILURE),  # writing outputs: a full disk, a path that is a file, no permission
@@ -71,6 +74,22 @@ def _friendly(fn: Callable) -> Callable:
             raise failure from None
 
     return wrapper
+
+
+def _strict_json(obj: Any, indent: int) -> str:
+    """Valid JSON for the console: a non-finite float (the loss of a run that ran no step) prints as null,
+    anything else JSON has no type for as its str()."""
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(obj), indent=indent, default=str, allow_nan=False)
 
 
 class _RecipeGroup(click.Group):
@@ -149,6 +168,10 @@ def train(
     if policy is not None:
         overrides = (*overrides, f"colocation.policy={policy}")
     cfg = load_recipe(recipe, overrides)
+    if colocate_with is not None:
+        from harli_train.colocate.commands import use_colocated_output_dir
+
+        use_colocated_output_dir(cfg)
     resume_path = resume_from or (cfg.output.dir if resume else None)
     if colocate_with is not None:
         from harli_train.colocate.commands import run_colocated
@@ -158,7 +181,7 @@ def train(
         trainer = Trainer(cfg, quiet=quiet)
         trainer.setup(resume=resume_path)
         summary = trainer.train()
-    click.echo(json.dumps(summary, indent=2, default=str))
+    click.echo(_strict_json(summary, indent=2))
     if summary["interrupted"]:
         sys.exit(130)
 
@@ -187,7 +210,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
     from harli_train.colocate.commands import run_profile
 
     report = run_profile(model, out, dtype=dtype, max_batch=max_batch, ladder_step=int(ladder_step))
-    click.echo(json.dumps(report, indent=2, default=str))
+    click.echo(_strict_json(report, indent=2))
 
 
 @main.command()
@@ -288,4 +311,4 @@ def serve_trace(
         seed=seed,
         device=device,
     )
-    click.echo(json.dumps({k: summary[k] for k in summary if k != "setup"}, indent=1, default=str))
+    click.echo(_strict_json({k: summary[k] for k in summary if k != "setup"}, indent=1))

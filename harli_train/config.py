@@ -304,13 +304,24 @@ class TrainSection:
             self.clip_grad_norm = None
 
 
+DEFAULT_OUTPUT_DIR = "runs/{recipe_stem}"
+
+
+def resolve_output_dir(template: str, source: str) -> str:
+    """``template`` with ``{recipe_stem}`` replaced by the stem of recipe file ``source``, made absolute
+    (relative to the working directory)."""
+    return str(Path(template.replace("{recipe_stem}", Path(source).stem)).expanduser().resolve())
+
+
 @dataclass(slots=True)
 class OutputSection:
-    """Where checkpoints go; `{recipe_stem}` in `dir` is replaced by the recipe file's stem."""
+    """Where checkpoints go; `{recipe_stem}` in `dir` is replaced by the recipe file's stem. A new run into a
+    `dir` that holds another run's checkpoints is refused unless `overwrite` (which deletes them)."""
 
-    dir: str = key("runs/{recipe_stem}", "str")
+    dir: str = key(DEFAULT_OUTPUT_DIR, "str")
     checkpoint_every: int = key(0, "int", at_least(0))  # 0: only at exit
     keep_checkpoints: int = key(2, "int", at_least(1))
+    overwrite: bool = key(False, "bool")
 
     def __post_init__(self) -> None:
         _validate(self, "output")
@@ -374,8 +385,7 @@ class RecipeConfig:
     source: str = ""
 
     def __post_init__(self) -> None:
-        out = self.output.dir.replace("{recipe_stem}", Path(self.source).stem)
-        self.output.dir = str(Path(out).expanduser().resolve())
+        self.output.dir = resolve_output_dir(self.output.dir, self.source)
 
 
 def _check_key(section: str, name: str | None, where: str) -> None:

@@ -239,7 +239,7 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     for name in ("steps.jsonl", "summary.json", "timeline.png", "throughput.png", "serve/requests.jsonl"):
         assert (col / name).is_file(), name
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    assert (tmp_path / "checkpoints" / "step_000006" / "trainer_state.pt").is_file()
+    assert (tmp_path / "checkpoints" / "step_000006" / "trainer_state.json").is_file()
     assert summary["shared_weights"] and summary["stop_reason"] == "trained" and not summary["interrupted"]
     assert summary["finetune"]["steps_run"] == 6 and summary["serving"]["decode_steps"] > 0
     assert summary["serving"]["requests"] > 0 and summary["serving"]["tpot_ms"]["p50"] is not None
@@ -861,6 +861,24 @@ def test_ctrl_c_checkpoints_and_a_resumed_run_continues(tmp_path, standalone):
     assert resumed["finetune"]["steps_run"] == 3 and resumed["stop_reason"] == "trained"
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_a_resumed_colocated_run_writes_its_records_beside_the_first_parts(tmp_path):
+    first = run_colocated(recipe(tmp_path), "tiny", "harli", quiet=True)
+    col = tmp_path / "colocate"
+    steps_before = (col / "steps.jsonl").read_bytes()
+    summary_before = (col / "summary.json").read_bytes()
+    assert first["records"] == {"dir": str(col), "part": 1}
+    for part in (2, 3):  # resuming the finished run: nothing left to train, the records still kept apart
+        again = run_colocated(recipe(tmp_path), "tiny", "harli", resume=tmp_path, quiet=True)
+        assert again["records"] == {"dir": str(col / f"part-{part}"), "part": part}
+        assert (col / f"part-{part}" / "summary.json").is_file()
+        assert (col / f"part-{part}" / "steps.jsonl").is_file()
+    assert (col / "steps.jsonl").read_bytes() == steps_before
+    assert (col / "summary.json").read_bytes() == summary_before
+    # A new run replacing this one starts over at part 1 and leaves no parts of the old run beside it.
+    fresh = run_colocated(recipe(tmp_path, "output.overwrite=true"), "tiny", "harli", quiet=True)
+    assert fresh["records"]["part"] == 1 and not list(col.glob("part-*"))
 
 
 def test_pool_hook_grows_the_kv_cache_and_gives_pages_back(tmp_path):

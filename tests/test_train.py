@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -137,12 +138,19 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("phase, kept", [("bwd", 7), ("optim", 8)])
-def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, phase, kept):
-    full = Trainer(_recipe(tmp_path, **{"output.dir": str(tmp_path / "full")}), quiet=True)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """The loss curve of `_recipe`'s run without interruption."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    full = Trainer(_recipe(out), quiet=True)
     full.setup()
     full.train()
-    want = _losses(tmp_path / "full")
+    return _losses(out / "run")
+
+
+@pytest.mark.parametrize("phase, kept", [("bwd", 7), ("optim", 8)])
+def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, phase, kept, uninterrupted):
+    want = uninterrupted
     assert len(want) == 12
 
     # Interrupted in the middle of step 8 (after 7 completed steps), as Ctrl-C would.
@@ -394,3 +402,79 @@ def test_optimizer_state_made_at_setup_steps_as_a_lazy_adamw(tmp_path):
         assert torch.equal(p.detach(), c.detach())
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[c]["exp_avg_sq"])
         assert float(opt.state[p]["step"]) == float(ref.state[c]["step"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("second", "during", "stops_at"),
+    [(signal.SIGINT, "final", 7), (signal.SIGTERM, "final", 7), (signal.SIGTERM, "periodic", 5)],
+    ids=["ctrl-c-twice", "ctrl-c-then-sigterm", "sigterm-during-periodic"],
+)
+def test_a_signal_during_a_checkpoint_lets_it_complete(
+    tmp_path, monkeypatch, uninterrupted, second, during, stops_at
+):
+    """The save in progress completes; a signal during a periodic checkpoint then stops the run, as it would
+    have a moment later; one during the final checkpoint is dropped (the run is ending anyway)."""
+    from harli_train import durable
+    from harli_train.train.checkpoint import is_complete
+
+    part = Trainer(_recipe(tmp_path), quiet=True)
+    part.setup()
+    if during == "final":  # Ctrl-C in step 8: the interrupt checkpoint of step 7 starts
+        original = part.micro_steps
+
+        def ctrl_c_in_step_8():
+            for ms in original():
+                yield ms
+                if part.step == 7 and ms.phase == "bwd":
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        part.micro_steps = ctrl_c_in_step_8
+    real, sent = durable.write_file, []
+
+    def signal_mid_save(path, data):  # the signal arrives with the checkpoint half written
+        if f".tmp_step_{stops_at:06d}" in str(path) and not sent:
+            sent.append(path)
+            os.kill(os.getpid(), second)
+        real(path, data)
+
+    monkeypatch.setattr(durable, "write_file", signal_mid_save)
+    summary = part.train()
+    monkeypatch.undo()
+    ckpt = tmp_path / "run" / "checkpoints" / f"step_{stops_at:06d}"
+    assert sent and summary["interrupted"] and summary["steps"] == stops_at
+    assert is_complete(ckpt) and Path(summary["checkpoint"]) == ckpt
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
+
+    resumed = Trainer(_recipe(tmp_path), quiet=True)
+    resumed.setup(resume=tmp_path / "run")
+    assert resumed.step == stops_at
+    resumed.train()
+    assert _losses(tmp_path / "run") == pytest.approx(uninterrupted, rel=1e-6, abs=1e-7)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    from harli_train.train.checkpoint import CheckpointError
+    from harli_train.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(records) + '\n{"step": 4, "loss": 0.2')  # killed while writing step 4
+    MetricsLogger(path, 10, 1, resume_step=3, quiet=True).close()
+    assert path.read_text().splitlines() == records
+    path.write_text(records[0] + '\n{"step": 2, "lo\n' + records[2] + "\n")
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl: line 2 is not a metrics record"):
+        MetricsLogger(path, 10, 1, resume_step=3, quiet=True)
+
+
+def test_resume_of_a_finished_run_prints_strict_json(tmp_path):
+    args = [str(QUICKSTART), "--quiet", "train.steps=2", "train.warmup_steps=1", "train.batch_size=2"]
+    args += ["data.seq_len=64", f"output.dir={tmp_path / 'run'}"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    summary = json.loads(result.stdout, parse_constant=refuse)
+    assert summary["steps"] == 2 and summary["loss"] is None  # no step ran: no loss

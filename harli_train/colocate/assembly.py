@@ -37,9 +37,9 @@ from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
 from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
-from harli_train.train.checkpoint import rng_state, set_rng_state
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer, resolve_device
+from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -373,9 +373,8 @@ def assemble(
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
-    base = load_model(cfg.model.name, dtype, device, seed=cfg.model.seed) if shared else None
-    trainer = Trainer(cfg, model=base, quiet=True)
-    trainer.setup(resume=resume)
+    trainer = Trainer(cfg, quiet=True)
+    trainer.setup(resume=resume)  # checks the output directory before loading anything
     served = (
         base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
     )

@@ -7,6 +7,8 @@ harli-train profile MODEL [--out PATH]                       -> run_profile(...)
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,15 @@ from harli_train.colocate.assembly import (
 )
 from harli_train.colocate.profile import ProfileKey, default_profile_path
 from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
-from harli_train.config import RecipeConfig
+from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_dir
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import poisson_trace
 from harli_train.model import is_preset, load_model, resolve_dtype
 from harli_train.train.trainer import resolve_device
 
 log = logging.getLogger(__name__)
+
+COLOCATED_OUTPUT_DIR = DEFAULT_OUTPUT_DIR + "-colocated"
 
 
 def run_colocated(
@@ -43,12 +47,15 @@ def run_colocated(
     """Train as ``cfg`` says while serving ``serve_model``'s decode load on the same GPU; returns the summary.
 
     ``policy`` overrides ``colocation.policy``; ``resume`` is a run directory or checkpoint to continue from.
-    Outputs go to ``<output.dir>/colocate/`` (the adapter and checkpoints to ``<output.dir>`` as usual).
+    The adapter and checkpoints go to ``<output.dir>`` as usual, the co-location records to
+    ``records_dir(...)``: ``<output.dir>/colocate/``, or beside it for a resumed run.
     """
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
     col = assemble(cfg, serve_model, resume)
+    records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
+    col.info["records"] = {"dir": str(records), "part": part}
     try:
         log.info(
             "co-locating %s training with %s decode (%s, objective TPOT %g ms, %d requests, %s weights)",
@@ -64,7 +71,7 @@ def run_colocated(
             col.engine,
             col.policy,
             col.requests,
-            Path(cfg.output.dir) / "colocate",
+            records,
             options,
             info=col.info,
         )
@@ -80,11 +87,40 @@ def run_colocated(
         report.objective_text(summary["objective_stats"]),
         attained,
         _fmt(sv["ttft_ms"], "p99"),
-        Path(cfg.output.dir) / "colocate" / "summary.json",
+        records / "summary.json",
     )
     summary["interrupted"] = summary["stop_reason"] == "interrupted"
     summary["adapter"] = summary["trainer"].get("adapter")
     return summary
+
+
+def use_colocated_output_dir(cfg: RecipeConfig) -> None:
+    """Give a co-located run its own default run directory: an ``output.dir`` equal to the default
+    (``runs/{recipe_stem}``, written out in the recipe or not) becomes ``runs/{recipe_stem}-colocated``, so
+    that the run does not collide with the same recipe's standalone run. Any other ``output.dir`` is kept."""
+    if cfg.output.dir == resolve_output_dir(DEFAULT_OUTPUT_DIR, cfg.source):
+        cfg.output.dir = resolve_output_dir(COLOCATED_OUTPUT_DIR, cfg.source)
+
+
+def records_dir(run_dir: Path, resumed: bool) -> tuple[Path, int]:
+    """Where a co-located run writes its records (steps, summary, plots, requests), and which part it is.
+
+    A run's first part writes ``<run_dir>/colocate/``; each resumed part writes the next
+    ``colocate/part-N/`` (N = 2, 3, ...), so no part overwrites another's records. A new run (not resumed)
+    starts again at part 1, removing the part folders of the run it replaces.
+    """
+    first = run_dir / "colocate"
+    parts = {int(p.name[5:]): p for p in first.glob("part-*") if re.fullmatch(r"part-\d+", p.name)}
+    if not resumed:
+        for old in parts.values():
+            shutil.rmtree(old, ignore_errors=True)
+        return first, 1
+    if not (first / "steps.jsonl").exists():
+        return first, 1
+    part = max(parts, default=1) + 1
+    where = first / f"part-{part}"
+    log.info("resumed run: its co-location records go to %s (the earlier parts' stay beside it)", where)
+    return where, part
 
 
 def _fmt(d: dict | None, key: str) -> str:

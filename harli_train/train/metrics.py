@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -10,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from harli_train.train.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def memory_gib(device: torch.device) -> float:
@@ -46,7 +51,34 @@ def progress_bar(console: Any = None, get_time: Callable[[], float] | None = Non
     )
 
 
+def _read_steps(path: Path) -> list[tuple[str, int]]:
+    """(line, step) for each record in a metrics file. A torn last line (the run was killed mid-write) is
+    dropped with a warning; a damaged line before it is a CheckpointError naming the file and line."""
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)["step"]
+            if not isinstance(step, int):
+                raise TypeError(f"step {step!r} is not an integer")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if number == len(lines):
+                log.warning(
+                    "%s: dropping its torn last line %d (a run was killed while writing it)", path, number
+                )
+                break
+            raise CheckpointError(
+                f"{path}: line {number} is not a metrics record ({type(e).__name__}: {e}); the run cannot be "
+                "resumed with it (move the file away to resume without the earlier steps' records)"
+            ) from None
+        out.append((line, step))
+    return out
+
+
 class MetricsLogger:
+    """Appends one JSON line per step to ``path`` (resuming: keeps the lines of steps up to
+    ``resume_step``) and shows progress on the console."""
+
     def __init__(
         self,
         path: Path,
@@ -59,7 +91,7 @@ class MetricsLogger:
         kept = []
         if resume_step is not None and path.is_file():
             # A run that died after its last checkpoint logged steps that the resumed run will redo.
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [line for line, step in _read_steps(path) if step <= resume_step]
         self.file = open(path, "w")
         self.file.writelines(line + "\n" for line in kept)
         self.total_steps, self.log_every, self.quiet = total_steps, max(1, log_every), quiet

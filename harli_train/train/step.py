@@ -21,7 +21,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.model.llama import LlamaForCausalLM
-from harli_train.train.checkpoint import rng_state, set_rng_state
+from harli_train.train.trainer_state import rng_state, set_rng_state
 
 IGNORE_INDEX = -100
 

@@ -16,7 +16,7 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import load_examples
+from harli_train.data.dataset import DataError, load_examples
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
@@ -28,17 +28,21 @@ from harli_train.model import (
     resolve_dtype,
 )
 from harli_train.train.checkpoint import (
+    STATE_JSON,
     CheckpointError,
+    SaveError,
+    describe_os_error,
     find_checkpoint,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from harli_train.train.divergence import TrainingDiverged, check_step
 from harli_train.train.metrics import MetricsLogger, memory_gib
+from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
+from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
+from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,11 @@ def resolve_device(name: str, source: str = "config") -> torch.device:
 class Trainer:
     """Trains a LoRA adapter as a recipe says.
 
-    `setup()` loads the model, data and optimizer (and a checkpoint when resuming); `micro_steps()` yields
-    after every launched chunk of work until training is done, which is how the co-location runtime drives
-    it; `train()` simply drains that generator. Checkpoints hold the adapter, optimizer, schedule position,
-    data position and RNG, so a resumed run continues the same loss curve.
+    `setup()` readies the output directory (`prepare_run_dir`), then loads the model, data and optimizer (and
+    a checkpoint when resuming); `micro_steps()` yields after every launched chunk of work until training is
+    done, which is how the co-location runtime drives it; `train()` simply drains that generator. Checkpoints
+    hold the adapter, optimizer, schedule position, data position and RNG, so a resumed run continues the
+    same loss curve.
     """
 
     def __init__(self, cfg: RecipeConfig, model: LlamaForCausalLM | None = None, quiet: bool = False):
@@ -83,6 +88,9 @@ class Trainer:
         cfg = self.cfg
         _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
+        prepare_run_dir(
+            self.out_dir, resuming=resume is not None, overwrite=cfg.output.overwrite, source=cfg.source
+        )
         _check_kernels(cfg, self.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -118,7 +126,8 @@ class Trainer:
         model.add_lora(
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
         )
-        state = self._load_checkpoint(find_checkpoint(Path(resume))) if resume is not None else None
+        ckpt = find_checkpoint(Path(resume)) if resume is not None else None
+        state = self._load_checkpoint(ckpt) if ckpt is not None else None
         model.train()
         self.params = model.lora_parameters()
         self.optimizer = torch.optim.AdamW(
@@ -133,11 +142,17 @@ class Trainer:
         if state is None:
             self._init_optimizer_state()
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.loader.load_state_dict(state["loader"])
-            self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-            set_rng_state(state["rng"])
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.loader.load_state_dict(state["loader"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                set_rng_state(state["rng"])
+                self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            except DataError:
+                raise  # says itself what changed
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(
+                    f"{ckpt / STATE_JSON}: does not fit this run ({type(e).__name__}: {e})"
+                ) from None
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
         self.metrics = MetricsLogger(
             self.out_dir / "metrics.jsonl",
@@ -289,9 +304,23 @@ class Trainer:
         log.warning("interrupted: checkpointing step %d", self.step)
 
     def finish(self) -> dict[str, Any]:
-        ckpt = self.save_checkpoint() if self.step > 0 else None
-        adapter_dir = save_adapter(self.model, self.out_dir / "adapter", base_model=self.cfg.model.name)
-        self.metrics.close()
+        """Checkpoint the last completed step and write the final adapter; returns the run's summary.
+
+        SIGINT and SIGTERM arriving meanwhile are logged and dropped: the run is ending anyway. SaveError
+        (naming the file and the OS error) when either cannot be written; earlier checkpoints stay.
+        """
+        try:
+            with held_signals("the final checkpoint and adapter", redeliver=False):
+                ckpt = self.save_checkpoint() if self.step > 0 else None
+                try:
+                    adapter_dir = save_adapter(
+                        self.model, self.out_dir / "adapter", base_model=self.cfg.model.name
+                    )
+                except OSError as err:
+                    saved = f"; checkpoint {ckpt} is complete" if ckpt else ""
+                    raise SaveError(f"could not save the adapter: {describe_os_error(err)}{saved}") from None
+        finally:
+            self.metrics.close()
         return {
             "steps": self.step,
             "total_steps": self.total_steps,
@@ -302,6 +331,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint the last completed step (``checkpoint.save_checkpoint``: crash-safe, SaveError)."""
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
