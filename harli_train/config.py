@@ -350,8 +350,9 @@ class ColocationSection:
     # SMs between the ladder's rungs. 16 is what bench_colocate measured with no objective violations on the
     # H200; 8 gives finer shares (decode on 24 SMs at light load) but missed the objective in bursty load.
     ladder_step: int = key(16, "int", _LADDER_STEP)
-    # Prefill chunks ride in decode steps (stall-free); false: prefill steps of their own stall decoding.
-    mixed_prefill: bool = key(True, "bool")
+    # true: prefill chunks ride in decode steps (stall-free); false: prefill steps of their own stall decoding.
+    # Off by default until mixed steps replay CUDA graphs (run eagerly, they were host-bound on the H200).
+    mixed_prefill: bool = key(False, "bool")
 
     def __post_init__(self) -> None:
         _validate(self, "colocation")

@@ -21,3 +21,11 @@ def tiny_hf_dir(tmp_path):
         path, vocab_size=96, hidden_size=32, intermediate_size=72, max_position_embeddings=128, std=0.02
     )
     return path, model
+
+
+_DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """Readable ids for dtype parameters (fp32, fp16, bf16), so a run can pick them with -k."""
+    return _DTYPE_IDS.get(val) if isinstance(val, torch.dtype) else None

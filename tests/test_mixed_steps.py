@@ -52,6 +52,26 @@ def test_mixed_model_fits_the_spline_and_holds_out():
     assert model.predict(8, 4096, 128, 0, 16, False) > model.predict(8, 4096, 128, 0, 32, False)
 
 
+@pytest.mark.parametrize(
+    "max_batch,max_tokens,max_len,on_gpu",
+    [(64, 4096, 1707, True), (16, 127, 255, True), (16, 96, 255, False)],
+)
+def test_every_engine_gets_a_mixed_grid_the_model_can_fit(max_batch, max_tokens, max_len, on_gpu):
+    from harli_train.colocate.assembly import mixed_grid
+
+    grid = mixed_grid(max_batch, max_tokens, max_len, on_gpu)
+    assert all(b < max_batch for b in grid.batches) and set(grid.corun_batches) <= set(grid.batches)
+    assert len(grid.tokens) >= 3 and max(grid.tokens) <= max_tokens
+    assert all(n + c <= max_len for _, n, c in grid.points())
+    samples = [
+        dict(batch=b, kv_tokens=b * grid.kv_len, prefill_tokens=n, attn_pairs=attention_pairs([(n, c)]),
+             infer_sms=64, corun=False, latency_s=1e-3 + 1e-5 * (b + n) + 1e-9 * attention_pairs([(n, c)]))
+        for b, n, c in grid.points()
+    ]  # fmt: skip
+    model = MixedStepModel.fit(samples)
+    assert model.evaluate(samples)["mixed_solo_mape_pct"] < 1
+
+
 def test_the_predictor_separates_and_keeps_mixed_samples():
     pred = mixed_predictor([16, 64])
     restored = LatencyPredictor.from_dict(json.loads(json.dumps(pred.to_dict())))
@@ -69,14 +89,17 @@ def test_the_predictor_separates_and_keeps_mixed_samples():
 def test_chunks_fit_the_budget_on_each_policys_share():
     ladder = SMLadder.cpu_standin(TOTAL, 16)
     pred = mixed_predictor(ladder.shares)
-    preview = StepPreview(2, 40, (PrefillPiece(200, 0, 0), PrefillPiece(100, 0, 0)))
+    preview = StepPreview(2, 40, (PrefillPiece(200, 0, 0), PrefillPiece(100, 0, 0)), mixed=True)
     assert preview.kind == "mixed" and preview.prefill_tokens == 300
     # 18.09 ms budget: on s SMs, 1e-3 (1 + 64/s) + 1e-4 (64/s) (2 + n) fits n <= 158 at 64 SMs, 73 at 32.
     budget = 0.0201 * 0.9
     n, t, _ = largest_chunk(pred, preview, 64, True, budget)
     assert n == 158 and t <= budget < pred.predict_mixed(2, 40, 159, 0, 64, True)
     assert largest_chunk(pred, preview, 8, True, budget)[0] == MIN_CHUNK  # nothing fits: prefill still moves
-    assert largest_chunk(pred, StepPreview(2, 40, (PrefillPiece(20, 0, 0),)), 8, True, budget)[0] == 20
+    assert (
+        largest_chunk(pred, StepPreview(2, 40, (PrefillPiece(20, 0, 0),), mixed=True), 8, True, budget)[0]
+        == 20
+    )
     static = make_policy("static:32", ladder, pred, 0.0201, 0.1)
     plan = static.plan(preview)
     assert plan.partition.infer_sms == 32 and plan.prefill_tokens == 73 and plan.mixed_raw_s is not None
@@ -132,7 +155,7 @@ def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     load = requests([(0.0, 2, 60), (0.4, 3, 8), (0.6, 2, 8)])
     opts = RuntimeOptions(until="load", window_s=1.5, quiet=True, finish=False, plots=False)
     # Short micro-steps (the CPU runs them between engine steps), so the requests are served as they arrive.
-    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32")
+    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
     summary = runtime(tmp_path, ladder, make, load, opts, None, None, *small).run()
     steps = rows(tmp_path)
     mixed = [r for r in steps if r["kind"] == "mixed"]

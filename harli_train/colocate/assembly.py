@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 DEFAULT_RATE = {"cuda": 4.0, "cpu": 0.5}  # requests/s when a recipe gives neither a trace nor a rate
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
-GPU_MIXED = MixedGrid(batches=(8, 32), kv_len=512, tokens=(32, 128, 256, 512), contexts=(0, 768))
-CPU_MIXED = MixedGrid(batches=(2, 8), kv_len=64, tokens=(8, 32, 64, 96), contexts=(0, 48))
 KV_MEMORY_FRACTION = 0.2  # of the GPU, at most, for the KV cache beside the trainer
 
 
@@ -111,7 +109,7 @@ def build_engine(
     requests: list[TraceRequest],
     max_batch: int,
     seed: int = 0,
-    mixed_prefill: bool = True,
+    mixed_prefill: bool = False,
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
     ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own).
@@ -161,6 +159,24 @@ def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: in
     return corun
 
 
+def mixed_grid(max_batch: int, max_tokens: int, max_len: int, on_gpu: bool) -> MixedGrid:
+    """The mixed steps to profile for an engine of ``max_batch`` sequences whose chunks reach ``max_tokens``
+    (and contexts ``max_len``): the default grid where it fits, else three chunk sizes and two contexts spread
+    over what does (a small model's engine), so each share has enough points for the model's terms."""
+    base = (
+        MixedGrid() if on_gpu else MixedGrid(batches=(2, 8), kv_len=64, tokens=(8, 32, 96), contexts=(0, 48))
+    )
+    batches = tuple(b for b in base.batches if b < max_batch) or (max(max_batch - 1, 1),)
+    top = max(min(max(base.tokens), max_tokens), 3)
+    tokens = tuple(sorted({max(1, min(n, top)) for n in base.tokens}))
+    if len(tokens) < 3:
+        tokens = (max(top // 8, 1), max(top // 3, 2), top)
+    contexts = tuple(sorted({min(c, max_len // 4) for c in base.contexts}))
+    kv_len = min(base.kv_len, max(max_len - 1, 1))
+    corun = tuple(b for b in base.corun_batches if b in batches) or batches[-1:]
+    return MixedGrid(batches, kv_len, tokens, contexts, corun, base.warmup, base.reps)
+
+
 def build_predictor(
     engine: EngineAdapter,
     ladder: SMLadder,
@@ -189,14 +205,8 @@ def build_predictor(
         kv_lens = (max(max_len // 4, 1), max_len)
     key = ProfileKey.current(model_id, sm_count=ladder.total_sms)
     cfg = engine.engine.config
-    mixed = GPU_MIXED if on_gpu else CPU_MIXED
-    mixed = MixedGrid(
-        tuple(b for b in mixed.batches if b < max_batch) or (max(max_batch - 1, 1),),
-        min(mixed.kv_len, max_len),
-        tuple(sorted({min(n, cfg.max_num_batched_tokens, max_len // 2) for n in mixed.tokens})),
-        tuple(sorted({min(c, max_len // 2) for c in mixed.contexts})),
-    )
     shares = sorted(set(shares or ladder.shares))
+    mixed = mixed_grid(max_batch, min(cfg.max_num_batched_tokens, max_len // 2), max_len, on_gpu)
     grid = dict(
         batches=batches,
         kv_lens=kv_lens,

@@ -46,22 +46,23 @@ class MixedStepModel:
 
     @classmethod
     def fit(cls, samples: Sequence[dict]) -> MixedStepModel:
-        """Fit every share with at least as many solo samples as terms."""
+        """Fit every share with at least as many solo samples as the terms they pin down (the rest stay 0)."""
         solo = [r for r in samples if not r["corun"]]
         by_share: dict[int, list[dict]] = {}
         for r in solo:
             by_share.setdefault(int(r["infer_sms"]), []).append(r)
         coef = {}
         for sms, rows in by_share.items():
-            if len(rows) < 6:
-                continue
             X = np.array(
                 [_features(r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"]) for r in rows]
             )
+            used = _pinned(X)
+            if len(rows) < used.sum():
+                continue
             y = np.array([float(r["latency_s"]) for r in rows])
-            coef[sms] = [float(c) for c in weighted_lstsq(X, y, 1.0 / y)]
+            coef[sms] = [float(c) for c in weighted_lstsq(X * used, y, 1.0 / y)]
         if not coef:
-            raise ValueError("no SM share has six solo mixed-step samples to fit the mixed model")
+            raise ValueError("no SM share has enough solo mixed-step samples to fit the mixed model")
         model = cls(coef, {})
         measured = {_point(r): float(r["latency_s"]) for r in solo}
         ratios: dict[int, list[float]] = {}
@@ -125,6 +126,17 @@ class MixedStepModel:
             {int(s): float(x) for s, x in d.get("slowdown", {}).items()},
             dict(d.get("fit_report", {})),
         )
+
+
+def _pinned(X: np.ndarray) -> np.ndarray:
+    """Which terms a share's samples can pin down: the intercept and rows always; a knot's hinge only with
+    two distinct row counts past it; the attention and KV terms only where they vary."""
+    distinct = lambda col: len(np.unique(X[:, col]))  # noqa: E731
+    return np.array(
+        [1.0, 1.0]
+        + [float(len(np.unique(X[X[:, j] > 0, j])) >= 2) for j in (2, 3)]
+        + [float(distinct(4) > 1), float(distinct(5) > 1)]
+    )
 
 
 def _point(r: dict) -> tuple:

@@ -38,12 +38,17 @@ MIXED_FIELDS = {"prefill_tokens": int, "attn_pairs": int}  # and SAMPLE_FIELDS, 
 @dataclass(frozen=True, slots=True)
 class MixedGrid:
     """Mixed steps to time per share: ``batches`` decode rows over ``kv_len`` tokens each, beside one prefill
-    chunk of each of ``tokens`` after each of ``contexts`` cached tokens."""
+    chunk of each of ``tokens`` after each of ``contexts`` cached tokens; beside the trainer too for the
+    ``corun_batches`` (the slowdown is one factor per share: a few points pin it). Each point is timed
+    ``reps`` times after ``warmup`` (a mixed step is long and steady)."""
 
     batches: tuple[int, ...] = (8, 32)
     kv_len: int = 512
-    tokens: tuple[int, ...] = (32, 128, 256, 512)
+    tokens: tuple[int, ...] = (64, 192, 512)
     contexts: tuple[int, ...] = (0, 768)
+    corun_batches: tuple[int, ...] = (32,)
+    warmup: int = 2
+    reps: int = 5
 
     def points(self) -> list[tuple[int, int, int]]:
         return [(b, n, c) for b in self.batches for n in self.tokens for c in self.contexts]
@@ -278,11 +283,15 @@ def run_profile_grid(
         t_train = (
             _median(_time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
         )
-        points = [(b, kv, None) for b in batches for kv in kv_lens]
+        # (batch, kv_len, chunk or None, timing reps, warm-up, beside the trainer too)
+        points = [(b, kv, None, reps, warmup, corun) for b in batches for kv in kv_lens]
         if mixed_step_fn is not None:
-            grid = mixed_grid or MixedGrid()
-            points += [(b, grid.kv_len, (n, c)) for b, n, c in grid.points()]
-        for b, kv, chunk in points:
+            g = mixed_grid or MixedGrid()
+            points += [
+                (b, g.kv_len, (n, c), g.reps, g.warmup, corun and b in g.corun_batches)
+                for b, n, c in g.points()
+            ]
+        for b, kv, chunk, n_reps, n_warm, beside in points:
             base = {
                 "batch": b,
                 "kv_len": kv,
@@ -296,11 +305,11 @@ def run_profile_grid(
                 n, c = chunk
                 step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
                 base.update(prefill_tokens=n, prefill_context=c, attn_pairs=attention_pairs([(n, c)]))
-            t_solo = _median(_time_calls(step, p.infer_stream, warmup, reps))
+            t_solo = _median(_time_calls(step, p.infer_stream, n_warm, n_reps))
             samples.append({**base, "corun": False, "latency_s": t_solo})
-            if corun:
-                trainer = _Trainer(corun_fn, p, t_solo * (warmup + reps), t_train)
-                t_co = _median(_time_calls(step, p.infer_stream, warmup, reps, trainer))
+            if beside:
+                trainer = _Trainer(corun_fn, p, t_solo * (n_warm + n_reps), t_train)
+                t_co = _median(_time_calls(step, p.infer_stream, n_warm, n_reps, trainer))
                 samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
     return samples

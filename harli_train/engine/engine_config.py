@@ -30,7 +30,9 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    mixed_prefill: bool = True
+    # Stall-free steps are off by default: a mixed step runs the varlen path eagerly (no CUDA graph yet), which
+    # on the H200 made Llama-3-8B's steps host-bound at ~28 ms (bench/results/2026-12-01-smoke_gpu-2-*).
+    mixed_prefill: bool = False
     prefill_chunk_tokens: int = 512
     enforce_eager: bool = False
     kernels: str = "auto"  # "triton", "torch" (references), or "auto": triton on a GPU, torch on the CPU

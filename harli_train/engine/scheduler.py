@@ -60,7 +60,7 @@ class StepPreview:
     decode_seqs: int = 0
     decode_kv_tokens: int = 0
     pieces: tuple[PrefillPiece, ...] = ()
-    mixed: bool = True
+    mixed: bool = False
 
     @property
     def prefill_tokens(self) -> int:
