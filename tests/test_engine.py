@@ -328,6 +328,49 @@ def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair)
         assert seqs[i].completion_token_ids == _hf_greedy(hf, prompts[i], params[i].max_tokens)
 
 
+def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_do(hf_pair):
+    """The padded static buffers mixed-step graphs read (tokens padded to a bucket, rows to max_num_seqs):
+    run eagerly over them on the CPU, every step draws the tokens of the plain varlen path (greedy and
+    seeded), including steps past the largest bucket, which stay eager."""
+    from harli_train.engine.mixed_graphs import MixedGraphs
+
+    _, ours = hf_pair
+    prompts = _prompts(13, [6, 40, 3, 25, 11])
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=5),
+        SamplingParams(max_tokens=9, temperature=1.1, top_p=0.9, seed=4),
+        SamplingParams(max_tokens=7),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=2),
+    ]
+
+    def run(static: bool):
+        cfg = EngineConfig(
+            block_size=4,
+            num_kv_blocks=64,
+            max_num_seqs=6,
+            max_model_len=64,
+            max_num_batched_tokens=80,
+            prefill_chunk_tokens=9,
+            mixed_prefill=True,
+            kernels="torch",
+        )
+        engine = DecodeEngine(ours, cfg)
+        if static:
+            graphs = MixedGraphs(ours, engine.runner.attn, cfg, torch.device("cpu"))
+            assert graphs.buckets == (64,) and graphs.max_rows == 6
+            engine.runner.mixed_graphs = graphs
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        engine.run_until_done()
+        return [s.token_ids for s in seqs], engine
+
+    plain, _ = run(False)
+    static, engine = run(True)
+    assert static == plain
+    assert engine.runner.mixed_graphs.num_replays > 0  # the mixed steps went through the static buffers
+    assert any(s.kind == "mixed" for s in engine.metrics.steps)
+
+
 def test_close_releases_buffers_and_later_steps_are_refused(hf_pair):
     _, ours = hf_pair
     engine = DecodeEngine(
@@ -493,3 +536,45 @@ def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.completion_token_ids == _hf_greedy(hf, prompt, 10)
     assert engine.overlap and engine.num_launched_ahead > 0, "decode steps were launched ahead"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mixed_step_graphs_on_two_partitions_match_eager_steps(hf_pair, tmp_path):
+    hf, _ = hf_pair
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.float32, "cuda")
+    prompts = _prompts(8, [3, 40, 30, 1, 9, 22])
+    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=8, temperature=0.9, seed=3)] * 3
+
+    def run(graphs: bool):
+        cfg = EngineConfig(
+            block_size=4,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            max_model_len=64,
+            graph_batch_sizes=(1, 2, 4, 8),
+            mixed_prefill=True,
+            prefill_chunk_tokens=12,
+        )
+        engine = DecodeEngine(ours, cfg)
+        if not graphs:
+            engine.runner.mixed_graphs = None  # every varlen step eager (and "side" captures decode only)
+        engine.add_partition("side", torch.cuda.Stream(), num_sms=16)
+        seqs, step = [], 0
+        for p, sp in zip(prompts, params, strict=True):
+            seqs.append(engine.add_request(p, sp))
+            engine.step("side" if step % 2 else "default")  # alternate partitions, as the controller would
+            step += 1
+        while engine.has_unfinished():
+            engine.step("side" if step % 2 else "default")
+            step += 1
+        return engine, [s.token_ids for s in seqs]
+
+    engine, with_graphs = run(True)
+    _, eager = run(False)
+    assert with_graphs == eager
+    assert engine.runner.mixed_graphs.num_replays > 0 and any(s.kind == "mixed" for s in engine.metrics.steps)
+    for prompt, sp, ids in zip(prompts, params, with_graphs, strict=True):
+        if sp.temperature == 0:
+            assert ids[len(prompt) :] == _hf_greedy(hf, prompt, sp.max_tokens)

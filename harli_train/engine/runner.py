@@ -15,6 +15,7 @@ from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.decode_graphs import DecodeGraphs
 from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.engine.kv_cache import KVStorage
+from harli_train.engine.mixed_graphs import MixedGraphs
 from harli_train.engine.sampler import Sampler, SamplingBatch
 from harli_train.engine.scheduler import ScheduledBatch
 from harli_train.engine.sequence import Sequence
@@ -113,6 +114,13 @@ class ModelRunner:
             if self.use_graphs
             else None
         )
+        # Varlen steps replay graphs too where they are frequent (mixed steps, which ride every decode step
+        # while prefill work waits); prefill-first steps stay eager.
+        self.mixed_graphs = (
+            MixedGraphs(model, self.attn, config, self.device)
+            if self.use_graphs and config.mixed_prefill
+            else None
+        )
         self.partitions: dict[str, Partition] = {}
         on_gpu = self.device.type == "cuda"
         # Two pinned token buffers: a step's read-back lands in one while the previous step's is read.
@@ -136,11 +144,16 @@ class ModelRunner:
         if self.graphs is not None:
             with _sm_budget(num_sms):
                 self.graphs.capture(key, stream, num_sms)
+                if self.mixed_graphs is not None:
+                    self.mixed_graphs.pool = self.graphs.pool  # one pool: steps never overlap on the device
+                    self.mixed_graphs.capture(key, stream, num_sms)
 
     def close(self) -> None:
         """Drop every partition, its graphs and the pinned token buffers (see ``DecodeEngine.close``)."""
         if self.graphs is not None:
             self.graphs.close()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.close()
         self.partitions.clear()
         self._token_host.clear()
         self._last = None
@@ -177,7 +190,7 @@ class ModelRunner:
                 t_start = time.perf_counter()
             if batch.is_prefill:
                 assert not ahead, "only decode steps are launched ahead"
-                logits = self._prefill(batch, sampling, part)
+                logits = self._prefill(batch, sampling, partition, part)
             else:
                 feed = None
                 if ahead:
@@ -202,7 +215,7 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
 
-    def _prefill(self, batch: ScheduledBatch, sampling: list[int], part: Partition) -> torch.Tensor:
+    def _prefill(self, batch: ScheduledBatch, sampling: list[int], key: str, part: Partition) -> torch.Tensor:
         """A varlen step (prefill pieces, with decode rows when mixed): every row's new tokens packed in one
         row, attending over its cache; returns the logits of the rows that sample."""
         bm = self.block_manager
@@ -216,7 +229,7 @@ class ModelRunner:
         tables = bm.tables[[s.row for s in batch.seqs], : bm.blocks_for(max(context_lens))]
         positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
         return self._varlen_forward(
-            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, part
+            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part
         )
 
     def _varlen_forward(
@@ -228,10 +241,17 @@ class ModelRunner:
         num_tokens: list[int],
         tables: np.ndarray,
         sampling: list[int],
+        key: str,
         part: Partition,
     ) -> torch.Tensor:
         """The model over packed rows (`num_tokens[i]` new tokens of row i, cached context after it
-        `context_lens[i]`); logits of the last token of each row in `sampling`."""
+        `context_lens[i]`); logits of the last token of each row in `sampling`. A step that fits the mixed
+        graphs replays its bucket's graph; others run eagerly."""
+        graphs = self.mixed_graphs
+        if graphs is not None and graphs.fits(len(ids), len(num_tokens)):
+            return graphs.replay(
+                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms
+            )
         cu = np.zeros(len(num_tokens) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(num_tokens)
         self.attn.meta = AttentionMetadata(
@@ -349,7 +369,9 @@ class ModelRunner:
         ids = [0] * (batch + prefill_tokens)
         with self._on(part):
             rows = list(range(batch + 1))  # the LM head over every row, as a served mixed step draws
-            self._varlen_forward(ids, positions, slots, context_lens, num_tokens, tables, rows, part)
+            self._varlen_forward(
+                ids, positions, slots, context_lens, num_tokens, tables, rows, partition, part
+            )
 
     def _sampling_batch(self, seqs: list[Sequence], ahead: int = 0) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):

@@ -1,0 +1,152 @@
+"""Varlen steps (decode rows plus prefill chunks, or prefill alone) as CUDA graphs, one per (partition, token
+bucket), so a mixed step costs one replay on the host where eagerly it launches hundreds of kernels.
+
+A step's rows are packed into static buffers padded to a bucket of `T` tokens and `S` = max_num_seqs rows:
+padding tokens get slot -1 (nothing stored) and belong to no row; padding rows have no tokens and no
+context, so the attention kernel's programs for them return at once. The dense layers treat tokens one by
+one, so a padding token's (unused) values never reach a real one. The logits of the rows that sample are
+gathered inside the graph into one static buffer; read them before the next replay (steps are ordered on
+the device). Without graphs (a CPU, or a partition not captured) `replay` runs the same forward over the same
+buffers eagerly, which is how the padding is tested off the GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from harli_train.engine.attention import AttentionMetadata, PagedAttention
+from harli_train.engine.engine_config import EngineConfig
+from harli_train.model import LlamaForCausalLM
+
+BUCKET_STEP = 64  # tokens between buckets: a step pads at most 63 tokens
+
+
+def token_buckets(config: EngineConfig) -> tuple[int, ...]:
+    """Token counts a graph is captured for: multiples of BUCKET_STEP up to the most a mixed step carries
+    (every decoding row plus the default chunk), capped by max_num_batched_tokens."""
+    top = min(config.max_num_batched_tokens, config.max_num_seqs + config.prefill_chunk_tokens)
+    top = -(-top // BUCKET_STEP) * BUCKET_STEP
+    return tuple(range(BUCKET_STEP, top + 1, BUCKET_STEP))
+
+
+class MixedGraphs:
+    """Static buffers, the graphs that read them, and `replay` (stage a step's rows, run its bucket)."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, attn: PagedAttention, config: EngineConfig, device, pool=None
+    ):
+        self.model, self.attn = model, attn
+        self.buckets = token_buckets(config)
+        t_max, s_max, width = self.buckets[-1], config.max_num_seqs, config.max_blocks_per_seq
+        self.max_tokens, self.max_rows = t_max, s_max
+        pin = device.type == "cuda"
+        # Host staging (two sets: a step fills one while the copy out of the other may be queued) and its
+        # device copy. int64 rows: input ids, positions, slots, the packed row of each sampling row's last
+        # token. int32 rows: [context length, end of the row's tokens (cu_seqlens[i + 1]), block table].
+        self.host_i64 = [torch.zeros((4, t_max), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_i32 = [torch.zeros((s_max, width + 2), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.dev_i64 = torch.zeros((4, t_max), dtype=torch.int64, device=device)
+        self.dev_i32 = torch.zeros((s_max, width + 2), dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(s_max, dtype=torch.int32, device=device)  # the kernels want it dense
+        self.cu_seqlens = torch.zeros(s_max + 1, dtype=torch.int32, device=device)
+        self.logits = torch.empty(
+            (s_max, model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
+        )
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.pool = pool
+        self.num_replays = 0
+
+    def fits(self, num_tokens: int, num_rows: int) -> bool:
+        return num_tokens <= self.max_tokens and num_rows <= self.max_rows
+
+    def bucket(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def _forward(self, t: int, num_sms: int) -> None:
+        """The model over the first `t` packed tokens; logits of the rows `dev_i64[3]` names."""
+        s = self.max_rows
+        self.attn.meta = AttentionMetadata(
+            True,
+            self.dev_i64[2, :t],
+            self.dev_i32[:, 2:],
+            self.context_lens,
+            self.cu_seqlens,
+            max_q_len=t,
+            num_sms=num_sms,
+        )
+        hidden = self.model(self.dev_i64[0, :t][None], self.dev_i64[1, :t][None], self.attn)
+        self.attn.meta = None
+        torch.mm(hidden[0, self.dev_i64[3, :s]], self.model.lm_head.weight.t(), out=self.logits)
+
+    @torch.inference_mode()
+    def capture(self, key: str, stream: torch.cuda.Stream, num_sms: int) -> None:
+        """Capture every bucket on `stream` (largest first, so smaller graphs reuse its memory)."""
+        self.dev_i64.zero_()
+        self.dev_i64[2].fill_(-1)  # slot -1: the warm-up and capture runs write nothing to the cache
+        self.dev_i32.zero_()
+        self.context_lens.zero_()
+        self.cu_seqlens.zero_()  # no row has a token: the attention programs return at once
+        torch.cuda.synchronize()
+        for t in reversed(self.buckets):
+            with torch.cuda.stream(stream):
+                self._forward(t, num_sms)  # warm-up: compiles kernels, sets up cuBLAS outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self._forward(t, num_sms)
+            if self.pool is None:
+                self.pool = graph.pool()
+            with torch.cuda.stream(stream):
+                graph.replay()  # the first launch uploads the graph: no served step pays for it
+            self.graphs[(key, t)] = graph
+        torch.cuda.synchronize()
+
+    def replay(
+        self,
+        key: str,
+        ids: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        context_lens: list[int],
+        num_tokens: list[int],
+        tables: np.ndarray,
+        sampling: list[int],
+        num_sms: int,
+    ) -> torch.Tensor:
+        """Run one varlen step on partition `key` (call on its stream): row i has `num_tokens[i]` new tokens,
+        `context_lens[i]` cached after the step and block table `tables[i]`; returns the logits [len(sampling),
+        V] of the last token of each row in `sampling` (a view of the shared buffer)."""
+        total, rows = len(ids), len(num_tokens)
+        t = self.bucket(total)
+        host_i64, host_i32 = self.host_i64[self.num_replays % 2], self.host_i32[self.num_replays % 2]
+        self.num_replays += 1
+        h = host_i64.numpy()
+        h[0, :total], h[1, :total], h[2, :total] = ids, positions, slots
+        h[0, total:t], h[1, total:t], h[2, total:t] = 0, 0, -1
+        ends = np.cumsum(num_tokens)
+        h[3, : len(sampling)] = ends[sampling] - 1
+        h[3, len(sampling) : self.max_rows] = 0
+        r = host_i32.numpy()
+        r[:rows, 0], r[:rows, 1] = context_lens, ends
+        r[rows:, 0], r[rows:, 1] = 0, total
+        r[:rows, 2 : 2 + tables.shape[1]] = tables
+        self.dev_i64.copy_(host_i64, non_blocking=True)
+        self.dev_i32.copy_(host_i32, non_blocking=True)
+        self.context_lens.copy_(self.dev_i32[:, 0])
+        self.cu_seqlens[1:].copy_(self.dev_i32[:, 1])
+        graph = self.graphs.get((key, t))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(t, num_sms)
+        return self.logits[: len(sampling)]
+
+    def close(self) -> None:
+        """Drop the graphs, their memory pool and the pinned staging buffers."""
+        self.graphs.clear()
+        self.pool = None
+        self.host_i64.clear()
+        self.host_i32.clear()
