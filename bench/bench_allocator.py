@@ -1,4 +1,4 @@
-"""The VMM page pool on the H200: driver costs next to DESIGN.md, KV growth in place, trainer tensors in the
+"""The VMM page pool on the H200: driver costs next to docs/design.md, KV growth in place, trainer tensors in the
 pool, reclaim latency of 1 GiB, the loss of training with swap against training without, and the decode
 engine's greedy tokens over a KV cache that grows and shrinks in the pool against a plain one, in one run.
 
@@ -35,7 +35,7 @@ from harli_train.memory import (  # noqa: E402
 )
 
 MIB = 1 << 20
-# DESIGN.md, "CUDA VMM via cuda.bindings", per 2 MiB page unless said otherwise (microseconds).
+# docs/design.md, "CUDA VMM via cuda.bindings", per 2 MiB page unless said otherwise (microseconds).
 DESIGN_US = {
     "create": "15-17",
     "map": "4",
@@ -618,7 +618,7 @@ def main() -> None:
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     path = common.write_json("bench_allocator.json", results)
     print(f"wrote {path}")
-    print(common.table(summary(results), ["figure", "measured", "DESIGN.md / target"]))
+    print(common.table(summary(results), ["figure", "measured", "docs/design.md / target"]))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ The objective decides how much there is to harvest: at 1.5x the whole GPU's step
 decode 112 of 132 SMs for the peak and harli reached 1.6-3.2x its finetune throughput; at 1.75x and 2x the
 fixed split needs 64 and harli was 0.8-1.1x of it (bench/results/2026-11-29-*objective*).
 
-Bars (DESIGN.md): harli has zero violations and >= 1.46x the finetune tokens/s of the best baseline
+Bars (docs/design.md): harli has zero violations and >= 1.46x the finetune tokens/s of the best baseline
 (static, streams, temporal) that also has none; its finetune tokens/s as a fraction of standalone.
 """
 

@@ -6,7 +6,7 @@
 Roofline of one decode step = (weight bytes read + KV bytes read) / copy bandwidth measured in this run,
 where the weights read are every weight but the embedding table (a step gathers only B rows of it; the figure
 with it is kept as `roofline_all_weights_ms`). TPOT is the median `engine.step()` latency (scheduling, graph
-replay, sampling, the token read-back) after warm-up; `replay_ms` is the CUDA graph alone. Target (DESIGN.md):
+replay, sampling, the token read-back) after warm-up; `replay_ms` is the CUDA graph alone. Target (docs/design.md):
 TPOT <= 1.25x roofline for batch 1-64. Rows "default" run the engine's decode forward (GEMV projection kernels,
 EngineConfig.decode_gemv); rows "no_gemv" the same engine with the model's own forward (cuBLAS); `gemv_kernel`
 times each projection alone against cuBLAS. Sequences are primed at the given context without a prefill (decode

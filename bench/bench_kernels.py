@@ -204,7 +204,7 @@ class GreenStream:
     """A green context of about `n` SMs and its stream, wrapped for torch.
 
     The SMs come from cuDevSmResourceSplitByCount, so the set is disjoint from the rest of the device
-    (torch 2.11's GreenContext.create takes SMs from the start of the device and overlaps; DESIGN.md).
+    (torch 2.11's GreenContext.create takes SMs from the start of the device and overlaps; docs/design.md).
     Contexts live until the process ends: the caching allocator may still hold blocks tagged with the stream.
     """
 

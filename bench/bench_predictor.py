@@ -10,7 +10,7 @@ The trainer is the finetune-shaped GEMM 8192x4096x4096. ``--engine MODULE:FUNC``
 returns an object with the proxy's interface (``decode_step``, ``trainer_step``, ``capture``,
 ``kv_bytes_per_token``, ``model_id``).
 
-Bars (DESIGN.md): decode beside the trainer on the complementary share < 1.5x (overlapping torch contexts:
+Bars (docs/design.md): decode beside the trainer on the complementary share < 1.5x (overlapping torch contexts:
 8-10x); held-out MAPE <= 5 % solo and co-run; prediction <= 10 us; decision <= 20 us; switch <= 50 us; a
 graph captured on 16 SMs replays slower than one captured on the full GPU (it stays on its partition).
 """

@@ -4,7 +4,7 @@
     python bench/bench_train.py --dry-run  # on the CPU: the same code paths on the tiny model
 
 Each configuration runs in its own process so that peak-memory figures are clean. Throughput is the median
-step time after warm-up; target (DESIGN.md): >= 1.5x peft's tokens/s at <= 0.75x its peak memory.
+step time after warm-up; target (docs/design.md): >= 1.5x peft's tokens/s at <= 0.75x its peak memory.
 """
 
 from __future__ import annotations

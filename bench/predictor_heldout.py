@@ -4,7 +4,7 @@
 
 The profile is what `harli-train profile` (or bench_colocate.py) measured on the GPU; this fits the two-stage
 model on a seeded 70 % of its samples and reports the mean absolute percentage error on the other 30 %,
-for solo and co-run steps, over several splits. Target (DESIGN.md): <= 5 %.
+for solo and co-run steps, over several splits. Target (docs/design.md): <= 5 %.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for 
 terms are the batch's compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
 per-sequence work that does not scale with SMs. The bandwidth is fitted per share because it saturates
 sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
-figures in DESIGN.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
+figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
 
 Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary share::
 

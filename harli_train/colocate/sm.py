@@ -3,7 +3,7 @@
 Every rung is a pair of green contexts made by one ``cuDevSmResourceSplitByCount`` call: inference gets
 the first k minimal SM groups, finetune the remaining groups (and the split's remainder), so the two sets
 are disjoint and complementary. torch's ``GreenContext.create`` is not used: on torch 2.11 each context
-takes SMs from the start of the device and two of them overlap (DESIGN.md). A last "full" rung gives
+takes SMs from the start of the device and two of them overlap (docs/design.md). A last "full" rung gives
 decode the whole GPU on an ordinary stream, for when the trainer is paused.
 
 Switching partitions at run time is choosing a stream pair and handing work off with events; nothing is
