@@ -50,9 +50,10 @@ from harli_train.kernels.launch_config import get_config, num_sms, set_num_sms, 
 # One tolerance table for every comparison against the fp32 reference (inputs identical after rounding).
 # Both tensors are divided by max(1, max |reference|) first, so atol is relative to the tensor's scale
 # (a gradient summed over rows can reach ~100, where one fp16 ulp is 0.06).
-# On a GPU, fp32 dots may run in TF32 unless disabled; the tests disable it (fixture below).
+# Triton's fp32 tl.dot runs in TF32 on a GPU (10-bit mantissa inputs): ~1e-3 of the scale, where the
+# interpreter computes IEEE fp32 (torch's own matmuls are kept IEEE by the fixture below).
 TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float32: dict(atol=3e-3, rtol=3e-3) if ON_GPU else dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=5e-3, rtol=1e-2),
     torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
 }
@@ -465,6 +466,7 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the bench's CPU dry run (on a GPU the bench itself runs)")
 def test_bench_dry_run(tmp_path):
     """bench/bench_kernels.py runs end to end on the CPU (two ops, one reduced SM budget)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
