@@ -216,3 +216,83 @@ def test_the_trainer_resumes_after_a_spike_that_paused_it(ladder, pred):
         frozen.observe(d, d.raw_s)
         d = frozen.decide(1, 0)
     assert d.pause_trainer
+
+
+# ---- settling and the learned margin -------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def share_trace(ctl: Controller, clock: FakeClock, batches, step_s: float = 0.01) -> list[int]:
+    shares = []
+    for b in batches:
+        clock.t += step_s
+        d = ctl.decide(b, 0)
+        ctl.observe(d, d.predicted_s)
+        shares.append(d.partition.infer_sms)
+    return shares
+
+
+def test_settle_holds_a_share_where_the_load_flips_and_converges_to_one(ladder, pred):
+    """A load whose batch flips between two shares' reach every few steps: the plain controller follows it
+    (each flip strands the trainer's queued work), the settling one learns that decode does not stay long on
+    the smaller share and holds the larger one: >= 90 % of the steps on one rung once warm."""
+    # 4 ms objective, 10 % margin: batch 1 fits 40 SMs, batch 40 needs 48.
+    flips = ([1] * 6 + [40] * 2) * 60
+    plain_clock, settle_clock = FakeClock(), FakeClock()
+    plain = Controller(pred, ladder, 4e-3, 0.1, hysteresis_steps=4, resume_margin=0.0, clock=plain_clock)
+    settling = Controller(
+        pred, ladder, 4e-3, 0.1, hysteresis_steps=4, resume_margin=0.0, settle=True, clock=settle_clock
+    )
+    for ctl in (plain, settling):
+        ctl.observe_train_slice(0.02)  # one micro-step: 20 ms
+    warm = len(flips) // 3
+    plain_shares = share_trace(plain, plain_clock, flips)[warm:]
+    settled = share_trace(settling, settle_clock, flips)[warm:]
+    switches = lambda xs: sum(a != b for a, b in zip(xs, xs[1:], strict=False))  # noqa: E731
+    assert switches(plain_shares) > 20
+    most = max(set(settled), key=settled.count)
+    assert settled.count(most) >= 0.9 * len(settled) and most == 48
+    # What stopped the flips: 8 more trainer SMs over the dwell it learnt no longer pay for 2 micro-steps
+    # of 20 ms on the trainer's 92 SMs.
+    assert (48 - 40) * settling.dwell_s < 2 * 0.02 * (TOTAL - 40)
+    assert switches(settled) < switches(plain_shares) / 4
+
+
+def test_settle_still_shrinks_when_the_load_falls_for_good(ladder, pred):
+    clock = FakeClock()
+    ctl = Controller(pred, ladder, 4e-3, 0.1, hysteresis_steps=4, resume_margin=0.0, settle=True, clock=clock)
+    ctl.observe_train_slice(0.02)
+    shares = share_trace(ctl, clock, [40] * 30 + [1] * 60)
+    assert shares[25] == 48 and shares[-1] == 40  # the dwell estimate starts long: a real fall pays
+
+
+def test_learned_margin_follows_the_prediction_error():
+    from harli_train.colocate.margin import LearnedMargin
+
+    tight = LearnedMargin(0.15, warmup=50)
+    assert tight.value == 0.15
+    for i in range(200):  # predictions within 1 %: the margin falls to its floor
+        tight.observe(1e-3 * (1 + 0.01 * ((i % 3) - 1)), 1e-3)
+    assert tight.value == tight.floor
+    loose = LearnedMargin(0.05, warmup=50)
+    for i in range(400):  # 1 step in 100 runs 25 % over its prediction
+        loose.observe(1.25e-3 if i % 100 == 0 else 1e-3, 1e-3)
+    assert loose.value == pytest.approx(1 - 1 / 1.25)
+    with pytest.raises(ValueError):
+        LearnedMargin(1.2)
+
+
+def test_a_controller_with_a_learned_margin_resizes_its_budget(ladder, pred):
+    ctl = Controller(pred, ladder, 4e-3, 0.1, hysteresis_steps=1, resume_margin=0.0, learn_margin=True)
+    for _ in range(100):
+        d = ctl.decide(1, 0)
+        ctl.observe(d, d.predicted_s * 1.005)  # the model is good: the margin shrinks
+    assert ctl.margin < 0.05 and ctl.budget_s > 4e-3 * 0.95
+    assert ctl.summary()["margin"] == ctl.margin

@@ -8,6 +8,14 @@ that count, and leaving the whole GPU (the trainer resumes beside decode) takes 
 headroom when a share has it. When no share fits, decode gets the whole GPU and the trainer pauses. On a
 time-sliced ladder (no green contexts) the trainer runs a micro-step between decode steps only while step +
 micro-step fit the budget.
+
+With ``settle`` a shrink must also pay for itself: moving decode from A to B SMs gives the trainer A - B more
+SMs for as long as decode stays there, but costs the work the trainer has queued for the old split (about
+``in_flight`` micro-steps on its T - B SMs: launched for the old rung, they run there while the new rung's SMs
+wait). So it shrinks only when ``(A - B) * dwell >= in_flight * micro_step * (T - B)``, with ``dwell`` the
+learnt time decode stays on a share before it grows again (an EWMA over the run): under a steady load the
+share settles, under a load that flips it holds the larger share. With ``learn_margin`` the margin follows the
+prediction error observed (``margin.LearnedMargin``), ``margin`` its starting value.
 Every decision is logged with its prediction and, once observed, the measured latency.
 """
 
@@ -15,10 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from harli_train.colocate.margin import LearnedMargin
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.config import DEFAULT_MARGIN
@@ -54,6 +65,10 @@ class Controller:
         resume_margin: float = 0.3,
         log_path: str | os.PathLike | None = None,
         log_limit: int = 100_000,
+        settle: bool = False,
+        learn_margin: bool = False,
+        in_flight: int = 2,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if tpot_s <= 0 or not 0 <= margin < 1:
             raise ValueError(f"need tpot_s > 0 and 0 <= margin < 1, got tpot_s={tpot_s}, margin={margin}")
@@ -81,6 +96,10 @@ class Controller:
         self._open: dict[int, dict[str, Any]] = {}  # logged decisions not yet measured, by step
         self._max_open = 64  # a runtime may decide a few steps ahead of reading their timings
         self._file: IO[str] | None = open(log_path, "a") if log_path else None
+        self.settle, self.in_flight, self.clock = settle, in_flight, clock
+        self.dwell_s = 1.0  # EWMA of how long decode stays on a share before it grows (settle)
+        self._shrunk_at: float | None = None
+        self.learned_margin = LearnedMargin(margin) if learn_margin else None
 
     def set_objective(self, tpot_s: float, margin: float | None = None) -> None:
         self.tpot_s = tpot_s
@@ -148,6 +167,8 @@ class Controller:
         cur = self._cur
         if want >= cur:
             reason = "grow: smaller shares miss the budget" if want > cur else "hold"
+            if want > cur:
+                self._grew()
             self._cur, self._streak, self._streak_max = want, 0, -1
         else:
             self._streak += 1
@@ -157,8 +178,13 @@ class Controller:
                 if cur == full:  # leaving the whole GPU: the trainer resumes beside decode
                     strict, _ = self._target(batch, kv_tokens, self.budget_s * (1.0 - self.resume_margin))
                     to = max(to, strict)  # none within the margin (-1): the plain target, not a trap
-                reason = f"shrink after {self._streak} steps that allow it"
-                self._cur, self._streak, self._streak_max = to, 0, -1
+                if self.settle and not self._pays(cur, to):
+                    reason = f"settle: a shrink to {self.ladder.partitions[to].infer_sms} SMs would not pay"
+                    self._streak, self._streak_max = 0, -1
+                else:
+                    reason = f"shrink after {self._streak} steps that allow it"
+                    self._cur, self._streak, self._streak_max = to, 0, -1
+                    self._shrunk_at = self.clock()
             else:
                 reason = f"hysteresis: keep share ({self._streak}/{self.hysteresis_steps} steps could shrink)"
         part = self.ladder.partitions[self._cur]
@@ -170,6 +196,7 @@ class Controller:
             else self.predictor.predict(batch, kv_tokens, part.infer_sms, True)
         )
         if t > self.budget_s:  # the model now puts a held (larger) share over budget: take the target at once
+            self._grew()
             self._cur, self._streak, self._streak_max = want, 0, -1
             part, t, reason = (
                 self.ladder.partitions[want],
@@ -177,6 +204,21 @@ class Controller:
                 "held share over budget: take the target",
             )
         return self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens)
+
+    def _grew(self, alpha: float = 0.3) -> None:
+        """Decode grows: how long it stayed on the share it shrank to last feeds the dwell estimate."""
+        if self._shrunk_at is not None:
+            self.dwell_s += alpha * (self.clock() - self._shrunk_at - self.dwell_s)
+            self._shrunk_at = None
+
+    def _pays(self, cur: int, to: int) -> bool:
+        """Whether shrinking decode from rung ``cur`` to ``to`` gains the trainer more SM-seconds over the
+        expected dwell than the queued work launched for the old split costs (see the module docstring)."""
+        a, b = self.ladder.partitions[cur].infer_sms, self.ladder.partitions[to].infer_sms
+        if cur == self._full.index:
+            return True  # leaving the whole GPU: the trainer had nothing queued, it only gains
+        cost = self.in_flight * self.train_slice_s * (self.ladder.total_sms - b)
+        return (a - b) * self.dwell_s >= cost
 
     def _exclusive(
         self, part: Partition, batch: int, kv_tokens: int, infeasible: bool, reason: str
@@ -221,6 +263,8 @@ class Controller:
     def observe(self, decision: Decision, measured_s: float) -> None:
         """Record the measured latency of a decided step and feed the predictor's residual correction."""
         self.predictor.observe(decision.partition.infer_sms, decision.corun, measured_s, decision.raw_s)
+        if self.learned_margin is not None:
+            self.set_objective(self.tpot_s, self.learned_margin.observe(measured_s, decision.predicted_s))
         entry = self._open.pop(decision.step, None)
         if entry is None:  # observed late: the entry was already written without a measurement
             entry = {
@@ -254,6 +298,8 @@ class Controller:
             "paused_fraction": sum(e["pause_trainer"] for e in entries) / max(len(entries), 1),
             "mean_infer_sms": sum(e["infer_sms"] for e in entries) / max(len(entries), 1),
             "observed_mape_pct": sum(errs) / len(errs) if errs else None,
+            "margin": self.margin,
+            "dwell_s": self.dwell_s if self.settle else None,
         }
 
     def close(self) -> None:
