@@ -24,9 +24,14 @@ PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is
 DEFAULT_GROW_HEADROOM = 0.05
 # harli:ahead=on: a prefill's trainer stays clear of the share the decode step after it will need.
 DEFAULT_PREFILL_AHEAD = False
+# harli:settle=on: a shrink must pay for the queued trainer work it strands; harli:margin=learn: the margin follows
+# the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
+DEFAULT_SETTLE = False
+DEFAULT_LEARN_MARGIN = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
-    f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'})"
+    f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
+    "margin=learn|fixed (default fixed)"
 )
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
@@ -141,8 +146,8 @@ _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair)
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H,ahead=on|off`` (any of them, in any order; "" for none) as HarliPolicy keyword
-    arguments."""
+    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed`` (any of them, in any order; ""
+    for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -152,6 +157,10 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["grow_headroom"] = float(value)
         elif key == "ahead" and value in ("on", "off"):
             out["prefill_ahead"] = value == "on"
+        elif key == "settle" and value in ("on", "off"):
+            out["settle"] = value == "on"
+        elif key == "margin" and value in ("learn", "fixed"):
+            out["learn_margin"] = value == "learn"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -161,6 +170,8 @@ def harli_name(
     prefill: str = PREFILL_MODES[0],
     grow_headroom: float = DEFAULT_GROW_HEADROOM,
     prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
+    settle: bool = DEFAULT_SETTLE,
+    learn_margin: bool = DEFAULT_LEARN_MARGIN,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -168,6 +179,10 @@ def harli_name(
         options.append(f"grow={grow_headroom:g}")
     if prefill_ahead != DEFAULT_PREFILL_AHEAD:
         options.append(f"ahead={'on' if prefill_ahead else 'off'}")
+    if settle != DEFAULT_SETTLE:
+        options.append(f"settle={'on' if settle else 'off'}")
+    if learn_margin != DEFAULT_LEARN_MARGIN:
+        options.append(f"margin={'learn' if learn_margin else 'fixed'}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

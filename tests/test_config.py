@@ -297,7 +297,26 @@ def test_bad_policy(tmp_path, policy):
 
 @pytest.mark.parametrize(
     "policy",
-    ["harli:prefill=beside", "harli:grow=0.05", "harli:grow=0.1,prefill=paused", "harli:ahead=on,grow=0"],
+    [
+        "harli:prefill=beside",
+        "harli:grow=0.05",
+        "harli:grow=0.1,prefill=paused",
+        "harli:ahead=on,grow=0",
+        "harli:settle=on,margin=learn",
+    ],
 )
 def test_harli_variants_are_policies(tmp_path, policy):
     assert load_recipe(recipe_with(tmp_path, "colocation.policy", policy)).colocation.policy == policy
+
+
+def test_harli_settle_and_learnt_margin_reach_the_controller():
+    from harli_train.colocate.policies import make_policy
+    from harli_train.colocate.sm import SMLadder
+
+    from .test_runtime import synthetic_predictor
+
+    ladder = SMLadder.cpu_standin(132, 16)
+    policy = make_policy("harli:margin=learn,settle=on", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert policy.name == "harli:settle=on,margin=learn"  # canonical order
+    assert policy.controller.settle and policy.controller.learned_margin is not None
+    assert not make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05).controller.settle

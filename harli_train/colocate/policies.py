@@ -27,8 +27,10 @@ from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
 from harli_train.config import (
     DEFAULT_GROW_HEADROOM,
+    DEFAULT_LEARN_MARGIN,
     DEFAULT_MARGIN,
     DEFAULT_PREFILL_AHEAD,
+    DEFAULT_SETTLE,
     PREFILL_MODES,
     harli_name,
     parse_harli_options,
@@ -325,6 +327,8 @@ class HarliPolicy(Policy):
         grow_headroom: float = DEFAULT_GROW_HEADROOM,
         prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
         prefill_floor: int = 128,
+        settle: bool = DEFAULT_SETTLE,
+        learn_margin: bool = DEFAULT_LEARN_MARGIN,
     ) -> None:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"harli: prefill mode is one of {PREFILL_MODES}, got {prefill!r}")
@@ -337,8 +341,10 @@ class HarliPolicy(Policy):
         self.trainer_rungs = ladder.spatial[::-1][::trainer_stride][::-1]
         self.prefill_mode, self.grow_headroom, self.prefill_ahead = prefill, grow_headroom, prefill_ahead
         self.prefill_floor = prefill_floor  # prefill tokens a mixed step gets at least (when pending)
-        self.name = harli_name(prefill, grow_headroom, prefill_ahead)
-        self.controller = Controller(predictor, ladder, tpot_s, margin, hysteresis_steps)
+        self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin)
+        self.controller = Controller(
+            predictor, ladder, tpot_s, margin, hysteresis_steps, settle=settle, learn_margin=learn_margin
+        )
         self.trainer_window_s = trainer_window_s
         self._recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
         rung = self._trainer_select(prefill_sms if prefill_sms is not None else ladder.total_sms // 2)
@@ -509,6 +515,7 @@ class HarliPolicy(Policy):
         super().observe(plan, measured_s)
         if plan.decision is not None:
             self.controller.observe(plan.decision, measured_s)
+            self.budget_s = self.controller.budget_s  # a learnt margin moves it
 
     def observe_train_slice(self, seconds: float) -> None:
         self.controller.observe_train_slice(seconds)
