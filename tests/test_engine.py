@@ -224,6 +224,58 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(hf_pair):
     assert [s.token_ids for s in narrow] == [s.token_ids for s in greedy]
 
 
+def test_top_k_stop_tokens_and_aborting_one_request(hf_pair):
+    """top_k=1 is greedy whatever the temperature; a stop token ends a request (kept, finish_reason 'stop');
+    aborting one request frees its blocks at once and records it, the others go on unchanged."""
+    import torch.nn.functional as F
+
+    from harli_train.engine.sampler import Sampler, SamplingBatch
+
+    _, ours = hf_pair
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_model_len=64, kernels="torch")
+    prompts = _prompts(21, [5, 9, 7])
+    greedy = DecodeEngine(ours, cfg).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    hot_k1 = SamplingParams(max_tokens=8, temperature=5.0, top_k=1, seed=1, ignore_eos=True)
+    assert [s.token_ids for s in DecodeEngine(ours, cfg).generate(prompts, hot_k1)] == [
+        s.token_ids for s in greedy
+    ]
+    # The sampler's cut against a direct one: each row keeps its own k most likely tokens.
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    ks = torch.tensor([1, 5, 0])
+    probs = Sampler._top_k(F.softmax(logits, -1), ks, 5)
+    assert (probs[0] > 0).sum() == 1 and (probs[1] > 0).sum() == 5 and (probs[2] > 0).sum() == 50
+    assert set(probs[1].nonzero().flatten().tolist()) == set(logits[1].topk(5).indices.tolist())
+    batch = SamplingBatch(
+        torch.full((3,), 1.0), torch.ones(3), torch.arange(3), torch.zeros(3, dtype=torch.int64), False, ks, 5
+    )
+    drawn = Sampler()(logits, batch)
+    assert drawn[0] == logits[0].argmax() and drawn[1] in logits[1].topk(5).indices
+    # A stop token: the third token the greedy run drew for the first prompt.
+    stop = greedy[0].completion_token_ids[2]
+    stopped = DecodeEngine(ours, cfg).generate(
+        [prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(stop,))
+    )[0]
+    first = greedy[0].completion_token_ids.index(stop)
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.completion_token_ids == greedy[0].completion_token_ids[: first + 1]
+    )
+    # Abort one of three mid-run.
+    engine = DecodeEngine(ours, cfg)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    free_before = engine.block_manager.num_free
+    assert engine.abort(seqs[1]) and not engine.abort(seqs[1])
+    assert seqs[1].finish_reason == "aborted" and engine.block_manager.num_free > free_before
+    engine.run_until_done()
+    assert [seqs[0].token_ids, seqs[2].token_ids] == [greedy[0].token_ids, greedy[2].token_ids]
+    (record,) = [r for r in engine.metrics.requests if r.finish_reason == "aborted"]
+    assert 0 < record.output_tokens < 8
+    with pytest.raises(EngineError, match="top_k"):
+        SamplingParams(top_k=-1)
+
+
 def test_step_metrics_and_summary(hf_pair):
     _, ours = hf_pair
     engine = DecodeEngine(

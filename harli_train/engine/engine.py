@@ -205,6 +205,17 @@ class DecodeEngine:
         budget from."""
         return self.scheduler.peek()
 
+    def abort(self, seq: Sequence) -> bool:
+        """Drop one request now (a client went away): its KV blocks are freed at once and it is recorded with
+        the tokens it drew; False when it had already finished. Call between steps."""
+        if self._inflight is not None and seq in self._inflight.batch.seqs:
+            self._inflight.wait()  # its launched-ahead step may still write the sequence's blocks
+            self._inflight = None
+        if not self.scheduler.abort(seq, self.clock()):
+            return False
+        self.metrics.add_finished(seq)
+        return True
+
     def abort_all(self, record: bool = False) -> int:
         """Drop every queued and running request (blocks freed, finish_reason 'aborted'); returns how many.
         With `record`, each is recorded in the metrics with the tokens it drew so far (a window's end: what

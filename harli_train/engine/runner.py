@@ -385,4 +385,8 @@ class ModelRunner:
             seeds=self._to_device(seeds, torch.int64),
             positions=self._to_device([len(s) + ahead for s in seqs], torch.int64),
             any_top_p=any(s.params.top_p < 1.0 for s in seqs),
+            top_ks=self._to_device([s.params.top_k for s in seqs], torch.int64)
+            if any(s.params.top_k for s in seqs)
+            else None,
+            max_top_k=max(s.params.top_k for s in seqs),
         )

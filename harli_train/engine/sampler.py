@@ -37,6 +37,8 @@ class SamplingBatch:
     seeds: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64: index of the token being drawn
     any_top_p: bool
+    top_ks: torch.Tensor | None = None  # [B] int64, 0 = no cut; None: no row cuts
+    max_top_k: int = 0  # the largest of them (host side: no device sync to size the cut)
 
 
 class Sampler:
@@ -49,12 +51,22 @@ class Sampler:
         temps = batch.temperatures
         is_greedy = temps == 0
         probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temps)[:, None], dim=-1)
+        if batch.top_ks is not None:
+            probs = self._top_k(probs, batch.top_ks, batch.max_top_k)
         if batch.any_top_p:
             probs = self._top_p(probs, batch.top_ps)
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i.
         noise = -torch.log(hashed_uniform(batch.seeds, batch.positions, logits.shape[-1]))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _top_k(probs: torch.Tensor, top_ks: torch.Tensor, k_max: int) -> torch.Tensor:
+        # Keep each row's k most likely tokens (ties at the k-th kept too); k = 0 keeps every token.
+        kth = probs.topk(min(k_max, probs.shape[-1]), dim=-1).values
+        threshold = kth.gather(-1, (top_ks.clamp(min=1, max=kth.shape[-1]) - 1)[:, None])
+        threshold = torch.where(top_ks[:, None] > 0, threshold, torch.zeros_like(threshold))
+        return probs.masked_fill(probs < threshold, 0.0)
 
     @staticmethod
     def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -252,6 +252,19 @@ class Scheduler:
         self.waiting.clear()
         return dropped
 
+    def abort(self, seq: Sequence, now: float | None = None) -> bool:
+        """Drop one waiting or running sequence (its blocks freed, finish_reason 'aborted'); False when it
+        had already finished."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return False
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, "aborted", now
+        return True
+
     def _reserve(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Blocks for `seq`'s first `num_tokens` tokens, preempting newer unscheduled sequences if needed;
         False when `seq` itself had to be preempted."""
@@ -288,6 +301,8 @@ class Scheduler:
                 seq.first_token_time = now
             if not seq.params.ignore_eos and token in self.eos_ids:
                 seq.finish_reason = "eos"
+            elif token in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
             elif seq.num_completion_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "length"
             else:
