@@ -259,6 +259,38 @@ def generate(
         click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
 
 
+@main.command()
+@click.option("--model", "model_source", required=True, help="Preset or local HF directory to serve.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port."
+)
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1/ requests.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Records (default: runs/serve-<model name>).")  # fmt: skip
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Requests waiting at most; more get 429.")  # fmt: skip
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@_friendly
+def serve(
+    model_source: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    out_dir: str | None,
+    max_queue: int,
+    max_batch: int,
+    device: str,
+) -> None:
+    """Serve MODEL behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) until SIGTERM or Ctrl-C; the records go under --out."""
+    from harli_train.serve.command import run_server
+
+    summary = run_server(model_source, host, port, api_key, out_dir, max_queue, max_batch, device)
+    click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
+
+
 @main.command("serve-trace")
 @click.option(
     "--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory."

@@ -70,6 +70,17 @@ class HFTokenizer:
         """Text of `ids`, special tokens dropped."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the tokenizer's chat template, ready for the assistant's turn."""
+        ids = self._tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return [int(t) for t in ids]
+
 
 def _first_id(token_id: int | list[int] | None) -> int | None:
     if isinstance(token_id, (list, tuple)):

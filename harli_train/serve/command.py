@@ -1,0 +1,90 @@
+"""`harli-train serve`: the engine alone behind the OpenAI-compatible HTTP API, until SIGTERM or Ctrl-C.
+
+Shutdown stops admitting (new requests get 503), gives running requests ``grace_s`` to finish, aborts the
+rest, writes the records (``OUT/serve/requests.jsonl``, ``steps.jsonl``, ``summary.json``) and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harli_train.engine.engine_config import EngineConfig, capped_to_context
+
+log = logging.getLogger(__name__)
+
+
+def model_id(source: str) -> str:
+    """The id clients name a served model by: a preset's name, or an HF directory's folder name."""
+    return Path(source).name if Path(source).expanduser().is_dir() else source
+
+
+def run_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    out_dir: str | Path | None = None,
+    max_queue: int = 256,
+    max_batch: int = 64,
+    device: str = "auto",
+    grace_s: float = 10.0,
+    ready: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Serve ``model`` on ``host:port`` (port 0: any free one, passed to ``ready``) until SIGTERM/SIGINT;
+    returns the serving summary."""
+    from harli_train.engine.api import build_engine
+    from harli_train.model import model_config
+    from harli_train.serve.app import Server
+    from harli_train.serve.engine_loop import EngineLoop
+
+    name = model_id(model)
+    out = Path(out_dir or f"runs/serve-{name}")
+    out.mkdir(parents=True, exist_ok=True)
+    context = model_config(model).max_position_embeddings
+    cfg = capped_to_context(EngineConfig(max_num_seqs=max_batch, max_model_len=context), context)
+    engine = build_engine(model, device, config=cfg)
+    loop = EngineLoop(engine, max_queue=max_queue)
+    loop.start()
+    server = Server(loop, [name], api_key)
+    try:
+        asyncio.run(_serve(server, host, port, grace_s, ready))
+    finally:
+        loop.stop(grace_s)
+        summary = engine.metrics.write(out / "serve")
+        engine.close()
+    summary = {"model": name, "records": str(out / "serve"), **summary}
+    (out / "serve" / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    log.info("served %d requests; records in %s", summary.get("requests", 0), out / "serve")
+    return summary
+
+
+async def _serve(server, host: str, port: int, grace_s: float, ready: Callable[[int], None] | None) -> None:
+    """Listen until SIGTERM/SIGINT; then stop listening and give running requests ``grace_s`` to end."""
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app(), handle_signals=False)
+    await runner.setup()
+    sock = socket.create_server((host, port), reuse_port=False)
+    bound = sock.getsockname()[1]
+    await web.SockSite(runner, sock, shutdown_timeout=grace_s).start()
+    log.info("serving %s on http://%s:%d/v1 (SIGTERM or Ctrl-C stops)", ", ".join(server.models), host, bound)
+    if ready is not None:
+        ready(bound)
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio.remove_signal_handler(sig)
+        log.info("stopping: no new connections; running requests get %g s", grace_s)
+        await runner.cleanup()

@@ -1,0 +1,217 @@
+"""`harli-train serve`: a real server on a free local port, driven by the `openai` client and raw HTTP: the
+API surface, streaming, errors that leave the server serving, authentication, metrics, and shutdown."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .hf_models import save_tiny_llama
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+KEY = "sk-test"
+
+
+def build_chat_model(path: Path) -> Path:
+    """A tiny random Llama with a byte-level BPE tokenizer and a ChatML template, saved as an HF dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["hello world, how are you?", "add 12+34 = 46", "the cat sat on the mat"], trainer
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    save_tiny_llama(
+        path,
+        std=0.2,
+        vocab_size=len(fast),
+        max_position_embeddings=128,
+        eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+    )
+    fast.save_pretrained(path)  # save_tiny_llama's save_pretrained leaves the tokenizer files as they are
+    return path
+
+
+def start_server(tmp: Path, model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "harli_train",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--out",
+        str(tmp / "out"),
+    ]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            return proc, f"http://127.0.0.1:{found.group(1)}"
+        if time.time() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"the server did not start: {proc.stderr.read()}")
+
+
+def post(url: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers)) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    model = build_chat_model(tmp / "chat-model")
+    proc, url = start_server(tmp, str(model), "--api-key", KEY, "--max-batch", "4")
+    yield proc, url, model, tmp
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_completions_chats_and_streams(server):
+    _, url, model, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["chat-model"]
+    done = client.completions.create(model="chat-model", prompt="hello world", max_tokens=6, temperature=0)
+    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens >= 1
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model="chat-model",
+        messages=[{"role": "user", "content": "how are you?"}],
+        max_tokens=5,
+        temperature=0,
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(
+        model="chat-model",
+        messages=[{"role": "user", "content": "how are you?"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content  # greedy: the same tokens, streamed
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    # Greedy text through the API equals `harli-train generate` for the same prompt.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    gen = subprocess.run(
+        [sys.executable, "-m", "harli_train", "generate", "--model", str(model), "--prompt", "hello world",
+         "--max-tokens", "6", "--device", "cpu"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    assert gen.stdout.rstrip("\n") == "hello world" + done.choices[0].text
+
+
+@pytest.mark.slow
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
+    _, url, _, _ = server
+    completions, chat = f"{url}/v1/completions", f"{url}/v1/chat/completions"
+    ok = {"model": "chat-model", "prompt": "hi", "max_tokens": 2}
+    cases = [
+        (completions, b"{not json", 400, None),
+        (chat, {"model": "chat-model"}, 400, None),
+        (completions, {**ok, "prompt": "hello " * 200}, 400, "context_length_exceeded"),
+        (completions, {**ok, "max_tokens": 10_000}, 400, None),
+        (completions, {**ok, "temperature": 7}, 400, None),
+        (completions, {**ok, "n": 2}, 400, None),
+        (completions, {**ok, "model": "gpt-4"}, 404, "model_not_found"),
+    ]
+    for endpoint, body, status, code in cases:
+        got, err = post(endpoint, body)
+        assert got == status and set(err["error"]) == {"message", "type", "param", "code"}, (body, err)
+        assert code is None or err["error"]["code"] == code
+    status, err = post(completions, ok, key=None)
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    status, body = post(completions, ok)
+    assert status == 200 and body["choices"][0]["text"] is not None  # still serving
+    with urllib.request.urlopen(f"{url}/metrics") as resp:
+        text = resp.read().decode()
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+inf]+$')
+    for line in text.splitlines():
+        assert line.startswith("# ") or sample.match(line), line
+    assert 'harli_errors_total{status="404"} 1' in text and "harli_ttft_seconds_count" in text
+    with urllib.request.urlopen(f"{url}/health") as resp:
+        assert resp.status == 200
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server_with_its_records(server):
+    proc, url, _, tmp = server
+    post(f"{url}/v1/completions", {"model": "chat-model", "prompt": "the cat", "max_tokens": 3})
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert json.loads(out)["requests"] >= 1
+    records = (tmp / "out" / "serve" / "requests.jsonl").read_text().splitlines()
+    assert records and all("ttft_ms" in json.loads(r) for r in records)
+
+
+def test_a_full_queue_is_refused_and_an_aborted_request_frees_its_blocks():
+    import asyncio
+
+    import torch
+
+    from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
+    from harli_train.model import load_model
+    from harli_train.serve.engine_loop import EngineLoop, QueueFull
+
+    model = load_model("tiny", torch.float32, "cpu")
+    engine = DecodeEngine(model, EngineConfig(num_kv_blocks=64, max_model_len=128, kernels="torch"))
+    loop = EngineLoop(engine, max_queue=1)
+    aio = asyncio.new_event_loop()
+    first = loop.submit([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "a", aio)
+    with pytest.raises(QueueFull):
+        loop.submit([1, 2], SamplingParams(max_tokens=2), "b", aio)
+    loop.start()
+
+    async def until_tokens():
+        event = await first.events.get()
+        assert event.tokens
+        first.abort()
+        while not (await first.events.get()).done:
+            pass
+
+    aio.run_until_complete(asyncio.wait_for(until_tokens(), 60))
+    loop.stop(grace_s=1.0)
+    aio.close()
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    (record,) = engine.metrics.requests
+    assert record.finish_reason == "aborted" and 0 < record.output_tokens < 50
