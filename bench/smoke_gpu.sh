@@ -106,6 +106,19 @@ readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/ste
 run serve-trace 90 "test -f runs/serve/requests.jsonl" \
   -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.1 \
   --out runs/serve
+readme_form "harli-train serve --model tiny --port 8000"
+# A long-running command: start, wait for /health, one completion, SIGTERM; its summary is its stdout.
+probe='import json,sys,time,urllib.request as u
+for _ in range(120):
+    try:
+        u.urlopen("http://127.0.0.1:8000/health"); break
+    except Exception: time.sleep(1)
+r = u.Request("http://127.0.0.1:8000/v1/completions", json.dumps({"model": "llama-1b", "prompt": "hello",
+    "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+print(json.load(u.urlopen(r))["usage"], file=sys.stderr)'
+run serve 120 "json_ok serve && grep -q '\"requests\": 1' serve.out" \
+  -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
+     python3 -c '$probe'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 wait "$tests_pid"
