@@ -116,9 +116,11 @@ for _ in range(120):
 r = u.Request("http://127.0.0.1:8000/v1/completions", json.dumps({"model": "llama-1b", "prompt": "hello",
     "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
 print(json.load(u.urlopen(r))["usage"], file=sys.stderr)'
-run serve 120 "json_ok serve && grep -q '\"requests\": 1' serve.out" \
+readme_form "harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl --time-scale 0.1 --tpot-ms 50"
+run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 116' serve.out" \
   -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
-     python3 -c '$probe'; kill -TERM \$pid; wait \$pid"
+     python3 -c '$probe' && harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl \
+     --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 wait "$tests_pid"

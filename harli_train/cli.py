@@ -291,6 +291,33 @@ def serve(
     click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
 
 
+@main.command()
+@click.option("--url", required=True, help="The server, e.g. http://127.0.0.1:8000 (its /v1 API).")
+@click.option("--trace", required=True, type=click.Path(exists=True, dir_okay=False), help="JSONL trace.")
+@click.option("--model", default=None, help="Model id to ask for (default: the server's first).")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True))
+@click.option("--api-key", default=None)
+@click.option("--tpot-ms", default=None, type=click.FloatRange(min=0.0, min_open=True),
+              help="Judge every token interval against this objective.")  # fmt: skip
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Write client_requests.jsonl and client_summary.json here.")  # fmt: skip
+@_friendly
+def loadgen(
+    url: str,
+    trace: str,
+    model: str | None,
+    time_scale: float,
+    api_key: str | None,
+    tpot_ms: float | None,
+    out_dir: str | None,
+) -> None:
+    """Replay TRACE against a server over HTTP, streaming; measure TTFT and TPOT at the client."""
+    from harli_train.serve.loadgen import run_loadgen
+
+    summary = run_loadgen(url, trace, model, time_scale, api_key, tpot_ms, out_dir)
+    click.echo(_strict_json(summary, 1))
+
+
 @main.command("serve-trace")
 @click.option(
     "--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory."

@@ -173,6 +173,27 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
 
 
 @pytest.mark.slow
+def test_loadgen_replays_a_trace_and_measures_at_the_client(server, tmp_path):
+    from harli_train.serve.loadgen import run_loadgen
+
+    _, url, _, _ = server
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"arrival_s": 0.05 * i, "prompt_len": 5 + i, "output_len": 4 + i % 3, "id": str(i)} for i in range(6)
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = run_loadgen(url, trace, api_key=KEY, tpot_ms=1000.0, out=tmp_path / "client")
+    assert summary["model"] == "chat-model" and summary["completed"] == 6 and summary["errors"] == 0
+    records = [
+        json.loads(x) for x in (tmp_path / "client" / "client_requests.jsonl").read_text().splitlines()
+    ]
+    for line, rec in zip(lines, sorted(records, key=lambda r: int(r["request_id"])), strict=True):
+        assert rec["output_tokens"] == line["output_len"] and rec["prompt_tokens"] == line["prompt_len"]
+        assert rec["ttft_ms"] > 0 and len(rec["intervals_ms"]) == line["output_len"] - 1  # every token timed
+    assert summary["intervals"] > 0 and summary["violations"] == 0 and summary["tpot_attainment"] == 1.0
+
+
+@pytest.mark.slow
 def test_sigterm_stops_the_server_with_its_records(server):
     proc, url, _, tmp = server
     post(f"{url}/v1/completions", {"model": "chat-model", "prompt": "the cat", "max_tokens": 3})

@@ -177,20 +177,18 @@ class Server:
                     break
                 n_tokens += len(event.tokens)
                 first = first or time.perf_counter()
+                # One chunk per step that drew tokens, its text possibly empty (held back, or special tokens):
+                # a client sees every token's arrival, as it would from the engine.
                 piece = reader.feed(event.tokens)
-                if piece or not sent_first:
-                    await _send(resp, protocol.chunk(req, piece, None, first=not sent_first))
-                    sent_first = True
+                await _send(resp, protocol.chunk(req, piece, None, first=not sent_first))
+                sent_first = True
                 if reader.stopped:
                     handle.abort()
                     break
                 event = await handle.events.get()
-            rest = reader.finish()
-            if rest:
-                await _send(resp, protocol.chunk(req, rest, None, first=not sent_first))
-                sent_first = True
+            rest = reader.finish()  # what was held back rides in the last chunk, with the finish reason
             reason = "stop" if reader.stopped else protocol.finish_reason(event.finish_reason)
-            await _send(resp, protocol.chunk(req, None, reason, first=not sent_first))
+            await _send(resp, protocol.chunk(req, rest, reason, first=not sent_first))
             if req.include_usage:
                 await _send(
                     resp, protocol.chunk(req, None, None, used=protocol.usage(prompt_tokens, n_tokens))

@@ -110,6 +110,7 @@ def _params(body: dict, default_max: int | None, max_model_len: int) -> tuple[Sa
             top_k=_number(body, "top_k", 0, 0, 1 << 20, integer=True),
             seed=seed,
             stop_token_ids=ids,
+            ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension: exactly max_tokens tokens
         )
     except EngineError as err:
         raise APIError(400, str(err)) from None
