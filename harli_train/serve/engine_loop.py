@@ -1,8 +1,10 @@
-"""The engine's own thread for serving: HTTP handlers hand it requests and aborts through a mailbox; it steps
-the engine and hands every drawn token back to the request's event queue on the server's event loop.
+"""Between HTTP handlers and the engine: a ``RequestPort`` (a mailbox of requests and aborts in, every drawn
+token out to the request's event queue on the server's event loop) that whoever owns the engine drains
+before its steps and publishes after them, and ``EngineLoop``, the engine's own thread when it serves alone
+(co-located, the co-location runtime's loop drives the same port).
 
-One owner per piece of state: only this thread touches the engine; a handler owns its ``RequestHandle`` and
-reads the events the thread posts to it (``loop.call_soon_threadsafe``); ``stats()`` is a snapshot.
+One owner per piece of state: only the engine's owner touches the engine; a handler owns its
+``RequestHandle`` and reads the events posted to it (``loop.call_soon_threadsafe``); ``stats()`` is a snapshot.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Event:
 class RequestHandle:
     """A submitted request as its handler sees it: ``events`` (an asyncio queue) and ``abort()``."""
 
-    def __init__(self, loop_: EngineLoop, aio: asyncio.AbstractEventLoop) -> None:
-        self._owner, self._aio = loop_, aio
+    def __init__(self, port: RequestPort, aio: asyncio.AbstractEventLoop) -> None:
+        self._owner, self._aio = port, aio
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.seq: Sequence | None = None  # set by the engine thread
 
@@ -50,30 +52,24 @@ class RequestHandle:
 
     def abort(self) -> None:
         """The client went away or a stop string matched: drop the request now (its blocks are freed)."""
-        self._owner._inbox.put(("abort", self))
+        self._owner._inbox.put(("abort", self))  # the port owner applies it between steps
 
 
-class EngineLoop:
-    """Runs ``engine`` on a thread of its own until ``stop()``; ``submit`` from any thread."""
+class RequestPort:
+    """The mailbox between HTTP handlers (any thread: ``submit``, ``RequestHandle.abort``) and the engine's
+    owner (one thread: ``drain`` before a step, ``publish`` after it, ``close`` at the end). ``engine`` is
+    anything with ``add_request``, ``abort`` and ``scheduler`` (a DecodeEngine, or the co-location runtime's
+    adapter of one)."""
 
-    def __init__(self, engine: DecodeEngine, max_queue: int = 256, idle_wait_s: float = 0.01) -> None:
-        self.engine, self.max_queue, self.idle_wait_s = engine, max_queue, idle_wait_s
+    def __init__(self, engine: Any, max_queue: int = 256) -> None:
+        self.engine, self.max_queue = engine, max_queue
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._handles: dict[int, RequestHandle] = {}  # by seq_id, engine thread only
+        self._handles: dict[int, RequestHandle] = {}  # by seq_id, owner thread only
         self._sent: dict[int, int] = {}  # tokens already posted, by seq_id
-        self._pending = 0  # submitted, not yet admitted or refused (any thread: guarded)
+        self._pending = 0  # submitted, not yet admitted or refused (guarded)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="harli-engine", daemon=True)
-        self.started_at = time.time()
         self._snapshot: dict[str, Any] = {"waiting": 0, "running": 0}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        self.closing_at: float | None = None  # set by a "stop" message: no more admissions, a deadline
 
     def submit(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, aio: asyncio.AbstractEventLoop
@@ -87,74 +83,56 @@ class EngineLoop:
         self._inbox.put(("submit", (handle, prompt, params, request_id, time.perf_counter())))
         return handle
 
+    def request_stop(self, grace_s: float) -> None:
+        """No more admissions; running requests have ``grace_s`` to finish (the owner reads ``closing_at``)."""
+        self._inbox.put(("stop", time.perf_counter() + grace_s))
+
     def stats(self) -> dict[str, Any]:
-        """A snapshot: requests waiting and running (updated by the engine thread every step)."""
+        """A snapshot: requests waiting and running (updated at every ``publish``)."""
         return dict(self._snapshot)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop admitting; running requests get up to ``grace_s`` to finish, then the rest is aborted."""
-        self._inbox.put(("stop", time.perf_counter() + grace_s))
-        self._thread.join()
+    @property
+    def serving(self) -> bool:
+        """Whether any request admitted through the port is still running."""
+        return bool(self._handles)
 
-    # ---- the engine thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        deadline: float | None = None
-        try:
-            while True:
-                block = not self.engine.has_unfinished()
-                deadline = self._drain(block, deadline)
-                if deadline is not None and (
-                    not self.engine.has_unfinished() or time.perf_counter() > deadline
-                ):
-                    break
-                if self.engine.has_unfinished():
-                    self.engine.step()
-                    self._publish()
-        except Exception:  # a dead engine thread must not leave clients waiting for ever
-            log.exception("the engine thread failed")
-        finally:
-            self._abort_all()
-
-    def _drain(self, block: bool, deadline: float | None) -> float | None:
-        """Apply what the mailbox holds (waiting for something when the engine is idle)."""
+    def drain(self, wait_s: float = 0.0) -> None:
+        """Apply what the mailbox holds (waiting up to ``wait_s`` for a first message)."""
+        block = wait_s > 0
         while True:
             try:
-                kind, item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+                kind, item = self._inbox.get(timeout=wait_s) if block else self._inbox.get_nowait()
             except queue.Empty:
-                return deadline
+                return
             block = False
             if kind == "submit":
-                self._admit(*item, refuse=deadline is not None)
+                self._admit(*item)
             elif kind == "abort":
                 if item.seq is not None and self.engine.abort(item.seq):
                     self._finish(item.seq)
             else:
-                deadline = item
+                self.closing_at = item
 
-    def _admit(self, handle: RequestHandle, prompt, params, request_id: str, t: float, refuse: bool) -> None:
+    def _admit(self, handle: RequestHandle, prompt, params, request_id: str, t: float) -> None:
         with self._lock:
             self._pending -= 1
-        if refuse:
+        if self.closing_at is not None:
             handle.post(Event(done=True, finish_reason="refused", error="the server is shutting down"))
             return
         try:
             seq = self.engine.add_request(prompt, params, request_id=request_id, arrival_time=t)
         except RequestRefused as err:
-            handle.post(
-                Event(
-                    done=True,
-                    finish_reason="refused",
-                    error=str(err),
-                    prompt_tokens=err.seq.num_prompt_tokens,
-                )
+            refused = Event(
+                done=True, finish_reason="refused", error=str(err), prompt_tokens=err.seq.num_prompt_tokens
             )
+            handle.post(refused)
             return
         handle.seq = seq
         self._handles[seq.seq_id] = handle
         self._sent[seq.seq_id] = 0
 
-    def _publish(self) -> None:
-        """Post every token drawn since the last step; end finished requests."""
+    def publish(self) -> None:
+        """Post every token drawn since the last call; end finished requests."""
         for seq_id, handle in list(self._handles.items()):
             seq = handle.seq
             new = seq.completion_token_ids[self._sent[seq_id] :]
@@ -174,14 +152,61 @@ class EngineLoop:
                 Event(done=True, finish_reason=seq.finish_reason, prompt_tokens=seq.num_prompt_tokens)
             )
 
-    def _abort_all(self) -> None:
+    def close(self) -> None:
+        """Abort what the port admitted and still runs, and refuse what never reached the engine."""
+        self.publish()
         for handle in list(self._handles.values()):
             if handle.seq is not None and self.engine.abort(handle.seq):
                 self._finish(handle.seq)
-        while True:  # submissions that never reached the engine
+        while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "submit":
                 item[0].post(Event(done=True, finish_reason="refused", error="the server is shutting down"))
+
+
+class EngineLoop:
+    """The engine's own thread when it serves alone: drains the port, steps, publishes, until ``stop()``."""
+
+    def __init__(self, engine: DecodeEngine, max_queue: int = 256, idle_wait_s: float = 0.01) -> None:
+        self.engine, self.idle_wait_s = engine, idle_wait_s
+        self.port = RequestPort(engine, max_queue)
+        self._thread = threading.Thread(target=self._run, name="harli-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, aio: asyncio.AbstractEventLoop
+    ) -> RequestHandle:
+        return self.port.submit(prompt, params, request_id, aio)
+
+    def stats(self) -> dict[str, Any]:
+        return self.port.stats()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop admitting; running requests get up to ``grace_s`` to finish, then the rest is aborted."""
+        self.port.request_stop(grace_s)
+        self._thread.join()
+
+    def _run(self) -> None:
+        port, engine = self.port, self.engine
+        try:
+            while True:
+                port.drain(0.0 if engine.has_unfinished() else self.idle_wait_s)
+                closing = port.closing_at
+                if closing is not None and (not engine.has_unfinished() or time.perf_counter() > closing):
+                    break
+                if engine.has_unfinished():
+                    engine.step()
+                    port.publish()
+        except Exception:  # a dead engine thread must not leave clients waiting for ever
+            log.exception("the engine thread failed")
+        finally:
+            port.close()
