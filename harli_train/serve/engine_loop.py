@@ -52,7 +52,7 @@ class RequestHandle:
 
     def abort(self) -> None:
         """The client went away or a stop string matched: drop the request now (its blocks are freed)."""
-        self._owner._inbox.put(("abort", self))  # the port owner applies it between steps
+        self._owner.abort(self)
 
 
 class RequestPort:
@@ -82,6 +82,10 @@ class RequestPort:
         handle = RequestHandle(self, aio)
         self._inbox.put(("submit", (handle, prompt, params, request_id, time.perf_counter())))
         return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Drop ``handle``'s request at the owner's next ``drain`` (any thread)."""
+        self._inbox.put(("abort", handle))
 
     def request_stop(self, grace_s: float) -> None:
         """No more admissions; running requests have ``grace_s`` to finish (the owner reads ``closing_at``)."""
