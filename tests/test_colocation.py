@@ -1,6 +1,7 @@
 """One co-located set-up, many runs: ``assemble`` builds the shared weights, ladder, engine and predictor once;
 each run gets a fresh policy and trainer on them; the command line and the benchmark both build through it."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,35 @@ def test_runs_on_one_assembly_get_a_fresh_policy_and_trainer(tmp_path):
         assert second.step == 0 and all(torch.equal(start[n], p) for n, p in lora(second).items())
     finally:
         col.close()
+
+
+def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_colocate
+    from colocate_load import make_cells
+
+    from harli_train.colocate import assembly, commands
+
+    assert commands.assemble is assembly.assemble and bench_colocate.assemble is assembly.assemble
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    def assemble(cfg, serve_model, resume=None, **options):
+        calls.append((cfg.model.name, serve_model, cfg.colocation.policy, options))
+        raise Built
+
+    monkeypatch.setattr(commands, "assemble", assemble)
+    monkeypatch.setattr(bench_colocate, "assemble", assemble)
+    with pytest.raises(Built):
+        commands.run_colocated(recipe(tmp_path / "cli"), "tiny", policy="static:48")
+    monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", "--harli-options", "grow=0.1"])
+    cells = make_cells("steady", ["light"], 15.0, 50)
+    with pytest.raises(Built):
+        bench_colocate.set_up(bench_colocate.parse_args(), tmp_path / "bench", cells)
+    (cli, bench) = calls
+    assert cli == ("tiny", "tiny", "static:48", {})  # the recipe's load, its policy, nothing more
+    # The bench: the same recipe machinery, its loads to size the engine for and SM partitions on a CPU.
+    assert bench[:3] == ("tiny", "tiny", "harli:grow=0.1")
+    assert bench[3]["spatial"] and [list(c.requests) for c in cells] == bench[3]["loads"]
