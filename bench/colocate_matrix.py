@@ -254,12 +254,19 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One matrix from per-call results: their cells side by side; a cell that several calls ran holds the
     policy rows of all of them (a later call's row of the same policy replaces an earlier one, as do its
     cell fields, such as the ideal, where it has them); the standalone rates of the first call that has
-    them; each call's set-up kept under ``calls``."""
-    out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": []}
-    for part in parts:
-        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s", "skipped")})
+    them (calls meant for one matrix share one ``--standalone`` file: ``standalone_differs`` lists the calls
+    whose rates were others, whose ideals therefore rest on other rates); each call's set-up kept under
+    ``calls``."""
+    out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": [], "standalone_differs": []}
+    rates = lambda part: {
+        k: part.get("standalone", {}).get(k) for k in ("whole_gpu_tokens_per_s", "by_train_sms")
+    }
+    for i, part in enumerate(parts):
+        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")})
         if not out["standalone"] and part.get("standalone"):
             out["standalone"] = part["standalone"]
+        elif part.get("standalone") and rates(part) != rates(out):
+            out["standalone_differs"].append(i)
         for name, obj in part.get("objectives", {}).items():
             dst = out["objectives"].setdefault(name, {"cells": {}, "traces": {}})
             dst.update({k: v for k, v in obj.items() if k not in ("cells", "traces")})

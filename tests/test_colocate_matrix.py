@@ -120,6 +120,9 @@ def test_a_cell_run_over_two_calls_keeps_both_calls_rows(tmp_path):
         }
     }
     merged = cm.merge([a, b])
+    assert merged["standalone_differs"] == []  # b measured none
+    b["standalone"] = {"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {}}
+    assert cm.merge([{**a, "standalone": {"whole_gpu_tokens_per_s": 2.0}}, b])["standalone_differs"] == [1]
     (only,) = merged["objectives"]["auto:2"]["cells"].values()
     assert sorted(only["policies"]) == ["harli", "streams"] and only["ideal_tokens_per_s"] == 14000.0
     path = cm.write(tmp_path / "m.json.gz", merged)
