@@ -1,9 +1,13 @@
-"""Where a co-location run's violations and trainer throughput came from (no GPU needed).
+"""Where a co-location run's violations and trainer throughput came from (no GPU needed), and the matrix.
 
-    python bench/analyze_colocate.py bench/results/2026-11-29-bench_colocate-objective1.5x-final.json.gz
+    python bench/analyze_colocate.py RESULT.json[.gz]        # a bench_colocate result written with --keep-steps
+    python bench/analyze_colocate.py --merge A.json B.json ... --out bench/results/<date>-bench_colocate-matrix.json.gz
 
-Reads a bench_colocate JSON written with --keep-steps and prints, for every harli-like policy (and any policy
-with per-step records):
+``--merge`` puts the results of several device calls into one matrix (``colocate_matrix.merge``: the
+derived fields and the verdict recomputed over all of them), writes it and prints its table.
+
+Otherwise it reads one result (the matrix layout, per objective; or the single-objective layout of
+bench_colocate before 2026-12) and prints, for every policy with per-step records:
 - per cell: finetune tokens/s, violations, the trainer's time-weighted SMs and tokens/s per SM, the seconds
   it held no SMs, rebuilt chunks, and the trainer thread's GPU-busy and launch seconds (the SMs are those the
   plans gave the trainer: with prefill paused, micro-steps already queued still run during a prefill, so
@@ -20,8 +24,6 @@ with per-step records):
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -29,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import colocate_matrix  # noqa: E402
 import common  # noqa: E402
-from bench_colocate import STEP_COLUMNS  # noqa: E402
+from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
@@ -154,37 +157,55 @@ def _step(row: dict) -> str:
     )
 
 
+def windows(results: dict) -> list[tuple[str, float, dict[str, dict]]]:
+    """(objective, TPOT seconds, {cell: {policy: row}}) of a result: one per objective of the matrix layout
+    (colocate_matrix.py), or the one of an older single-objective file (its label '')."""
+    if "objectives" in results:
+        return [
+            (
+                name,
+                obj["tpot_ms"] * 1e-3,
+                {key: cell["policies"] for key, cell in obj.get("cells", {}).items()},
+            )
+            for name, obj in results["objectives"].items()
+        ]
+    return [("", results["setup"]["objective_tpot_ms"] * 1e-3, results.get("cells", {}))]
+
+
 def analyze(results: dict) -> dict[str, Any]:
+    """Per cell (named 'objective cell' in the matrix layout) and policy with step records: what the module
+    says; measured/predicted by transition and host gaps per policy, over every cell."""
     total = results.get("env", {}).get("sms") or 132
-    tpot_s = results["setup"]["objective_tpot_ms"] * 1e-3
-    report: dict[str, Any] = {"objective_tpot_ms": tpot_s * 1e3, "cells": {}}
+    report: dict[str, Any] = {"objectives": {}, "cells": {}}
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for cell, policies in results.get("cells", {}).items():
-        for name, entry in policies.items():
-            if not isinstance(entry, dict) or "steps" not in entry:
-                continue
-            rows = rows_of(entry)
-            sms, idle = trainer_share(rows, total)
-            feed = entry.get("feed", {})
-            for kind, rs in transitions(rows, total).items():
-                ratios[name][kind] += rs
-            for key, gs in host_gaps(rows).items():
-                gaps[name][key] += gs
-            report["cells"].setdefault(cell, {})[name] = {
-                "tokens_per_s": entry["finetune_tokens_per_s"],
-                "violations": entry["violations"],
-                "trainer_sms": sms,
-                "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
-                "no_trainer_s": idle,
-                "rebuilt_chunks": feed.get("rebuilt_chunks"),
-                "gpu_busy_s": feed.get("gpu_busy_s"),
-                "launch_host_s": feed.get("launch_host_s"),
-                "device_allocs": (entry.get("allocator") or {}).get("num_device_alloc"),
-                "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
-                "stalls": [_step(r) for r in stalls(rows)],
-                "spikes": [_step(r) for r in spikes(rows)],
-            }
+    for objective, tpot_s, cells in windows(results):
+        report["objectives"][objective] = tpot_s * 1e3
+        for cell, policies in cells.items():
+            for name, entry in policies.items():
+                if not isinstance(entry, dict) or "steps" not in entry:
+                    continue
+                rows = rows_of(entry)
+                sms, idle = trainer_share(rows, total)
+                feed = entry.get("feed", {})
+                for kind, rs in transitions(rows, total).items():
+                    ratios[name][kind] += rs
+                for key, gs in host_gaps(rows).items():
+                    gaps[name][key] += gs
+                report["cells"].setdefault(f"{objective} {cell}".strip(), {})[name] = {
+                    "tokens_per_s": entry["finetune_tokens_per_s"],
+                    "violations": entry["violations"],
+                    "trainer_sms": sms,
+                    "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
+                    "no_trainer_s": idle,
+                    "rebuilt_chunks": feed.get("rebuilt_chunks"),
+                    "gpu_busy_s": feed.get("gpu_busy_s"),
+                    "launch_host_s": feed.get("launch_host_s"),
+                    "device_allocs": (entry.get("allocator") or {}).get("num_device_alloc"),
+                    "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
+                    "stalls": [_step(r) for r in stalls(rows)],
+                    "spikes": [_step(r) for r in spikes(rows)],
+                }
     report["transitions"] = {
         name: {
             kind: {
@@ -212,20 +233,31 @@ def analyze(results: dict) -> dict[str, Any]:
     return report
 
 
-def load(path: Path) -> dict:
-    """A results file, as bench_colocate wrote it or gzipped for the record (bench/results keeps big ones gzipped)."""
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        data = gzip.decompress(data)
-    return json.loads(data)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="a bench_colocate JSON (or .json.gz) written with --keep-steps")
+    ap.add_argument(
+        "results", nargs="?", help="a bench_colocate JSON (or .json.gz) written with --keep-steps"
+    )
+    ap.add_argument(
+        "--merge", nargs="+", metavar="RESULT", help="bench_colocate results to merge into one matrix"
+    )
+    ap.add_argument("--out", help="with --merge: where the matrix goes (.json or .json.gz)")
     args = ap.parse_args()
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out (the matrix file)")
+        matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge])
+        print(f"wrote {colocate_matrix.write(args.out, matrix)} ({len(args.merge)} calls)")
+        print(colocate_matrix.table(matrix))
+        return
+    if not args.results:
+        ap.error("give a result to analyze, or --merge RESULT ... --out MATRIX")
     report = analyze(load(Path(args.results)))
-    print(f"objective {report['objective_tpot_ms']:.3f} ms")
+    print(
+        ", ".join(
+            f"objective {name or 'of the run'}: {ms:.3f} ms" for name, ms in report["objectives"].items()
+        )
+    )
     rows = []
     for cell, policies in report["cells"].items():
         for name, r in policies.items():

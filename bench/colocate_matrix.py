@@ -10,16 +10,23 @@ Layout (one call's file and the merged matrix alike)::
                                  "traces": {"steady": {"best_single_static": "static:64", ..}}}},
      "standalone": {"whole_gpu_tokens_per_s": .., "by_train_sms": {"84": .., ..}}, ...}
 
-A policy row holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``, ``violations``,
-``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
-``fraction_of_ideal`` and the TTFT/TPOT figures; the policy under test is keyed ``harli`` whatever its
-options. Every policy is judged by the same bar (``clean``: every token interval counted).
+A cell also holds its ``window`` (length, time scale, requests) and ``sweep_start`` (the split the fixed
+splits' sweep started from); a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
+row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``,
+``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
+``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds`` and ``share_histogram``;
+the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
+that failed is a row with ``error``. Every policy is judged by the same bar (``clean``: every token interval
+counted). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
+``by_train_sms`` includes the whole GPU's SM count. ``finish`` fills in the derived fields: share
+efficiencies, fractions of the ideal, ``best_static``, ``best_single_static`` and the ``verdict``.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +34,101 @@ NOISE = 0.02  # run-to-run noise of finetune tokens/s: a shortfall within it cou
 EFFICIENCY_SLACK = 0.10  # harli's share efficiency within this of the best fixed split's
 VARYING_BAR = 1.3  # harli over the best single fixed split on the varying trace
 LIGHT_FRACTION_BAR = 0.70  # harli's tokens/s over the same-run standalone rate at light load
+STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/analyze_colocate.py reads them)
+    "t",
+    "kind",
+    "batch",
+    "infer_sms",
+    "train_sms",
+    "train",
+    "predicted_s",
+    "measured_s",
+    "gpu_s",
+    "interval_s",
+    "micro_steps",
+    "trainer_launching",
+    "trainer_phase",
+    "reason",
+    "launch_s",
+    "trainer_queue",
+    "kv_tokens",
+    "prefill_tokens",
+)
 
 
 def load(path: str | Path) -> dict[str, Any]:
+    """A result or matrix file, plain or gzipped (``.gz``)."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return json.load(f)
+
+
+def write(path: str | Path, data: dict[str, Any]) -> Path:
+    """``data`` as JSON at ``path``, gzipped when the name ends in ``.gz``."""
+    path = Path(path)
+    text = json.dumps(data, indent=1, default=str)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
+    return path
+
+
+def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps: int = 0) -> dict[str, Any]:
+    """What the matrix keeps of one window: a co-located run's summary (``colocate/summary.json``), with its
+    first ``keep_steps`` step records as lists of ``STEP_COLUMNS``."""
+    sv, ft = summary["serving"], summary["finetune"]
+    row = {
+        "policy": summary["policy"],
+        "finetune_tokens_per_s": ft["tokens_per_s"],
+        "solo_tokens_per_s": ft["solo_tokens_per_s"],
+        **{k: sv[k] for k in ("tpot_attainment", "violation_rate", "violations", "clean")},
+        **{k: sv[k] for k in ("ttft_ms", "tpot_ms", "token_interval_ms", "requests", "aborted_at_end")},
+        "requests_judged": sv["requests_judged"],
+        "decode_steps": sv["decode_steps"],
+        "serve_s": summary["phases"]["serve"]["seconds"],
+        "peak_decode_batch": (sv.get("decode_batch") or {}).get("max"),
+        "trainer_sm_seconds": summary["trainer_sm_seconds"],
+        "share_histogram": summary["share_histogram"],
+        "paused_fraction": summary["trainer_paused_fraction"],
+        "mean_infer_sms": summary["mean_infer_sms"],
+        "micro_steps": ft["micro_steps"],
+        "feed": ft["feed"],
+    }
+    if keep_steps:
+        row["step_columns"] = list(STEP_COLUMNS)
+        row["steps"] = [[r.get(k) for k in STEP_COLUMNS] for r in steps[:keep_steps]]
+    return row
+
+
+def decode_spans(
+    steps: list[dict[str, Any]], least_share: Callable[[dict[str, Any]], int | None], total_sms: int
+) -> list[tuple[float, int]]:
+    """(seconds, trainer SMs) of each step with decode rows: its token interval (its own latency after a step
+    without decode rows) and the SMs that ``least_share(row)``, the least decode share meeting the objective
+    for it, leaves the trainer (none when no share does)."""
+    out = []
+    for row in steps:
+        if row.get("kind") in ("decode", "mixed") and row.get("batch"):
+            share = least_share(row)
+            out.append(
+                (row.get("interval_s") or row["measured_s"], 0 if share is None else total_sms - share)
+            )
+    return out
+
+
+def ideal_tokens_per_s(
+    spans: list[tuple[float, int]], duration_s: float, by_train_sms: dict[int, float], whole_gpu: float
+) -> float | None:
+    """An upper bound on a window's finetune tokens/s for a policy that meets the objective: each span of
+    ``spans`` (``decode_spans``) at the standalone rate of its trainer SMs, the rest of ``duration_s``
+    (nothing decoding) at the whole GPU's. None without a duration."""
+    if duration_s <= 0:
+        return None
+    decoding = min(sum(s for s, _ in spans), duration_s)
+    worth = sum(s * standalone_rate(by_train_sms, sms) for s, sms in spans)
+    return (worth + (duration_s - decoding) * whole_gpu) / duration_s
 
 
 def standalone_rate(by_train_sms: dict[int, float], sms: int) -> float:
@@ -156,18 +251,29 @@ def finish(matrix: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One matrix from per-call results: their cells side by side (a later call's cell of the same name
-    replaces an earlier one), the standalone rates of the first call that measured them, each call's set-up
-    kept under ``calls``."""
-    out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": []}
-    for part in parts:
-        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s")})
+    """One matrix from per-call results: their cells side by side; a cell that several calls ran holds the
+    policy rows of all of them (a later call's row of the same policy replaces an earlier one, as do its
+    cell fields, such as the ideal, where it has them); the standalone rates of the first call that has
+    them (calls meant for one matrix share one ``--standalone`` file: ``standalone_differs`` lists the calls
+    whose rates were others, whose ideals therefore rest on other rates); each call's set-up kept under
+    ``calls``."""
+    out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": [], "standalone_differs": []}
+    rates = lambda part: {
+        k: part.get("standalone", {}).get(k) for k in ("whole_gpu_tokens_per_s", "by_train_sms")
+    }
+    for i, part in enumerate(parts):
+        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")})
         if not out["standalone"] and part.get("standalone"):
             out["standalone"] = part["standalone"]
+        elif part.get("standalone") and rates(part) != rates(out):
+            out["standalone_differs"].append(i)
         for name, obj in part.get("objectives", {}).items():
             dst = out["objectives"].setdefault(name, {"cells": {}, "traces": {}})
             dst.update({k: v for k, v in obj.items() if k not in ("cells", "traces")})
-            dst["cells"].update(obj.get("cells", {}))
+            for key, cell in obj.get("cells", {}).items():
+                into = dst["cells"].setdefault(key, {"policies": {}})
+                into.update({k: v for k, v in cell.items() if k != "policies" and v is not None})
+                into["policies"].update(cell.get("policies", {}))
     return finish(out)
 
 

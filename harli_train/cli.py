@@ -144,7 +144,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--policy",
-    help=f"Co-location policy: harli (variants: {HARLI_OPTIONS}), static:N, streams, temporal or exclusive.",
+    help=f"Co-location policy: harli (variants: {HARLI_OPTIONS}), static:N, streams, temporal, exclusive or exclusive:N.",
 )
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option(

@@ -18,7 +18,8 @@ import yaml
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
-POLICIES = ("harli", "streams", "temporal", "exclusive")  # and static:N, a fixed split at N SMs
+# and static:N, a fixed split at N SMs, and exclusive:N, exclusive's trainer alone on static:N's trainer SMs
+POLICIES = ("harli", "streams", "temporal", "exclusive")
 PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
 # harli:grow=H, harli's default: anticipate a grow while decode is within 5 % of its budget (0 turns it off).
 DEFAULT_GROW_HEADROOM = 0.05
@@ -187,9 +188,9 @@ def harli_name(
 
 
 def _is_policy(v: str) -> bool:
-    static = re.fullmatch(r"static:(\d+)", v)
-    if static:
-        return 1 <= int(static.group(1)) <= 1024
+    split = re.fullmatch(r"(?:static|exclusive):(\d+)", v)
+    if split:
+        return 1 <= int(split.group(1)) <= 1024
     base, sep, options = v.partition(":")
     if base == "harli" and sep:
         try:
@@ -200,7 +201,9 @@ def _is_policy(v: str) -> bool:
     return v in POLICIES
 
 
-_POLICY = Limit(f"among {', '.join(POLICIES)}, static:N (N = 1..1024), {HARLI_OPTIONS}", _is_policy)
+_POLICY = Limit(
+    f"among {', '.join(POLICIES)}, exclusive:N, static:N (N = 1..1024), {HARLI_OPTIONS}", _is_policy
+)
 
 
 LADDER_STEPS = tuple(range(8, 65, 8))  # green contexts come in 8-SM groups

@@ -1,17 +1,21 @@
-"""bench/analyze_colocate.py on a hand-made co-location result: shares, transitions, violations, stalls."""
+"""bench/analyze_colocate.py on a hand-made co-location result (shares, transitions, violations, stalls), and
+bench/bench_colocate.py's dry run: the matrix layout, step records analyze reads, merging calls."""
 
 import gzip
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
 import analyze_colocate  # noqa: E402
-import bench_colocate  # noqa: E402
+import colocate_matrix  # noqa: E402
 
-COLUMNS = bench_colocate.STEP_COLUMNS
+COLUMNS = colocate_matrix.STEP_COLUMNS
 
 
 def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False):
@@ -87,48 +91,60 @@ def test_analysis_reads_plain_and_gzipped_results(tmp_path):
     assert analyze_colocate.load(plain) == analyze_colocate.load(packed) == json.loads(json.dumps(results()))
 
 
-def test_bench_colocate_dry_run_writes_every_window(tmp_path):
-    """The bench's own set-up (its parser's defaults into RuntimeOptions, the windows, the JSON) on the CPU
-    stand-ins: a default that only the GPU run reached once cost a device run (every window failed)."""
-    import json
-    import os
-    import subprocess
-
-    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_colocate.py"
-    env = {**os.environ, "OUT": str(tmp_path)}
-    args = ["--dry-run", "--policies", "harli,static", "--traces", "bursty", "--loads", "light"]
+def dry_run(out: Path, *args: str) -> dict:
+    """bench_colocate.py --dry-run with ``args`` writing to ``out``; its result, read back."""
+    out.mkdir()
     proc = subprocess.run(
-        [sys.executable, str(bench), *args, "--keep-steps", "40", "--window-s", "0.8", "--solo-s", "0.5"],
-        env=env,
+        [sys.executable, str(BENCH / "bench_colocate.py"), "--dry-run", *args],
+        env={**os.environ, "OUT": str(out)},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads((tmp_path / "bench_colocate.json").read_text())
-    assert "error" not in out["standalone"], out["standalone"]
-    (cell,) = out["cells"].values()
-    names = [k for k in cell if k == "harli" or k.startswith("static:")]
-    assert len(names) == 2, sorted(cell)
-    for name in names:
-        entry = cell[name]
-        assert isinstance(entry, dict), entry  # a failed window is stored as its error message
-        assert entry["decode_steps"] > 0 and entry["finetune_tokens_per_s"] > 0
-        rows = analyze_colocate.rows_of(entry)
-        decode = [r for r in rows if r["kind"] == "decode"]
-        assert decode and all("launch_s" in r and "trainer_queue" in r for r in decode)
+    (result,) = out.glob("bench_colocate-*.json")
+    return colocate_matrix.load(result)
 
 
-def test_policies_flag_keeps_a_harli_variants_options_together():
-    split = bench_colocate.split_policies("harli,harli:prefill=paused,grow=0.05,static,temporal")
-    assert split == ["harli", "harli:prefill=paused,grow=0.05", "static", "temporal"]
-    cell = {
-        "harli": {"finetune_tokens_per_s": 300.0, "violations": 0},
-        "harli:grow=0.05": {"finetune_tokens_per_s": 250.0, "violations": 0},
-        "static:112": {"finetune_tokens_per_s": 100.0, "violations": 0},
-    }
-    v = bench_colocate.verdict(cell, 1000.0)
-    assert v["best_baseline"] == "static:112" and v["ratio_vs_best_baseline"] == pytest.approx(3.0)
-    assert v["variants"] == {
-        "harli:grow=0.05": {"violations": 0, "ratio_vs_best_baseline": pytest.approx(2.5)}
-    }
+@pytest.mark.slow
+def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
+    """The bench on the assembly (CPU stand-ins): every cell's harli, at least three fixed splits, the best of
+    them, the ideal, the standalone rates; two calls' results merged into one matrix."""
+    steady = dry_run(tmp_path / "steady", "--trace", "steady", "--loads", "light,heavy", "--keep-steps", "40")
+    varying = dry_run(
+        tmp_path / "varying", "--trace", "varying", "--objectives", "auto:2", "--policies", "harli,static"
+    )
+    solo = steady["standalone"]
+    spatial = [r for r in steady["setup"]["ladder"]["rungs"] if r["train_sms"]]
+    assert {str(r["train_sms"]) for r in spatial} | {"132"} == set(solo["by_train_sms"])
+    assert solo["whole_gpu_tokens_per_s"] > 0 and all(v > 0 for v in solo["by_train_sms"].values())
+    assert list(steady["objectives"]) == ["auto:1.5", "auto:2"] and list(varying["objectives"]) == ["auto:2"]
+    for result, keys in ((steady, ["steady/light", "steady/heavy"]), (varying, ["varying/1x"])):
+        for name, obj in result["objectives"].items():
+            assert list(obj["cells"]) == keys and obj["tpot_ms"] > 0, name
+            assert "best_single_static" in obj["traces"][result["setup"]["trace"]]
+            for key, cell in obj["cells"].items():
+                rows = cell["policies"]
+                static = [n for n in rows if n.startswith("static:")]
+                assert len(static) >= 3 and "best_static" in cell and cell["ideal_tokens_per_s"] > 0, key
+                for row in rows.values():
+                    assert "error" not in row, row.get("trace")
+                    assert {"tpot_attainment", "violation_rate", "clean", "share_efficiency"} <= set(row)
+                    assert row["decode_steps"] > 0 and row["trainer_sm_seconds"]
+    assert {"streams", "temporal"} <= set(steady["objectives"]["auto:2"]["cells"]["steady/light"]["policies"])
+    harli = steady["objectives"]["auto:2"]["cells"]["steady/heavy"]["policies"]["harli"]
+    decode = [r for r in analyze_colocate.rows_of(harli) if r["kind"] == "decode"]
+    assert decode and all("launch_s" in r and "kv_tokens" in r for r in decode)  # --keep-steps rows
+    assert any(cell for cell in analyze_colocate.analyze(steady)["cells"])
+    matrix = tmp_path / "matrix.json.gz"
+    paths = [str(next((tmp_path / t).glob("*.json"))) for t in ("steady", "varying")]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "analyze_colocate.py"), "--merge", *paths, "--out", str(matrix)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = colocate_matrix.load(matrix)
+    assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["steady/heavy", "steady/light", "varying/1x"]
+    assert len(merged["calls"]) == 2 and "varying/1x" in proc.stdout and "verdict" in merged

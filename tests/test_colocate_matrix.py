@@ -1,6 +1,7 @@
 """bench/colocate_matrix.py: share worth and efficiency, the best clean fixed split per cell and per trace,
 the verdict's bars, and merging per-call results into one matrix."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -85,3 +86,44 @@ def test_merge_puts_calls_side_by_side_and_recomputes():
     assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["bursty/light", "steady/light"]
     assert merged["standalone"]["by_train_sms"] == {"84": 13000.0} and len(merged["calls"]) == 2
     assert "verdict" in merged and merged["objectives"]["auto:2"]["tpot_ms"] == 18.0
+
+
+def test_the_ideal_gives_each_decode_step_the_sms_its_least_share_leaves():
+    steps = [
+        {"kind": "prefill", "batch": 0, "measured_s": 0.05},
+        {
+            "kind": "decode",
+            "batch": 2,
+            "measured_s": 0.01,
+            "interval_s": None,
+        },  # after a prefill: its latency
+        {"kind": "decode", "batch": 8, "measured_s": 0.01, "interval_s": 0.012},
+        {"kind": "idle", "batch": 0, "measured_s": None},
+        {"kind": "mixed", "batch": 40, "measured_s": 0.02, "interval_s": 0.02},  # no share meets it
+    ]
+    least = lambda row: {2: 20, 8: 48}.get(row["batch"])
+    spans = cm.decode_spans(steps, least, 132)
+    assert spans == [(0.01, 112), (0.012, 84), (0.02, 0)]
+    ideal = cm.ideal_tokens_per_s(spans, 1.0, RATES, 16000.0)
+    rest = 1.0 - 0.042  # nothing decoding: the whole GPU's rate
+    assert ideal == pytest.approx(0.01 * cm.standalone_rate(RATES, 112) + 0.012 * 13000.0 + rest * 16000.0)
+    assert ideal < 16000.0 and cm.ideal_tokens_per_s(spans, 0.0, RATES, 16000.0) is None
+
+
+def test_a_cell_run_over_two_calls_keeps_both_calls_rows(tmp_path):
+    a = {"objectives": {"auto:2": {"tpot_ms": 18.0, "cells": {"varying/1x": cell(harli=row(5.0))}}}}
+    b = {
+        "objectives": {
+            "auto:2": {
+                "cells": {"varying/1x": {"policies": {"streams": row(3.0)}, "ideal_tokens_per_s": None}}
+            }
+        }
+    }
+    merged = cm.merge([a, b])
+    assert merged["standalone_differs"] == []  # b measured none
+    b["standalone"] = {"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {}}
+    assert cm.merge([{**a, "standalone": {"whole_gpu_tokens_per_s": 2.0}}, b])["standalone_differs"] == [1]
+    (only,) = merged["objectives"]["auto:2"]["cells"].values()
+    assert sorted(only["policies"]) == ["harli", "streams"] and only["ideal_tokens_per_s"] == 14000.0
+    path = cm.write(tmp_path / "m.json.gz", merged)
+    assert path.read_bytes()[:2] == b"\x1f\x8b" and cm.load(path) == json.loads(json.dumps(merged))

@@ -284,6 +284,8 @@ def test_override_of_unknown_key(tmp_path):
         "static:2000",
         "static:x",
         "static:N",
+        "exclusive:0",
+        "exclusive:",
         "harly",
         "harli:",
         "harli:grow=0.9",
@@ -303,9 +305,10 @@ def test_bad_policy(tmp_path, policy):
         "harli:grow=0.1,prefill=paused",
         "harli:ahead=on,grow=0",
         "harli:settle=on,margin=learn",
+        "exclusive:48",
     ],
 )
-def test_harli_variants_are_policies(tmp_path, policy):
+def test_harli_variants_and_exclusive_splits_are_policies(tmp_path, policy):
     assert load_recipe(recipe_with(tmp_path, "colocation.policy", policy)).colocation.policy == policy
 
 

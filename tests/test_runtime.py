@@ -215,6 +215,11 @@ def test_make_policy_names_and_shapes():
         make_policy("static:48", TimeSliceLadder.cpu_standin(TOTAL), None, 0.05)
     with pytest.raises(ValueError, match="no SMs"):
         make_policy("static:132", ladder, None, 0.05)
+    alone = make_policy("exclusive:50", ladder, None, 0.05)  # the trainer alone on static:56's trainer SMs
+    assert alone.name == "exclusive:56" and alone.serve_alone and alone.partitions() == [ladder.full]
+    assert alone.trainer_partitions() == [ladder.select(56)] and alone.idle_plan().train_sms == TOTAL - 56
+    with pytest.raises(ValueError, match="green contexts"):
+        make_policy("exclusive:48", TimeSliceLadder.cpu_standin(TOTAL), None, 0.05)
     with pytest.raises(ValueError, match="predictor"):
         make_policy("harli", ladder, None, 0.05)
 
@@ -775,7 +780,7 @@ def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_i
 # ---- the other policies ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["static:48", "streams", "temporal", "exclusive"])
+@pytest.mark.parametrize("name", ["static:48", "streams", "temporal", "exclusive", "exclusive:48"])
 def test_baseline_policies_honour_their_rules(tmp_path, name):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy(name, ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05)
@@ -800,7 +805,10 @@ def test_baseline_policies_honour_their_rules(tmp_path, name):
             r["micro_steps"] == 0 for r in rows(tmp_path) if r["t"] < summary["phases"]["serve"]["seconds"]
         )
         assert summary["finetune"]["tokens_per_s"] == 0 and summary["finetune"]["solo_tokens_per_s"] > 0
-    if name != "exclusive":
+        # Alone, the trainer holds the whole GPU, or exclusive:48's trainer side of the 48-SM split.
+        alone = TOTAL if name == "exclusive" else TOTAL - 48
+        assert set(summary["trainer_sm_seconds"]) - {"0"} == {str(alone)}, summary["trainer_sm_seconds"]
+    if not name.startswith("exclusive"):
         assert summary["finetune"]["tokens_per_s"] > 0
 
 
@@ -941,5 +949,5 @@ def test_colocation_closes_the_engine_before_the_ladder():
     order: list[str] = []
     engine = SimpleNamespace(close=lambda: order.append("engine"))
     ladder = SimpleNamespace(close=lambda: order.append("ladder"))
-    Colocation(trainer=None, engine=engine, ladder=ladder, policy=None, requests=[]).close()
+    Colocation(None, trainer=None, engine=engine, ladder=ladder, requests=[]).close()
     assert order == ["engine", "ladder"]

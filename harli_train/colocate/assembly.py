@@ -1,24 +1,25 @@
-"""Puts a co-located run together from a recipe: shared weights, SM ladder, engine, profile, policy.
+"""Puts a co-located set-up together from a recipe: shared weights, SM ladder, engine, profile, policy.
 
 Order matters: the trainer's model is loaded (once, when the served model is the finetuned base) and set
 up first; the engine serves a LoRA-free view of the same weights; every partition the policy may use gets
-its decode graphs; the decode-latency profile (harli, temporal) is loaded or measured; on a GPU the
-trainer's kernels are compiled for every SM budget before the clock starts, so no compile stalls decode.
+its decode graphs; the decode-latency profile is loaded or measured; on a GPU the trainer's kernels are
+compiled for every SM budget before the clock starts, so no compile stalls decode. ``assemble`` is the one
+place this happens, for the command line and the co-location benchmark alike (``Colocation``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from harli_train import kernels
+from harli_train.colocate.colocation import Colocation
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
-from harli_train.colocate.policies import Policy, make_policy, profile_shares
+from harli_train.colocate.policies import Policy, needs_partitions, profile_shares
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
     MixedGrid,
@@ -37,9 +38,7 @@ from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
 from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
-from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer, resolve_device
-from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +46,6 @@ DEFAULT_RATE = {"cuda": 4.0, "cpu": 0.5}  # requests/s when a recipe gives neith
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 KV_MEMORY_FRACTION = 0.2  # of the GPU, at most, for the KV cache beside the trainer
-
-
-@dataclass(slots=True)
-class Colocation:
-    """Everything a ``ColocatedRuntime`` needs, built from one recipe."""
-
-    trainer: Trainer
-    engine: EngineAdapter
-    ladder: SMLadder
-    policy: Policy
-    requests: list[TraceRequest]
-    predictor: LatencyPredictor | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def close(self) -> None:
-        """Release everything that ran on the ladder's streams, then the ladder itself.
-
-        The engine's pinned staging buffers were copied on green-context streams; torch's pinned-memory
-        allocator records an event on each such stream when a buffer is freed, so the buffers must be freed
-        while the contexts exist (freed later, the process aborts with 'context is destroyed'). The ladder
-        is therefore the last thing to go. Idempotent.
-        """
-        self.engine.close()
-        self.ladder.close()
 
 
 def same_model(a: str, b: str) -> bool:
@@ -93,12 +68,13 @@ def load_requests(col: ColocationSection, seed: int = 0, device: str = "cpu") ->
     return poisson_trace(rate, col.duration_s, col.prompt_len, col.output_len, seed=seed)
 
 
-def build_ladder(policy: str, device: torch.device, step: int = 16) -> SMLadder:
-    """Green-context rungs on a GPU (time slicing where impossible); the CPU stand-ins elsewhere."""
+def build_ladder(policy: str, device: torch.device, step: int = 16, spatial: bool | None = None) -> SMLadder:
+    """Green-context rungs on a GPU (time slicing where impossible); the CPU stand-ins elsewhere: a stand-in
+    split (run synchronously) when ``spatial`` or, by default, when ``policy`` needs SM partitions."""
     if device.type == "cuda":
         return make_ladder(step=step, device=device.index or 0)
-    if policy.startswith("static:"):
-        return SMLadder.cpu_standin(132, step)  # a stand-in split, run synchronously
+    if needs_partitions(policy) if spatial is None else spatial:
+        return SMLadder.cpu_standin(132, step)
     return TimeSliceLadder.cpu_standin(132, step)
 
 
@@ -241,73 +217,6 @@ def build_predictor(
     return predictor, profile
 
 
-def warm_up_trainer(
-    trainer: Trainer, partitions: list[Partition], total_sms: int, release: bool = True
-) -> set[int]:
-    """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
-
-    Returns the budgets where the step failed (seen on the H200: cuBLAS cannot run its GEMMs on the 12-SM
-    leftover of an 8-SM ladder); the caller retires those rungs. Running out of memory is not such a failure.
-
-    Each step leaves a step's working set in torch's cache for its stream alone (a freed block is handed out
-    again only on the stream that allocated it; ~19 GiB for Llama-3-8B at batch 4 x 1024). ``release=False``
-    keeps it, for ``partitions`` that are exactly the streams the trainer will use: serving then starts with
-    their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
-    cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
-    allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
-    the H200, bench/results/2026-11-29-bench_colocate-s6-first.json.gz).
-    """
-    if trainer.device.type != "cuda":
-        return set()
-    cfg, model = trainer.cfg, trainer.model
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(
-        0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
-    )
-    batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
-    saved = rng_state()
-    places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
-    places.setdefault(total_sms, partitions[-1].train_stream)
-
-    def step(sms: int) -> None:
-        with torch.cuda.stream(places[sms]), kernels.sm_budget(sms):
-            for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
-                pass
-        torch.cuda.synchronize()
-
-    try:
-        failed = try_budgets(sorted(places), step, keep=total_sms)
-    finally:
-        trainer.optimizer.zero_grad(set_to_none=True)
-        set_rng_state(saved)
-        torch.cuda.synchronize()
-        if release:
-            torch.cuda.empty_cache()
-    log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
-    return failed
-
-
-def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> set[int]:
-    """Run ``run(sms)`` for each budget; the budgets whose run raised a (non-OOM) runtime error, logged.
-    ``keep`` (the whole GPU) must work: its error is re-raised."""
-    failed = set()
-    for sms in budgets:
-        try:
-            run(sms)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as err:
-            if sms == keep:
-                raise
-            failed.add(sms)
-            log.warning(
-                "the trainer's kernels fail on %d SMs (%s): that rung is retired",
-                sms,
-                str(err).splitlines()[0][:160],
-            )
-    return failed
-
-
 def fastest_decode_s(
     policy: Policy,
     engine: EngineAdapter,
@@ -377,8 +286,22 @@ def assemble(
     resume: str | Path | None = None,
     ladder_step: int | None = None,
     warm_up: bool = True,
+    *,
+    loads: Sequence[list[TraceRequest]] = (),
+    spatial: bool | None = None,
 ) -> Colocation:
-    """Build trainer, engine, ladder, predictor and policy for ``cfg`` serving ``serve_model``."""
+    """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
+
+    The trainer (resumed from ``resume`` when given) comes first: its output directory is checked before
+    anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
+    base. The engine is sized for the longest request of the recipe's load and of ``loads`` (further loads
+    the caller will serve on it). ``spatial=True`` gives a CPU the stand-in ladder with SM partitions
+    whatever the recipe's policy (default: as the policy needs; a GPU has its green contexts either way).
+    The decode profile is ``colocation.profile`` when set (reused when it matches this machine, else measured
+    and written there). The recipe's policy is ``Colocation.policy``, prepared (``Colocation.prepare``)
+    when ``warm_up``. RecipeError when the policy cannot run on this machine or no decode step can meet
+    the objective.
+    """
     col = cfg.colocation
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -388,13 +311,13 @@ def assemble(
     served = (
         base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
     )
-    ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step)
+    ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step, spatial)
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     engine = build_engine(
         served,
         load_tokenizer(serve_model, is_preset(serve_model)),
         ladder,
-        requests,
+        [*requests, *(r for load in loads for r in load)],
         col.max_batch,
         seed=cfg.train.seed,
         mixed_prefill=col.mixed_prefill,
@@ -412,43 +335,31 @@ def assemble(
     predictor, profile = build_predictor(
         engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
     )
-
-    def policy_on_ladder() -> Policy:  # on the rungs the ladder has now
-        return make_policy(col.policy, ladder, predictor, col.tpot_ms * 1e-3, col.margin)
-
-    try:
-        policy = policy_on_ladder()
-    except ValueError as err:
-        ladder.close()
-        raise RecipeError(
-            cfg.source, "colocation.policy", "a policy this machine can run", str(err)
-        ) from None
-    engine.register(policy.partitions())
-    try:
-        check_objective(cfg, policy, engine, predictor, profile)
-    except RecipeError:
-        ladder.close()
-        trainer.metrics.close()
-        raise
-    while warm_up:  # the trainer's streams only, their caches kept warm for serving
-        places = policy.trainer_partitions() + [ladder.full]
-        failed = warm_up_trainer(trainer, places, ladder.total_sms, release=False)
-        if not ladder.retire(failed):
-            break
-        torch.cuda.empty_cache()
-        policy = policy_on_ladder()  # among the rungs left, whose trainer streams are warmed in turn
     info = {
         "serve_model": serve_model,
         "train_model": cfg.model.name,
         "shared_weights": shared,
         "device": str(device),
         "requests_in_load": len(requests),
-        "profile": None
-        if profile is None
-        else {
+        "profile": {
             "samples": len(profile.samples),
             "key": profile.key.describe(),
-            "fit": predictor.fit_report if predictor else None,
+            "fit": predictor.fit_report,
         },
     }
-    return Colocation(trainer, engine, ladder, policy, requests, predictor, info)
+    colocation = Colocation(cfg, trainer, engine, ladder, requests, predictor, profile, info)
+    try:
+        try:
+            policy = colocation.new_policy()
+        except ValueError as err:
+            raise RecipeError(
+                cfg.source, "colocation.policy", "a policy this machine can run", str(err)
+            ) from None
+        engine.register(policy.partitions())
+        check_objective(cfg, policy, engine, predictor, profile)
+    except RecipeError:
+        colocation.close()
+        trainer.metrics.close()
+        raise
+    colocation.policy = colocation.prepare(policy) if warm_up else policy
+    return colocation

@@ -24,7 +24,7 @@ from harli_train.colocate.assembly import (
     corun_workload,
 )
 from harli_train.colocate.profile import ProfileKey, default_profile_path
-from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.colocate.runtime import RuntimeOptions
 from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_dir
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import poisson_trace
@@ -66,16 +66,7 @@ def run_colocated(
             len(col.requests),
             "shared" if col.info["shared_weights"] else "separate",
         )
-        runtime = ColocatedRuntime(
-            col.trainer,
-            col.engine,
-            col.policy,
-            col.requests,
-            records,
-            options,
-            info=col.info,
-        )
-        summary = runtime.run()
+        summary = col.runtime(col.policy, col.requests, records, options).run()
     finally:
         col.close()
     ft, sv = summary["finetune"], summary["serving"]

@@ -11,7 +11,8 @@ same stream once the step is done) or not at all (paused).
 - ``streams``: two ordinary streams (decode at high priority) over the whole GPU, no partition.
 - ``temporal``: decode and trainer alternate on the whole GPU, the trainer filling the slack the
   objective leaves after each step (the controller's time-slicing mode).
-- ``exclusive``: decode alone while there is load, then the trainer alone (the two references).
+- ``exclusive``: decode alone while there is load, then the trainer alone (the two references);
+  ``exclusive:N``: the trainer then alone on ``static:N``'s trainer SMs (the reference for that split).
 """
 
 from __future__ import annotations
@@ -556,6 +557,23 @@ class TemporalPolicy(HarliPolicy):
         return _whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
 
 
+def split_rung(ladder: SMLadder, infer_sms: int, policy: str) -> Partition:
+    """The rung of ``policy:infer_sms`` (static, exclusive): the least split giving decode at least
+    ``infer_sms`` SMs. ValueError on a ladder without partitions or past its largest split."""
+    if ladder.time_sliced or not ladder.spatial:
+        raise ValueError(
+            f"{policy}:{infer_sms} needs SM partitions (green contexts); this GPU's ladder is "
+            f"{ladder.kind} (use harli, streams or temporal)"
+        )
+    part = ladder.select(infer_sms)
+    if part.exclusive:
+        top = ladder.spatial[-1].infer_sms
+        raise ValueError(
+            f"{policy}:{infer_sms} leaves the trainer no SMs (the largest split gives decode {top})"
+        )
+    return part
+
+
 class StaticPolicy(Policy):
     """A fixed split: decode on the rung of (at least) N SMs, the trainer always on the others."""
 
@@ -568,17 +586,7 @@ class StaticPolicy(Policy):
         predictor: LatencyPredictor | None = None,
     ) -> None:
         super().__init__(ladder, tpot_s, margin, predictor)
-        if ladder.time_sliced or not ladder.spatial:
-            raise ValueError(
-                f"static:{infer_sms} needs SM partitions (green contexts); this GPU's ladder is "
-                f"{ladder.kind} (use harli, streams or temporal)"
-            )
-        self.part = ladder.select(infer_sms)
-        if self.part.exclusive:
-            top = ladder.spatial[-1].infer_sms
-            raise ValueError(
-                f"static:{infer_sms} leaves the trainer no SMs (the largest split gives decode {top})"
-            )
+        self.part = split_rung(ladder, infer_sms, "static")
         self.name = f"static:{self.part.infer_sms}"
 
     def partitions(self) -> list[Partition]:
@@ -616,13 +624,37 @@ class StreamsPolicy(Policy):
 
 
 class ExclusivePolicy(Policy):
-    """Decode alone on the whole GPU while there is load; the trainer runs alone once the load is over."""
+    """Decode alone on the whole GPU while there is load; the trainer runs alone once the load is over: on
+    the whole GPU, or with ``infer_sms`` (``exclusive:N``) on the trainer side of ``static:N``'s rung, decode's
+    side left idle (the trainer's standalone rate on that split's SMs)."""
 
     name = "exclusive"
     serve_alone = True
 
+    def __init__(
+        self,
+        ladder: SMLadder,
+        tpot_s: float,
+        margin: float,
+        predictor: LatencyPredictor | None = None,
+        infer_sms: int | None = None,
+    ) -> None:
+        super().__init__(ladder, tpot_s, margin, predictor)
+        self.trainer_part = None if infer_sms is None else split_rung(ladder, infer_sms, "exclusive")
+        if self.trainer_part is not None:
+            self.name = f"exclusive:{self.trainer_part.infer_sms}"
+
+    def trainer_partitions(self) -> list[Partition]:
+        return self.partitions() if self.trainer_part is None else [self.trainer_part]
+
     def plan(self, preview: StepPreview) -> StepPlan:
         return self.with_chunk(_paused(self.ladder.full, "exclusive: decode alone"), preview)
+
+    def idle_plan(self) -> StepPlan:
+        part = self.trainer_part
+        if part is None:
+            return super().idle_plan()
+        return _beside(part, part, IDLE_HORIZON_S, None, f"alone on {part.train_sms} SMs", strict=False)
 
 
 def make_policy(
@@ -633,9 +665,12 @@ def make_policy(
     margin: float = DEFAULT_MARGIN,
     hysteresis_steps: int = 8,
 ) -> Policy:
-    """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal or exclusive."""
+    """The policy a recipe or ``--policy`` names: harli, static:N, streams, temporal, exclusive or
+    exclusive:N."""
     if name.startswith("static:"):
         return StaticPolicy(ladder, int(name.split(":", 1)[1]), tpot_s, margin, predictor)
+    if name.startswith("exclusive:"):
+        return ExclusivePolicy(ladder, tpot_s, margin, predictor, int(name.split(":", 1)[1]))
     base, _, option = name.partition(":")
     if name == "temporal" or base == "harli":
         options = parse_harli_options(option) if base == "harli" else {}
@@ -648,7 +683,15 @@ def make_policy(
         return StreamsPolicy(ladder, tpot_s, margin, predictor)
     if name == "exclusive":
         return ExclusivePolicy(ladder, tpot_s, margin, predictor)
-    raise ValueError(f"unknown co-location policy {name!r} (harli, static:N, streams, temporal, exclusive)")
+    raise ValueError(
+        f"unknown co-location policy {name!r} (harli, static:N, streams, temporal, exclusive, exclusive:N)"
+    )
+
+
+def needs_partitions(name: str) -> bool:
+    """Whether policy ``name`` runs on a split of the SMs (static:N, exclusive:N): a CPU then needs the
+    stand-in ladder with partitions."""
+    return name.startswith(("static:", "exclusive:"))
 
 
 def profile_shares(name: str, ladder: SMLadder) -> list[int]:

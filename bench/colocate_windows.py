@@ -1,0 +1,130 @@
+"""The co-location bench's windows: one policy at a time on the assembly, each on a fresh trainer.
+
+A window is a ``ColocatedRuntime`` run made by the ``Colocation`` (``until="load"``): a fresh policy (the
+predictor's corrections start again), a fresh adapter and optimizer on the shared weights, the trainer's
+streams warmed for that policy, then the cell's requests for the window's length (and, for the standalone
+rates, the trainer alone for ``solo_s``). What it keeps is the matrix's row (``colocate_matrix.policy_row``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import colocate_matrix
+from stall_sampler import StallSampler, stall_spans
+
+from harli_train.colocate import report
+from harli_train.colocate.colocation import Colocation
+from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.engine.load import TraceRequest
+
+WINDOW_OVERHEAD_S = 5.0  # a window's cost besides its length, until one has been measured
+log = logging.getLogger("bench_colocate")
+
+
+class OutOfTime(Exception):
+    """The next window would end past the call's time budget."""
+
+
+class Windows:
+    """Runs windows on ``col`` and keeps their rows; refuses (``OutOfTime``) a window that would end more
+    than ``budget_s`` after ``t0``, judging its cost by the windows run so far.
+
+    ``options``: the ``RuntimeOptions`` fields every window shares (trainer thread, queue depth, host
+    priority); ``keep_steps``: step records each row keeps; ``sample_stalls``: thread stacks inside decode's
+    host stalls, for diagnosis (the sampler perturbs what it measures a little)."""
+
+    def __init__(
+        self,
+        col: Colocation,
+        scratch: Path,
+        t0: float,
+        budget_s: float,
+        options: dict[str, Any] | None = None,
+        keep_steps: int = 0,
+        sample_stalls: bool = False,
+    ) -> None:
+        self.col, self.scratch, self.t0, self.budget_s = col, scratch, t0, budget_s
+        self.options, self.keep_steps, self.sample_stalls = dict(options or {}), keep_steps, sample_stalls
+        self.overheads: list[float] = []
+
+    def run(
+        self,
+        name: str,
+        tpot_s: float,
+        requests: tuple[TraceRequest, ...] = (),
+        *,
+        window_s: float = 0.0,
+        time_scale: float = 1.0,
+        solo_s: float = 0.0,
+        plot_to: Path | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One window of policy ``name`` held to ``tpot_s``: its row (an ``error`` row when it failed, so the
+        other windows still run) and its step records; harli's timeline copied to ``plot_to``."""
+        overhead = sum(self.overheads) / len(self.overheads) if self.overheads else WINDOW_OVERHEAD_S
+        if time.perf_counter() - self.t0 + window_s + solo_s + overhead > self.budget_s:
+            raise OutOfTime(name)
+        started = time.perf_counter()
+        run_dir = Path(tempfile.mkdtemp(dir=self.scratch))
+        gc.collect()  # the last window's trainer, before this one's allocates
+        try:
+            self.col.new_trainer(run_dir / "train")
+            policy = self.col.prepare(self.col.new_policy(name, tpot_s))
+            opts = RuntimeOptions(
+                until="load",
+                window_s=window_s,
+                solo_s=solo_s,
+                time_scale=time_scale,
+                quiet=True,
+                finish=False,
+                plots=plot_to is not None,
+                **self.options,
+            )
+            rt = self.col.runtime(policy, list(requests), run_dir / "colocate", opts)
+            sampler = StallSampler() if self.sample_stalls else None
+            with sampler or contextlib.nullcontext():
+                summary = rt.run()
+            steps = report.read_steps(run_dir / "colocate" / "steps.jsonl")
+            row = colocate_matrix.policy_row(summary, steps, self.keep_steps)
+            if sampler is not None:
+                row["stall_samples"] = sampler.around(stall_spans(steps)[:20], rt.t0)
+            if plot_to is not None:
+                plot_to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(run_dir / "colocate" / "timeline.png", plot_to)
+        except Exception as err:
+            log.error("%s failed: %s", name, err)
+            row, steps = {"policy": name, "error": f"{type(err).__name__}: {err}"}, []
+            row["trace"] = traceback.format_exc()[-3000:]
+        shutil.rmtree(run_dir, ignore_errors=True)
+        self.overheads.append(time.perf_counter() - started - window_s - solo_s)
+        return row, steps
+
+    def standalone(self, path: Path | None, solo_s: float) -> dict[str, Any]:
+        """The trainer alone, ``solo_s`` each, on the whole GPU (``exclusive``) and on the trainer side of
+        every split (``exclusive:N``), keyed by its SMs (the whole GPU's too): read from ``path`` when that
+        exists, else measured and written there."""
+        if path is not None and path.is_file():
+            return {**json.loads(path.read_text()), "source": str(path)}
+
+        def rate(name: str) -> float | None:
+            return self.run(name, self.col.tpot_s, solo_s=solo_s)[0].get("solo_tokens_per_s")
+
+        whole = rate("exclusive")
+        by_sms = {str(p.train_sms): rate(f"exclusive:{p.infer_sms}") for p in self.col.ladder.spatial}
+        out = {
+            "whole_gpu_tokens_per_s": whole,
+            "by_train_sms": {**by_sms, str(self.col.ladder.total_sms): whole},
+            "solo_s": solo_s,
+        }
+        if path is not None:
+            path.write_text(json.dumps(out, indent=1))
+        return out

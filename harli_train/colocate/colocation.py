@@ -1,0 +1,194 @@
+"""One co-located set-up: the shared weights, the SM ladder, the decode engine and the latency predictor.
+
+``assemble`` builds it once; runs are then made on it one at a time: a policy (``new_policy``) and a trainer
+(``new_trainer``) for each, readied together (``prepare``) and driven by a ``ColocatedRuntime`` (``runtime``).
+The command line makes one such run (the recipe's policy and trainer); the co-location benchmark makes many.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.colocate.engine_adapter import EngineAdapter
+from harli_train.colocate.policies import Policy, make_policy
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.profile import Profile
+from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.colocate.sm import Partition, SMLadder
+from harli_train.config import RecipeConfig
+from harli_train.engine.load import TraceRequest
+from harli_train.train.step import train_step
+from harli_train.train.trainer import Trainer
+from harli_train.train.trainer_state import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+class Colocation:
+    """What every run on one GPU shares, and the recipe's own run.
+
+    ``trainer`` is the current trainer (the recipe's until ``new_trainer`` replaces it); ``policy`` the
+    recipe's policy once ``assemble`` has made (and prepared) it; ``requests`` the recipe's load; ``profile``
+    the decode profile the predictor was fitted to (None without one). Runs share the engine, so they
+    happen one after the other, never at once.
+    """
+
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        trainer: Trainer,
+        engine: EngineAdapter,
+        ladder: SMLadder,
+        requests: list[TraceRequest],
+        predictor: LatencyPredictor | None = None,
+        profile: Profile | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
+        self.requests, self.predictor, self.profile = requests, predictor, profile
+        self.info: dict[str, Any] = dict(info or {})
+        self.policy: Policy | None = None
+
+    @property
+    def tpot_s(self) -> float:
+        """The recipe's objective (``colocation.tpot_ms``), in seconds."""
+        return self.cfg.colocation.tpot_ms * 1e-3
+
+    def new_policy(self, name: str | None = None, tpot_s: float | None = None) -> Policy:
+        """A fresh policy ``name`` (default: the recipe's) over the ladder's rungs as they are now, held to
+        ``tpot_s`` (default: the recipe's objective) with the recipe's margin. The predictor's online
+        corrections start again from the profile's fit: what an earlier run learnt does not carry over.
+        ValueError when this ladder cannot run the policy."""
+        if self.predictor is not None:
+            self.predictor.reset_corrections()
+        col = self.cfg.colocation
+        return make_policy(name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin)
+
+    def new_trainer(self, out_dir: str | Path) -> Trainer:
+        """A fresh adapter and optimizer on the shared weights, as the recipe says, writing to ``out_dir``
+        (which must not hold another run); it becomes ``trainer``. Costs the trainer's set-up (its data,
+        the adapter's initialisation, the optimizer's state), not a load of the weights."""
+        cfg = copy.deepcopy(self.cfg)
+        cfg.output.dir = str(out_dir)
+        trainer = Trainer(cfg, model=self.trainer.model, quiet=True)
+        trainer.setup()
+        self.trainer.metrics.close()  # the replaced trainer's log, if it never ran
+        self.trainer = trainer
+        return trainer
+
+    def prepare(self, policy: Policy) -> Policy:
+        """Ready ``policy`` to run with ``trainer``: torch's cached memory is released (a block cached for
+        another policy's streams is of no use to this one's), then the trainer's kernels are compiled and
+        its streams' caches warmed for every SM budget the policy gives it (a synthetic step each, caches
+        kept for serving). A rung on which the trainer's kernels fail is retired from the ladder and the
+        policy is made again on the rungs left, so the policy returned may be another object than
+        ``policy``. Nothing to do on a CPU."""
+        if self.trainer.device.type != "cuda":
+            return policy
+        torch.cuda.empty_cache()
+        while True:
+            places = policy.trainer_partitions() + [self.ladder.full]
+            failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False)
+            if not self.ladder.retire(failed):
+                return policy
+            torch.cuda.empty_cache()
+            policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
+
+    def runtime(
+        self,
+        policy: Policy,
+        requests: list[TraceRequest],
+        out_dir: str | Path,
+        options: RuntimeOptions | None = None,
+        trainer: Trainer | None = None,
+    ) -> ColocatedRuntime:
+        """A run of ``policy`` serving ``requests`` beside ``trainer`` (default: ``self.trainer``), its
+        records under ``out_dir``; ``run()`` it once."""
+        return ColocatedRuntime(
+            trainer or self.trainer, self.engine, policy, requests, out_dir, options, info=self.info
+        )
+
+    def close(self) -> None:
+        """Release everything that ran on the ladder's streams, then the ladder itself.
+
+        The engine's pinned staging buffers were copied on green-context streams; torch's pinned-memory
+        allocator records an event on each such stream when a buffer is freed, so the buffers must be freed
+        while the contexts exist (freed later, the process aborts with 'context is destroyed'). The ladder
+        is therefore the last thing to go. Idempotent.
+        """
+        self.engine.close()
+        self.ladder.close()
+
+
+def warm_up_trainer(
+    trainer: Trainer, partitions: list[Partition], total_sms: int, release: bool = True
+) -> set[int]:
+    """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
+
+    Returns the budgets where the step failed (seen on the H200: cuBLAS cannot run its GEMMs on the 12-SM
+    leftover of an 8-SM ladder); the caller retires those rungs. Running out of memory is not such a failure.
+
+    Each step leaves a step's working set in torch's cache for its stream alone (a freed block is handed out
+    again only on the stream that allocated it; ~19 GiB for Llama-3-8B at batch 4 x 1024). ``release=False``
+    keeps it, for ``partitions`` that are exactly the streams the trainer will use: serving then starts with
+    their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
+    cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
+    allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
+    the H200).
+    """
+    if trainer.device.type != "cuda":
+        return set()
+    cfg, model = trainer.cfg, trainer.model
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(
+        0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
+    )
+    batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
+    saved = rng_state()
+    places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
+    places.setdefault(total_sms, partitions[-1].train_stream)
+
+    def step(sms: int) -> None:
+        with torch.cuda.stream(places[sms]), kernels.sm_budget(sms):
+            for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
+                pass
+        torch.cuda.synchronize()
+
+    try:
+        failed = try_budgets(sorted(places), step, keep=total_sms)
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(saved)
+        torch.cuda.synchronize()
+        if release:
+            torch.cuda.empty_cache()
+    log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
+    return failed
+
+
+def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> set[int]:
+    """Run ``run(sms)`` for each budget; the budgets whose run raised a (non-OOM) runtime error, logged.
+    ``keep`` (the whole GPU) must work: its error is re-raised."""
+    failed = set()
+    for sms in budgets:
+        try:
+            run(sms)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            if sms == keep:
+                raise
+            failed.add(sms)
+            log.warning(
+                "the trainer's kernels fail on %d SMs (%s): that rung is retired",
+                sms,
+                str(err).splitlines()[0][:160],
+            )
+    return failed

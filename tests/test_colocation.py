@@ -1,0 +1,103 @@
+"""One co-located set-up, many runs: ``assemble`` builds the shared weights, ladder, engine and predictor once;
+each run gets a fresh policy and trainer on them; the command line and the benchmark both build through it."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harli_train.colocate.assembly import assemble
+from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.config import load_recipe
+from harli_train.engine.load import TraceRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "train.steps=1000",
+    "train.batch_size=2",
+    "data.seq_len=32",
+    "train.layers_per_microstep=2",
+    "train.log_every=1000",
+    "output.checkpoint_every=0",
+    "colocation.rate=20",
+    "colocation.duration_s=0.5",
+    "colocation.prompt_len=16",
+    "colocation.output_len=8",
+    "colocation.max_batch=8",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def recipe(out: Path, *extra: str):
+    return load_recipe(ROOT / "recipes" / "quickstart.yaml", [*SMALL, f"output.dir={out}", *extra])
+
+
+def lora(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+def test_runs_on_one_assembly_get_a_fresh_policy_and_trainer(tmp_path):
+    longer = [TraceRequest(0.0, 40, prompt_len=200)]  # a load of the caller's, beyond the recipe's own
+    col = assemble(recipe(tmp_path / "setup"), "tiny", loads=[longer], spatial=True)
+    try:
+        assert col.ladder.spatial  # SM partitions on the CPU stand-in, though the recipe's policy is harli
+        assert col.engine.engine.config.max_model_len > 240  # sized for the longest request of every load
+        assert col.policy.name == "harli" and col.trainer.out_dir == tmp_path / "setup"
+        first = col.new_trainer(tmp_path / "a")
+        start = lora(first)
+        policy = col.prepare(col.new_policy("static:48", 0.2))  # nothing to warm on a CPU
+        assert policy.name == "static:48" and policy.tpot_s == 0.2
+        opts = RuntimeOptions(until="load", window_s=0.5, quiet=True, finish=False, plots=False)
+        summary = col.runtime(policy, col.requests, tmp_path / "a" / "colocate", opts).run()
+        assert summary["policy"] == "static:48" and summary["finetune"]["micro_steps"] > 0
+        assert any(not torch.equal(start[n], p) for n, p in lora(first).items())  # it trained
+        col.predictor.observe(48, True, 1.0, 1e-3)  # a correction learnt in that run ...
+        assert col.predictor.correction(48, True) > 1
+        harli = col.new_policy()  # ... is not carried into the next policy
+        assert harli.name == "harli" and harli.tpot_s == col.tpot_s
+        assert col.predictor.correction(48, True) == 1
+        second = col.new_trainer(tmp_path / "b")
+        assert col.trainer is second and second.model is first.model  # the same weights, a fresh adapter
+        assert second.step == 0 and all(torch.equal(start[n], p) for n, p in lora(second).items())
+    finally:
+        col.close()
+
+
+def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_colocate
+    from colocate_load import make_cells
+
+    from harli_train.colocate import assembly, commands
+
+    assert commands.assemble is assembly.assemble and bench_colocate.assemble is assembly.assemble
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    def assemble(cfg, serve_model, resume=None, **options):
+        calls.append((cfg.model.name, serve_model, cfg.colocation.policy, options))
+        raise Built
+
+    monkeypatch.setattr(commands, "assemble", assemble)
+    monkeypatch.setattr(bench_colocate, "assemble", assemble)
+    with pytest.raises(Built):
+        commands.run_colocated(recipe(tmp_path / "cli"), "tiny", policy="static:48")
+    monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", "--harli-options", "grow=0.1"])
+    cells = make_cells("steady", ["light"], 15.0, 50)
+    with pytest.raises(Built):
+        bench_colocate.set_up(bench_colocate.parse_args(), tmp_path / "bench", cells)
+    (cli, bench) = calls
+    assert cli == ("tiny", "tiny", "static:48", {})  # the recipe's load, its policy, nothing more
+    # The bench: the same recipe machinery, its loads to size the engine for and SM partitions on a CPU.
+    assert bench[:3] == ("tiny", "tiny", "harli:grow=0.1")
+    assert bench[3]["spatial"] and [list(c.requests) for c in cells] == bench[3]["loads"]
