@@ -151,6 +151,18 @@ def main(verbose: bool) -> None:
     "--resume-from", type=click.Path(exists=True), help="Continue from this checkpoint or run directory."
 )
 @click.option("--quiet", is_flag=True, help="No per-step console lines (metrics.jsonl is still written).")
+@click.option(
+    "--serve",
+    "serve_at",
+    metavar="[HOST:]PORT",
+    help="With --colocate-with: also serve HTTP clients (the OpenAI API) until stopped.",
+)
+@click.option("--api-key", default=None, help="With --serve: require `Authorization: Bearer KEY`.")
+@click.option(
+    "--exit-after-training",
+    is_flag=True,
+    help="With --serve: stop once training is done and requests finished.",
+)
 @_friendly
 def train(
     recipe: str,
@@ -160,11 +172,17 @@ def train(
     resume: bool,
     resume_from: str | None,
     quiet: bool,
+    serve_at: str | None,
+    api_key: str | None,
+    exit_after_training: bool,
 ) -> None:
     """Train as RECIPE says; OVERRIDES are `section.key=value` pairs applied on top of it."""
     from harli_train.config import load_recipe
     from harli_train.train.trainer import Trainer
 
+    serve = _host_port(serve_at) if serve_at is not None else None
+    if serve is not None and colocate_with is None:
+        raise click.UsageError("--serve needs --colocate-with MODEL (the model to serve)")
     if policy is not None:
         overrides = (*overrides, f"colocation.policy={policy}")
     cfg = load_recipe(recipe, overrides)
@@ -176,14 +194,30 @@ def train(
     if colocate_with is not None:
         from harli_train.colocate.commands import run_colocated
 
-        summary = run_colocated(cfg, colocate_with, resume=resume_path, quiet=quiet)
+        summary = run_colocated(
+            cfg,
+            colocate_with,
+            resume=resume_path,
+            quiet=quiet,
+            serve=serve,
+            api_key=api_key,
+            exit_after_training=exit_after_training,
+        )
     else:
         trainer = Trainer(cfg, quiet=quiet)
         trainer.setup(resume=resume_path)
         summary = trainer.train()
     click.echo(_strict_json(summary, indent=2))
-    if summary["interrupted"]:
+    if summary["interrupted"] and serve is None:  # a server stopped by SIGTERM/Ctrl-C ends as asked: 0
         sys.exit(130)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """--serve [HOST:]PORT."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise click.UsageError(f"--serve: expected [HOST:]PORT (e.g. 8000 or 0.0.0.0:8000), got {text!r}")
+    return host or "127.0.0.1", int(port)
 
 
 @main.command()

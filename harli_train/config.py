@@ -359,7 +359,7 @@ class ColocationSection:
     tpot_ms: float = key(50.0, "float", above(0))
     margin: float = key(DEFAULT_MARGIN, "float", within(0, 0.9))
     trace: str | None = key(None, "path", EXISTS, optional=True)
-    rate: float | None = key(None, "float", above(0), optional=True)  # requests/s
+    rate: float | None = key(None, "float", at_least(0), optional=True)  # requests/s; 0: no synthetic load
     duration_s: float = key(60.0, "float", above(0))
     prompt_len: int = key(512, "int", at_least(1))
     output_len: int = key(128, "int", at_least(1))
@@ -371,6 +371,7 @@ class ColocationSection:
     # true: prefill chunks ride in decode steps (stall-free); false: prefill steps of their own stall decoding.
     # Off by default until mixed steps replay CUDA graphs (run eagerly, they were host-bound on the H200).
     mixed_prefill: bool = key(False, "bool")
+    max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)
 
     def __post_init__(self) -> None:
         _validate(self, "colocation")

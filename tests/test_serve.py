@@ -236,3 +236,42 @@ def test_a_full_queue_is_refused_and_an_aborted_request_frees_its_blocks():
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     (record,) = engine.metrics.requests
     assert record.finish_reason == "aborted" and 0 < record.output_tokens < 50
+
+
+@pytest.mark.slow
+def test_a_colocated_run_serves_http_clients_while_it_trains(tmp_path):
+    """`--colocate-with tiny --serve 0`: the openai client gets completions while training advances; SIGTERM
+    stops the server, checkpoints the trainer, writes its adapter and exits 0."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "harli_train", str(root / "recipes" / "quickstart.yaml"), "--colocate-with",
+           "tiny", "--serve", "0", "--api-key", KEY, "--quiet", "colocation.rate=0", "train.steps=100000",
+           f"output.dir={tmp_path / 'run'}", "output.checkpoint_every=0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = None
+    for line in proc.stderr:
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            url = f"http://127.0.0.1:{found.group(1)}"
+            break
+    assert url, "the co-located server did not start"
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        answers = [
+            client.completions.create(model="tiny", prompt=f"add {i}+1 =", max_tokens=4) for i in range(3)
+        ]
+        assert all(a.usage.completion_tokens == 4 or a.choices[0].finish_reason == "stop" for a in answers)
+        deadline = time.time() + 60
+        while time.time() < deadline and len(metrics.read_text().splitlines()) <= before + 1:
+            time.sleep(0.5)
+        assert len(metrics.read_text().splitlines()) > before + 1, "training advanced while serving"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads(out)
+    assert summary["serving"]["requests"] >= 3 and summary["trainer"]["steps"] > 0
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "colocate" / "serve" / "requests.jsonl").is_file()

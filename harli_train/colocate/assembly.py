@@ -56,9 +56,12 @@ def same_model(a: str, b: str) -> bool:
 
 
 def load_requests(col: ColocationSection, seed: int = 0, device: str = "cpu") -> list[TraceRequest]:
-    """The recipe's load: its trace file, or Poisson arrivals at its rate for ``duration_s``."""
+    """The recipe's load: its trace file, or Poisson arrivals at its rate for ``duration_s`` (rate 0: none,
+    e.g. when HTTP clients bring the load)."""
     if col.trace is not None:
         return read_trace(col.trace)
+    if col.rate == 0:
+        return []
     rate = col.rate
     if rate is None:
         rate = DEFAULT_RATE.get(device, DEFAULT_RATE["cpu"])

@@ -43,9 +43,15 @@ def run_colocated(
     resume: str | Path | None = None,
     quiet: bool = False,
     options: RuntimeOptions | None = None,
+    serve: tuple[str, int] | None = None,
+    api_key: str | None = None,
+    exit_after_training: bool = False,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says while serving ``serve_model``'s decode load on the same GPU; returns the summary.
 
+    With ``serve`` = (host, port) HTTP clients reach the engine through the OpenAI-compatible API beside the
+    recipe's load (``harli_train.serve``), until the run is stopped (SIGTERM, Ctrl-C), or, with
+    ``exit_after_training``, until training is done and their requests have finished.
     ``policy`` overrides ``colocation.policy``; ``resume`` is a run directory or checkpoint to continue from.
     The adapter and checkpoints go to ``<output.dir>`` as usual, the co-location records to
     ``records_dir(...)``: ``<output.dir>/colocate/``, or beside it for a resumed run.
@@ -66,7 +72,14 @@ def run_colocated(
             len(col.requests),
             "shared" if col.info["shared_weights"] else "separate",
         )
-        summary = col.runtime(col.policy, col.requests, records, options).run()
+        http = None
+        if serve is not None:
+            options, http = _with_server(col, serve_model, serve, api_key, exit_after_training, options)
+        try:
+            summary = col.runtime(col.policy, col.requests, records, options).run()
+        finally:
+            if http is not None:
+                http.stop()
     finally:
         col.close()
     ft, sv = summary["finetune"], summary["serving"]
@@ -83,6 +96,23 @@ def run_colocated(
     summary["interrupted"] = summary["stop_reason"] == "interrupted"
     summary["adapter"] = summary["trainer"].get("adapter")
     return summary
+
+
+def _with_server(col, serve_model: str, serve, api_key, exit_after_training: bool, options: RuntimeOptions):
+    """Start the HTTP front end on a thread of its own, its requests entering the runtime's loop through a
+    request port; returns the runtime options that carry the port, and the front end (to stop)."""
+    from dataclasses import replace
+
+    from harli_train.serve.app import Server
+    from harli_train.serve.command import model_id
+    from harli_train.serve.engine_loop import RequestPort
+    from harli_train.serve.http_thread import HttpThread
+
+    port = RequestPort(col.engine, col.cfg.colocation.max_queue)
+    server = Server(port, col.engine.tokenizer, col.engine.max_model_len, [model_id(serve_model)], api_key)
+    http = HttpThread(server, *serve, grace_s=options.grace_s)
+    http.start()
+    return replace(options, port=port, serve_until_stopped=not exit_after_training), http
 
 
 def use_colocated_output_dir(cfg: RecipeConfig) -> None:

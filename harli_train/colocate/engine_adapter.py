@@ -87,6 +87,27 @@ class EngineAdapter:
             return False  # recorded in the engine's metrics
         return True
 
+    def add_request(self, prompt, params: SamplingParams, request_id: str, arrival_time: float) -> Sequence:
+        """Queue a client's request as it came (HTTP): RequestRefused when it can never run here."""
+        return self.engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival_time)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Drop one request now (its client went away); False when it had already finished."""
+        return self.engine.abort(seq)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def scheduler(self):
+        """The engine's scheduler, read for its queue lengths (waiting, running)."""
+        return self.engine.scheduler
+
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 

@@ -108,6 +108,12 @@ class RuntimeOptions:
     # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
     # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
     host_priority: bool = True
+    # HTTP clients' requests enter through this port (serve.engine_loop.RequestPort), drained before every
+    # engine step and published after it; with serve_until_stopped the loop serves them until it is stopped,
+    # training done or not (``--serve``), else until training is done and they have finished.
+    port: Any = None
+    serve_until_stopped: bool = False
+    grace_s: float = 10.0  # stopped with a port: its running requests get this long to finish
 
     def __post_init__(self) -> None:
         if self.until not in ("train", "load"):
@@ -219,7 +225,8 @@ class ColocatedRuntime:
         trained_at: float | None = None
         self._mark("serve")
         self._held_since = self._now()
-        while not self._stop.is_set():
+        port = opts.port
+        while not self._stop.is_set() or self._in_grace(port):
             now = self._now()
             if feeder.done and trained_at is None:
                 trained_at = now
@@ -230,18 +237,33 @@ class ColocatedRuntime:
             if not closed:
                 for r in replay.due(now):
                     engine.submit(r, self.t0 + r.arrival_s * opts.time_scale)
+            if port is not None:
+                port.drain()
             busy = engine.has_unfinished()
-            if not busy and (closed or replay.exhausted):
+            if opts.serve_until_stopped:
+                pass  # HTTP clients are served until the run is stopped
+            elif not busy and (closed or replay.exhausted) and (port is None or closed):
                 return
-            if busy and closed and (window is not None or now - trained_at > opts.drain_s):
+            elif busy and closed and (window is not None or now - trained_at > opts.drain_s):
                 return  # window over, or training done and the drain took too long: abort the rest
             preview = engine.peek()
             if preview.kind == "idle":
                 self._idle(replay, closed)
             else:
                 self._engine_step(preview)
+                if port is not None:
+                    port.publish()
             self._progress()
         self.stop_reason = "interrupted"
+
+    def _in_grace(self, port: Any) -> bool:
+        """Stopped with HTTP clients: admit no more, and let the running ones finish within ``grace_s``."""
+        if port is None:
+            return False
+        if port.closing_at is None:
+            port.request_stop(self.opts.grace_s)
+            port.drain()
+        return port.serving and time.perf_counter() < port.closing_at
 
     def _solo_wanted(self) -> bool:
         if self._stop.is_set() or self.feeder.done:
@@ -464,6 +486,8 @@ class ColocatedRuntime:
                 trainer.interrupt()  # back to the last completed step; finish() checkpoints it
             else:
                 feeder.rollback()
+        if self.opts.port is not None:
+            self.opts.port.close()  # its clients learn their requests ended (the records keep them)
         aborted = self.engine.abort_all() if self.engine.has_unfinished() else 0
         self._steps_file.close()
         if self.opts.finish:

@@ -18,28 +18,32 @@ from typing import Any
 from aiohttp import web
 
 from harli_train.serve import protocol
-from harli_train.serve.engine_loop import EngineLoop, QueueFull, RequestHandle
+from harli_train.serve.engine_loop import QueueFull, RequestHandle, RequestPort
 from harli_train.serve.prometheus import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
 class Server:
-    """What the routes share: the engine thread, the tokenizer, the model ids served, the metrics."""
+    """What the routes share: the request port into the engine, the tokenizer, the model ids served, the
+    metrics. ``alive()`` says whether the engine's owner serves (``/health``); ``extra_metrics()`` adds gauges
+    (the co-located trainer's figures)."""
 
     def __init__(
         self,
-        loop: EngineLoop,
+        port: RequestPort,
+        tokenizer: Any,
+        max_model_len: int,
         models: list[str],
         api_key: str | None = None,
+        alive: Callable[[], bool] = lambda: True,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        self.loop, self.models, self.api_key = loop, models, api_key
-        self.engine_loop_started = time.time()
-        self.tokenizer = loop.engine.tokenizer
-        self.max_model_len = loop.engine.config.max_model_len
+        self.port, self.tokenizer, self.max_model_len = port, tokenizer, max_model_len
+        self.models, self.api_key, self.alive = models, api_key, alive
+        self.started = time.time()
         self.metrics = ServerMetrics()
-        self.extra_metrics = extra_metrics  # e.g. the co-located trainer's figures
+        self.extra_metrics = extra_metrics
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth])
@@ -78,18 +82,18 @@ class Server:
 
     # ---- routes --------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        if not self.loop.alive:
+        if not self.alive():
             return web.json_response({"status": "engine not running"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": int(self.engine_loop_started), "owned_by": "harli-train"}
+        data = [{"id": m, "object": "model", "created": int(self.started), "owned_by": "harli-train"}
                 for m in self.models]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         extra = self.extra_metrics() if self.extra_metrics else {}
-        text = self.metrics.render(self.loop.stats(), extra)
+        text = self.metrics.render(self.port.stats(), extra)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -119,7 +123,7 @@ class Server:
         import asyncio
 
         try:
-            handle = self.loop.submit(req.prompt, req.params, req.object_id, asyncio.get_running_loop())
+            handle = self.port.submit(req.prompt, req.params, req.object_id, asyncio.get_running_loop())
         except QueueFull:
             self.metrics.count_error(429)
             body = protocol.APIError(429, "the server's queue is full: retry later", "rate_limit_error",

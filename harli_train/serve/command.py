@@ -52,7 +52,7 @@ def run_server(
     engine = build_engine(model, device, config=cfg)
     loop = EngineLoop(engine, max_queue=max_queue)
     loop.start()
-    server = Server(loop, [name], api_key)
+    server = Server(loop.port, engine.tokenizer, cfg.max_model_len, [name], api_key, alive=lambda: loop.alive)
     try:
         asyncio.run(_serve(server, host, port, grace_s, ready))
     finally:
