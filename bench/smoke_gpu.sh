@@ -121,6 +121,11 @@ run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 
   -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
      python3 -c '$probe' && harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl \
      --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --serve 8000 --exit-after-training output.dir=runs/served"
+probe_tiny=${probe//llama-1b/tiny}
+run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors" \
+  -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
+     train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 wait "$tests_pid"
