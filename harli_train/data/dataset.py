@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from harli_train.data.example import DataError, Example
+from harli_train.data.tokenization import prompt_completion_example, text_example
 
 if TYPE_CHECKING:
     from harli_train.data.tokenizer import Tokenizer
 
-IGNORE_INDEX = -100
 FORMATS = ("auto", "prompt_completion", "text")
 FORMAT_FIELDS = {"prompt_completion": ("prompt", "completion"), "text": ("text",)}
-
-
-class DataError(ValueError):
-    """A problem with the user's data or tokenizer files; the message says which file (and line)."""
-
-
-@dataclass(slots=True)
-class Example:
-    """One tokenized example. Labels are unshifted (labels[t] is the target at position t; the model
-    shifts) and IGNORE_INDEX where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
 
 
 def load_examples(
@@ -34,11 +22,10 @@ def load_examples(
     """Tokenize a JSONL file (or every `*.jsonl` file of a folder, in name order) of {"prompt", "completion"}
     rows or {"text"} rows.
 
-    prompt/completion -> [bos] + prompt + completion + [eos], loss on completion + eos only.
-    text              -> [bos] + text + [eos], loss on everything but bos.
-    Prompt and completion are tokenized separately so the loss mask falls exactly on their boundary.
-    With fmt="auto" the first row decides the format; data mixing both is an error. Blank lines and
-    rows whose text is empty are skipped. bos is left out when the tokenizer has none.
+    prompt/completion -> prompt + completion + eos with the tokenizer's special tokens, loss after the prompt
+    text              -> text + eos with the tokenizer's special tokens, loss on all but those before it
+    (`harli_train.data.tokenization` says how). With fmt="auto" the first row decides the format; data mixing
+    both is an error. Blank lines and rows whose text is empty are skipped.
     """
     path = Path(path)
     if fmt not in FORMATS:
@@ -161,13 +148,9 @@ def _string_field(row: dict, name: str, fmt: str, where: str) -> str:
 
 
 def _tokenize(fields: list[str], tokenizer: Tokenizer) -> Example:
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     if len(fields) == 2:
-        prompt, completion = (tokenizer.encode(s) for s in fields)
-        target = completion + [tokenizer.eos_id]
-        return Example(bos + prompt + target, [IGNORE_INDEX] * (len(bos) + len(prompt)) + target)
-    target = tokenizer.encode(fields[0]) + [tokenizer.eos_id]
-    return Example(bos + target, [IGNORE_INDEX] * len(bos) + target)
+        return prompt_completion_example(tokenizer, *fields)
+    return text_example(tokenizer, fields[0])
 
 
 def _line_list(lines: list[int], limit: int = 5) -> str:

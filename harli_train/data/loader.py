@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from harli_train.data.dataset import IGNORE_INDEX, DataError, Example
+from harli_train.data.example import IGNORE_INDEX, DataError, Example
 
 STATE_CONFIG_KEYS = ("batch_size", "seq_len", "packing", "shuffle", "seed", "num_examples", "num_tokens")
 

@@ -16,7 +16,8 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import DataError, load_examples
+from harli_train.data.dataset import load_examples
+from harli_train.data.example import DataError
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
