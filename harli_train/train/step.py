@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from harli_train import kernels
+from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
@@ -61,6 +62,26 @@ def _replaying(state: dict | None):
         set_rng_state(now)
 
 
+def model_inputs(
+    model: LlamaForCausalLM, batch: dict, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttention | None]:
+    """A batch on `device` as the layers take it: (input_ids, labels, cos, sin, attention context).
+
+    `positions` [B, T] and `doc_ids` [B, T] come with a packed batch (`harli_train.data.loader`): the rope
+    tables follow the positions, and `doc_ids` give the block-diagonal mask (`DocumentAttention`). A batch
+    without them is one sequence per row: positions 0..T-1, plain causal attention.
+    """
+    ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    positions = batch.get("positions")
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+    cos, sin = model.rope(positions.to(device, non_blocking=True))
+    doc_ids = batch.get("doc_ids")
+    attn = None if doc_ids is None else DocumentAttention(doc_ids.to(device, non_blocking=True))
+    return ids, labels, cos, sin, attn
+
+
 def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
 
@@ -91,11 +112,8 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     input_tokens = 0
     for mb, batch in enumerate(batches):
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
+        ids, labels, cos, sin, attn = model_inputs(model, batch, device)
         input_tokens += ids.numel()
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
-        cos, sin = model.rope(positions)
         # Forward, chunk by chunk; each chunk keeps its own autograd graph.
         saved, rng = [], []
         hidden, residual = model.embed(ids), None
@@ -105,7 +123,7 @@ def train_step(
             if replay:
                 rng.append(rng_state())
             with autocast():
-                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin)
+                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             saved.append([h_in, r_in, hidden, residual])
             yield MicroStep("fwd", mb, start, stop)
         # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
@@ -127,7 +145,7 @@ def train_step(
             if recompute is not None and recompute(mb, start):
                 saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
                 with _replaying(rng[i] if replay else None), autocast():
-                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin)
+                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))
             grads = (h_in.grad, None if r_in is None else r_in.grad)
