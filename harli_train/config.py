@@ -257,12 +257,16 @@ class LoraSection:
         _validate(self, "lora")
 
 
+DATA_FORMATS = ("auto", "prompt_completion", "text", "chat", "alpaca", "sharegpt")
+
+
 @dataclass(slots=True)
 class DataSection:
     """Training data: a file or folder, how to read it and how to cut it into sequences."""
 
     path: str = key(MISSING, "path", EXISTS)
-    format: str = key("auto", "str", among("auto", "prompt_completion", "text"))
+    format: str = key("auto", "str", among(*DATA_FORMATS))
+    train_on: str = key("assistant", "str", among("assistant", "all"))
     seq_len: int = key(512, "int", at_least(2))
     packing: bool = key(True, "bool")
     shuffle: bool = key(True, "bool")

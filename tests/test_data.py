@@ -144,9 +144,19 @@ def test_max_examples(tmp_path):
         ([{"text": "a"}, {"text": 3}], "auto", 2, "field 'text' must be a string, got int"),
         ([{"prompt": "a", "completion": "b"}, "", {"text": "c"}], "auto", 3, "a file must use one format"),
         ([{"text": "a"}], "prompt_completion", 1, "row is in text format"),
-        ([{"question": "a"}], "auto", 1, "neither 'prompt'/'completion' nor 'text'"),
+        (
+            [{"question": "a"}],
+            "auto",
+            1,
+            "none of the fields of a known format .*'messages'.*; keys: question",
+        ),
         ([{"text": "a", "prompt": "b"}], "auto", 1, "both"),
-        ([{"text": ""}, {"text": ""}], "auto", None, "no usable rows: rows on lines 1, 2 are empty"),
+        (
+            [{"text": ""}, {"text": ""}],
+            "auto",
+            None,
+            "no usable rows: rows at .*bad.jsonl:1, .*bad.jsonl:2 have no text",
+        ),
         (["", "  "], "auto", None, "no usable rows"),
     ],
 )
@@ -171,7 +181,7 @@ def test_errors_missing_empty_and_non_utf8_file(tmp_path):
         load_examples(tmp_path / "latin1.jsonl", "csv", ByteTokenizer())
 
 
-def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_path):
+def test_a_data_folder_reads_its_data_files_and_says_when_it_holds_none(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "notes.txt").write_text("not data\n")
@@ -179,7 +189,8 @@ def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_pat
     with pytest.raises(DataError) as e:
         load_examples(folder, "auto", ByteTokenizer())
     assert str(e.value) == (
-        f"{folder}: a directory holding no .jsonl files (data.path is a JSONL file or a folder of them)"
+        f"{folder}: a directory holding no data files (.jsonl, .json, .parquet, .csv); data.path is a data "
+        "file or a folder of them"
     )
     result = CliRunner().invoke(
         main, [str(QUICKSTART), f"data.path={folder}", f"output.dir={tmp_path / 'r'}"]
@@ -194,6 +205,133 @@ def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_pat
         DataError, match=r"c.jsonl:1: row is in prompt_completion format, but a.jsonl's format"
     ):
         load_examples(folder, "auto", ByteTokenizer())
+
+
+# ---- file types ----
+
+ROWS = [
+    {"prompt": "p1", "completion": "c1"},
+    {"prompt": "p2 \u00e9", "completion": 'c2,\n"quoted"'},
+    {"prompt": "p3", "completion": ""},
+]
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    import csv
+
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_json_parquet_and_csv_read_as_jsonl_does(tmp_path):
+    pytest.importorskip("pyarrow")
+    tok = ByteTokenizer()
+    want = load_examples(write_jsonl(tmp_path / "d.jsonl", ROWS), "auto", tok)
+    (tmp_path / "array.json").write_text(json.dumps(ROWS, indent=2))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in ROWS))  # datasets' to_json
+    for path in (
+        tmp_path / "array.json",
+        tmp_path / "lines.json",
+        write_parquet(tmp_path / "d.parquet", ROWS),
+        write_csv(tmp_path / "d.csv", ROWS),
+    ):
+        assert load_examples(path, "auto", tok) == want, path.name
+    # A folder of mixed files: name order (array.json, d.csv, d.jsonl, d.parquet, lines.json), rows in order.
+    assert load_examples(tmp_path, "auto", tok) == want * 5
+    assert load_examples(tmp_path, "auto", tok, max_examples=4) == want + want[:1]
+
+
+def test_chat_rows_from_parquet_keep_their_messages(tmp_path):
+    pytest.importorskip("pyarrow")
+    from harli_train.data.files import read_rows
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    ((where, row),) = read_rows(write_parquet(tmp_path / "chat.parquet", rows))
+    assert row == rows[0] and where == f"{tmp_path / 'chat.parquet'}: row 1"
+
+
+def test_file_type_errors_name_the_file_and_row(tmp_path):
+    tok = ByteTokenizer()
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "a"}, ["not", "an", "object"]]))
+    with pytest.raises(
+        DataError, match=r"a.json: row 2: expected a JSON object per row of the array, got list"
+    ):
+        load_examples(tmp_path / "a.json", "auto", tok)
+    (tmp_path / "b.json").write_text('[{"text": "a"},\n {"text": ]')
+    with pytest.raises(DataError, match=r"b.json:2: invalid JSON"):
+        load_examples(tmp_path / "b.json", "auto", tok)
+    (tmp_path / "c.csv").write_text("text\nfine\ntoo,many\n")
+    with pytest.raises(DataError, match=r"c.csv:3: more cells than the header has columns \(1\)"):
+        load_examples(tmp_path / "c.csv", "auto", tok)
+    (tmp_path / "d.csv").write_text("prompt,completion\nonly a prompt\n")
+    with pytest.raises(DataError, match=r"d.csv:2: missing field 'completion'"):
+        load_examples(tmp_path / "d.csv", "auto", tok)
+    (tmp_path / "e.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"e.parquet: not a readable Parquet file"):
+        load_examples(tmp_path / "e.parquet", "auto", tok)
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(DataError) as e:
+        load_examples(tmp_path / "d.parquet", "auto", ByteTokenizer())
+    assert str(e.value) == (
+        f"{tmp_path / 'd.parquet'}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
+        "'harli-train[parquet]')"
+    )
+
+
+def test_an_explicit_format_reads_its_fields_and_ignores_the_others(tmp_path):
+    # tatsu-lab/alpaca rows carry a rendered "text" beside instruction/input/output.
+    rows = [{"text": "ignored", "prompt": "a", "completion": "b"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=r"d.jsonl:1: row has fields of both prompt_completion .* and text"):
+        load_examples(path, "auto", ByteTokenizer())
+    (ex,) = load_examples(path, "prompt_completion", ByteTokenizer())
+    assert ex.input_ids == [BOS, *b"ab", EOS]
+
+
+def test_train_on_all_learns_the_prompt_too(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c"}])
+    (ex,) = load_examples(path, "auto", ByteTokenizer(), train_on="all")
+    assert ex.labels == ex.input_ids == [BOS, *b"abc", EOS]
+
+
+def test_a_seeded_validation_split(tmp_path):
+    from harli_train.data.dataset import split_examples
+
+    examples = numbered_examples(list(range(1, 41)))
+    train, val = split_examples(examples, 0.1, seed=3)
+    assert (
+        len(val) == 4 and len(train) == 36 and sorted(train + val, key=lambda e: len(e.input_ids)) == examples
+    )
+    assert [len(e.input_ids) for e in train] == sorted(len(e.input_ids) for e in train)  # order kept
+    assert split_examples(examples, 0.1, seed=3) == (train, val)
+    assert split_examples(examples, 0.1, seed=4)[1] != val
+    assert len(split_examples(examples[:3], 0.01, seed=0)[1]) == 1  # at least one held out
+    with pytest.raises(DataError, match="cannot hold out a validation fraction of 1 example"):
+        split_examples(examples[:1], 0.5, seed=0)
 
 
 # ---- loader: packing ----

@@ -100,7 +100,9 @@ class Trainer:
         model = self.model
         kernels.set_backend(cfg.train.kernels)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
-        examples = load_examples(cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples)
+        examples = load_examples(
+            cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples, cfg.data.train_on
+        )
         self.loader = DataLoader(
             examples,
             cfg.train.batch_size,
