@@ -217,7 +217,11 @@ def test_wrong_type(tmp_path, key, value, expected, found):
         ("output.keep_checkpoints", 0, "expected an integer >= 1, got 0"),
         ("train.schedule", "cos", "expected a string among cosine, linear, constant, got 'cos'"),
         ("train.betas", [0.9, 1.0], "expected a pair of numbers with both in [0, 1), got (0.9, 1.0)"),
-        ("data.format", "csv", "expected a string among auto, prompt_completion, text, chat, alpaca, sharegpt"),
+        (
+            "data.format",
+            "csv",
+            "expected a string among auto, prompt_completion, text, chat, alpaca, sharegpt",
+        ),
         ("data.train_on", "completion", "expected a string among assistant, all, got 'completion'"),
     ],
 )

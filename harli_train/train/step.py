@@ -153,3 +153,45 @@ def train_step(
             yield MicroStep("bwd", mb, start, stop)
         del saved
     return StepResult(loss_sum=loss_sum, target_tokens=total_targets, input_tokens=input_tokens)
+
+
+def eval_step(
+    model: LlamaForCausalLM,
+    batches: list[dict],
+    layers_per_microstep: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Generator[MicroStep, None, tuple[float, int]]:
+    """The loss of `batches` (an evaluation set), as micro-steps ("eval", one per chunk of layers) that a
+    runtime can interleave with decode steps like a training step's; returns (mean token loss, target tokens).
+
+    Runs the model in eval mode (no dropout, so no random numbers are drawn: the training RNG is untouched)
+    without autograd, and puts it back in the mode it was in, however the generator ends. Grad mode is
+    switched off per chunk, never across a yield (it is the calling thread's state).
+    """
+    bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
+    device = model.lm_head.weight.device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    targets = sum(int(b["num_target_tokens"]) for b in batches)
+    was_training = model.training
+    model.eval()
+    try:
+        for mb, batch in enumerate(batches):
+            ids, labels, cos, sin, attn = model_inputs(model, batch, device)
+            with torch.no_grad():
+                hidden, residual = model.embed(ids), None
+            for start, stop in bounds:
+                with torch.no_grad(), autocast():
+                    hidden, residual = model.run_layers(start, stop, hidden, residual, cos, sin, attn)
+                yield MicroStep("eval", mb, start, stop)
+            with torch.no_grad(), autocast():
+                normed = model.final_norm(hidden, residual)
+                mb_loss, _ = kernels.linear_cross_entropy(
+                    normed[:, :-1].reshape(-1, normed.shape[-1]),
+                    model.lm_head.weight,
+                    labels[:, 1:].reshape(-1),
+                    IGNORE_INDEX,
+                )
+            loss_sum += mb_loss.float()
+    finally:
+        model.train(was_training)
+    return (loss_sum.item() / targets if targets else float("nan")), targets

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -16,9 +17,9 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import load_examples
-from harli_train.data.example import DataError
-from harli_train.data.loader import DataLoader
+from harli_train.data.dataset import load_examples, split_examples
+from harli_train.data.example import DataError, Example
+from harli_train.data.loader import DataLoader, eval_batches
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
     LlamaForCausalLM,
@@ -42,7 +43,7 @@ from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
-from harli_train.train.step import MicroStep, StepResult, train_step
+from harli_train.train.step import MicroStep, StepResult, eval_step, train_step
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Trainer:
         self.total_steps = 0
         self.last_loss = float("nan")
         self.interrupted = False
+        self.last_eval_loss: float | None = None
+        self._record: dict[str, Any] | None = None  # the counted step's metrics, until they are logged
         # Asked before each chunk's backward whether to rebuild the chunk's forward first (co-location: its
         # stream's SMs went to decode); see `train_step`.
         self.recompute_chunk: Callable[[int, int], bool] | None = None
@@ -100,9 +103,21 @@ class Trainer:
         model = self.model
         kernels.set_backend(cfg.train.kernels)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
-        examples = load_examples(
-            cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples, cfg.data.train_on
-        )
+        examples, val = self._load_data()
+        self.eval_data = None
+        if val:
+            self.eval_data = eval_batches(
+                val, cfg.train.batch_size, cfg.data.seq_len, self.tokenizer.pad_id, cfg.data.packing
+            )
+            if not sum(b["num_target_tokens"] for b in self.eval_data):
+                raise DataError(
+                    f"the validation data ({cfg.data.val_path or 'data.val_fraction of ' + cfg.data.path}) has no "
+                    f"token to take a loss on within data.seq_len ({cfg.data.seq_len})"
+                )
+        elif cfg.train.eval_every:
+            log.warning(
+                "train.eval_every is set, but there is no validation data (data.val_path or data.val_fraction)"
+            )
         self.loader = DataLoader(
             examples,
             cfg.train.batch_size,
@@ -175,6 +190,20 @@ class Trainer:
             self.dtype,
         )
 
+    def _load_data(self) -> tuple[list[Example], list[Example] | None]:
+        """(training examples, validation examples or None): data.val_path, or a seeded data.val_fraction of
+        data.path held out (the same split on every run and resume with this seed)."""
+        data = self.cfg.data
+        load = functools.partial(
+            load_examples, fmt=data.format, tokenizer=self.tokenizer, train_on=data.train_on
+        )
+        examples = load(data.path, max_examples=data.max_examples)
+        if data.val_path is not None:
+            return examples, load(data.val_path)
+        if data.val_fraction is not None:
+            return split_examples(examples, data.val_fraction, self.cfg.train.seed)
+        return examples, None
+
     def _init_optimizer_state(self) -> None:
         """Create AdamW's state now (zero moments, step 0), exactly as its first step would, through a step at
         learning rate 0 over zero gradients: co-located, that first step would otherwise allocate a tensor or
@@ -226,7 +255,11 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
             result: StepResult = yield from train_step(
-                self.model, batches, cfg.layers_per_microstep, self._autocast, self.recompute_chunk
+                self.model,
+                batches,
+                cfg.layers_per_microstep,
+                self._autocast,
+                self.recompute_chunk,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
@@ -238,6 +271,9 @@ class Trainer:
             self._pending_commit = (result, lr, grad_norm, t0)
             yield MicroStep("optim", len(batches) - 1)
             self._commit_step()
+            if self._eval_due():
+                self._record["eval_loss"] = yield from self._evaluate()
+            self._log_record()
             every = self.cfg.output.checkpoint_every
             if every and self.step % every == 0 and not self.done:
                 self.save_checkpoint()
@@ -257,9 +293,25 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
 
+    def _eval_due(self) -> bool:
+        """Whether the step just counted is evaluated: every train.eval_every steps and the last one, when
+        there is validation data."""
+        every = self.cfg.train.eval_every
+        return self.eval_data is not None and ((every > 0 and self.step % every == 0) or self.done)
+
+    def _evaluate(self) -> Generator[MicroStep, None, float]:
+        """The validation loss (mean over its target tokens), as "eval" micro-steps; the adapter, the data
+        position and the RNG are untouched (`eval_step`)."""
+        loss, _ = yield from eval_step(
+            self.model, self.eval_data, self.cfg.train.layers_per_microstep, self._autocast
+        )
+        self.last_eval_loss = loss
+        return loss
+
     def _commit_step(self) -> None:
-        """Count and log the step whose optimizer update has run; from here on it is kept, never redone.
-        A step whose loss or gradient norm is not finite raises TrainingDiverged instead (nothing counted)."""
+        """Count the step whose optimizer update has run; from here on it is kept, never redone. Its metrics
+        record waits (for an evaluation's loss) until `_log_record`. A step whose loss or gradient norm is not
+        finite raises TrainingDiverged instead (nothing counted)."""
         (result, lr, grad_norm, t0), self._pending_commit = self._pending_commit, None
         loss, grad_norm = result.loss_sum.item() / result.target_tokens, float(grad_norm)
         check_step(self.step + 1, loss, grad_norm, self.out_dir)
@@ -271,29 +323,35 @@ class Trainer:
             # The trainer's own stream: a device-wide sync would also wait for a co-located decode step.
             torch.cuda.current_stream(self.device).synchronize()
         dt = time.perf_counter() - t0
-        self.metrics.log(
-            {
-                "step": self.step,
-                "loss": self.last_loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens": result.input_tokens,
-                "target_tokens": result.target_tokens,
-                "tokens_per_s": result.input_tokens / dt,
-                "step_s": dt,
-                "memory_gib": memory_gib(self.device),
-                "epoch": self.loader.epoch,
-                "tokens_seen": self.tokens_seen,
-            }
-        )
+        self._record = {
+            "step": self.step,
+            "loss": self.last_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": result.input_tokens,
+            "target_tokens": result.target_tokens,
+            "tokens_per_s": result.input_tokens / dt,
+            "step_s": dt,
+            "memory_gib": memory_gib(self.device),
+            "epoch": self.loader.epoch,
+            "tokens_seen": self.tokens_seen,
+        }
+
+    def _log_record(self) -> None:
+        """Write the counted step's metrics record (with `eval_loss` when it was evaluated), once."""
+        if self._record is not None:
+            self.metrics.log(self._record)
+            self._record = None
 
     def abandon_step(self) -> None:
         """Drop the step in flight (gradients, data position, RNG) so the next `micro_steps()` redoes it.
 
-        A step whose optimizer update already ran is kept instead (counted): its weights have moved.
+        A step whose optimizer update already ran is kept instead (counted and logged): its weights have
+        moved. An evaluation in flight is dropped (its step is logged without it).
         """
         if getattr(self, "_pending_commit", None) is not None:
             self._commit_step()
+        self._log_record()
         self.optimizer.zero_grad(set_to_none=True)
         if getattr(self, "_loader_state", None) is not None:
             self.loader.load_state_dict(self._loader_state)
@@ -328,6 +386,7 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             "loss": self.last_loss,
+            "eval_loss": self.last_eval_loss,
             "adapter": str(adapter_dir),
             "checkpoint": str(ckpt) if ckpt else None,
             "interrupted": self.interrupted,
