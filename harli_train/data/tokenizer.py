@@ -93,6 +93,8 @@ class HFTokenizer:
         # len() counts added tokens, which `vocab_size` leaves out.
         self.vocab_size: int = len(self._tok)
         template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates: transformers renders with "default"
+            template = template.get("default")
         self.chat_template: str | None = template if isinstance(template, str) and template else None
         self.has_generation_tags = bool(self.chat_template and _GENERATION_TAG.search(self.chat_template))
 
@@ -112,7 +114,13 @@ class HFTokenizer:
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of a rendered text (no special tokens added: the template wrote them) and the character
         span [start, end) of each token in `text`."""
-        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        try:
+            enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # only fast (Rust) tokenizers know where their tokens came from
+            raise DataError(
+                f"{self.path}: the tokenizer cannot map its tokens back to the text (it is not a fast tokenizer), "
+                "which locating the assistant's turns needs; use data.train_on: all"
+            ) from None
         return list(enc["input_ids"]), [tuple(span) for span in enc["offset_mapping"]]
 
     def assistant_tokens_mask(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
