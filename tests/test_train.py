@@ -589,3 +589,16 @@ def test_validation_keys_are_checked(over, key, expected):
     with pytest.raises(RecipeError) as e:
         load_recipe(QUICKSTART, [f"{k}={v}" for k, v in over.items()])
     assert e.value.key == key and expected in str(e.value)
+
+
+def test_validation_data_with_nothing_to_learn_is_refused_and_eval_every_alone_warns(tmp_path, caplog):
+    from harli_train.data import DataError
+
+    t = Trainer(_recipe(tmp_path, **{"data.val_fraction": 0.01, "data.packing": "false", "data.seq_len": 4}))
+    with pytest.raises(
+        DataError, match=r"the validation data \(data.val_fraction of .*quickstart.jsonl\) has no token"
+    ):
+        t.setup()  # each row is cut to its first 4 tokens, all of them prompt
+    t = Trainer(_recipe(tmp_path / "b", **{"train.eval_every": 5}), quiet=True)
+    t.setup()
+    assert t.eval_data is None and "train.eval_every is set, but there is no validation data" in caplog.text
