@@ -181,3 +181,26 @@ def test_eval_batches_hold_every_example_once_and_whole():
     torch.testing.assert_close(total, alone, rtol=1e-5, atol=1e-4)
     rows = eval_batches(examples, batch_size=4, seq_len=16, pad_id=0, packing=False)
     assert [b["input_ids"].shape[0] for b in rows] == [4, 3] and "doc_ids" not in rows[0]
+
+
+def test_micro_batches_through_static_buffers_compute_what_fresh_tensors_do():
+    from harli_train.train.batch_buffers import BatchBuffers
+
+    loader = DataLoader(
+        _examples([5, 9, 7, 3, 8, 6, 11, 4], seed=9), batch_size=2, seq_len=12, pad_id=0, seed=1
+    )
+    batches = [loader.next_batch() for _ in range(2)]
+
+    def run(buffers):
+        m = _model()
+        result, _ = _drain(train_step(m, batches, 2, buffers=buffers))
+        return result.loss_sum, [p.grad for p in m.lora_parameters()]
+
+    buffers = BatchBuffers("cpu")
+    (ref_loss, ref_grads), (loss, grads) = run(None), run(buffers)
+    assert buffers.num_buffers == 4  # ids, labels, positions, doc_ids: one each, refilled per micro-batch
+    address = buffers.load(batches[0])["doc_ids"].data_ptr()
+    assert buffers.load(batches[1])["doc_ids"].data_ptr() == address
+    assert torch.equal(loss, ref_loss)
+    for g, w in zip(grads, ref_grads, strict=True):
+        assert torch.equal(g, w)

@@ -22,6 +22,7 @@ import torch
 from harli_train import kernels
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
+from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
 IGNORE_INDEX = -100
@@ -63,14 +64,17 @@ def _replaying(state: dict | None):
 
 
 def model_inputs(
-    model: LlamaForCausalLM, batch: dict, device: torch.device
+    model: LlamaForCausalLM, batch: dict, device: torch.device, buffers: BatchBuffers | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttention | None]:
-    """A batch on `device` as the layers take it: (input_ids, labels, cos, sin, attention context).
+    """A batch on `device` as the layers take it: (input_ids, labels, cos, sin, attention context), its
+    tensors copied into `buffers` when given (else moved as they are).
 
     `positions` [B, T] and `doc_ids` [B, T] come with a packed batch (`harli_train.data.loader`): the rope
     tables follow the positions, and `doc_ids` give the block-diagonal mask (`DocumentAttention`). A batch
     without them is one sequence per row: positions 0..T-1, plain causal attention.
     """
+    if buffers is not None:
+        batch = buffers.load(batch)
     ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     positions = batch.get("positions")
@@ -92,6 +96,7 @@ def train_step(
     layers_per_microstep: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     recompute: Callable[[int, int], bool] | None = None,
+    buffers: BatchBuffers | None = None,
 ) -> Generator[MicroStep, None, StepResult]:
     """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
 
@@ -99,6 +104,7 @@ def train_step(
     same gradient as one large batch. Leaves gradients in the LoRA parameters; the caller steps the optimizer.
     `recompute(micro_batch, start)`, asked just before the backward of the chunk starting at layer `start`,
     says whether to rebuild that chunk's forward graph first (on the stream current at that moment).
+    `buffers` (optional) hold each micro-batch's inputs on the device (`BatchBuffers`).
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
@@ -112,7 +118,7 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     input_tokens = 0
     for mb, batch in enumerate(batches):
-        ids, labels, cos, sin, attn = model_inputs(model, batch, device)
+        ids, labels, cos, sin, attn = model_inputs(model, batch, device, buffers)
         input_tokens += ids.numel()
         # Forward, chunk by chunk; each chunk keeps its own autograd graph.
         saved, rng = [], []
@@ -160,6 +166,7 @@ def eval_step(
     batches: list[dict],
     layers_per_microstep: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    buffers: BatchBuffers | None = None,
 ) -> Generator[MicroStep, None, tuple[float, int]]:
     """The loss of `batches` (an evaluation set), as micro-steps ("eval", one per chunk of layers) that a
     runtime can interleave with decode steps like a training step's; returns (mean token loss, target tokens).
@@ -176,7 +183,7 @@ def eval_step(
     model.eval()
     try:
         for mb, batch in enumerate(batches):
-            ids, labels, cos, sin, attn = model_inputs(model, batch, device)
+            ids, labels, cos, sin, attn = model_inputs(model, batch, device, buffers)
             with torch.no_grad():
                 hidden, residual = model.embed(ids), None
             for start, stop in bounds:

@@ -29,6 +29,7 @@ from harli_train.model import (
     model_config,
     resolve_dtype,
 )
+from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.checkpoint import (
     STATE_JSON,
     CheckpointError,
@@ -157,6 +158,7 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.tokens_seen = 0
+        self.buffers = BatchBuffers(self.device)
         if state is None:
             self._init_optimizer_state()
         else:
@@ -260,6 +262,7 @@ class Trainer:
                 cfg.layers_per_microstep,
                 self._autocast,
                 self.recompute_chunk,
+                self.buffers,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
@@ -303,7 +306,7 @@ class Trainer:
         """The validation loss (mean over its target tokens), as "eval" micro-steps; the adapter, the data
         position and the RNG are untouched (`eval_step`)."""
         loss, _ = yield from eval_step(
-            self.model, self.eval_data, self.cfg.train.layers_per_microstep, self._autocast
+            self.model, self.eval_data, self.cfg.train.layers_per_microstep, self._autocast, self.buffers
         )
         self.last_eval_loss = loss
         return loss
