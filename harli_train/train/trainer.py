@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import signal
@@ -17,9 +16,8 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import load_examples, split_examples
-from harli_train.data.example import DataError, Example
-from harli_train.data.loader import DataLoader, eval_batches
+from harli_train.data.example import DataError
+from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
     LlamaForCausalLM,
@@ -44,8 +42,9 @@ from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
-from harli_train.train.step import MicroStep, StepResult, eval_step, train_step
+from harli_train.train.step import MicroStep, StepResult, train_step
 from harli_train.train.trainer_state import rng_state, set_rng_state
+from harli_train.train.validation import load_run_data
 
 log = logging.getLogger(__name__)
 
@@ -104,21 +103,7 @@ class Trainer:
         model = self.model
         kernels.set_backend(cfg.train.kernels)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
-        examples, val = self._load_data()
-        self.eval_data = None
-        if val:
-            self.eval_data = eval_batches(
-                val, cfg.train.batch_size, cfg.data.seq_len, self.tokenizer.pad_id, cfg.data.packing
-            )
-            if not sum(b["num_target_tokens"] for b in self.eval_data):
-                raise DataError(
-                    f"the validation data ({cfg.data.val_path or 'data.val_fraction of ' + cfg.data.path}) has no "
-                    f"token to take a loss on within data.seq_len ({cfg.data.seq_len})"
-                )
-        elif cfg.train.eval_every:
-            log.warning(
-                "train.eval_every is set, but there is no validation data (data.val_path or data.val_fraction)"
-            )
+        examples, self.validation = load_run_data(cfg, self.tokenizer)
         self.loader = DataLoader(
             examples,
             cfg.train.batch_size,
@@ -192,20 +177,6 @@ class Trainer:
             self.dtype,
         )
 
-    def _load_data(self) -> tuple[list[Example], list[Example] | None]:
-        """(training examples, validation examples or None): data.val_path, or a seeded data.val_fraction of
-        data.path held out (the same split on every run and resume with this seed)."""
-        data = self.cfg.data
-        load = functools.partial(
-            load_examples, fmt=data.format, tokenizer=self.tokenizer, train_on=data.train_on
-        )
-        examples = load(data.path, max_examples=data.max_examples)
-        if data.val_path is not None:
-            return examples, load(data.val_path)
-        if data.val_fraction is not None:
-            return split_examples(examples, data.val_fraction, self.cfg.train.seed)
-        return examples, None
-
     def _init_optimizer_state(self) -> None:
         """Create AdamW's state now (zero moments, step 0), exactly as its first step would, through a step at
         learning rate 0 over zero gradients: co-located, that first step would otherwise allocate a tensor or
@@ -274,8 +245,10 @@ class Trainer:
             self._pending_commit = (result, lr, grad_norm, t0)
             yield MicroStep("optim", len(batches) - 1)
             self._commit_step()
-            if self._eval_due():
-                self._record["eval_loss"] = yield from self._evaluate()
+            if self.validation is not None and self.validation.due(self.step, self.done):
+                self._record["eval_loss"] = self.last_eval_loss = yield from self.validation.run(
+                    self.model, self._autocast, self.buffers
+                )
             self._log_record()
             every = self.cfg.output.checkpoint_every
             if every and self.step % every == 0 and not self.done:
@@ -295,21 +268,6 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
-
-    def _eval_due(self) -> bool:
-        """Whether the step just counted is evaluated: every train.eval_every steps and the last one, when
-        there is validation data."""
-        every = self.cfg.train.eval_every
-        return self.eval_data is not None and ((every > 0 and self.step % every == 0) or self.done)
-
-    def _evaluate(self) -> Generator[MicroStep, None, float]:
-        """The validation loss (mean over its target tokens), as "eval" micro-steps; the adapter, the data
-        position and the RNG are untouched (`eval_step`)."""
-        loss, _ = yield from eval_step(
-            self.model, self.eval_data, self.cfg.train.layers_per_microstep, self._autocast, self.buffers
-        )
-        self.last_eval_loss = loss
-        return loss
 
     def _commit_step(self) -> None:
         """Count the step whose optimizer update has run; from here on it is kept, never redone. Its metrics
