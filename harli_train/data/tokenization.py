@@ -109,7 +109,7 @@ def chat_tokenizer(tokenizer: Tokenizer) -> ChatTokenizer:
     if tokenizer.chat_template is None:
         raise DataError(
             f"{tokenizer.source}: the tokenizer has no chat template (tokenizer_config.json 'chat_template' "
-            "or chat_template.jinja), which chat, alpaca and sharegpt data are rendered with"
+            "or chat_template.jinja); chat, alpaca and sharegpt data and generate --chat need one"
         )
     return tokenizer  # type: ignore[return-value]  # a tokenizer with a template implements ChatTokenizer
 
