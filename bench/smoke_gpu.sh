@@ -86,6 +86,9 @@ run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
 readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
 run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
   -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
+readme_form "harli-train recipes/quickstart.yaml data.val_fraction=0.02 train.eval_every=50"
+run eval 90 "json_ok eval && grep -q '\"eval_loss\": [0-9]' eval.out && grep -q eval_loss runs/eval/metrics.jsonl" \
+  -- harli-train $q data.val_fraction=0.02 train.eval_every=20 train.steps=40 output.dir=runs/eval
 readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
 run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
   -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \

@@ -29,7 +29,7 @@ def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
     from harli_train.adapter import AdapterError
     from harli_train.colocate.profile import ProfileError
     from harli_train.config import RecipeError
-    from harli_train.data.dataset import DataError
+    from harli_train.data.example import DataError
     from harli_train.engine.engine_config import EngineError
     from harli_train.engine.load import TraceError
     from harli_train.model import ModelError
@@ -262,6 +262,11 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Send each PROMPT as a user message through the model's chat template; print only the answer.",
+)
 @_friendly
 def generate(
     model_source: str,
@@ -272,25 +277,38 @@ def generate(
     top_p: float,
     seed: int,
     device: str,
+    chat: bool,
 ) -> None:
     """Print completions of PROMPTs from the embedded decode engine (greedy unless --temperature > 0).
 
-    A prompt that does not fit (with --max-tokens) in the model's context or the KV cache ends the command
-    with exit code 1 before anything is generated.
+    A prompt is tokenized as the model's tokenizer does (its own special tokens; with --chat, its chat
+    template). A prompt that does not fit (with --max-tokens) in the model's context or the KV cache ends the
+    command with exit code 1 before anything is generated.
     """
+    from harli_train.data.tokenization import chat_prompt_ids
     from harli_train.engine.api import build_engine
     from harli_train.engine.engine_config import EngineConfig
     from harli_train.engine.sampling_params import SamplingParams
 
     longest = max(len(p.encode()) for p in prompts) + max_tokens + 1
+    if chat:
+        longest += 256  # the template's own text around the message
     cfg = EngineConfig(max_model_len=max(longest, 256), max_num_seqs=min(256, len(prompts)))
     engine = build_engine(model_source, device, config=cfg, adapter=adapter)  # capped at the model's context
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    seqs = [engine.add_request(prompt, params) for prompt in prompts]  # RequestRefused: one line, exit 1
+    requests = (
+        [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+        if chat
+        else prompts
+    )
+    seqs = [engine.add_request(r, params) for r in requests]  # RequestRefused: one line, exit 1
     engine.run_until_done()
     for prompt, seq in zip(prompts, seqs, strict=True):
         text = engine.decode_text(seq)
-        click.echo(f"{prompt}{text}" if len(prompts) == 1 else f"--- {prompt!r}\n{text}")
+        if len(prompts) > 1:
+            click.echo(f"--- {prompt!r}\n{text}")
+        else:
+            click.echo(text if chat else f"{prompt}{text}")
 
 
 @main.command()

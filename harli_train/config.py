@@ -275,19 +275,31 @@ class LoraSection:
         _validate(self, "lora")
 
 
+DATA_FORMATS = ("auto", "prompt_completion", "text", "chat", "alpaca", "sharegpt")
+
+
 @dataclass(slots=True)
 class DataSection:
-    """Training data: a file or folder, how to read it and how to cut it into sequences."""
+    """Training data: a file or folder, how to read it and how to cut it into sequences; and the validation
+    data, a file or folder of its own (`val_path`) or a seeded fraction held out of `path` (`val_fraction`)."""
 
     path: str = key(MISSING, "path", EXISTS)
-    format: str = key("auto", "str", among("auto", "prompt_completion", "text"))
+    format: str = key("auto", "str", among(*DATA_FORMATS))
+    train_on: str = key("assistant", "str", among("assistant", "all"))
     seq_len: int = key(512, "int", at_least(2))
     packing: bool = key(True, "bool")
     shuffle: bool = key(True, "bool")
     max_examples: int | None = key(None, "int", above(0), optional=True)
+    val_path: str | None = key(None, "path", EXISTS, optional=True)
+    val_fraction: float | None = key(None, "float", Limit("in (0, 1)", lambda v: 0 < v < 1), optional=True)
 
     def __post_init__(self) -> None:
         _validate(self, "data")
+        if self.val_path is not None and self.val_fraction is not None:
+            found = f"both (val_path={self.val_path}, val_fraction={self.val_fraction})"
+            raise RecipeError(
+                _UNPLACED, "data.val_fraction", "at most one of data.val_path and data.val_fraction", found
+            )
 
 
 @dataclass(slots=True)
@@ -312,6 +324,7 @@ class TrainSection:
     kernels: str = key("auto", "str", among("auto", "triton", "torch"))
     device: str = key("auto", "str", among("auto", "cpu", "cuda"))
     log_every: int = key(10, "int", at_least(1))
+    eval_every: int = key(0, "int", at_least(0))  # 0: only at the end (with validation data)
 
     def __post_init__(self) -> None:
         _validate(self, "train")

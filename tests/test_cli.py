@@ -12,7 +12,7 @@ from harli_train.adapter import AdapterError
 from harli_train.cli import main
 from harli_train.colocate.profile import ProfileError
 from harli_train.config import RecipeError
-from harli_train.data.dataset import DataError
+from harli_train.data.example import DataError
 from harli_train.engine.engine import RequestRefused
 from harli_train.engine.engine_config import EngineError
 from harli_train.engine.load import TraceError

@@ -217,10 +217,23 @@ def test_wrong_type(tmp_path, key, value, expected, found):
         ("output.keep_checkpoints", 0, "expected an integer >= 1, got 0"),
         ("train.schedule", "cos", "expected a string among cosine, linear, constant, got 'cos'"),
         ("train.betas", [0.9, 1.0], "expected a pair of numbers with both in [0, 1), got (0.9, 1.0)"),
+        (
+            "data.format",
+            "csv",
+            "expected a string among auto, prompt_completion, text, chat, alpaca, sharegpt",
+        ),
+        ("data.train_on", "completion", "expected a string among assistant, all, got 'completion'"),
     ],
 )
 def test_impossible_value(tmp_path, key, value, expected):
     assert_names(load_error(recipe_with(tmp_path, key, value)), "recipe.yaml", key, expected)
+
+
+def test_the_recipe_knows_every_data_format_the_reader_does():
+    from harli_train.config import DATA_FORMATS
+    from harli_train.data.formats import FORMATS
+
+    assert DATA_FORMATS == FORMATS
 
 
 @pytest.mark.parametrize(

@@ -144,9 +144,19 @@ def test_max_examples(tmp_path):
         ([{"text": "a"}, {"text": 3}], "auto", 2, "field 'text' must be a string, got int"),
         ([{"prompt": "a", "completion": "b"}, "", {"text": "c"}], "auto", 3, "a file must use one format"),
         ([{"text": "a"}], "prompt_completion", 1, "row is in text format"),
-        ([{"question": "a"}], "auto", 1, "neither 'prompt'/'completion' nor 'text'"),
+        (
+            [{"question": "a"}],
+            "auto",
+            1,
+            "none of the fields of a known format .*'messages'.*; keys: question",
+        ),
         ([{"text": "a", "prompt": "b"}], "auto", 1, "both"),
-        ([{"text": ""}, {"text": ""}], "auto", None, "no usable rows: rows on lines 1, 2 are empty"),
+        (
+            [{"text": ""}, {"text": ""}],
+            "auto",
+            None,
+            "no usable rows: rows at .*bad.jsonl:1, .*bad.jsonl:2 have no text",
+        ),
         (["", "  "], "auto", None, "no usable rows"),
     ],
 )
@@ -171,7 +181,7 @@ def test_errors_missing_empty_and_non_utf8_file(tmp_path):
         load_examples(tmp_path / "latin1.jsonl", "csv", ByteTokenizer())
 
 
-def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_path):
+def test_a_data_folder_reads_its_data_files_and_says_when_it_holds_none(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "notes.txt").write_text("not data\n")
@@ -179,7 +189,8 @@ def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_pat
     with pytest.raises(DataError) as e:
         load_examples(folder, "auto", ByteTokenizer())
     assert str(e.value) == (
-        f"{folder}: a directory holding no .jsonl files (data.path is a JSONL file or a folder of them)"
+        f"{folder}: a directory holding no data files (.jsonl, .json, .parquet, .csv); data.path is a data "
+        "file or a folder of them"
     )
     result = CliRunner().invoke(
         main, [str(QUICKSTART), f"data.path={folder}", f"output.dir={tmp_path / 'r'}"]
@@ -196,6 +207,38 @@ def test_a_data_folder_reads_its_jsonl_files_and_says_when_it_holds_none(tmp_pat
         load_examples(folder, "auto", ByteTokenizer())
 
 
+def test_an_explicit_format_reads_its_fields_and_ignores_the_others(tmp_path):
+    # tatsu-lab/alpaca rows carry a rendered "text" beside instruction/input/output.
+    rows = [{"text": "ignored", "prompt": "a", "completion": "b"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=r"d.jsonl:1: row has fields of both prompt_completion .* and text"):
+        load_examples(path, "auto", ByteTokenizer())
+    (ex,) = load_examples(path, "prompt_completion", ByteTokenizer())
+    assert ex.input_ids == [BOS, *b"ab", EOS]
+
+
+def test_train_on_all_learns_the_prompt_too(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "c"}])
+    (ex,) = load_examples(path, "auto", ByteTokenizer(), train_on="all")
+    assert ex.labels == ex.input_ids == [BOS, *b"abc", EOS]
+
+
+def test_a_seeded_validation_split(tmp_path):
+    from harli_train.data.dataset import split_examples
+
+    examples = numbered_examples(list(range(1, 41)))
+    train, val = split_examples(examples, 0.1, seed=3)
+    assert (
+        len(val) == 4 and len(train) == 36 and sorted(train + val, key=lambda e: len(e.input_ids)) == examples
+    )
+    assert [len(e.input_ids) for e in train] == sorted(len(e.input_ids) for e in train)  # order kept
+    assert split_examples(examples, 0.1, seed=3) == (train, val)
+    assert split_examples(examples, 0.1, seed=4)[1] != val
+    assert len(split_examples(examples[:3], 0.01, seed=0)[1]) == 1  # at least one held out
+    with pytest.raises(DataError, match="cannot hold out a validation fraction of 1 example"):
+        split_examples(examples[:1], 0.5, seed=0)
+
+
 # ---- loader: packing ----
 
 
@@ -204,6 +247,13 @@ def epoch_stream(loader: DataLoader) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([b["input_ids"] for b in batches]).flatten(), torch.cat(
         [b["labels"] for b in batches]
     ).flatten()
+
+
+def assert_labels_aligned(ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Labels are ids + 1 (numbered_examples), but IGNORE_INDEX on each document's first token."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    assert torch.equal(labels, torch.where(starts, IGNORE_INDEX, ids + 1))
 
 
 def example_order(ids: torch.Tensor, lengths: list[int]) -> list[int]:
@@ -228,7 +278,8 @@ def test_packing_rows_are_examples_in_order():
     loader = DataLoader(numbered_examples(lengths), batch_size=2, seq_len=9, pad_id=PAD, shuffle=False)
     ids, labels = epoch_stream(loader)
     expected = torch.tensor([1000 + i for i, n in enumerate(lengths) for _ in range(n)])
-    assert torch.equal(ids, expected[:72]) and torch.equal(labels, ids + 1)
+    assert torch.equal(ids, expected[:72])
+    assert_labels_aligned(ids, labels)
 
 
 def test_packing_shuffles_by_seed_and_epoch():
@@ -239,7 +290,7 @@ def test_packing_shuffles_by_seed_and_epoch():
         out = []
         for _ in range(epochs):
             ids, labels = epoch_stream(loader)
-            assert torch.equal(labels, ids + 1)
+            assert_labels_aligned(ids, labels)
             out.append(example_order(ids, lengths))
         return out
 

@@ -47,7 +47,7 @@ def _no_loading(monkeypatch):
         raise AssertionError("the model or data was loaded before the output directory was checked")
 
     monkeypatch.setattr("harli_train.train.trainer.load_model", loaded)
-    monkeypatch.setattr("harli_train.train.trainer.load_examples", loaded)
+    monkeypatch.setattr("harli_train.train.validation.load_examples", loaded)
 
 
 @pytest.mark.parametrize("where", ["file", "under-a-file"])

@@ -134,6 +134,10 @@ def _recipe(tmp_path, **over):
     return load_recipe(QUICKSTART, [f"{k}={v}" for k, v in base.items()])
 
 
+def _records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -337,12 +341,15 @@ def test_cli_colocate_with_runs_both_sides(tmp_path):
             "train.steps=4",
             "train.warmup_steps=1",
             "colocation.duration_s=3",
+            "data.val_fraction=0.01",
+            "train.eval_every=2",
             f"output.dir={out}",
         ],
     )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "colocate" / "summary.json").read_text())
-    assert summary["trainer"]["steps"] == 4
+    assert summary["trainer"]["steps"] == 4 and summary["trainer"]["eval_loss"] > 0
+    assert [r["step"] for r in _records(out) if "eval_loss" in r] == [2, 4]  # evaluated beside decode too
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "colocate" / "timeline.png").is_file() and (out / "colocate" / "steps.jsonl").is_file()
 

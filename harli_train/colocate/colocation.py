@@ -151,6 +151,9 @@ def warm_up_trainer(
         0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
     )
     batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
+    batch["positions"] = torch.arange(ids.shape[1]).expand_as(ids).clone()
+    if cfg.data.packing:  # the block-diagonal attention that packed batches run (its mask's memory included)
+        batch["doc_ids"] = torch.zeros_like(ids)
     saved = rng_state()
     places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
     places.setdefault(total_sms, partitions[-1].train_stream)

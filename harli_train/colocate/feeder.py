@@ -281,10 +281,13 @@ class TrainFeeder:
         return sorted(recent)[len(recent) // 2] if recent else self.ewma_s
 
     def _next_kind(self) -> str:
-        """What the generator will launch next: fwd, loss, bwd, optim, or "next" (the step boundary)."""
+        """What the generator will launch next: fwd, loss, bwd, optim, eval (while an evaluation runs: its
+        next chunk, or the next step), or "next" (the step boundary)."""
         last, ms = self.last_phase, self._last
         if last is None or ms is None:
             return "next"
+        if last == "eval":
+            return "eval"
         if last == "fwd":
             return "loss" if ms.stop >= self._num_layers else "fwd"
         if last == "loss" or (last == "bwd" and ms.start > 0):
@@ -348,8 +351,10 @@ class TrainFeeder:
 
     def _track(self, ms: MicroStep, first_sm: int) -> None:
         self.micro_steps += 1
-        self._micro_in_step += 1
         self.last_phase, self._last = ms.phase, ms
+        if ms.phase == "eval":  # a chunk of an evaluation after a counted step: no gradients to follow
+            return
+        self._micro_in_step += 1
         mb = ms.micro_batch
         if ms.phase == "fwd":
             chunks = self._chunks.setdefault(mb, [])

@@ -498,6 +498,7 @@ class ColocatedRuntime:
                 "steps": trainer.step,
                 "total_steps": trainer.total_steps,
                 "loss": trainer.last_loss,
+                "eval_loss": trainer.last_eval_loss,
                 "interrupted": self.stop_reason == "interrupted",
             }
         serving = self.engine.metrics.write(self.out_dir / "serve")

@@ -1,6 +1,7 @@
 """Data pipeline: tokenizer -> examples from JSONL -> fixed-shape batches."""
 
-from harli_train.data.dataset import IGNORE_INDEX, DataError, Example, load_examples
+from harli_train.data.dataset import load_examples
+from harli_train.data.example import IGNORE_INDEX, DataError, Example
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 

@@ -1,87 +1,94 @@
-"""Training examples read from a JSONL file: token ids plus the labels the loss is taken on."""
+"""Training examples read from the user's data: token ids plus the labels the loss is taken on."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from harli_train.data import formats
+from harli_train.data.example import DataError, Example
+from harli_train.data.files import data_files, read_rows
+from harli_train.data.tokenization import (
+    TRAIN_ON,
+    chat_example,
+    chat_tokenizer,
+    prompt_completion_example,
+    text_example,
+)
 
 if TYPE_CHECKING:
     from harli_train.data.tokenizer import Tokenizer
 
-IGNORE_INDEX = -100
-FORMATS = ("auto", "prompt_completion", "text")
-FORMAT_FIELDS = {"prompt_completion": ("prompt", "completion"), "text": ("text",)}
-
-
-class DataError(ValueError):
-    """A problem with the user's data or tokenizer files; the message says which file (and line)."""
-
-
-@dataclass(slots=True)
-class Example:
-    """One tokenized example. Labels are unshifted (labels[t] is the target at position t; the model
-    shifts) and IGNORE_INDEX where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
+FORMATS = formats.FORMATS
 
 
 def load_examples(
-    path: str | Path, fmt: str, tokenizer: Tokenizer, max_examples: int | None = None
+    path: str | Path,
+    fmt: str,
+    tokenizer: Tokenizer,
+    max_examples: int | None = None,
+    train_on: str = "assistant",
 ) -> list[Example]:
-    """Tokenize a JSONL file (or every `*.jsonl` file of a folder, in name order) of {"prompt", "completion"}
-    rows or {"text"} rows.
+    """Tokenize a data file, or every data file of a folder in name order (`harli_train.data.files`: JSON
+    Lines, JSON, Parquet, CSV), of rows in one format (`harli_train.data.formats`).
 
-    prompt/completion -> [bos] + prompt + completion + [eos], loss on completion + eos only.
-    text              -> [bos] + text + [eos], loss on everything but bos.
-    Prompt and completion are tokenized separately so the loss mask falls exactly on their boundary.
-    With fmt="auto" the first row decides the format; data mixing both is an error. Blank lines and
-    rows whose text is empty are skipped. bos is left out when the tokenizer has none.
+    prompt_completion -> prompt + completion + eos, loss after the prompt (`train_on="all"`: on all of it)
+    text              -> text + eos, loss on all but the tokenizer's leading special tokens
+    chat, alpaca, sharegpt -> the conversation as the tokenizer's chat template renders it, loss on the
+                         assistant turns (`train_on="all"`: on every token)
+    (`harli_train.data.tokenization` says how.) With fmt="auto" the first row decides the format; data mixing
+    formats is an error. Blank lines and rows with no text are skipped. DataError naming the file and line
+    (or row) for a bad row, the tokenizer for a chat format it has no template for.
     """
     path = Path(path)
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if train_on not in TRAIN_ON:
+        raise DataError(f"unknown data.train_on {train_on!r}; expected one of {', '.join(TRAIN_ON)}")
     if max_examples is not None and max_examples < 1:
         raise DataError(f"max_examples must be at least 1, got {max_examples}")
     files = data_files(path)
-    reader = _Reader(None if fmt == "auto" else fmt, tokenizer, max_examples)
+    reader = _Reader(None if fmt == "auto" else fmt, tokenizer, max_examples, train_on)
     for file in files:
         reader.read(file)
     if not reader.examples:
         if not reader.skipped:
             detail = "it has only blank lines" if len(files) == 1 else "its files have only blank lines"
-        elif len(files) == 1:
-            detail = f"rows on lines {_line_list([n for _, n in reader.skipped])} are empty"
         else:
-            detail = f"rows at {_line_list([f'{p.name}:{n}' for p, n in reader.skipped])} are empty"
+            detail = f"rows at {_line_list(reader.skipped)} have no text"
         raise DataError(f"{path}: no usable rows: {detail}")
     return reader.examples
 
 
-def data_files(path: Path) -> list[Path]:
-    """The JSONL files `path` names: the file itself, or a folder's `*.jsonl` files in name order."""
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
-        if not files:
-            raise DataError(
-                f"{path}: a directory holding no .jsonl files (data.path is a JSONL file or a folder of them)"
-            )
-        return files
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
-    return [path]
+def split_examples(
+    examples: list[Example], fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(train, validation): a seeded `fraction` of the examples (at least one, and one fewer than all) held
+    out, both in their original order. The same examples, fraction and seed always give the same split."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if len(examples) < 2:
+        raise DataError(
+            f"cannot hold out a validation fraction of {len(examples)} example(s); give data.val_path"
+        )
+    n_val = min(max(1, round(fraction * len(examples))), len(examples) - 1)
+    held = set(np.random.default_rng([seed, 0x5A11]).permutation(len(examples))[:n_val].tolist())
+    train = [e for i, e in enumerate(examples) if i not in held]
+    return train, [e for i, e in enumerate(examples) if i in held]
 
 
 class _Reader:
     """Rows of one or more files into examples, one format throughout."""
 
-    def __init__(self, fmt: str | None, tokenizer: Tokenizer, max_examples: int | None):
+    def __init__(self, fmt: str | None, tokenizer: Tokenizer, max_examples: int | None, train_on: str):
         self.fmt, self.fmt_origin, self.fmt_file = fmt, "the requested format", None
-        self.tokenizer, self.max_examples = tokenizer, max_examples
+        self.tokenizer, self.max_examples, self.train_on = tokenizer, max_examples, train_on
         self.examples: list[Example] = []
-        self.skipped: list[tuple[Path, int]] = []  # (file, line) of the rows with empty text
+        self.skipped: list[str] = []  # locations of the rows with no text
+        if fmt in formats.CHAT_FORMATS:
+            chat_tokenizer(tokenizer)  # no template: one error naming the tokenizer, before any row
 
     @property
     def full(self) -> bool:
@@ -91,85 +98,57 @@ class _Reader:
         """Append the examples of `path` (until `max_examples` are read); DataError naming the file and line."""
         if self.full:
             return
-        if path.stat().st_size == 0:
-            raise DataError(f"{path}: data file is empty")
-        # Read bytes and decode line by line so a bad byte is reported on its own line.
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if self.full:
-                    return
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a leading BOM
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-                if not line.strip():
-                    continue
-                row = _parse_row(line, where)
-                detected = _detect_format(row, where)
-                if self.fmt is None:
-                    self.fmt, self.fmt_file = detected, path
-                    self.fmt_origin = f"the file's format (from line {lineno})"
-                elif detected != self.fmt:
-                    elsewhere = self.fmt_file is not None and path != self.fmt_file
-                    origin = f"{self.fmt_file.name}'s format" if elsewhere else self.fmt_origin
-                    one = "a folder's files" if elsewhere else "a file"
-                    raise DataError(
-                        f"{where}: row is in {detected} format, but {origin} is {self.fmt}; "
-                        f"{one} must use one format"
-                    )
-                fields = [_string_field(row, name, self.fmt, where) for name in FORMAT_FIELDS[self.fmt]]
-                if not any(fields):
-                    self.skipped.append((path, lineno))
-                    continue
-                self.examples.append(_tokenize(fields, self.tokenizer))
+        for where, row in read_rows(path):
+            if self.full:
+                return
+            if row is None:
+                continue
+            fmt = self._format(row, where, path)
+            example = self._example(row, fmt, where)
+            if example is None:
+                self.skipped.append(where)
+            else:
+                self.examples.append(example)
+
+    def _format(self, row: dict, where: str, path: Path) -> str:
+        """The format to read `row` in: the requested one (other fields are ignored), else the one the first
+        row showed, which every later row must show too."""
+        if self.fmt is not None and formats.has_markers(row, self.fmt):
+            return self.fmt
+        detected = formats.detect_format(row, where)
+        if self.fmt is None:
+            if detected in formats.CHAT_FORMATS:
+                chat_tokenizer(self.tokenizer)
+            self.fmt, self.fmt_file = detected, path
+            self.fmt_origin = f"the file's format (from {where.removeprefix(str(path)).lstrip(':').strip()})"
+            return detected
+        elsewhere = self.fmt_file is not None and path != self.fmt_file
+        origin = f"{self.fmt_file.name}'s format" if elsewhere else self.fmt_origin
+        one = "a folder's files" if elsewhere else "a file"
+        raise DataError(
+            f"{where}: row is in {detected} format, but {origin} is {self.fmt}; {one} must use one format"
+        )
+
+    def _example(self, row: dict, fmt: str, where: str) -> Example | None:
+        if fmt in formats.CHAT_FORMATS:
+            messages = formats.messages(row, fmt, where)
+            if not any(m["content"] for m in messages):
+                return None
+            try:
+                return chat_example(self.tokenizer, messages, self.train_on)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+        fields = formats.text_fields(row, fmt, where)
+        if not any(fields):
+            return None
+        if fmt == "text":
+            return text_example(self.tokenizer, fields[0])
+        example = prompt_completion_example(self.tokenizer, *fields)
+        if self.train_on == "all":
+            example.labels = list(example.input_ids)
+        return example
 
 
-def _parse_row(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
-    return row
-
-
-def _detect_format(row: dict, where: str) -> str:
-    """The format this row's keys point to."""
-    is_pc = "prompt" in row or "completion" in row
-    is_text = "text" in row
-    if is_pc and is_text:
-        raise DataError(f"{where}: row has both 'text' and 'prompt'/'completion' fields; use one format")
-    if is_pc:
-        return "prompt_completion"
-    if is_text:
-        return "text"
-    raise DataError(
-        f"{where}: row has neither 'prompt'/'completion' nor 'text' fields (keys: {', '.join(row) or 'none'})"
-    )
-
-
-def _string_field(row: dict, name: str, fmt: str, where: str) -> str:
-    if name not in row:
-        needed = " and ".join(repr(n) for n in FORMAT_FIELDS[fmt])
-        raise DataError(f"{where}: missing field {name!r} ({fmt} rows need {needed})")
-    value = row[name]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _tokenize(fields: list[str], tokenizer: Tokenizer) -> Example:
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    if len(fields) == 2:
-        prompt, completion = (tokenizer.encode(s) for s in fields)
-        target = completion + [tokenizer.eos_id]
-        return Example(bos + prompt + target, [IGNORE_INDEX] * (len(bos) + len(prompt)) + target)
-    target = tokenizer.encode(fields[0]) + [tokenizer.eos_id]
-    return Example(bos + target, [IGNORE_INDEX] * len(bos) + target)
-
-
-def _line_list(lines: list[int], limit: int = 5) -> str:
-    shown = ", ".join(str(n) for n in lines[:limit])
-    return shown + (f" and {len(lines) - limit} more" if len(lines) > limit else "")
+def _line_list(locations: list[str], limit: int = 5) -> str:
+    shown = ", ".join(locations[:limit])
+    return shown + (f" and {len(locations) - limit} more" if len(locations) > limit else "")

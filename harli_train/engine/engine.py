@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harli_train.data.tokenization import prompt_ids
 from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.engine_config import EngineConfig, EngineError, capped_to_context
 from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage, kv_cache_blocks
@@ -53,6 +54,7 @@ class StepResult:
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
+    """The tokens that end a request: the model's EOS ids (config.json's and generation_config.json's)."""
     eos = model.config.eos_token_id
     return set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
@@ -146,9 +148,7 @@ class DecodeEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineError("a text prompt needs an engine built with a tokenizer (or pass token ids)")
-            ids = self.tokenizer.encode(prompt)
-            bos = getattr(self.tokenizer, "bos_id", None)
-            return ([bos] if bos is not None else []) + ids
+            return prompt_ids(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def add_request(
@@ -158,9 +158,10 @@ class DecodeEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Sequence:
-        """Queue a request; raises RequestRefused (others are untouched, the refusal is recorded in the
-        metrics) if it could never run here: longer than `max_model_len` (at most the model's context) or than
-        the whole KV cache."""
+        """Queue a request: token ids, or a text that the engine's tokenizer encodes as a prompt
+        (`harli_train.data.tokenization.prompt_ids`: with the tokenizer's own special tokens). Raises
+        RequestRefused (others are untouched, the refusal is recorded in the metrics) if it could never run
+        here: longer than `max_model_len` (at most the model's context) or than the whole KV cache."""
         params = params or SamplingParams()
         ids = self._encode(prompt)
         seq = Sequence(

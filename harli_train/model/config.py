@@ -108,16 +108,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        """The model of a Hugging Face directory: config.json, with the EOS ids of generation_config.json
+        (when there is one) added to its own: a chat model stops on its end-of-turn token (`<|eot_id|>`,
+        `<|im_end|>`), which often only the generation config names, as transformers' `generate` does."""
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise ModelError(
                 f"model directory {path}: no config.json found (expected a Hugging Face model folder)"
             )
-        try:
-            d = json.loads(cfg.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelError(f"{cfg}: not a JSON file ({type(e).__name__}: {e})") from None
-        return cls.from_hf_dict(d, str(cfg))
+        config = cls.from_hf_dict(_read_json(cfg), str(cfg))
+        generation = Path(path) / "generation_config.json"
+        if generation.is_file():
+            extra = _as_list(_eos_ids(_read_json(generation), str(generation)))
+            ids = list(dict.fromkeys(_as_list(config.eos_token_id) + extra))
+            config.eos_token_id = ids[0] if len(ids) == 1 else ids or None
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +158,20 @@ def _is(value: Any, kind: type) -> bool:
     return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not a JSON file ({type(e).__name__}: {e})") from None
+
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
 def _eos_ids(d: dict[str, Any], where: str) -> int | list[int] | None:
+    if not isinstance(d, dict):
+        raise ModelError(f"{where}: expected a JSON object of model settings, got {_describe(d)}")
     eos = d.get("eos_token_id")
     if eos is None or _is(eos, int) or (isinstance(eos, list) and all(_is(t, int) for t in eos)):
         return eos

@@ -2,8 +2,9 @@
 
 Module names follow transformers' `LlamaForCausalLM`, so checkpoints load without renaming and adapters
 export under peft's key names. Attention runs through torch SDPA (causal, whole sequences) unless the caller
-passes an `attn_ctx`: the decode engine's per-step object that stores K/V in its paged cache and attends
-over it (`attn_ctx.attend(layer_idx, q, k, v) -> o`, all [B, T, heads, head_dim]).
+passes an `attn_ctx` (`attn_ctx.attend(layer_idx, q, k, v) -> o`, all [B, T, heads, head_dim]): the decode
+engine's per-step object that stores K/V in its paged cache and attends over it, or the trainer's
+`DocumentAttention` for packed rows (block-diagonal causal, with `positions` restarting per document).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harli_train import kernels
+from harli_train.model.attention import causal_attention
 from harli_train.model.config import ModelConfig
 from harli_train.model.linear import LoRALinear, grouped_forward
 from harli_train.model.rope import RotaryEmbedding
@@ -57,16 +58,7 @@ class Attention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = kernels.apply_rope(q, k, cos, sin)
-        if attn_ctx is not None:
-            o = attn_ctx.attend(self.layer_idx, q, k, v)
-        else:
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            ).transpose(1, 2)
+        o = causal_attention(q, k, v) if attn_ctx is None else attn_ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(b, t, -1))
 
 

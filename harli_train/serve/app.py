@@ -17,6 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
+from harli_train.data.dataset import DataError
+from harli_train.data.tokenization import chat_prompt_ids
 from harli_train.serve import protocol
 from harli_train.serve.engine_loop import QueueFull, RequestHandle, RequestPort
 from harli_train.serve.prometheus import ServerMetrics
@@ -113,11 +115,13 @@ class Server:
             raise protocol.APIError(400, f"the request body is not valid JSON: {err}") from None
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        render = getattr(self.tokenizer, "apply_chat_template", None)
-        if render is None or not getattr(self.tokenizer, "has_chat_template", False):
-            raise protocol.APIError(400, "this model's tokenizer has no chat template: use /v1/completions",
-                                    param="messages", code="no_chat_template")  # fmt: skip
-        return render(messages)
+        """The conversation's prompt ids, by the one tokenization module the trainer and generate use."""
+        try:
+            return chat_prompt_ids(self.tokenizer, messages)
+        except DataError as err:
+            raise protocol.APIError(
+                400, f"{err}: use /v1/completions", param="messages", code="no_chat_template"
+            ) from None
 
     async def _serve(self, request: web.Request, req: protocol.APIRequest) -> web.StreamResponse:
         import asyncio

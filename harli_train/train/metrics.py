@@ -77,7 +77,8 @@ def _read_steps(path: Path) -> list[tuple[str, int]]:
 
 class MetricsLogger:
     """Appends one JSON line per step to ``path`` (resuming: keeps the lines of steps up to
-    ``resume_step``) and shows progress on the console."""
+    ``resume_step``) and shows progress on the console; a step that was evaluated has an ``eval_loss`` key,
+    which the progress line shows from then on (and a log line is printed for that step)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class MetricsLogger:
         self.file.writelines(line + "\n" for line in kept)
         self.total_steps, self.log_every, self.quiet = total_steps, max(1, log_every), quiet
         self.start = time.perf_counter()
+        self.last_eval = ""  # the latest evaluation's loss, as the progress line shows it
         self.progress = None
         if not quiet and sys.stderr.isatty():
             self.progress = progress_bar()
@@ -110,13 +112,16 @@ class MetricsLogger:
         if self.quiet:
             return
         step = record["step"]
+        evaluated = record.get("eval_loss") is not None
+        if evaluated:
+            self.last_eval = f"eval {record['eval_loss']:.4f}  "
         status = (
-            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+            f"loss {record['loss']:.4f}  {self.last_eval}lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
             f"{record['tokens_per_s']:,.0f} tok/s  {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}"
         )
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
-        elif step % self.log_every == 0 or step == self.total_steps:
+        elif evaluated or step % self.log_every == 0 or step == self.total_steps:
             elapsed = time.perf_counter() - self.start
             print(
                 f"step {step:>6}/{self.total_steps}  {status}  [{elapsed:,.0f}s]", file=sys.stderr, flush=True

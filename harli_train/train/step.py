@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from harli_train import kernels
+from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
+from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
 IGNORE_INDEX = -100
@@ -61,6 +63,29 @@ def _replaying(state: dict | None):
         set_rng_state(now)
 
 
+def model_inputs(
+    model: LlamaForCausalLM, batch: dict, device: torch.device, buffers: BatchBuffers | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttention | None]:
+    """A batch on `device` as the layers take it: (input_ids, labels, cos, sin, attention context), its
+    tensors copied into `buffers` when given (else moved as they are).
+
+    `positions` [B, T] and `doc_ids` [B, T] come with a packed batch (`harli_train.data.loader`): the rope
+    tables follow the positions, and `doc_ids` give the block-diagonal mask (`DocumentAttention`). A batch
+    without them is one sequence per row: positions 0..T-1, plain causal attention.
+    """
+    if buffers is not None:
+        batch = buffers.load(batch)
+    ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    positions = batch.get("positions")
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+    cos, sin = model.rope(positions.to(device, non_blocking=True))
+    doc_ids = batch.get("doc_ids")
+    attn = None if doc_ids is None else DocumentAttention(doc_ids.to(device, non_blocking=True))
+    return ids, labels, cos, sin, attn
+
+
 def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
 
@@ -71,6 +96,7 @@ def train_step(
     layers_per_microstep: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     recompute: Callable[[int, int], bool] | None = None,
+    buffers: BatchBuffers | None = None,
 ) -> Generator[MicroStep, None, StepResult]:
     """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
 
@@ -78,6 +104,7 @@ def train_step(
     same gradient as one large batch. Leaves gradients in the LoRA parameters; the caller steps the optimizer.
     `recompute(micro_batch, start)`, asked just before the backward of the chunk starting at layer `start`,
     says whether to rebuild that chunk's forward graph first (on the stream current at that moment).
+    `buffers` (optional) hold each micro-batch's inputs on the device (`BatchBuffers`).
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
@@ -91,11 +118,8 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     input_tokens = 0
     for mb, batch in enumerate(batches):
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
+        ids, labels, cos, sin, attn = model_inputs(model, batch, device, buffers)
         input_tokens += ids.numel()
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
-        cos, sin = model.rope(positions)
         # Forward, chunk by chunk; each chunk keeps its own autograd graph.
         saved, rng = [], []
         hidden, residual = model.embed(ids), None
@@ -105,7 +129,7 @@ def train_step(
             if replay:
                 rng.append(rng_state())
             with autocast():
-                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin)
+                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             saved.append([h_in, r_in, hidden, residual])
             yield MicroStep("fwd", mb, start, stop)
         # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
@@ -127,7 +151,7 @@ def train_step(
             if recompute is not None and recompute(mb, start):
                 saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
                 with _replaying(rng[i] if replay else None), autocast():
-                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin)
+                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))
             grads = (h_in.grad, None if r_in is None else r_in.grad)
@@ -135,3 +159,46 @@ def train_step(
             yield MicroStep("bwd", mb, start, stop)
         del saved
     return StepResult(loss_sum=loss_sum, target_tokens=total_targets, input_tokens=input_tokens)
+
+
+def eval_step(
+    model: LlamaForCausalLM,
+    batches: list[dict],
+    layers_per_microstep: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    buffers: BatchBuffers | None = None,
+) -> Generator[MicroStep, None, tuple[float, int]]:
+    """The loss of `batches` (an evaluation set), as micro-steps ("eval", one per chunk of layers) that a
+    runtime can interleave with decode steps like a training step's; returns (mean token loss, target tokens).
+
+    Runs the model in eval mode (no dropout, so no random numbers are drawn: the training RNG is untouched)
+    without autograd, and puts it back in the mode it was in, however the generator ends. Grad mode is
+    switched off per chunk, never across a yield (it is the calling thread's state).
+    """
+    bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
+    device = model.lm_head.weight.device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    targets = sum(int(b["num_target_tokens"]) for b in batches)
+    was_training = model.training
+    model.eval()
+    try:
+        for mb, batch in enumerate(batches):
+            ids, labels, cos, sin, attn = model_inputs(model, batch, device, buffers)
+            with torch.no_grad():
+                hidden, residual = model.embed(ids), None
+            for start, stop in bounds:
+                with torch.no_grad(), autocast():
+                    hidden, residual = model.run_layers(start, stop, hidden, residual, cos, sin, attn)
+                yield MicroStep("eval", mb, start, stop)
+            with torch.no_grad(), autocast():
+                normed = model.final_norm(hidden, residual)
+                mb_loss, _ = kernels.linear_cross_entropy(
+                    normed[:, :-1].reshape(-1, normed.shape[-1]),
+                    model.lm_head.weight,
+                    labels[:, 1:].reshape(-1),
+                    IGNORE_INDEX,
+                )
+            loss_sum += mb_loss.float()
+    finally:
+        model.train(was_training)
+    return (loss_sum.item() / targets if targets else float("nan")), targets

@@ -16,7 +16,7 @@ import torch
 from harli_train import kernels
 from harli_train.adapter import save_adapter
 from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
-from harli_train.data.dataset import DataError, load_examples
+from harli_train.data.example import DataError
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
@@ -27,6 +27,7 @@ from harli_train.model import (
     model_config,
     resolve_dtype,
 )
+from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.checkpoint import (
     STATE_JSON,
     CheckpointError,
@@ -43,6 +44,7 @@ from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
 from harli_train.train.trainer_state import rng_state, set_rng_state
+from harli_train.train.validation import load_run_data
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class Trainer:
         self.total_steps = 0
         self.last_loss = float("nan")
         self.interrupted = False
+        self.last_eval_loss: float | None = None
+        self._record: dict[str, Any] | None = None  # the counted step's metrics, until they are logged
         # Asked before each chunk's backward whether to rebuild the chunk's forward first (co-location: its
         # stream's SMs went to decode); see `train_step`.
         self.recompute_chunk: Callable[[int, int], bool] | None = None
@@ -99,7 +103,7 @@ class Trainer:
         model = self.model
         kernels.set_backend(cfg.train.kernels)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
-        examples = load_examples(cfg.data.path, cfg.data.format, self.tokenizer, cfg.data.max_examples)
+        examples, self.validation = load_run_data(cfg, self.tokenizer)
         self.loader = DataLoader(
             examples,
             cfg.train.batch_size,
@@ -139,6 +143,7 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.tokens_seen = 0
+        self.buffers = BatchBuffers(self.device)
         if state is None:
             self._init_optimizer_state()
         else:
@@ -223,7 +228,12 @@ class Trainer:
             t0 = time.perf_counter()
             batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
             result: StepResult = yield from train_step(
-                self.model, batches, cfg.layers_per_microstep, self._autocast, self.recompute_chunk
+                self.model,
+                batches,
+                cfg.layers_per_microstep,
+                self._autocast,
+                self.recompute_chunk,
+                self.buffers,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
@@ -235,6 +245,11 @@ class Trainer:
             self._pending_commit = (result, lr, grad_norm, t0)
             yield MicroStep("optim", len(batches) - 1)
             self._commit_step()
+            if self.validation is not None and self.validation.due(self.step, self.done):
+                self._record["eval_loss"] = self.last_eval_loss = yield from self.validation.run(
+                    self.model, self._autocast, self.buffers
+                )
+            self._log_record()
             every = self.cfg.output.checkpoint_every
             if every and self.step % every == 0 and not self.done:
                 self.save_checkpoint()
@@ -255,8 +270,9 @@ class Trainer:
         return self.finish()
 
     def _commit_step(self) -> None:
-        """Count and log the step whose optimizer update has run; from here on it is kept, never redone.
-        A step whose loss or gradient norm is not finite raises TrainingDiverged instead (nothing counted)."""
+        """Count the step whose optimizer update has run; from here on it is kept, never redone. Its metrics
+        record waits (for an evaluation's loss) until `_log_record`. A step whose loss or gradient norm is not
+        finite raises TrainingDiverged instead (nothing counted)."""
         (result, lr, grad_norm, t0), self._pending_commit = self._pending_commit, None
         loss, grad_norm = result.loss_sum.item() / result.target_tokens, float(grad_norm)
         check_step(self.step + 1, loss, grad_norm, self.out_dir)
@@ -268,29 +284,35 @@ class Trainer:
             # The trainer's own stream: a device-wide sync would also wait for a co-located decode step.
             torch.cuda.current_stream(self.device).synchronize()
         dt = time.perf_counter() - t0
-        self.metrics.log(
-            {
-                "step": self.step,
-                "loss": self.last_loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens": result.input_tokens,
-                "target_tokens": result.target_tokens,
-                "tokens_per_s": result.input_tokens / dt,
-                "step_s": dt,
-                "memory_gib": memory_gib(self.device),
-                "epoch": self.loader.epoch,
-                "tokens_seen": self.tokens_seen,
-            }
-        )
+        self._record = {
+            "step": self.step,
+            "loss": self.last_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": result.input_tokens,
+            "target_tokens": result.target_tokens,
+            "tokens_per_s": result.input_tokens / dt,
+            "step_s": dt,
+            "memory_gib": memory_gib(self.device),
+            "epoch": self.loader.epoch,
+            "tokens_seen": self.tokens_seen,
+        }
+
+    def _log_record(self) -> None:
+        """Write the counted step's metrics record (with `eval_loss` when it was evaluated), once."""
+        if self._record is not None:
+            self.metrics.log(self._record)
+            self._record = None
 
     def abandon_step(self) -> None:
         """Drop the step in flight (gradients, data position, RNG) so the next `micro_steps()` redoes it.
 
-        A step whose optimizer update already ran is kept instead (counted): its weights have moved.
+        A step whose optimizer update already ran is kept instead (counted and logged): its weights have
+        moved. An evaluation in flight is dropped (its step is logged without it).
         """
         if getattr(self, "_pending_commit", None) is not None:
             self._commit_step()
+        self._log_record()
         self.optimizer.zero_grad(set_to_none=True)
         if getattr(self, "_loader_state", None) is not None:
             self.loader.load_state_dict(self._loader_state)
@@ -325,6 +347,7 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             "loss": self.last_loss,
+            "eval_loss": self.last_eval_loss,
             "adapter": str(adapter_dir),
             "checkpoint": str(ckpt) if ckpt else None,
             "interrupted": self.interrupted,
