@@ -71,9 +71,9 @@ def _ids(seed: int = 0) -> torch.Tensor:
 def test_merged_export_equals_peft_merge_and_unload(run, tmp_path):
     base, run_dir = run
     out = tmp_path / "merged"
-    result, lines = _invoke("export", run_dir, "--merged", out, "--max-shard-mb", "0.05")
+    result, _ = _invoke("export", run_dir, "--merged", out, "--max-shard-mb", "0.05")
     assert result.exit_code == 0, result.output
-    summary = json.loads("\n".join(lines))
+    summary = json.loads(result.stdout)
     assert summary["merged_modules"] == 3 * 3 and summary["dtype"] == "float32"
     # Small shards: several files and an index, as transformers writes a large model.
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -121,9 +121,9 @@ def test_a_bf16_base_is_exported_in_bf16(run, tmp_path):
     shutil.copytree(run_dir / "adapter", bf16_run / "adapter")
     (bf16_run / "recipe.yaml").write_text(yaml.safe_dump({"model": {"name": str(bf16_base)}}))
     out = tmp_path / "merged"
-    result, lines = _invoke("export", bf16_run, "--merged", out)
+    result, _ = _invoke("export", bf16_run, "--merged", out)
     assert result.exit_code == 0, result.output
-    assert json.loads("\n".join(lines))["dtype"] == "bfloat16"
+    assert json.loads(result.stdout)["dtype"] == "bfloat16"
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (256, 257, 258)
     reference = _peft_merged(bf16_base, run_dir / "adapter").state_dict()  # peft on an fp32 load of it

@@ -72,6 +72,7 @@ def staged_dir(out_dir: str | Path) -> Iterator[Path]:
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         yield stage
+        _share_like_umask(stage)
         check_out_dir(out)  # something may have appeared there meanwhile
         if out.is_dir():
             out.rmdir()
@@ -79,6 +80,16 @@ def staged_dir(out_dir: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give `folder` and its files the modes a plain mkdir / open would (mkdtemp makes the folder 0700 and
+    safetensors writes files 0600): an exported model is for others to read."""
+    mask = os.umask(0)  # Python has no getter for the umask: set and restore it
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~mask)
 
 
 def plan_shards(sources: Sequence[TensorSource], max_shard_bytes: int) -> list[list[TensorSource]]:
