@@ -168,6 +168,17 @@ def _moved_base(run_dir: Path, tmp: Path) -> Path:
     return tmp / "moved"
 
 
+def _truncated_base(run_dir: Path, tmp: Path) -> Path:
+    """A run whose base lost the end of its weights file (a copy cut short)."""
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    shutil.copytree(recipe["model"]["name"], tmp / "cut-base")
+    weights = tmp / "cut-base/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    shutil.copytree(run_dir / "adapter", tmp / "cut/adapter")
+    (tmp / "cut/recipe.yaml").write_text(yaml.safe_dump({"model": {"name": str(tmp / "cut-base")}}))
+    return tmp / "cut"
+
+
 def _other_model_adapter(run_dir: Path, tmp: Path) -> Path:
     """The run's recipe with an adapter of other shapes (made for the tiny preset)."""
     result, _ = _invoke(
@@ -186,6 +197,7 @@ def _other_model_adapter(run_dir: Path, tmp: Path) -> Path:
         (lambda r, t: t / "nowhere", ["--merged", "{out}"], "not a run directory"),
         (_preset_run, ["--merged", "{out}"], "model.name 'tiny' is a preset"),
         (_moved_base, ["--merged", "{out}"], "neither a preset"),
+        (_truncated_base, ["--merged", "{out}"], "not a readable safetensors file"),
         (_other_model_adapter, ["--merged", "{out}"], "adapter made for another model?"),
         (lambda r, t: r, ["--merged", "{full}"], "exists and is not empty"),
         (lambda r, t: r, ["--adapter-only", "{full}"], "exists and is not empty"),
@@ -203,6 +215,7 @@ def _other_model_adapter(run_dir: Path, tmp: Path) -> Path:
         "no-run-dir",
         "preset",
         "base-gone",
+        "base-truncated",
         "adapter-mismatch",
         "out-not-empty",
         "adapter-out-not-empty",

@@ -183,11 +183,14 @@ def export_merged(
 
 
 def _open_shard(shard: Path):
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if not shard.is_file():
         raise ExportError(f"{shard}: a shard the base's index lists is missing")
-    return safe_open(str(shard), framework="pt", device="cpu")
+    try:
+        return safe_open(str(shard), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ExportError(f"{shard}: not a readable safetensors file ({e}); it may be truncated") from None
 
 
 def _source(
