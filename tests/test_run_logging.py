@@ -109,6 +109,20 @@ def test_wandb_gets_every_record_and_a_resumed_run_keeps_its_id(tmp_path, monkey
     assert [step for step, _ in fake.logged[len(records) :]] == [5, 6] and fake.finished == 2
 
 
+def test_a_wandb_run_that_cannot_start_is_a_recipe_error(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+
+    def refuse(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    fake.init = refuse
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with pytest.raises(RecipeError) as err:
+        _train(_recipe(tmp_path, **{"output.wandb": "harli-tests"}))
+    assert err.value.key == "output.wandb" and "wandb login" in str(err.value)
+    assert "wandb.init failed: RuntimeError: api_key not configured (no-tty)" in err.value.found
+
+
 @pytest.mark.parametrize(
     ("key", "value", "package", "found"),
     [

@@ -61,15 +61,23 @@ class WandbSink:
     kept in `run_dir/wandb_run_id`, so a resumed run continues the same W&B run (W&B takes increasing steps
     only: steps a resume from an older checkpoint redoes keep their first values there)."""
 
-    def __init__(self, project: str, run_dir: Path, config: dict[str, Any], resuming: bool):
+    def __init__(self, project: str, run_dir: Path, config: dict[str, Any], resuming: bool, source: str):
         import wandb
 
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(
-            project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), config=config
-        )
+        try:
+            self.run = wandb.init(
+                project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), config=config
+            )
+        except Exception as e:  # not logged in, no network, a bad project name: W&B's own words say which
+            raise RecipeError(
+                source,
+                "output.wandb",
+                "a W&B project wandb can open (`wandb login` first, or WANDB_MODE=offline to log locally)",
+                f"{project!r}, but wandb.init failed: {type(e).__name__}: {e}",
+            ) from None
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=record["step"])
@@ -108,11 +116,13 @@ def open_sinks(
     wandb_project: str | None,
     config: dict[str, Any],
     resume_step: int | None,
+    source: str,
 ) -> list[Sink]:
-    """The backends a recipe asks for, opened for a run whose first new step is `resume_step + 1`."""
+    """The backends a recipe asks for, opened for a run whose first new step is `resume_step + 1`;
+    RecipeError naming `source` when W&B cannot start its run."""
     sinks: list[Sink] = []
     if tensorboard:
         sinks.append(TensorBoardSink(run_dir, (resume_step or 0) + 1))
     if wandb_project is not None:
-        sinks.append(WandbSink(wandb_project, run_dir, config, resuming=resume_step is not None))
+        sinks.append(WandbSink(wandb_project, run_dir, config, resume_step is not None, source))
     return sinks

@@ -159,7 +159,12 @@ class Trainer:
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
         resume_step = self.step if state is not None else None
         sinks = open_sinks(
-            self.out_dir, cfg.output.tensorboard, cfg.output.wandb, recipe_to_dict(cfg), resume_step
+            self.out_dir,
+            cfg.output.tensorboard,
+            cfg.output.wandb,
+            recipe_to_dict(cfg),
+            resume_step,
+            cfg.source,
         )
         self.metrics = MetricsLogger(
             self.out_dir / "metrics.jsonl",
