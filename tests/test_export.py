@@ -150,6 +150,28 @@ def test_adapter_only_copies_the_peft_files_and_a_checkpoint_exports_too(run, tm
     assert filecmp.cmp(tmp_path / "from-run/model.safetensors", tmp_path / "from-ckpt/model.safetensors")
 
 
+def test_a_run_on_a_relative_base_exports_from_anywhere(run, tmp_path, monkeypatch):
+    base, _ = run
+    monkeypatch.chdir(base.parent)
+    result, _ = _invoke(
+        ROOT / "recipes/quickstart.yaml",
+        "--quiet",
+        f"model.name={base.name}",
+        "train.steps=1",
+        "data.seq_len=32",
+        "train.batch_size=2",
+        f"output.dir={tmp_path / 'rel'}",
+    )
+    assert result.exit_code == 0, result.output
+    recorded = yaml.safe_load((tmp_path / "rel/recipe.yaml").read_text())["model"]["name"]
+    adapter_config = json.loads((tmp_path / "rel/adapter/adapter_config.json").read_text())
+    assert recorded == adapter_config["base_model_name_or_path"] == str(base)
+    monkeypatch.chdir(tmp_path)
+    result, _ = _invoke("export", tmp_path / "rel", "--merged", "merged")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "merged/model.safetensors").is_file()
+
+
 def _without_adapter(run_dir: Path, tmp: Path) -> Path:
     shutil.copytree(run_dir, tmp / "unfinished", ignore=shutil.ignore_patterns("adapter"))
     return tmp / "unfinished"

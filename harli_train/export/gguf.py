@@ -64,7 +64,7 @@ def convert_gguf(
     `dtype`, float32 by default: the dequantized values exactly; config.json, generation_config.json,
     tokenizer files). Returns a summary. ExportError when gguf is not installed, the file is not GGUF, its
     architecture is not a Llama-family one, or `out_dir` is not empty. Costs a full read and dequantization
-    of the file (about 30 s and 1 GB of memory for SmolLM2-135M on 2 CPU cores)."""
+    of the file (SmolLM2-135M: about 30 s and a 1.3 GB peak resident set on 2 CPU cores)."""
     if importlib.util.find_spec("gguf") is None:
         raise ExportError(
             f"convert-gguf reads GGUF files with the gguf package, which is not installed: {INSTALL_HINT}"

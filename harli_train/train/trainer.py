@@ -88,6 +88,10 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
+        if not is_preset(cfg.model.name) and Path(cfg.model.name).expanduser().is_dir():
+            # Recorded absolute (recipe.yaml, the adapter's base_model_name_or_path), so that `harli-train
+            # export` and peft find the base from any working directory.
+            cfg.model.name = str(Path(cfg.model.name).expanduser().resolve())
         _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
         prepare_run_dir(
