@@ -37,6 +37,7 @@ def plot_loss(metrics: Path, out: Path, title: str = "") -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
@@ -44,6 +45,7 @@ def plot_loss(metrics: Path, out: Path, title: str = "") -> Path | None:
     if evals:
         ax.plot(*zip(*evals, strict=True), color="tab:orange", lw=1.5, marker="o", ms=4, label="eval loss")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss (nats per target token)")
     ax.grid(alpha=0.3)
     ax.legend()
