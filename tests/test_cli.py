@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_help_lists_every_verb_and_version():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for verb in ("train", "generate", "serve-trace", "profile"):
+    for verb in ("train", "generate", "serve-trace", "profile", "export", "convert-gguf"):
         assert verb in result.output
     assert "RECIPE.yaml" in result.output
     assert __version__ in CliRunner().invoke(main, ["--version"]).output

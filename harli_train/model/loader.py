@@ -90,7 +90,9 @@ def init_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -
             p.normal_(0.0, std, generator=gen)
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of HF directory `path`: the index's shards, model.safetensors, or every
+    *.safetensors file; ModelError when there are none or the index is not one."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -122,7 +124,7 @@ def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
 
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for shard in _shard_files(path):
+    for shard in shard_files(path):
         if not shard.is_file():
             raise ModelError(f"model directory {path}: shard {shard.name} listed in the index is missing")
         try:

@@ -6,13 +6,14 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from harli_train.train.checkpoint import CheckpointError
+from harli_train.train.log_sinks import Sink
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,9 @@ def _read_steps(path: Path) -> list[tuple[str, int]]:
 
 class MetricsLogger:
     """Appends one JSON line per step to ``path`` (resuming: keeps the lines of steps up to
-    ``resume_step``) and shows progress on the console; a step that was evaluated has an ``eval_loss`` key,
-    which the progress line shows from then on (and a log line is printed for that step)."""
+    ``resume_step``), hands each record to the ``sinks`` (TensorBoard, W&B; closed with the logger) and
+    shows progress on the console; a step that was evaluated has an ``eval_loss`` key, which the progress
+    line shows from then on (and a log line is printed for that step)."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class MetricsLogger:
         log_every: int,
         resume_step: int | None = None,
         quiet: bool = False,
+        sinks: Sequence[Sink] = (),
     ):
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -96,6 +99,7 @@ class MetricsLogger:
         self.file = open(path, "w")
         self.file.writelines(line + "\n" for line in kept)
         self.total_steps, self.log_every, self.quiet = total_steps, max(1, log_every), quiet
+        self.sinks = list(sinks)
         self.start = time.perf_counter()
         self.last_eval = ""  # the latest evaluation's loss, as the progress line shows it
         self.progress = None
@@ -109,6 +113,8 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        for sink in self.sinks:
+            sink.log(record)
         if self.quiet:
             return
         step = record["step"]
@@ -132,3 +138,6 @@ class MetricsLogger:
             self.progress.stop()
             self.progress = None
         self.file.close()
+        sinks, self.sinks = self.sinks, []  # closed once, however often close() is called
+        for sink in sinks:
+            sink.close()

@@ -38,6 +38,8 @@ from harli_train.train.checkpoint import (
     save_checkpoint,
 )
 from harli_train.train.divergence import TrainingDiverged, check_step
+from harli_train.train.log_sinks import check_sinks, open_sinks
+from harli_train.train.loss_plot import LOSS_PLOT, plot_loss
 from harli_train.train.metrics import MetricsLogger, memory_gib
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
@@ -90,12 +92,17 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
         cfg = self.cfg
+        if not is_preset(cfg.model.name) and Path(cfg.model.name).expanduser().is_dir():
+            # Recorded absolute (recipe.yaml, the adapter's base_model_name_or_path), so that `harli-train
+            # export` and peft find the base from any working directory.
+            cfg.model.name = str(Path(cfg.model.name).expanduser().resolve())
         _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
         prepare_run_dir(
             self.out_dir, resuming=resume is not None, overwrite=cfg.output.overwrite, source=cfg.source
         )
         _check_kernels(cfg, self.device)
+        check_sinks(cfg.output.tensorboard, cfg.output.wandb, cfg.source)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
         if self.model is None:
@@ -159,12 +166,22 @@ class Trainer:
                     f"{ckpt / STATE_JSON}: does not fit this run ({type(e).__name__}: {e})"
                 ) from None
         _write_recipe(self.out_dir / "recipe.yaml", cfg)
+        resume_step = self.step if state is not None else None
+        sinks = open_sinks(
+            self.out_dir,
+            cfg.output.tensorboard,
+            cfg.output.wandb,
+            recipe_to_dict(cfg),
+            resume_step,
+            cfg.source,
+        )
         self.metrics = MetricsLogger(
             self.out_dir / "metrics.jsonl",
             self.total_steps,
             cfg.train.log_every,
-            resume_step=self.step if state is not None else None,
+            resume_step=resume_step,
             quiet=self.quiet,
+            sinks=sinks,
         )
         n_params = sum(p.numel() for p in self.params)
         log.info(
@@ -350,8 +367,19 @@ class Trainer:
             "eval_loss": self.last_eval_loss,
             "adapter": str(adapter_dir),
             "checkpoint": str(ckpt) if ckpt else None,
+            "loss_plot": self._plot_loss(),
             "interrupted": self.interrupted,
         }
+
+    def _plot_loss(self) -> str | None:
+        """RUN_DIR/loss.png from metrics.jsonl; a plot that cannot be written is a warning, not a failed run
+        (the adapter and checkpoint are saved by then)."""
+        try:
+            out = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / LOSS_PLOT, self.out_dir.name)
+        except OSError as err:
+            log.warning("could not write the loss plot: %s", describe_os_error(err))
+            return None
+        return str(out) if out else None
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the last completed step (``checkpoint.save_checkpoint``: crash-safe, SaveError)."""
