@@ -326,7 +326,7 @@ def test_harli_variants_and_exclusive_splits_are_policies(tmp_path, policy):
 
 
 def test_harli_settle_and_learnt_margin_reach_the_controller():
-    from harli_train.colocate.policies import make_policy
+    from harli_train.colocate.policy import make_policy
     from harli_train.colocate.sm import SMLadder
 
     from .test_runtime import synthetic_predictor

@@ -21,7 +21,7 @@ from harli_train.cli import main
 from harli_train.colocate import report
 from harli_train.colocate.assembly import assemble, build_engine, check_objective
 from harli_train.colocate.commands import run_colocated
-from harli_train.colocate.policies import (
+from harli_train.colocate.policy import (
     BESIDE,
     HarliPolicy,
     Policy,
@@ -179,9 +179,9 @@ def test_make_policy_names_and_shapes():
     (part,) = temporal.partitions()
     assert part.time_sliced and part.infer_stream is ladder.full.infer_stream
     harli = make_policy("harli", ladder, pred, 0.05)
-    assert isinstance(harli, HarliPolicy) and harli.prefill_mode == "rung" and harli.name == "harli"
+    assert isinstance(harli, HarliPolicy) and harli.prefill.mode == "rung" and harli.name == "harli"
     assert make_policy("harli:prefill=beside", ladder, pred, 0.05).name == "harli:prefill=beside"
-    assert make_policy("harli:prefill=paused", ladder, pred, 0.05).prefill_mode == "paused"
+    assert make_policy("harli:prefill=paused", ladder, pred, 0.05).prefill.mode == "paused"
     variant = make_policy("harli:prefill=rung", ladder, pred, 0.05)
     assert variant.name == "harli"
     # Decode starts on the whole GPU: a prefill then keeps the trainer paused; once decode has shrunk to a
@@ -192,12 +192,12 @@ def test_make_policy_names_and_shapes():
     while variant.plan(preview("decode", 1, 10)).partition.infer_sms == TOTAL:
         pass
     later = variant.plan(preview("prefill", 1, 10))
-    assert later.partition is variant.prefill_rung and not later.paused
+    assert later.partition is variant.prefill.rung and not later.paused
     assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
     both = make_policy("harli:grow=0.1,prefill=paused", ladder, pred, 0.05)
-    assert both.name == "harli:prefill=paused,grow=0.1" and (both.prefill_mode, both.grow_headroom) == (
+    assert both.name == "harli:prefill=paused,grow=0.1" and (both.prefill.mode, both.grow_headroom) == (
         "paused",
         0.1,
     )
@@ -401,11 +401,11 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
     policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     assert [p.train_sms for p in policy.trainer_rungs] == [100, 68, 36, 4]  # the last rung always
     for decode in ladder.shares:
-        rung = policy._trainer_select(decode)
+        rung = policy.rungs.select(decode)
         assert rung in policy.trainer_rungs or rung is ladder.full
         assert rung.train_sms <= 132 - decode  # disjoint from decode's SMs
         assert 132 - decode - rung.train_sms < 2 * 16  # gives up less than one stride of SMs
-    assert policy._trainer_select(16).train_sms == 100 and policy._trainer_select(129) is ladder.full
+    assert policy.rungs.select(16).train_sms == 100 and policy.rungs.select(129) is ladder.full
     every = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=1)
     assert every.trainer_rungs == ladder.spatial
     with pytest.raises(ValueError, match="trainer_stride"):
@@ -450,7 +450,7 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
     plan = settle(policy, batch)
     assert plan.partition.infer_sms == plain_plan.partition.infer_sms  # decode's own share is unchanged
     assert plan.train_from_sm >= next_share and plan.train_sms < plain_plan.train_sms  # the trainer moved
-    assert all(sms == plan.partition.infer_sms for _, sms in policy._recent)  # the window saw decode's shares
+    assert all(sms == plan.partition.infer_sms for _, sms in policy.rungs.recent)  # the window saw decode's shares
     # Far from the budget (a small batch) the trainer goes back next to decode's recent peak share.
     relaxed = policy.plan(preview("decode", 1, 10))
     assert relaxed.predicted_s < 0.95 * policy.controller.budget_s
@@ -468,11 +468,11 @@ def test_prefill_ahead_keeps_the_trainer_clear_of_the_decode_after_the_prefill()
     tpot = 0.03
     ahead = make_policy("harli:ahead=on", ladder, pred, tpot, 0.1, hysteresis_steps=1)
     plain = make_policy("harli", ladder, pred, tpot, 0.1, hysteresis_steps=1)
-    assert ahead.name == "harli:ahead=on" and ahead.prefill_ahead and not plain.prefill_ahead
+    assert ahead.name == "harli:ahead=on" and ahead.prefill.ahead and not plain.prefill.ahead
     for policy in (ahead, plain):
         while policy.plan(preview("decode", 1, 10)).partition.infer_sms == 132:
             pass  # decode leaves the whole GPU: prefills go on their rung, the trainer beside
-    rung, top = ahead.prefill_rung, ahead.trainer_rungs[-1].infer_sms  # top: the most a trainer rung leaves
+    rung, top = ahead.prefill.rung, ahead.trainer_rungs[-1].infer_sms  # top: the most a trainer rung leaves
 
     def need(batch):  # the share the decode after a prefill needs (grow headroom included), 132 for none
         part, t = ahead.controller.target(batch, 10 * batch)
@@ -496,7 +496,7 @@ def test_prefill_ahead_keeps_the_trainer_clear_of_the_decode_after_the_prefill()
     # Without the option (the default) the prefill's rung does not look ahead.
     for batch in (small, mid, whole):
         plan = plain.plan(preview("prefill", 2, 32, (batch, 10 * batch)))
-        assert plan.partition is plain.prefill_rung and not plan.paused
+        assert plan.partition is plain.prefill.rung and not plan.paused
 
 
 @pytest.mark.parametrize("prefill", ["rung", "paused", "beside"])
@@ -552,7 +552,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     if prefill == "rung":
         # While decode holds the whole GPU (from the start, and over the spike) a prefill keeps the trainer
         # paused; otherwise it runs on (about) half the GPU, the trainer on the rest.
-        half = rt.policy.prefill_rung
+        half = rt.policy.prefill.rung
         assert half.infer_sms >= TOTAL // 2 and half in rt.policy.trainer_rungs
         every = rows(tmp_path)
         for i, r in enumerate(every):

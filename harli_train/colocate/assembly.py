@@ -19,7 +19,7 @@ import torch
 from harli_train import kernels
 from harli_train.colocate.colocation import Colocation
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
-from harli_train.colocate.policies import Policy, needs_partitions, profile_shares
+from harli_train.colocate.policy import Policy, needs_partitions, profile_shares
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
     MixedGrid,

@@ -17,7 +17,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter
-from harli_train.colocate.policies import Policy, make_policy
+from harli_train.colocate.policy import Policy, make_policy
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import Profile
 from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions

@@ -45,7 +45,7 @@ from harli_train import kernels
 from harli_train.colocate.engine_adapter import is_cuda_stream
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
-from harli_train.colocate.policies import AFTER, BESIDE, StepPlan
+from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent
 from harli_train.train.divergence import TrainingDiverged
 from harli_train.train.step import MicroStep

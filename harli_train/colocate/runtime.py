@@ -35,7 +35,7 @@ from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
-from harli_train.colocate.policies import AFTER, BESIDE, Policy, StepPlan
+from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
 from harli_train.colocate.sm import Partition
 from harli_train.engine.load import TraceReplay, TraceRequest
 from harli_train.engine.scheduler import StepPreview

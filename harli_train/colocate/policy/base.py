@@ -1,0 +1,142 @@
+"""Policy, the base every co-location policy refines, and the one rule that sizes a mixed step's chunk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harli_train.colocate.controller import Controller, Decision
+from harli_train.colocate.mixed_model import attention_pairs
+from harli_train.colocate.policy.plan import IDLE_HORIZON_S, Ewma, StepPlan, after, beside, paused, whole_gpu
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.sm import Partition, SMLadder
+from harli_train.engine.scheduler import StepPreview
+
+MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
+
+
+def largest_chunk(
+    predictor: LatencyPredictor, preview: StepPreview, sms: int, corun: bool, budget_s: float
+) -> tuple[int, float, float]:
+    """The most prefill tokens of ``preview`` whose mixed step on ``sms`` is predicted within ``budget_s``
+    (at least ``MIN_CHUNK`` or all that is pending, whichever is less), with the step's corrected and raw
+    prediction. The cost grows with the tokens, so a bisection finds it in ~log2(pending) predictions."""
+    b, kv = preview.decode_seqs, preview.decode_kv_tokens
+    corr = predictor.correction(sms, corun, mixed=True)
+
+    def raw(n: int) -> float:
+        pieces = preview.take(n)
+        return predictor.predict_mixed(
+            b, kv, n, attention_pairs([(p.tokens, p.context) for p in pieces]), sms, corun, raw=True
+        )
+
+    lo, hi = min(MIN_CHUNK, preview.prefill_tokens), preview.prefill_tokens
+    if raw(hi) * corr <= budget_s:
+        lo = hi
+    hi -= lo < hi  # hi does not fit
+    while lo < hi:  # invariant: lo fits (or is the floor), hi + 1 does not
+        mid = (lo + hi + 1) // 2
+        if raw(mid) * corr <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    t = raw(lo)
+    return lo, t * corr, t
+
+
+class Policy:
+    """Base: decode on the whole GPU, the trainer beside it when idle; subclasses override ``plan``.
+
+    With a predictor that models mixed steps, every policy sizes the prefill chunk riding in a decode step
+    the same way (``chunk``): the most prefill tokens whose mixed step on the step's share is predicted
+    within the budget, so each policy keeps the objective by its own share and none is favoured."""
+
+    name = "policy"
+    serve_alone = False  # the trainer waits until the load is over (exclusive)
+
+    def __init__(
+        self, ladder: SMLadder, tpot_s: float, margin: float, predictor: LatencyPredictor | None = None
+    ) -> None:
+        self.ladder, self.tpot_s, self.margin = ladder, tpot_s, margin
+        self.budget_s = tpot_s * (1.0 - margin)
+        self.step_estimate = Ewma(self.budget_s / 2)
+        self.predictor = predictor
+
+    def partitions(self) -> list[Partition]:
+        """Every partition a step may run on (the engine prepares each one's decode graphs)."""
+        return [self.ladder.full]
+
+    def trainer_partitions(self) -> list[Partition]:
+        """The partitions whose trainer streams the trainer launches on (warmed up before serving)."""
+        return self.partitions()
+
+    def plan(self, preview: StepPreview) -> StepPlan:
+        """Where the step ``preview`` describes runs, its prefill budget, and what the trainer does."""
+        raise NotImplementedError
+
+    def idle_plan(self) -> StepPlan:
+        """Where the trainer runs when there is nothing to decode: the whole GPU."""
+        return whole_gpu(self.ladder.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
+
+    def chunk(
+        self, preview: StepPreview, sms: int, corun: bool
+    ) -> tuple[int | None, float | None, float | None]:
+        """(prefill tokens, corrected and raw predicted seconds) of the largest chunk whose mixed step on
+        ``sms`` SMs fits the budget, at least ``MIN_CHUNK`` (or what is pending); (None, None, None) without
+        a mixed model (the engine's default budget then applies)."""
+        pred = self.predictor
+        if pred is None or pred.mixed is None or preview.kind != "mixed":
+            return None, None, None
+        return largest_chunk(pred, preview, sms, corun, self.budget_s)
+
+    def with_chunk(self, plan: StepPlan, preview: StepPreview) -> StepPlan:
+        """``plan`` with the chunk its share fits, for a mixed step (unchanged otherwise)."""
+        if preview.kind != "mixed":
+            return plan
+        sms = plan.partition.infer_sms
+        n, t, raw = self.chunk(preview, sms, not plan.paused)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, not plan.paused
+        if t is not None:
+            plan.predicted_s = t
+        return plan
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        """The measured latency of the step ``plan`` planned."""
+        if plan.mixed_raw_s is not None and self.predictor is not None:
+            self.predictor.observe(plan.partition.infer_sms, plan.corun, measured_s, plan.mixed_raw_s, True)
+            return
+        self.step_estimate.update(measured_s)
+
+    def observe_train_slice(self, seconds: float) -> None:
+        """Typical duration of one micro-step, reported by the trainer's side."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.name}
+
+
+class ControlledPolicy(Policy):
+    """A policy whose decode steps a ``Controller`` places (harli, temporal): it learns from every decode
+    step the controller decided and reports the controller in its summary."""
+
+    controller: Controller
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        super().observe(plan, measured_s)
+        if plan.mixed_raw_s is None and plan.decision is not None:
+            self.controller.observe(plan.decision, measured_s)
+            self.budget_s = self.controller.budget_s  # a learnt margin moves it
+
+    def observe_train_slice(self, seconds: float) -> None:
+        self.controller.observe_train_slice(seconds)
+
+    def decode_plan(self, d: Decision, trainer: Partition | None) -> StepPlan:
+        """The plan of decision ``d``: paused, time-sliced (the slack after the predicted step) or the
+        trainer beside decode on ``trainer``'s rung."""
+        if d.pause_trainer:
+            return paused(d.partition, d.reason, d.predicted_s, d)
+        if d.mode == "alternate" or trainer is None:
+            slack = max(self.controller.budget_s - d.predicted_s, 0.0)
+            return after(d.partition, self.ladder.total_sms, slack, d)
+        return beside(d.partition, trainer, d.predicted_s, d.predicted_s, d.reason, d)
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": self.name, "controller": self.controller.summary()}

@@ -1,0 +1,164 @@
+"""``harli``: the controller's least sufficient SM share for each decode step, the trainer on the rest.
+
+Composed of three parts: the ``Controller`` (decode's share, with hysteresis, settling and a learnt margin),
+``TrainerRungs`` (which rung the trainer launches on: the complement of decode's recent peak share) and
+``PrefillPlacement`` (pure prefill steps). A mixed step (decode plus prefill chunks) takes the smallest share,
+at least decode's own, that fits ``prefill_floor`` prefill tokens within the budget, filled with as many as fit;
+the whole GPU with the trainer paused when none does.
+
+``grow_headroom`` (``harli:grow=H``, ``grow=0`` off) anticipates a grow: while decode's predicted step on its
+share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger share
+too, since a grow would otherwise land on SMs where the trainer's queued work still runs.
+"""
+
+from __future__ import annotations
+
+from harli_train.colocate.controller import Controller
+from harli_train.colocate.policy.base import ControlledPolicy, Policy, largest_chunk
+from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, beside, paused
+from harli_train.colocate.policy.prefill_placement import PrefillPlacement
+from harli_train.colocate.policy.trainer_rungs import TrainerRungs
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.sm import Partition, SMLadder
+from harli_train.config import (
+    DEFAULT_GROW_HEADROOM,
+    DEFAULT_LEARN_MARGIN,
+    DEFAULT_PREFILL_AHEAD,
+    DEFAULT_SETTLE,
+    PREFILL_MODES,
+    harli_name,
+)
+from harli_train.engine.scheduler import StepPreview
+
+
+class HarliPolicy(ControlledPolicy):
+    """Dynamic SM partitioning: per step, the least decode share that meets the objective."""
+
+    name = "harli"
+
+    def __init__(
+        self,
+        ladder: SMLadder,
+        predictor: LatencyPredictor,
+        tpot_s: float,
+        margin: float,
+        hysteresis_steps: int = 8,
+        trainer_window_s: float = 0.3,
+        prefill_sms: int | None = None,
+        prefill: str = PREFILL_MODES[0],
+        trainer_stride: int = 2,
+        grow_headroom: float = DEFAULT_GROW_HEADROOM,
+        prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
+        prefill_floor: int = 128,
+        settle: bool = DEFAULT_SETTLE,
+        learn_margin: bool = DEFAULT_LEARN_MARGIN,
+    ) -> None:
+        if not 0 <= grow_headroom < 0.5:
+            raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
+        super().__init__(ladder, tpot_s, margin, predictor)
+        self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin)
+        self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
+        self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
+        self.controller = Controller(
+            predictor, ladder, tpot_s, margin, hysteresis_steps, settle=settle, learn_margin=learn_margin
+        )
+        self.prefill = PrefillPlacement(
+            ladder,
+            self.rungs,
+            self.controller,
+            prefill,
+            prefill_sms,
+            prefill_ahead,
+            self._share_after,
+            self.budget_s,
+        )
+
+    @property
+    def trainer_rungs(self) -> list[Partition]:
+        """The spatial rungs the trainer launches on (ascending decode share)."""
+        return self.rungs.rungs
+
+    def partitions(self) -> list[Partition]:
+        return list(self.ladder.partitions)
+
+    def trainer_partitions(self) -> list[Partition]:
+        return [*self.rungs.rungs, self.ladder.full]
+
+    def plan(self, preview: StepPreview) -> StepPlan:
+        if preview.kind == "prefill":
+            return self.prefill.plan(preview.decode_after())
+        if preview.kind == "mixed" and self.predictor.mixed is not None:
+            return self._mixed(preview)
+        return self.with_chunk(self._decode(preview.decode_seqs, preview.decode_kv_tokens), preview)
+
+    def _decode(self, batch: int, kv_tokens: int) -> StepPlan:
+        d = self.controller.decide(batch, kv_tokens)
+        if d.pause_trainer or d.mode == "alternate":
+            return self.decode_plan(d, None)
+        trainer = self.rungs.trail(d.partition.infer_sms)
+        if self._near_budget(d.predicted_s):
+            trainer = self.rungs.clear_of(trainer, self._next_share(d.partition))
+        return self.decode_plan(d, trainer)
+
+    def _mixed(self, preview: StepPreview) -> StepPlan:
+        """A decode step carrying prefill chunks; a one-step detour: the controller's decode share and its
+        shrink count are left as they are."""
+        b, kv = preview.decode_seqs, preview.decode_kv_tokens
+        floor = min(self.prefill_floor, preview.prefill_tokens)
+        own, _ = self.controller.target(b, kv)
+        start = own.infer_sms if own is not None else self.ladder.total_sms
+        if not self.ladder.time_sliced:
+            for part in self.ladder.spatial:
+                if part.infer_sms < start:
+                    continue
+                n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s)
+                if n >= floor and t <= self.budget_s:
+                    trainer = self.rungs.trail(part.infer_sms)
+                    if trainer is None or trainer.exclusive:
+                        break
+                    plan = beside(
+                        part,
+                        trainer,
+                        t,
+                        t,
+                        f"mixed: {part.infer_sms} SMs fit {n} prefill tokens",
+                        transient=True,
+                    )
+                    plan.prefill_tokens, plan.mixed_raw_s = n, raw
+                    return plan
+        full = self.ladder.full
+        n, t, raw = largest_chunk(self.predictor, preview, full.infer_sms, False, self.budget_s)
+        plan = paused(full, f"mixed: whole GPU for {n} prefill tokens (trainer paused)", t)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        return plan
+
+    def _share_after(self, batch: int, kv_tokens: int) -> int:
+        """The decode share a step of ``batch`` x ``kv_tokens`` needs, one share more within the headroom."""
+        part, t = self.controller.target(batch, kv_tokens)
+        if part is None:
+            return self.ladder.total_sms
+        if self._near_budget(t):
+            return self._next_share(part) or self.ladder.total_sms
+        return part.infer_sms
+
+    def _near_budget(self, predicted_s: float) -> bool:
+        """A decode step predicted within ``grow_headroom`` of the budget: it may grow next."""
+        return (
+            bool(self.grow_headroom) and predicted_s > (1.0 - self.grow_headroom) * self.controller.budget_s
+        )
+
+    def _next_share(self, part: Partition) -> int | None:
+        """The next larger spatial decode share than ``part``'s (None past the largest)."""
+        return next((p.infer_sms for p in self.ladder.spatial if p.infer_sms > part.infer_sms), None)
+
+    def idle_plan(self) -> StepPlan:
+        trainer = None if self.ladder.time_sliced else self.rungs.trail(None)
+        if trainer is None or trainer.exclusive:
+            return Policy.idle_plan(self)
+        return beside(trainer, trainer, IDLE_HORIZON_S, None, "idle (recent decode share kept)", strict=False)
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        if plan.transient and plan.mixed_raw_s is None:
+            self.prefill.observe(measured_s)
+            return
+        super().observe(plan, measured_s)

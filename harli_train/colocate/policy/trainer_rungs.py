@@ -1,0 +1,60 @@
+"""TrainerRungs: the rungs harli's trainer launches on, and the one that trails decode's recent peak share."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from harli_train.colocate.sm import Partition, SMLadder
+
+
+class TrainerRungs:
+    """Every ``stride``-th spatial rung, counted down from the largest decode share (the rung with the least
+    trainer SMs is always one), and a window of the decode shares of the last ``window_s``.
+
+    Why a subset: torch's caching allocator hands a freed block out again only on the stream that allocated it,
+    so each trainer stream grows its own copy of the trainer's working set. Why trail the window's peak:
+    autograd runs a chunk's backward on the stream its forward ran on, so a forward launched on SMs decode
+    takes back a few steps later strands its backward; the complement of the recent peak keeps the usual ups
+    and downs of the share from doing that. The trainer gives up the SMs between its rung and decode's share
+    (fewer than ``stride`` ladder steps)."""
+
+    def __init__(
+        self,
+        ladder: SMLadder,
+        stride: int,
+        window_s: float,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if stride < 1:
+            raise ValueError(f"harli: trainer_stride must be >= 1, got {stride}")
+        self.ladder, self.window_s, self.clock = ladder, window_s, clock
+        self.rungs: list[Partition] = ladder.spatial[::-1][::stride][::-1]  # ascending decode share
+        self.recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
+
+    def select(self, decode_sms: int) -> Partition:
+        """The rung with the most trainer SMs that leaves decode at least ``decode_sms`` (the full GPU past
+        the largest)."""
+        for p in self.rungs:
+            if p.infer_sms >= decode_sms:
+                return p
+        return self.ladder.full
+
+    def trail(self, decode_sms: int | None) -> Partition | None:
+        """Record a step on ``decode_sms`` (None: none) and return the rung clear of every decode share of the
+        window (None: nothing recent)."""
+        now = self.clock()
+        if decode_sms is not None:
+            self.recent.append((now, decode_sms))
+        while self.recent and self.recent[0][0] < now - self.window_s:
+            self.recent.popleft()
+        if not self.recent:
+            return None
+        return self.select(max(sms for _, sms in self.recent))
+
+    def clear_of(self, trainer: Partition, share: int | None) -> Partition:
+        """``trainer``, or the rung clear of decode ``share`` too when ``trainer`` is not and some rung is."""
+        if share is None or trainer.infer_sms >= share or not self.rungs or share > self.rungs[-1].infer_sms:
+            return trainer
+        return self.select(share)
