@@ -103,16 +103,25 @@ def _with_server(col, serve_model: str, serve, api_key, exit_after_training: boo
     request port; returns the runtime options that carry the port, and the front end (to stop)."""
     from dataclasses import replace
 
+    from harli_train.colocate.gauges import GaugeBoard
     from harli_train.serve.app import Server
     from harli_train.serve.command import model_id
     from harli_train.serve.engine_loop import RequestPort
     from harli_train.serve.http_thread import HttpThread
 
     port = RequestPort(col.engine, col.cfg.colocation.max_queue)
-    server = Server(port, col.engine.tokenizer, col.engine.max_model_len, [model_id(serve_model)], api_key)
+    board = GaugeBoard()
+    server = Server(
+        port,
+        col.engine.tokenizer,
+        col.engine.max_model_len,
+        [model_id(serve_model)],
+        api_key,
+        extra_metrics=board.metrics,
+    )
     http = HttpThread(server, *serve, grace_s=options.grace_s)
     http.start()
-    return replace(options, port=port, serve_until_stopped=not exit_after_training), http
+    return replace(options, port=port, serve_until_stopped=not exit_after_training, gauges=board), http
 
 
 def use_colocated_output_dir(cfg: RecipeConfig) -> None:

@@ -33,6 +33,7 @@ from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
+from harli_train.colocate.gauges import GaugeBoard, RuntimeGauges
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
@@ -114,6 +115,7 @@ class RuntimeOptions:
     port: Any = None
     serve_until_stopped: bool = False
     grace_s: float = 10.0  # stopped with a port: its running requests get this long to finish
+    gauges: GaugeBoard | None = None  # live figures published for other threads (the server's /metrics)
 
     def __post_init__(self) -> None:
         if self.until not in ("train", "load"):
@@ -172,7 +174,7 @@ class ColocatedRuntime:
         restore = self._install_signals()
         self.engine.reset_metrics()
         self.t0 = time.perf_counter()
-        self._last_progress = self.t0
+        self._last_progress = self._last_gauges = self.t0
         self._prev: Partition | None = None
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.feeder.progress_tokens()
@@ -420,10 +422,12 @@ class ColocatedRuntime:
         self._steps_file.write(json.dumps(row) + "\n")
 
     def _progress(self, force: bool = False) -> None:
-        if self.opts.quiet:
-            return
         now = time.perf_counter()
-        if not force and now - self._last_progress < self.opts.progress_every_s:
+        board = self.opts.gauges
+        if board is not None and (force or now - self._last_gauges >= board.every_s):
+            self._last_gauges = now
+            board.publish(self._gauges(now, self.objective()))
+        if self.opts.quiet or (not force and now - self._last_progress < self.opts.progress_every_s):
             return
         self._last_progress = now
         elapsed = max(now - self.t0, 1e-9)
@@ -442,6 +446,23 @@ class ColocatedRuntime:
             print("\r" + line[:200] + "\x1b[K", end="", file=sys.stderr, flush=True)
         else:
             print(line, file=sys.stderr, flush=True)
+
+    def _gauges(self, now: float, objective: dict[str, Any]) -> RuntimeGauges:
+        tr = self.trainer
+        return RuntimeGauges(
+            train_step=tr.step,
+            train_total_steps=tr.total_steps,
+            train_loss=float(tr.last_loss),
+            trainer_tokens_per_s=(self.feeder.progress_tokens() - self.start_tokens)
+            / max(now - self.t0, 1e-9),
+            decode_sms=0 if self._prev is None else self._prev.infer_sms,
+            trainer_sms=self._held_sms,
+            total_sms=self.policy.ladder.total_sms,
+            token_intervals=objective["intervals"],
+            objective_violations=objective["violations"],
+            violation_rate=objective["violation_rate"] or 0.0,
+            trainer_paused_fraction=self.paused_steps / max(self.decode_steps, 1),
+        )
 
     # ---- signals and the end -------------------------------------------------------------------------
     def _install_signals(self):
