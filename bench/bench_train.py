@@ -5,6 +5,10 @@
 
 Each configuration runs in its own process so that peak-memory figures are clean. Throughput is the median
 step time after warm-up; target (docs/design.md): >= 1.5x peft's tokens/s at <= 0.75x its peak memory.
+Both sides train on the same rows: the recipe's data as harli-train's loader lays it out, packed by default
+(peft then gets each row's per-document `position_ids` and the block-diagonal causal mask as a 4D
+`attention_mask`, the way transformers takes packed rows under SDPA); `--no-packing` pads each example to a
+row of its own on both sides.
 """
 
 from __future__ import annotations
@@ -41,6 +45,57 @@ def partition(args):
     return torch.cuda.stream(part.infer_stream), part.infer_sms
 
 
+def recipe(args, extra: list[str] | None = None):
+    """recipes/llama-8b-lora.yaml as both sides of the bench train it."""
+    import torch
+
+    from harli_train.config import load_recipe
+
+    overrides = [
+        f"model.name={args.model}",
+        f"train.batch_size={args.batch}",
+        f"data.seq_len={args.seq}",
+        f"data.packing={str(args.packing).lower()}",
+        f"train.steps={args.warmup + args.steps}",
+        f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
+        "colocation.trace=null",
+        *(extra or []),
+    ]
+    if not torch.cuda.is_available():
+        overrides.append("model.dtype=float32")
+    return load_recipe(ROOT / "recipes" / "llama-8b-lora.yaml", overrides)
+
+
+def peft_batches(args, device: str):
+    """The batches harli-train's loader yields for the recipe, as transformers takes them: input_ids, labels,
+    and for packed rows position_ids and a [B, 1, T, T] boolean block-diagonal causal mask."""
+    from harli_train.data.loader import DataLoader
+    from harli_train.data.tokenizer import load_tokenizer
+    from harli_train.model import is_preset
+    from harli_train.model.attention import DocumentAttention
+    from harli_train.train.validation import load_run_data
+
+    cfg = recipe(args)
+    tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
+    examples, _ = load_run_data(cfg, tokenizer)
+    loader = DataLoader(
+        examples,
+        args.batch,
+        args.seq,
+        tokenizer.pad_id,
+        packing=args.packing,
+        shuffle=True,
+        seed=cfg.train.seed,
+    )
+    while True:
+        batch = loader.next_batch()
+        out = {"input_ids": batch["input_ids"].to(device), "labels": batch["labels"].to(device)}
+        if "doc_ids" in batch:
+            out["position_ids"] = batch["positions"].to(device)
+            out["attention_mask"] = DocumentAttention(batch["doc_ids"].to(device)).mask
+        yield out
+
+
 def run_peft(args) -> dict:
     """transformers + peft, as a user would run it (probe_peers.py's recipe): autocast bf16, fp32 adapters."""
     import torch
@@ -66,13 +121,13 @@ def run_peft(args) -> dict:
     for p in params:
         p.data = p.data.float()
     opt = torch.optim.AdamW(params, lr=1e-4)
-    ids = torch.randint(0, 256, (args.batch, args.seq), device=device)
+    batches = peft_batches(args, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
     def step():
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss = pm(input_ids=ids, labels=ids).loss
+            loss = pm(**next(batches)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -103,25 +158,19 @@ def run_ours(args) -> dict:
     """The trainer as `harli-train recipes/llama-8b-lora.yaml` runs it, with the kernel backend forced."""
     import torch
 
-    from harli_train.config import load_recipe
     from harli_train.train.trainer import Trainer
 
-    overrides = [
-        f"model.name={args.model}",
-        f"train.kernels={args.kernels}",
-        f"train.batch_size={args.batch}",
-        f"data.seq_len={args.seq}",
-        f"train.steps={args.warmup + args.steps}",
-        "train.warmup_steps=1",
-        f"output.dir={common.out_dir() / ('run_' + args.kernels)}",
-        "output.checkpoint_every=0",
-        f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
-        "train.log_every=1000",
-        "colocation.trace=null",
-    ]
-    if not torch.cuda.is_available():
-        overrides.append("model.dtype=float32")
-    cfg = load_recipe(ROOT / "recipes" / "llama-8b-lora.yaml", overrides)
+    cfg = recipe(
+        args,
+        [
+            f"train.kernels={args.kernels}",
+            "train.warmup_steps=1",
+            f"output.dir={common.out_dir() / ('run_' + args.kernels)}",
+            "output.checkpoint_every=0",
+            "output.overwrite=true",
+            "train.log_every=1000",
+        ],
+    )
     trainer = Trainer(cfg, quiet=True)
     trainer.setup()
     if trainer.device.type == "cuda":
@@ -156,6 +205,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     if args.one:
         result = run_peft(args) if args.one == "peft" else run_ours(args)
@@ -176,7 +226,7 @@ def main() -> None:
             "--steps",
             str(args.steps),
         ]
-    )
+    ) + ["--packing" if args.packing else "--no-packing"]
     me = str(Path(__file__).resolve())
     if args.dry_run:
         import os
@@ -190,6 +240,7 @@ def main() -> None:
             "seq": args.seq,
             "lora_rank": 16,
             "targets": TARGETS,
+            "packing": args.packing,
         },
     }
     runs = {
