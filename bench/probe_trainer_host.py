@@ -5,7 +5,7 @@ tokens), against about 15 ms when training alone, and the GPU ran that micro-ste
 trainer's usual 60-75 SMs: the trainer is host-bound beside decode. This probe runs the trainer's micro-step
 generator alone and measures, per micro-step kind:
 - host seconds to launch it, with the GPU idle before it (synchronised: the launch alone) and queued (as the
-  feeder runs it), and its GPU seconds (events on the stream);
+  trainer side runs it), and its GPU seconds (events on the stream);
 - under cProfile, the functions that take the host time;
 - under torch.profiler, the kernels and CUDA API calls each micro-step makes.
 

@@ -372,11 +372,11 @@ def test_base_view_shares_weights_without_the_adapter():
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
-def test_feeder_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
+def test_the_trainer_side_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy("static:64", ladder, None, 0.05)
     rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
-    feeder, plan = rt.feeder, rt.policy.plan(preview("decode", 1, 10))
+    feeder, plan = rt.worker.side, rt.policy.plan(preview("decode", 1, 10))
     assert plan.train == "beside" and feeder.max_in_flight == 2
     may = lambda: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # the GPU path, budget to spare
     assert may()
@@ -387,7 +387,7 @@ def test_feeder_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tmp_path):
     feeder.in_flight.clear()
     # The runtime hands its option down, and refuses a cap that would stop the trainer for good.
     opts = RuntimeOptions(quiet=True, plots=False, max_in_flight=3)
-    assert runtime(tmp_path / "three", ladder, make, [], opts).feeder.max_in_flight == 3
+    assert runtime(tmp_path / "three", ladder, make, [], opts).worker.side.max_in_flight == 3
     with pytest.raises(ValueError, match="max_in_flight"):
         RuntimeOptions(max_in_flight=0)
 
@@ -450,7 +450,9 @@ def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near
     plan = settle(policy, batch)
     assert plan.partition.infer_sms == plain_plan.partition.infer_sms  # decode's own share is unchanged
     assert plan.train_from_sm >= next_share and plan.train_sms < plain_plan.train_sms  # the trainer moved
-    assert all(sms == plan.partition.infer_sms for _, sms in policy.rungs.recent)  # the window saw decode's shares
+    assert all(
+        sms == plan.partition.infer_sms for _, sms in policy.rungs.recent
+    )  # the window saw decode's shares
     # Far from the budget (a small batch) the trainer goes back next to decode's recent peak share.
     relaxed = policy.plan(preview("decode", 1, 10))
     assert relaxed.predicted_s < 0.95 * policy.controller.budget_s
@@ -537,7 +539,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
     late = [r for r in decode if r["t"] > 1.2 and r["batch"] == 1]
     assert any(not r["paused"] and r["micro_steps"] > 0 for r in late)
     # Micro-steps ran on the trainer's stream of the chosen rung, under that rung's SM budget.
-    launches = list(rt.feeder.launches)
+    launches = list(rt.worker.side.launches)
     assert launches and all(stream == f"train{sms}" for _, stream, sms in launches)
     trainer_streams = {p.train_sms for p in rt.policy.trainer_rungs} | {TOTAL}
     assert {sms for _, _, sms in launches} <= trainer_streams
@@ -647,7 +649,7 @@ def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_uncha
     holder = {"grows": 0, "grown": False}
 
     def script():
-        feeder = holder["rt"].feeder
+        feeder = holder["rt"].worker.side
         grow = feeder.last_phase in ("loss", "bwd") and (holder["grown"] or holder["grows"] < 2)
         holder["grows"] += grow and not holder["grown"]
         holder["grown"] = grow
@@ -666,7 +668,7 @@ def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_uncha
     assert holder["grows"] == 2 and fin["rebuilt_backward_chunks"] >= 2 and fin["abandoned_steps"] == 0
     assert fin["feed"]["rebuilt_chunks"] == fin["rebuilt_backward_chunks"]
     # Every backward ran on the rung of its time: the stranded ones on the trainer's 36 SMs beside decode's 96.
-    bwd = [sms for phase, _, sms in rt.feeder.launches if phase == "bwd"]
+    bwd = [sms for phase, _, sms in rt.worker.side.launches if phase == "bwd"]
     assert TOTAL - 96 in bwd and TOTAL - 16 in bwd
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
@@ -679,7 +681,7 @@ def test_a_transient_detour_neither_rebuilds_a_backward_nor_redoes_the_step(tmp_
     holder, state = {"detours": 0}, {"detour": False}
 
     def script():  # called first in each plan; transient() then reports the same decision
-        feeder = holder["rt"].feeder
+        feeder = holder["rt"].worker.side
         state["detour"] = feeder.last_phase in ("loss", "bwd") and holder["detours"] < 12
         holder["detours"] += state["detour"]
         return 96 if state["detour"] else 16
@@ -696,7 +698,7 @@ def test_a_transient_detour_neither_rebuilds_a_backward_nor_redoes_the_step(tmp_
     assert holder["detours"] == 12
     assert summary["finetune"]["rebuilt_backward_chunks"] == 0 and summary["finetune"]["abandoned_steps"] == 0
     # Backwards went on during the detours (launched with the detour's trainer share).
-    assert any(phase == "bwd" and sms == TOTAL - 96 for phase, _, sms in rt.feeder.launches)
+    assert any(phase == "bwd" and sms == TOTAL - 96 for phase, _, sms in rt.worker.side.launches)
     assert losses(tmp_path) == losses(standalone)
 
 
@@ -722,10 +724,10 @@ def test_trainer_thread_launches_off_the_decode_thread_and_equals_standalone(tmp
     )
     summary = rt.run()
     assert summary["stop_reason"] == "trained" and summary["finetune"]["steps_run"] == 6
-    assert threads == {"harli-train"} and not rt.feeder.threaded and sys.getswitchinterval() == interval
+    assert threads == {"harli-train"} and not rt.worker.threaded and sys.getswitchinterval() == interval
     decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]
     assert decode and all(r["micro_steps"] == 0 for r in decode if r["paused"])
-    launches = list(rt.feeder.launches)
+    launches = list(rt.worker.side.launches)
     assert all(stream == f"train{sms}" for _, stream, sms in launches)  # the budget went with the stream
     assert budgets[: len(launches)] == [sms for _, _, sms in launches][: len(budgets)]
     assert losses(tmp_path) == losses(standalone)
@@ -751,7 +753,7 @@ def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_i
     rt = runtime(
         tmp_path, ladder, make, load, RuntimeOptions(quiet=True, plots=False, trainer_thread=True), spy
     )
-    engine, gate = rt.engine.engine, rt.feeder.priority
+    engine, gate = rt.engine.engine, rt.worker.priority
     launch, read = engine.runner.launch, LaunchedStep.read
 
     def spy_launch(batch, *args, **kwargs):

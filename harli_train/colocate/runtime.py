@@ -32,12 +32,13 @@ from typing import Any
 from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.engine_adapter import EngineAdapter
-from harli_train.colocate.feeder import OOM_ERRORS, TrainFeeder
 from harli_train.colocate.gauges import GaugeBoard, RuntimeGauges
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
 from harli_train.colocate.sm import Partition
+from harli_train.colocate.trainer_side import OOM_ERRORS
+from harli_train.colocate.trainer_worker import TrainerWorker
 from harli_train.engine.load import TraceReplay, TraceRequest
 from harli_train.engine.scheduler import StepPreview
 from harli_train.kernels.launch_config import set_launch_gate
@@ -105,7 +106,7 @@ class RuntimeOptions:
     # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
     trainer_thread: bool | None = None
     switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
-    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainFeeder.max_in_flight)
+    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainerSide.max_in_flight)
     # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
     # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
     host_priority: bool = True
@@ -144,7 +145,7 @@ class ColocatedRuntime:
         self.hook, self.info = memory_hook, dict(info or {})
         self._stop = threading.Event()
         self._hard_stop = False
-        self.feeder = TrainFeeder(
+        self.worker = TrainerWorker(
             trainer,
             memory_hook,
             on_slice=policy.observe_train_slice,
@@ -177,11 +178,11 @@ class ColocatedRuntime:
         self._last_progress = self._last_gauges = self.t0
         self._prev: Partition | None = None
         self._last_end, self._last_kind = 0.0, "idle"
-        self.start_tokens = self.feeder.progress_tokens()
+        self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
         threaded = self.opts.trainer_thread
         if threaded is None:
-            threaded = self.feeder.on_gpu
+            threaded = self.worker.on_gpu
         switch_interval = sys.getswitchinterval()
         with self.gc_pauses:
             try:
@@ -190,7 +191,7 @@ class ColocatedRuntime:
                     sys.setswitchinterval(self.opts.switch_interval_s)
                     if self.opts.host_priority:
                         self._prioritise(True)
-                    self.feeder.start()
+                    self.worker.start()
                 self._serve()
                 if self._solo_wanted():
                     self._solo()
@@ -198,7 +199,7 @@ class ColocatedRuntime:
                 self.stop_reason, self._hard_stop = "interrupted", True
             finally:
                 try:
-                    self.feeder.stop()  # at the next micro-step boundary; the rest of the run is this thread's
+                    self.worker.stop()  # at the next micro-step boundary; the rest of the run is this thread's
                 finally:
                     self._prioritise(False)
                     sys.setswitchinterval(switch_interval)
@@ -206,9 +207,9 @@ class ColocatedRuntime:
         return self._finish()
 
     def _prioritise(self, on: bool) -> None:
-        """Install (or remove) the feeder's host-priority gate in every Triton launcher and around the engine's
+        """Install (or remove) the trainer worker's host-priority gate in every Triton launcher and around the engine's
         waits for the GPU; ``_engine_step`` holds it."""
-        gate = self.feeder.priority
+        gate = self.worker.priority
         gate.release()
         set_launch_gate(gate.wait if on else None)
         self.engine.engine.host_yield = gate.yielded if on else contextlib.nullcontext
@@ -218,10 +219,10 @@ class ColocatedRuntime:
         return time.perf_counter() - self.t0
 
     def _mark(self, phase: str) -> None:
-        self._phase_marks.append((phase, self._now(), self.feeder.progress_tokens()))
+        self._phase_marks.append((phase, self._now(), self.worker.progress_tokens()))
 
     def _serve(self) -> None:
-        opts, engine, feeder = self.opts, self.engine, self.feeder
+        opts, engine, worker = self.opts, self.engine, self.worker
         replay = TraceReplay(self.requests, opts.time_scale)
         window = opts.window_s if opts.until == "load" else None
         trained_at: float | None = None
@@ -230,7 +231,7 @@ class ColocatedRuntime:
         port = opts.port
         while not self._stop.is_set() or self._in_grace(port):
             now = self._now()
-            if feeder.done and trained_at is None:
+            if worker.done and trained_at is None:
                 trained_at = now
                 self._mark("drain")  # training is over: the rest only finishes running requests
             closed = (window is not None and now >= window) or (
@@ -268,7 +269,7 @@ class ColocatedRuntime:
         return port.serving and time.perf_counter() < port.closing_at
 
     def _solo_wanted(self) -> bool:
-        if self._stop.is_set() or self.feeder.done:
+        if self._stop.is_set() or self.worker.done:
             return False
         return self.opts.until == "train" or self.policy.serve_alone
 
@@ -278,10 +279,10 @@ class ColocatedRuntime:
         end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
         plan = self.policy.idle_plan()
         self._hold(plan)
-        while not self._stop.is_set() and not self.feeder.done and self._now() < end:
-            self.feeder.tick()
-            if not self.feeder.feed(plan) or self.feeder.threaded:
-                time.sleep(1e-3 if self.feeder.threaded else 2e-4)
+        while not self._stop.is_set() and not self.worker.done and self._now() < end:
+            self.worker.tick()
+            if not self.worker.feed(plan) or self.worker.threaded:
+                time.sleep(1e-3 if self.worker.threaded else 2e-4)
             self._progress()
         if self._stop.is_set():
             self.stop_reason = "interrupted"
@@ -289,11 +290,11 @@ class ColocatedRuntime:
     def _idle(self, replay: TraceReplay, closed: bool) -> None:
         """Nothing to decode: the trainer runs until the next arrival (unless it must wait for the load)."""
         launched = 0
-        if not (self.policy.serve_alone or self.feeder.done):
-            self.feeder.tick()
+        if not (self.policy.serve_alone or self.worker.done):
+            self.worker.tick()
             plan = self.policy.idle_plan()
             self._hold(plan)
-            launched = self.feeder.feed(plan)
+            launched = self.worker.feed(plan)
             if launched:
                 self._record(
                     {
@@ -304,7 +305,7 @@ class ColocatedRuntime:
                         "micro_steps": launched,
                     }
                 )
-        if not launched or self.feeder.threaded:  # the trainer thread works meanwhile
+        if not launched or self.worker.threaded:  # the trainer thread works meanwhile
             nxt = None if closed else replay.next_arrival_s()
             wait = 2e-3 if nxt is None else min(max(nxt - self._now(), 0.0), 2e-3)
             time.sleep(wait)
@@ -320,8 +321,8 @@ class ColocatedRuntime:
             self._step(preview)
 
     def _step(self, preview: StepPreview) -> None:
-        feeder, policy = self.feeder, self.policy
-        feeder.tick()
+        worker, policy = self.worker, self.policy
+        worker.tick()
         plan = policy.plan(preview)
         self._hold(plan)
         policy.ladder.switch(self._prev, plan.partition)
@@ -333,13 +334,14 @@ class ColocatedRuntime:
                 log.warning("memory hook failed before a decode step: %s", err)
         launched = 0
         if plan.train == BESIDE:
-            launched = feeder.feed(plan)  # with the trainer thread: published, launched there
+            launched = worker.feed(plan)  # with the trainer thread: published, launched there
         else:
-            feeder.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
+            worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
         if plan.train == AFTER:
-            feeder.drain()  # same stream: the step must not queue behind the trainer's work
-        trainer_launching, trainer_phase = feeder.launching, feeder.launching_kind
-        queued = "+".join(k for *_, k in tuple(feeder.in_flight))  # the trainer's micro-steps on the GPU
+            worker.drain()  # same stream: the step must not queue behind the trainer's work
+        snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
+        trainer_launching, trainer_phase = snap.in_round, snap.launching_kind
+        queued = "+".join(snap.queue)  # the trainer's micro-steps on the GPU
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition, plan.prefill_tokens)
@@ -350,7 +352,7 @@ class ColocatedRuntime:
         self.decode_ooms = 0
         measured = result.latency_s or (t_end - t_start)
         if plan.train == AFTER:
-            launched += feeder.feed(plan)
+            launched += worker.feed(plan)
         if result.kind == "idle":
             return
         end = t_end - self.t0
@@ -409,15 +411,15 @@ class ColocatedRuntime:
         )
         if self.decode_ooms > self.opts.max_decode_ooms:
             raise err
-        self.feeder.release_memory(decisions=256)
+        self.worker.release_memory(decisions=256)
 
     # ---- records and progress ------------------------------------------------------------------------
     def _record(self, row: dict[str, Any], t: float | None = None) -> None:
         row = {
             "t": round(self._now() if t is None else t, 6),
             **row,
-            "train_step": self.trainer.step,
-            "tokens": round(self.feeder.progress_tokens() - self.start_tokens),
+            "train_step": self.worker.snapshot.step,
+            "tokens": round(self.worker.progress_tokens() - self.start_tokens),
         }
         self._steps_file.write(json.dumps(row) + "\n")
 
@@ -431,8 +433,8 @@ class ColocatedRuntime:
             return
         self._last_progress = now
         elapsed = max(now - self.t0, 1e-9)
-        tr, eng = self.trainer, self.engine.engine
-        tok_s = (self.feeder.progress_tokens() - self.start_tokens) / elapsed
+        tr, eng = self.worker.snapshot, self.engine.engine
+        tok_s = (tr.tokens - self.start_tokens) / elapsed
         objective = report.objective_text(self.objective())  # the statistic the run's last line gives
         share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
         paused = self.paused_steps / max(self.decode_steps, 1)
@@ -448,13 +450,12 @@ class ColocatedRuntime:
             print(line, file=sys.stderr, flush=True)
 
     def _gauges(self, now: float, objective: dict[str, Any]) -> RuntimeGauges:
-        tr = self.trainer
+        tr = self.worker.snapshot
         return RuntimeGauges(
             train_step=tr.step,
             train_total_steps=tr.total_steps,
-            train_loss=float(tr.last_loss),
-            trainer_tokens_per_s=(self.feeder.progress_tokens() - self.start_tokens)
-            / max(now - self.t0, 1e-9),
+            train_loss=tr.last_loss,
+            trainer_tokens_per_s=(tr.tokens - self.start_tokens) / max(now - self.t0, 1e-9),
             decode_sms=0 if self._prev is None else self._prev.infer_sms,
             trainer_sms=self._held_sms,
             total_sms=self.policy.ladder.total_sms,
@@ -488,25 +489,25 @@ class ColocatedRuntime:
         self._stop.set()
 
     def _finish(self) -> dict[str, Any]:
-        feeder, trainer = self.feeder, self.trainer
+        worker, trainer = self.worker, self.trainer
         self._mark("end")
         self._hold(None)
-        if self.stop_reason == "trained" and not feeder.done:
+        if self.stop_reason == "trained" and not worker.done:
             self.stop_reason = "window"
         if not self.opts.quiet:
             self._progress(force=True)
             if sys.stderr.isatty():
                 print(file=sys.stderr)
-        feeder.drain()
-        end_tokens = feeder.progress_tokens()
+        worker.drain()
+        end_tokens = worker.progress_tokens()
         if not self._hard_stop:
-            feeder.settle()  # an optimizer step that ran is counted (and checkpointed) before stopping
-        if not feeder.done:
-            feeder.close()
+            worker.settle()  # an optimizer step that ran is counted (and checkpointed) before stopping
+        if not worker.done:
+            worker.close()
             if self.stop_reason == "interrupted":
                 trainer.interrupt()  # back to the last completed step; finish() checkpoints it
             else:
-                feeder.rollback()
+                worker.rollback()
         if self.opts.port is not None:
             self.opts.port.close()  # its clients learn their requests ended (the records keep them)
         aborted = self.engine.abort_all() if self.engine.has_unfinished() else 0

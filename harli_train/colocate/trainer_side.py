@@ -1,0 +1,373 @@
+"""TrainerSide: the trainer's micro-steps launched onto the streams and SM budgets plans name.
+
+The trainer is a generator of micro-steps that *launch* GPU work; a launch round decides how many to launch
+for a plan so that about one micro-step is queued past the next decision, and tracks them with CUDA events
+(on the CPU stand-ins every launch runs synchronously and is timed directly).
+
+Three things make this more than ``next(gen)``:
+
+- The call after an optimizer step host-syncs (the trainer reads the loss), so it is made only once the
+  trainer's queue has drained: it then costs nothing.
+- A backward whose forward ran on SMs decode has since taken is rebuilt on the current trainer stream
+  (``MicroTracker``): one chunk's forward of extra work, where holding the backward would idle the trainer until
+  decode shrinks, and redoing the step would throw the step's work away.
+- Running out of memory abandons the step in flight, reports it (``on_oom``: the serving side frees what it can)
+  and restarts the step; repeated failures hold the trainer back for a number of decode decisions.
+
+Abandoning a step restores the data position and RNG saved at the step's start, so the redone step computes
+exactly what the abandoned one would have: co-location changes when work runs, never what is computed.
+
+One owner at a time: every method is called from one thread (the trainer worker's, or the decode thread's
+when there is no worker); other threads read ``TrainerWorker.snapshot``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.colocate.engine_adapter import is_cuda_stream
+from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.micro_tracker import MicroTracker
+from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
+from harli_train.colocate.sm import StandInEvent
+
+log = logging.getLogger(__name__)
+OOM_ERRORS: tuple[type[BaseException], ...] = (
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),
+)
+
+
+class TrainerSide:
+    """Owns the trainer's micro-step generator and launches it onto the streams plans name."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        on_oom: Callable[[], None],
+        priority: HostPriority,
+        on_slice: Callable[[float], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        max_oom_retries: int = 3,
+        oom_backoff_steps: int = 64,
+        log_limit: int = 4096,
+        max_in_flight: int = 2,
+    ) -> None:
+        self.trainer, self.on_oom, self.priority = trainer, on_oom, priority
+        # Micro-steps queued on the GPU at most (beside decode). The time estimates run short on a small rung,
+        # and a queue grown too long fills the stream's hardware queue: the trainer's launches then block in
+        # the driver, and decode's submissions with them (bench/results/README.md).
+        self.max_in_flight = max_in_flight
+        self.on_slice, self.should_stop = on_slice, should_stop
+        self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
+        self.on_gpu = trainer.device.type == "cuda"
+        self.tracker = MicroTracker(trainer.model.config.num_layers, trainer.cfg.train.grad_accum)
+        trainer.recompute_chunk = self.tracker.take_rebuild
+        self.gen = trainer.micro_steps()
+        self.done = trainer.done
+        self.ewma_s = 0.0  # one micro-step's duration
+        self.in_flight: deque[tuple[Any, Any, str]] = deque()  # (start, end, kind) of queued micro-steps
+        self._kind_s: dict[str, deque[float]] = {}  # recent durations per kind of micro-step
+        self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
+        self.last_stream: Any = None
+        self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
+        self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
+        self.oom_recoveries = self.abandoned_steps = self.launched_total = 0
+        self.decisions = self._held_until = self._oom_streak = self._starved = 0
+        cfg = trainer.cfg
+        self._step_tokens = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum
+        # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
+        # spent launching them, and why launch rounds stopped.
+        self.gpu_s = self.launch_host_s = 0.0
+        self._finish_at = 0.0  # host clock: when the queued micro-steps should be done (GPU)
+        self._host_recent: deque[float] = deque(maxlen=9)
+        self.rounds = 0
+        self.stops: dict[str, int] = {}
+        self.on_launch: Callable[[], None] = lambda: None  # called around every launch (snapshots)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def last_phase(self) -> str | None:
+        return self.tracker.last_phase
+
+    @property
+    def micro_steps(self) -> int:
+        return self.tracker.micro_steps
+
+    @property
+    def rebuilt_chunks(self) -> int:
+        return self.tracker.rebuilt_chunks
+
+    def at_decision(self, decisions: int) -> None:
+        """The decode loop has made ``decisions`` decisions (the unit of the OOM back-off)."""
+        self.decisions = max(self.decisions, decisions)
+
+    @property
+    def held(self) -> bool:
+        return self.decisions < self._held_until
+
+    def hold(self, decisions: int) -> None:
+        """Launch nothing for the next ``decisions`` decode decisions."""
+        self._held_until = max(self._held_until, self.decisions + decisions)
+
+    def queued_s(self) -> float:
+        """GPU work the trainer has queued that is still to run, in seconds: the estimated finish time of the
+        last queued micro-step (each starts when the one before it ends, or when it was launched) minus
+        now. A queue running late still counts a quarter micro-step until it is retired."""
+        if not self.in_flight:
+            return 0.0
+        ahead = self._finish_at - time.perf_counter()
+        return ahead if ahead > 0 else 0.25 * self.ewma_s
+
+    def host_s(self) -> float:
+        """Host time one launch takes (median of the recent ones)."""
+        recent = self._host_recent
+        return sorted(recent)[len(recent) // 2] if recent else 0.0
+
+    def progress_tokens(self) -> float:
+        """Tokens trained so far, counting the launched part of the step in flight pro rata."""
+        tokens = float(self.trainer.tokens_seen)
+        if self.tracker.last_phase == "optim":  # the step is done; the trainer counts it on its next call
+            return tokens + self._step_tokens
+        return tokens + self._step_tokens * self.tracker.done_fraction(len(self.in_flight))
+
+    def expected_s(self, kind: str) -> float:
+        """Expected duration of a micro-step of ``kind``: the median of its recent ones (0 before any)."""
+        recent = self._kind_s.get(kind)
+        return sorted(recent)[len(recent) // 2] if recent else self.ewma_s
+
+    # ---- launching -----------------------------------------------------------------------------------
+    def launch_round(self, plan: StepPlan, preempted: Callable[[], bool] = lambda: False) -> int:
+        """Launch the micro-steps ``plan`` allows (stopping early when ``preempted()``); returns how many."""
+        if self.done or plan.paused or self.held:
+            return 0
+        self.poll()
+        first_sm = plan.train_from_sm if plan.isolated else 0
+        sync = not self.on_gpu
+        if sync:
+            budget = plan.horizon_s
+        elif plan.train == BESIDE:
+            # Keep the decode step covered, plus about one micro-step queued past it, plus the host time the
+            # next launch takes: the GPU must not run dry while the trainer is still launching.
+            budget = plan.horizon_s + self.ewma_s + self.host_s() - self.queued_s()
+        else:
+            budget = plan.horizon_s - self.queued_s()
+        launched, why = 0, "done"
+        self.rounds += 1
+        tracker = self.tracker
+        while not self.done:
+            if self.should_stop() or preempted():
+                why = "preempted"
+                break
+            # A transient detour (a prefill) may share the SMs of a backward's forward for its one step:
+            # the backward goes on there.
+            stale = plan.isolated and not plan.transient and tracker.stale(plan.partition.infer_sms)
+            kind = "rebuild" if stale else tracker.next_kind()
+            cost = self.expected_s(kind)
+            if stale and kind not in self._kind_s:
+                cost = self.expected_s("fwd") + self.expected_s("bwd")
+            if not self._may_launch(plan, sync, budget, cost, launched, kind):
+                why = "budget"
+                break
+            if tracker.last_phase == "optim" and self.in_flight:
+                why = "step_boundary"
+                break  # the next call host-syncs on the loss: make it once the queue is empty
+            tracker.arm_rebuild(stale)
+            t0 = time.perf_counter()
+            seconds = self._launch(plan.train_stream, plan.train_sms, first_sm, kind)
+            host = time.perf_counter() - t0
+            self.launch_host_s += host
+            if not sync:
+                self._host_recent.append(host)
+                # Its kernels start once the queue ahead is done, and none ends before its launch has.
+                self._finish_at = max(max(self._finish_at, t0) + cost, t0 + host)
+            launched += 1
+            if plan.train == AFTER:
+                self._starved = 0
+            budget -= seconds if sync else (cost or float("inf"))
+        key = f"{why}_after_launch" if launched else why
+        self.stops[key] = self.stops.get(key, 0) + 1
+        self.launched_total += launched
+        return launched
+
+    def _may_launch(
+        self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
+    ) -> bool:
+        if plan.train == AFTER:  # time slicing: the slack is a hard limit, the next micro-step must fit
+            if cost <= budget:
+                return True
+            return not launched and (not plan.strict or self._starving(kind, cost, budget))
+        if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
+            return not launched or cost <= budget
+        # GPU: keep the step covered and about one micro-step queued past it, never more than max_in_flight.
+        return budget > 0 and len(self.in_flight) < self.max_in_flight
+
+    def _starving(self, kind: str, cost: float, budget: float) -> bool:
+        """Whether to launch a micro-step that looks too long anyway: only while its estimate rests on
+        fewer than three samples (one slow first call must not shut the trainer out for good)."""
+        self._starved += 1
+        if self._starved == 500:
+            log.warning(
+                "the trainer's next micro-step (%s, ~%.1f ms) has not fitted the slack decode leaves "
+                "(%.1f ms) for 500 steps: lower train.layers_per_microstep",
+                kind,
+                cost * 1e3,
+                budget * 1e3,
+            )
+        return self._starved >= 20 and len(self._kind_s.get(kind, ())) < 3
+
+    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str) -> float:
+        """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs; returns its duration
+        when synchronous."""
+        self._handoff(stream)
+        cuda = is_cuda_stream(stream)
+        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        t0 = time.perf_counter()
+        self.launching_kind = kind
+        self.on_launch()
+        try:
+            with ctx, kernels.sm_budget(max(sms, 1)):
+                ms = next(self.gen)
+        except StopIteration:
+            self.done = True
+            return 0.0
+        except OOM_ERRORS as err:
+            self.tracker.rebuild = None
+            self.recover_oom(err)
+            return 0.0
+        finally:
+            self.launching_kind = None
+        seconds = time.perf_counter() - t0
+        self.last_stream = stream
+        self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
+        if self.tracker.track(ms, first_sm):
+            self._oom_streak = 0
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            self.in_flight.append((start, end, kind))
+        else:
+            self._observe(seconds, kind)
+        self.on_launch()
+        return seconds
+
+    def _handoff(self, stream: Any) -> None:
+        """The trainer's next work on ``stream`` waits for what it queued on the previous stream."""
+        prev = self.last_stream
+        if prev is None or prev is stream:
+            return
+        if is_cuda_stream(prev) and is_cuda_stream(stream):
+            event = torch.cuda.Event()
+            event.record(prev)
+            stream.wait_event(event)
+        elif hasattr(stream, "wait_event"):
+            event = StandInEvent()
+            event.record(prev)
+            stream.wait_event(event)
+
+    # ---- completion ----------------------------------------------------------------------------------
+    def _observe(self, seconds: float, kind: str) -> None:
+        self.gpu_s += seconds
+        self.ewma_s = seconds if self.ewma_s == 0 else self.ewma_s + 0.2 * (seconds - self.ewma_s)
+        self._kind_s.setdefault(kind, deque(maxlen=5)).append(seconds)
+        self._recent.append(seconds)
+        if self.on_slice is not None:  # a median: one stalled micro-step must not pause the trainer for good
+            self.on_slice(sorted(self._recent)[len(self._recent) // 2])
+
+    def poll(self) -> None:
+        """Retire finished micro-steps (GPU) and fold their durations into the estimates."""
+        while self.in_flight and self.in_flight[0][1].query():
+            start, end, kind = self.in_flight.popleft()
+            self._observe(start.elapsed_time(end) * 1e-3, kind)
+
+    def drain(self) -> None:
+        """Wait for every queued micro-step."""
+        if self.in_flight:
+            with self.priority.yielded():
+                self.in_flight[-1][1].synchronize()
+        self.poll()
+
+    # ---- abandoning ----------------------------------------------------------------------------------
+    def rollback(self) -> None:
+        """Forget the step in flight (gradients, data position, RNG); the next launch starts it afresh."""
+        self.trainer.abandon_step()
+        self.gen = self.trainer.micro_steps()
+        self.tracker.reset()
+
+    def settle(self) -> None:
+        """If an optimizer step has run but is not yet counted, let the trainer count it (and checkpoint)."""
+        if self.tracker.last_phase != "optim" or self.done:
+            return
+        self.drain()
+        try:
+            self.tracker.track(
+                next(self.gen), 0
+            )  # counts the step, then launches the next step's first chunk
+        except StopIteration:
+            self.done = True
+
+    def abandon_step(self, reason: str) -> None:
+        """Drop the step in flight and start it again from its first micro-step.
+
+        No wait for its queued work: it only reads the adapter (no optimizer step ran) and writes tensors
+        that are being dropped, whose memory torch hands out again only on the same stream, after it.
+        """
+        self.settle()
+        if self.done:
+            return
+        self.gen.close()
+        self.rollback()
+        self.abandoned_steps += 1
+        log.info("trainer step %d restarted: %s", self.trainer.step + 1, reason)
+
+    def recover_oom(self, err: BaseException) -> None:
+        """The trainer ran out of memory: abandon its step, report it, hold it back after repeated ones."""
+        self.oom_recoveries += 1
+        self._oom_streak += 1
+        log.warning(
+            "trainer ran out of memory at step %d (%s): step abandoned, releasing memory",
+            self.trainer.step + 1,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        with contextlib.suppress(*OOM_ERRORS):
+            self.drain()
+        self.in_flight.clear()
+        self.rollback()  # the generator died with the error; a fresh one redoes the step
+        self.on_oom()
+        if self._oom_streak >= self.max_oom_retries:
+            log.warning(
+                "trainer out of memory %d times in a row: paused for %d decode steps",
+                self._oom_streak,
+                self.oom_backoff,
+            )
+            self.hold(self.oom_backoff)
+            self._oom_streak = 0
+
+    def close(self) -> None:
+        self.drain()
+        self.gen.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""
+        return {
+            "micro_steps": self.micro_steps,
+            "rounds": self.rounds,
+            "round_stops": dict(sorted(self.stops.items())),
+            "gpu_busy_s": self.gpu_s,
+            "launch_host_s": self.launch_host_s,
+            "rebuilt_chunks": self.rebuilt_chunks,
+            "abandoned_steps": self.abandoned_steps,
+            "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
+            "host_priority": self.priority.stats(),
+        }

@@ -1,0 +1,297 @@
+"""TrainerWorker: the trainer side owned by one thread, reached through a mailbox, read through a snapshot.
+
+On a GPU, launching a micro-step costs host time (a chunk's forward or backward is hundreds of kernel
+launches through Python and autograd), which would delay the next decode step if the decode thread did it. So
+the trainer side (``TrainerSide``) can be owned by a thread of its own (``start()``). The decode thread then:
+
+- posts messages to its mailbox: a ``plan`` of work beside the next decode step (served by one launch round,
+  cut short when a newer message arrives), a ``pause``, or a ``call`` (drain, roll back, settle, abandon,
+  time-sliced work after a step) whose result it waits for;
+- reads ``snapshot``, an immutable ``TrainerSnapshot`` the owner replaces around every launch and call.
+
+Nothing else is shared. The worker reports back through an outbox: an out-of-memory recovery (the decode thread
+then runs the memory hook, which touches the serving side, and tells the worker to go on) or the error that
+ended it (raised in the decode thread at its next decision). Without a thread (the CPU default, or before
+``start``) every message is handled at once on the caller's thread, by the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
+from harli_train.colocate.policy import BESIDE, StepPlan
+from harli_train.colocate.trainer_side import TrainerSide
+from harli_train.train.divergence import TrainingDiverged
+
+log = logging.getLogger(__name__)
+_PLAN, _PAUSE, _CALL, _HOOK_DONE, _STOP = "plan", "pause", "call", "hook_done", "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSnapshot:
+    """The trainer side as of its last launch or call."""
+
+    done: bool
+    step: int
+    total_steps: int
+    last_loss: float
+    tokens: float  # tokens trained, the launched part of the step in flight pro rata
+    queue: tuple[str, ...]  # kinds of the micro-steps queued on the GPU, oldest first
+    launching_kind: str | None  # the micro-step being launched now (None: between launches)
+    in_round: bool  # inside a launch round (its host work competes with decode's)
+    launched_total: int
+
+
+class TrainerWorker:
+    """The trainer side behind a mailbox; inline (the caller's thread) until ``start()``."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        memory_hook: MemoryHook | None = None,
+        on_slice: Callable[[float], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        max_in_flight: int = 2,
+        **side_options: Any,
+    ) -> None:
+        self.hook = memory_hook or CacheReleaseHook()
+        # The decode thread's claim on the host; every wait of the decode thread for the worker opens it.
+        self.priority = HostPriority()
+        self.side = TrainerSide(
+            trainer,
+            self._on_oom,
+            self.priority,
+            on_slice=on_slice,
+            should_stop=should_stop,
+            max_in_flight=max_in_flight,
+            **side_options,
+        )
+        self.side.on_launch = self._publish
+        self.on_gpu = self.side.on_gpu
+        self._decisions = 0  # the decode thread's count, carried by every plan
+        self._reported = 0  # launched_total as last reported by feed()
+        self._thread: threading.Thread | None = None
+        self._mailbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_round = False
+        self._awaiting_hook = False  # worker: an OOM was reported, the hook has not run yet
+        self.wait_s = 0.0  # the worker's time waiting for messages
+        self.snapshot = self._take_snapshot()
+
+    # ---- reading -------------------------------------------------------------------------------------
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def done(self) -> bool:
+        return self.snapshot.done
+
+    def progress_tokens(self) -> float:
+        return self.snapshot.tokens
+
+    def _take_snapshot(self) -> TrainerSnapshot:
+        side, tr = self.side, self.side.trainer
+        return TrainerSnapshot(
+            done=side.done,
+            step=tr.step,
+            total_steps=tr.total_steps,
+            last_loss=float(tr.last_loss),
+            tokens=side.progress_tokens(),
+            queue=tuple(k for *_, k in side.in_flight),
+            launching_kind=side.launching_kind,
+            in_round=self._in_round,
+            launched_total=side.launched_total,
+        )
+
+    def _publish(self) -> None:
+        self.snapshot = self._take_snapshot()  # one reference swap: readers see the old or the new one
+
+    # ---- the decode thread's side --------------------------------------------------------------------
+    def tick(self) -> None:
+        """One decode decision passed: run the memory hook for an OOM the worker recovered from; raise the
+        error that ended the worker."""
+        self._decisions += 1
+        if self._thread is not None:
+            self._read_outbox()
+        else:
+            self.side.at_decision(self._decisions)
+
+    def feed(self, plan: StepPlan) -> int:
+        """Launch (or, with the worker, hand over) the micro-steps ``plan`` allows; returns how many launched
+        since the last call (with the worker: what it launched since then, the plan going on there)."""
+        if self._thread is None:
+            launched = self.side.launch_round(plan)
+            self._publish()
+            return launched
+        if plan.train == BESIDE and not plan.paused:
+            self._mailbox.put((_PLAN, plan, self._decisions))
+            total = self.snapshot.launched_total
+            launched, self._reported = total - self._reported, total
+            return launched
+        self.pause()
+        if plan.paused:
+            return 0
+        # Time slicing: the step is done, the worker fills the slack while this thread waits.
+        launched = self._call(lambda: self.side.launch_round(plan, self._preempted))
+        self._reported = self.snapshot.launched_total
+        return launched
+
+    def pause(self) -> None:
+        """Launch nothing more beside decode until the next plan."""
+        if self._thread is not None:
+            self._mailbox.put((_PAUSE, None, self._decisions))
+
+    def drain(self) -> None:
+        """Wait for every queued micro-step."""
+        self._call(self.side.drain)
+
+    def rollback(self) -> None:
+        """Forget the step in flight; the next launch starts it afresh."""
+        self._call(self.side.rollback)
+
+    def settle(self) -> None:
+        """Count an optimizer step that ran but is not yet counted (and checkpoint it)."""
+        self._call(self.side.settle)
+
+    def release_memory(self, decisions: int) -> None:
+        """Decode needs memory: abandon the trainer's step, free its cache and hold it back a while."""
+        self._call(lambda: self.side.abandon_step("decode ran out of memory"))
+        self._run_hook()
+        self._call(lambda: self.side.hold(decisions))
+
+    def stats(self) -> dict[str, Any]:
+        """The trainer side's figures (TrainerSide.stats) and the worker's waits."""
+        return {**self._call(self.side.stats), "thread_wait_s": self.wait_s}
+
+    def close(self) -> None:
+        self.stop()
+        self.side.close()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the owner's thread, between micro-steps; its result (or its error, raised here)."""
+        if self._thread is None:
+            out = fn()
+            self._publish()
+            return out
+        fut: Future = Future()
+        self._mailbox.put((_CALL, (fn, fut), self._decisions))
+        with self.priority.yielded():
+            while True:
+                try:
+                    return fut.result(timeout=0.05)
+                except TimeoutError:
+                    self._read_outbox()  # a worker that died fails no future: its error comes here
+
+    def _on_oom(self) -> None:
+        """The side recovered from an OOM: run the hook now (inline) or have the decode thread run it."""
+        if self._thread is None or threading.current_thread() is not self._thread:
+            self._run_hook()
+            return
+        self._awaiting_hook = True
+        self._outbox.put(("oom", None))
+
+    def _run_hook(self) -> None:
+        try:
+            self.hook.on_trainer_oom()
+        except Exception as err:  # the serving side must not fail because the hook did
+            log.warning("memory hook failed after a trainer OOM: %s", err)
+
+    def _read_outbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "oom":
+                self._run_hook()
+                self._mailbox.put((_HOOK_DONE, None, self._decisions))
+            else:  # the worker's error: it has ended
+                self._join()
+                raise payload
+
+    # ---- the worker thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Hand the trainer side to a thread of its own (until ``stop()``)."""
+        if self._thread is not None or self.side.done:
+            return
+        device = torch.cuda.current_device() if self.on_gpu else None
+        self._thread = threading.Thread(target=self._run, args=(device,), name="harli-train", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the worker at the next micro-step boundary and join it; the side is the caller's again. An
+        OOM it reported gets its hook; the error that ended it is raised."""
+        if self._thread is None:
+            return
+        self._mailbox.put((_STOP, None, self._decisions))
+        self._join()
+        self._read_outbox()
+
+    def _join(self) -> None:
+        """Join the worker; what it left in the mailbox is dropped (plans for steps that are over)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            with self.priority.yielded():
+                thread.join()
+        self._mailbox = queue.SimpleQueue()
+        self._awaiting_hook = False
+
+    def _run(self, device: int | None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # the current device is per thread
+        mailbox, side = self._mailbox, self.side
+        try:
+            while True:
+                t_wait = time.perf_counter()
+                kind, payload, decisions = mailbox.get()
+                self.wait_s += time.perf_counter() - t_wait
+                side.at_decision(decisions)
+                if kind == _STOP:
+                    return
+                if kind == _HOOK_DONE:
+                    self._awaiting_hook = False
+                elif kind == _CALL:
+                    fn, fut = payload
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as err:
+                        fut.set_exception(err)
+                elif kind == _PLAN and mailbox.empty() and not self._awaiting_hook:
+                    # One round per plan, cut short by any newer message (a newer plan supersedes it).
+                    self._in_round = True
+                    try:
+                        side.launch_round(payload, self._preempted)
+                    finally:
+                        self._in_round = False
+                self._publish()
+        except BaseException as err:  # handed to the decode thread (tick / stop)
+            if not isinstance(err, TrainingDiverged):  # that one is the run's own one-line message
+                log.error("the trainer thread failed: %s", err)
+            self._fail_pending(err)
+            self._outbox.put(("error", err))
+
+    def _preempted(self) -> bool:
+        """In the worker: a newer message, or an OOM whose hook has not run yet, ends the round."""
+        return self._awaiting_hook or not self._mailbox.empty()
+
+    def _fail_pending(self, err: BaseException) -> None:
+        """The worker ends: every call still in the mailbox fails with its error."""
+        while True:
+            try:
+                kind, payload, _ = self._mailbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == _CALL:
+                payload[1].set_exception(err)
