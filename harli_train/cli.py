@@ -257,7 +257,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
 @click.option(
     "--adapter",
     type=click.Path(exists=True, file_okay=False),
-    help="A PEFT LoRA adapter directory to merge into the weights first.",
+    help="A PEFT LoRA adapter directory (safetensors) to generate with, unmerged as `serve --adapter` runs it.",
 )
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
@@ -303,7 +303,8 @@ def generate(
         if chat
         else prompts
     )
-    seqs = [engine.add_request(r, params) for r in requests]  # RequestRefused: one line, exit 1
+    slot = 1 if adapter else 0  # build_engine puts the adapter in slot 1
+    seqs = [engine.add_request(r, params, lora_slot=slot) for r in requests]  # RequestRefused: exit 1
     engine.run_until_done()
     for prompt, seq in zip(prompts, seqs, strict=True):
         text = engine.decode_text(seq)

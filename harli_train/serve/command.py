@@ -15,14 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harli_train.engine.api import model_id
 from harli_train.engine.engine_config import EngineConfig, capped_to_context
 
 log = logging.getLogger(__name__)
-
-
-def model_id(source: str) -> str:
-    """The id clients name a served model by: a preset's name, or an HF directory's folder name."""
-    return Path(source).name if Path(source).expanduser().is_dir() else source
 
 
 def run_server(
