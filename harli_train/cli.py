@@ -327,6 +327,15 @@ def generate(
               help="Requests waiting at most; more get 429.")  # fmt: skip
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--adapter", "adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A PEFT LoRA adapter directory (safetensors) to serve as model id <its folder name>; "
+              "repeat for more.")  # fmt: skip
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")  # fmt: skip
+@click.option("--max-loras", default=None, type=click.IntRange(min=1),
+              help="Adapter slots [default: one per --adapter, 4 more with --allow-runtime-lora].")  # fmt: skip
+@click.option("--max-lora-rank", default=None, type=click.IntRange(1, 256),
+              help="Largest adapter rank served [default: the largest --adapter's, at least 16].")  # fmt: skip
 @_friendly
 def serve(
     model_source: str,
@@ -337,12 +346,21 @@ def serve(
     max_queue: int,
     max_batch: int,
     device: str,
+    adapters: tuple[str, ...],
+    allow_runtime_lora: bool,
+    max_loras: int | None,
+    max_lora_rank: int | None,
 ) -> None:
-    """Serve MODEL behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics) until SIGTERM or Ctrl-C; the records go under --out."""
+    """Serve MODEL (and each --adapter, unmerged) behind an OpenAI-compatible API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C; the records go under
+    --out."""
     from harli_train.serve.command import run_server
 
-    summary = run_server(model_source, host, port, api_key, out_dir, max_queue, max_batch, device)
+    summary = run_server(
+        model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
+        adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+    )  # fmt: skip
     click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
 
 

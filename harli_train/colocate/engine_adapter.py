@@ -87,9 +87,14 @@ class EngineAdapter:
             return False  # recorded in the engine's metrics
         return True
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str, arrival_time: float) -> Sequence:
-        """Queue a client's request as it came (HTTP): RequestRefused when it can never run here."""
-        return self.engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival_time)
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str, arrival_time: float, lora_slot: int = 0
+    ) -> Sequence:
+        """Queue a client's request as it came (HTTP), on adapter slot `lora_slot`: RequestRefused when it
+        can never run here."""
+        return self.engine.add_request(
+            prompt, params, request_id=request_id, arrival_time=arrival_time, lora_slot=lora_slot
+        )
 
     def abort(self, seq: Sequence) -> bool:
         """Drop one request now (its client went away); False when it had already finished."""
