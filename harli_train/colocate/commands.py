@@ -59,7 +59,7 @@ def run_colocated(
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
-    col = assemble(cfg, serve_model, resume)
+    col = assemble(cfg, serve_model, resume, live_adapter=serve is not None)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}
     try:
@@ -104,12 +104,11 @@ def _with_server(col, serve_model: str, serve, api_key, exit_after_training: boo
     from dataclasses import replace
 
     from harli_train.serve.app import Server
-    from harli_train.serve.command import model_id
     from harli_train.serve.engine_loop import RequestPort
     from harli_train.serve.http_thread import HttpThread
 
-    port = RequestPort(col.engine, col.cfg.colocation.max_queue)
-    server = Server(port, col.engine.tokenizer, col.engine.max_model_len, [model_id(serve_model)], api_key)
+    port = RequestPort(col.engine, col.cfg.colocation.max_queue, col.catalog)
+    server = Server(port, col.engine.tokenizer, col.engine.max_model_len, col.catalog, api_key)
     http = HttpThread(server, *serve, grace_s=options.grace_s)
     http.start()
     return replace(options, port=port, serve_until_stopped=not exit_after_training), http

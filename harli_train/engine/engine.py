@@ -240,6 +240,10 @@ class DecodeEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # in place before any later step reads it
 
+    def last_step_event(self) -> torch.cuda.Event | None:
+        """An event past every step launched so far (None on a CPU): what a writer of a slot waits for."""
+        return self.runner.last_event()
+
     def quiesce(self) -> None:
         """Wait until no launched step is running on the device (the slots may then be written)."""
         if self._inflight is not None:
@@ -378,7 +382,8 @@ class DecodeEngine:
         and a compile inside a served request's prefill stalls every running sequence for a second or
         more. Runs prompts of `prompt_lens` tokens (capped by the engine's limits) alone and then packed
         into one step, each with one decode step after it; then forgets them (blocks freed, metrics reset).
-        Returns how many requests ran. The engine must be idle."""
+        With adapters loaded, the packed group runs once more on the first of them (the LoRA kernels of the
+        prefill path). Returns how many requests ran. The engine must be idle."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine (requests are queued or running)")
         cfg = self.config
@@ -386,10 +391,12 @@ class DecodeEngine:
         lens = sorted({max(1, min(int(n), limit)) for n in prompt_lens})
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         ran = 0
-        for group in [[n] for n in lens] + [lens]:
+        loaded = [s for s, r in enumerate(self.lora.ranks) if r] if self.lora is not None else []
+        groups = [([n], 0) for n in lens] + [(lens, 0)] + [(lens, s) for s in loaded[:1]]
+        for group, slot in groups:
             for n in group:
                 try:
-                    self.add_request([3 + (7 * i) % 97 for i in range(n)], params)
+                    self.add_request([3 + (7 * i) % 97 for i in range(n)], params, lora_slot=slot)
                     ran += 1
                 except RequestRefused:
                     continue  # too big for this cache: not a shape it will ever prefill
