@@ -107,3 +107,66 @@ def test_refreshes_follow_every_and_the_final_adapter_is_served():
     )
     engine.run_until_done()
     assert seq.completion_token_ids == _reference(model, 8)
+
+
+def _get(url):
+    import urllib.request
+
+    with urllib.request.urlopen(url) as resp:
+        return json.loads(resp.read())
+
+
+def _live_card(url, name):
+    return next(m for m in _get(f"{url}/v1/models")["data"] if m["id"] == name)
+
+
+@pytest.mark.slow
+def test_a_colocated_serve_run_serves_its_adapter_live(tmp_path):
+    """`--colocate-with tiny --serve 0`: /v1/models shows the run's adapter and its step; requests during
+    training run on advancing versions, each equal to the checkpoint of the step it names; after training
+    the final adapter stays served."""
+    openai = pytest.importorskip("openai")
+    steps, run = 5, tmp_path / "live-run"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "harli_train", str(ROOT / "recipes" / "quickstart.yaml"), "--colocate-with",
+           "tiny", "--serve", "0", "--quiet", "colocation.rate=0", f"train.steps={steps}", "train.batch_size=2",
+           "data.seq_len=32", "train.warmup_steps=1", "train.log_every=1", "output.checkpoint_every=1",
+           f"output.keep_checkpoints={steps}", f"output.dir={run}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = None
+    for line in proc.stderr:
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            url = f"http://127.0.0.1:{found.group(1)}"
+            break
+    assert url, "the co-located server did not start"
+    seen: list[tuple[int, str]] = []
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        assert _live_card(url, "live-run")["parent"] == "tiny"
+        deadline = time.time() + 240
+        while time.time() < deadline and _live_card(url, "live-run")["step"] < steps:
+            done = client.completions.create(model="live-run", prompt="add 1+2 =", max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+            seen.append((int(done.system_fingerprint.removeprefix("step-")), done.choices[0].text))
+        time.sleep(1.0)  # training is over: the final adapter stays
+        done = client.completions.create(model="live-run", prompt="add 1+2 =", max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+        seen.append((int(done.system_fingerprint.removeprefix("step-")), done.choices[0].text))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert seen[-1][0] == steps and len({s for s, _ in seen}) >= 3, seen  # the versions advanced
+    from harli_train.engine.api import build_engine
+
+    texts = {}
+    for step, text in seen:
+        if step not in texts:
+            adapter = run / "checkpoints" / f"step_{step:06d}" if step else None
+            engine = build_engine("tiny", "cpu", config=EngineConfig(max_model_len=64), adapter=adapter)
+            seq = engine.add_request("add 1+2 =", SamplingParams(max_tokens=6, ignore_eos=True),
+                                     lora_slot=1 if adapter else 0)  # fmt: skip
+            engine.run_until_done()
+            texts[step] = engine.decode_text(seq)
+        assert text == texts[step], step
