@@ -170,3 +170,19 @@ def test_a_colocated_serve_run_serves_its_adapter_live(tmp_path):
             engine.run_until_done()
             texts[step] = engine.decode_text(seq)
         assert text == texts[step], step
+
+
+def test_the_recipe_key_and_trace_lines_naming_a_model_are_checked(tmp_path):
+    from harli_train.config import RecipeError, load_recipe
+    from harli_train.engine.load import TraceError, TraceRequest, parse_request, read_trace
+
+    with pytest.raises(RecipeError, match="colocation.serve_adapter_every"):
+        load_recipe(ROOT / "recipes" / "quickstart.yaml", ["colocation.serve_adapter_every=0"])
+    assert load_recipe(ROOT / "recipes" / "quickstart.yaml").colocation.serve_adapter_every == 1
+    line = {"arrival_s": 0.5, "prompt_len": 8, "output_len": 4, "model": "run"}
+    assert parse_request(line, "t:1").model == "run"
+    with pytest.raises(TraceError, match="t:1: model must be a non-empty string"):
+        parse_request({**line, "model": 3}, "t:1")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(TraceRequest(0.5, 4, prompt_len=8, request_id="a", model="run").to_json() + "\n")
+    assert read_trace(trace)[0].model == "run"

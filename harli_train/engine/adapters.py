@@ -108,10 +108,12 @@ class AdapterCatalog:
         return slot
 
     def remove(self, name: str) -> None:
-        """Stop serving adapter `name` (KeyError when it is not served). Its running requests finish on it;
-        its slot is reused once they have."""
-        if name not in self._slots or name not in self._cards or self._cards[name].root is None:
+        """Stop serving adapter `name` (KeyError when it is not served; AdapterError for a live adapter, which
+        its run serves to the end). Its running requests finish on it; its slot is reused once they have."""
+        if name not in self._slots or name not in self._cards:
             raise KeyError(name)
+        if self._cards[name].root is None:
+            raise AdapterError(f"'{name}' is the adapter of the run being trained: it is not unloaded")
         self._retired.add(self._slots.pop(name))
         del self._cards[name]
         self._publish()

@@ -16,7 +16,14 @@ import torch
 from harli_train.engine.adapters import AdapterCatalog, read_for_serving
 from harli_train.engine.engine import DecodeEngine, RequestRefused
 from harli_train.engine.engine_config import EngineConfig, EngineError
-from harli_train.engine.load import TraceReplay, TraceRequest, poisson_trace, read_trace, synthetic_prompt
+from harli_train.engine.load import (
+    TraceError,
+    TraceReplay,
+    TraceRequest,
+    poisson_trace,
+    read_trace,
+    synthetic_prompt,
+)
 from harli_train.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -147,6 +154,12 @@ def serve_trace(
     keep to their output length (`ignore_eos`), as serving benchmarks do; refused ones are recorded.
     """
     requests = _trace_requests(trace, rate, duration_s, prompt_len, output_len, burst_rate, seed)
+    named = sorted({r.model for r in requests if r.model not in (None, model_id(model_source))})
+    if named:
+        raise TraceError(
+            f"trace {trace}: request for model {named[0]!r}, but serve-trace serves the base model only "
+            f"({model_id(model_source)!r}); the co-located run serves its adapter by the run's name"
+        )
     need_len = max((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests)
     cfg = config or EngineConfig(max_num_seqs=max_batch, max_model_len=max(need_len, 256), seed=seed)
     engine = build_engine(model_source, device, dtype, seed, cfg)

@@ -142,6 +142,8 @@ class Server:
         name, _ = self._lora_body(await self._json(request), need_path=False)
         try:
             await self.port.call(lambda: self.catalog.remove(name), asyncio.get_running_loop())
+        except AdapterError as err:
+            raise protocol.APIError(400, str(err), param="lora_name") from None
         except KeyError:
             raise protocol.APIError(404, f"no loaded adapter is named '{name}' (served: "
                                     f"{', '.join(self.models)})", param="lora_name",
