@@ -120,3 +120,41 @@ def test_the_catalog_refuses_what_it_cannot_serve_and_reuses_slots(models, tmp_p
     engine.run_until_done()
     assert running.completion_token_ids == _run(_catalog(models).engine, [(PROMPTS[0], 1)], n=4)[0]
     assert catalog.add("gamma", catalog.read(alpha)) == 1 and catalog.ids() == ["base", "beta", "gamma"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph(models, mixed):
+    """On a GPU: decode (and mixed) steps replay the LoRA graph of their bucket for a mix of adapters and
+    give the eager engine's tokens; a base-only batch replays the base graph."""
+    base, alpha, beta = models
+    cfg = dict(max_model_len=128, mixed_prefill=mixed, prefill_chunk_tokens=8, max_num_batched_tokens=64)
+    graphs = build_catalog(
+        str(base), "cuda", "float32", config=EngineConfig(**cfg), adapters=[str(alpha), str(beta)]
+    )
+    eager = build_catalog(
+        str(base),
+        "cuda",
+        "float32",
+        config=EngineConfig(enforce_eager=True, **cfg),
+        adapters=[str(alpha), str(beta)],
+    )
+    assert graphs.engine.runner.use_graphs and ("default", 1, True) in graphs.engine.runner.graphs.graphs
+    requests = [(PROMPTS[i % 3], slot) for i, slot in enumerate([0, 1, 2, 1, 0, 2])]
+    assert _run(graphs.engine, requests) == _run(eager.engine, requests)
+    replayed = []
+
+    class Spy:  # stands for a graph: records which one replays
+        def __init__(self, key, graph):
+            self.key, self.graph = key, graph
+
+        def replay(self):
+            replayed.append(self.key)
+            self.graph.replay()
+
+    table = graphs.engine.runner.graphs.graphs
+    for key in list(table):
+        table[key] = Spy(key, table[key])
+    assert _run(graphs.engine, [(PROMPTS[0], 0)]) == _run(eager.engine, [(PROMPTS[0], 0)])
+    assert replayed and all(not with_lora for _, _, with_lora in replayed)

@@ -59,7 +59,8 @@ def run_colocated(
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
-    col = assemble(cfg, serve_model, resume, live_adapter=serve is not None)
+    served = {"live_adapter": True} if serve is not None else {}  # the trainer's adapter served live
+    col = assemble(cfg, serve_model, resume, **served)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}
     try:

@@ -9,7 +9,8 @@ projection does any LoRA work); the runner sets it around a forward, as it sets 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,15 @@ class LoRASlots:
             int(np.diff(slot_start)[1:].max()),
         )
 
+    @contextlib.contextmanager
+    def active(self, token_slots: np.ndarray) -> Iterator[None]:
+        """Inside, the projections add the deltas of `token_slots`' adapters (nothing when all are 0)."""
+        self.meta = self.prepare(token_slots)
+        try:
+            yield
+        finally:
+            self.meta = None
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, targets: Sequence[str]) -> torch.Tensor:
         """y [T, N] (the projections `targets` of x [T, K] side by side, in that order) plus each adapter
         row's delta; y itself (updated in place) on the Triton path, a new tensor on the torch one. No
@@ -186,3 +196,9 @@ class LoRASlots:
 
             handles.append(m.register_forward_hook(hook))
         return handles
+
+
+def adapter_slots(seqs, num_tokens: list[int] | None = None) -> np.ndarray:
+    """Each sequence's adapter slot (0: the base), repeated for each of its `num_tokens` when given."""
+    rows = np.fromiter((s.lora_slot for s in seqs), dtype=np.int64, count=len(seqs))
+    return rows if num_tokens is None else np.repeat(rows, num_tokens)

@@ -15,7 +15,7 @@ from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.decode_graphs import DecodeGraphs
 from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.engine.kv_cache import KVStorage
-from harli_train.engine.lora_slots import LoRASlots
+from harli_train.engine.lora_slots import LoRASlots, adapter_slots
 from harli_train.engine.mixed_graphs import MixedGraphs
 from harli_train.engine.sampler import Sampler, SamplingBatch
 from harli_train.engine.scheduler import ScheduledBatch
@@ -247,7 +247,7 @@ class ModelRunner:
             context_lens.append(start + n)
         tables = bm.tables[[s.row for s in batch.seqs], : bm.blocks_for(max(context_lens))]
         positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
-        adapters = _adapter_slots(batch.seqs, batch.num_tokens) if self.lora is not None else None
+        adapters = adapter_slots(batch.seqs, batch.num_tokens) if self.lora is not None else None
         return self._varlen_forward(
             ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part, adapters
         )
@@ -313,7 +313,7 @@ class ModelRunner:
         tables = bm.tables[rows, :width]
         slots = tables[np.arange(len(seqs)), positions // bm.block_size].astype(np.int64) * bm.block_size
         slots += positions % bm.block_size
-        adapters = _adapter_slots(seqs) if self.lora is not None else None
+        adapters = adapter_slots(seqs) if self.lora is not None else None
         if self.graphs is not None:
             return self.graphs.replay(key, ids, positions, slots, lens, tables, feed, adapters)
         ids_t = (
@@ -324,17 +324,10 @@ class ModelRunner:
         with self._adapters(adapters):
             return self._eager_decode(ids_t, positions, slots, lens, tables, part)
 
-    @contextlib.contextmanager
-    def _adapters(self, token_slots: np.ndarray | None) -> Iterator[None]:
-        """The projections inside add the deltas of `token_slots`' adapters (nothing when all are 0)."""
+    def _adapters(self, token_slots: np.ndarray | None) -> contextlib.AbstractContextManager:
         if self.lora is None or token_slots is None:
-            yield
-            return
-        self.lora.meta = self.lora.prepare(token_slots)
-        try:
-            yield
-        finally:
-            self.lora.meta = None
+            return contextlib.nullcontext()
+        return self.lora.active(token_slots)
 
     def _eager_decode(
         self,
@@ -427,9 +420,3 @@ class ModelRunner:
             else None,
             max_top_k=max(s.params.top_k for s in seqs),
         )
-
-
-def _adapter_slots(seqs: list[Sequence], num_tokens: list[int] | None = None) -> np.ndarray:
-    """Each row's adapter slot (0: the base), repeated for each of its `num_tokens` when given."""
-    rows = np.fromiter((s.lora_slot for s in seqs), dtype=np.int64, count=len(seqs))
-    return rows if num_tokens is None else np.repeat(rows, num_tokens)
