@@ -85,9 +85,7 @@ def test_load_and_unload_at_run_time_with_clear_refusals(served, tmp_path):
     save_tiny_llama(
         tmp_path / "other", vocab_size=264, hidden_size=48, intermediate_size=72, num_hidden_layers=2
     )
-    save_peft_adapter(
-        tmp_path / "other", tmp_path / "wrong", rank=4, alpha=4, targets=["q_proj"], seed=4
-    )
+    save_peft_adapter(tmp_path / "other", tmp_path / "wrong", rank=4, alpha=4, targets=["q_proj"], seed=4)
     refusals = {
         "pickled": "only safetensors adapters are loaded",
         "big": "rank 32 exceeds the engine's max LoRA rank 16",
