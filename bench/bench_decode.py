@@ -12,6 +12,11 @@ EngineConfig.decode_gemv); rows "no_gemv" the same engine with the model's own f
 times each projection alone against cuBLAS. Sequences are primed at the given context without a prefill (decode
 time does not depend on the cached values); one real prefill + decode is checked against the model's own
 no-cache greedy output in the `sanity` section.
+
+`lora` (batched LoRA, its own engine with 4 adapter slots of rank 16 on all seven projections): rows
+"lora_base" (every request on the base: must cost what "default" does), "lora_1" (every request on one
+adapter) and "lora_mix4" (requests spread over four adapters), batch 1-64. Targets (issue 22): lora_1 within
+10 % and lora_mix4 within 15 % of lora_base's TPOT, compared in this run (`lora.ratios`).
 """
 
 from __future__ import annotations
@@ -77,14 +82,17 @@ def green_stream(num_sms: int):
     return torch.cuda.ExternalStream(int(stream)), group.sm.smCount, (gctx, stream)
 
 
-def prime(engine, batch: int, ctx: int, max_tokens: int):
-    """`batch` running sequences with `ctx - 1` tokens cached, so the next steps are all decode steps."""
+def prime(engine, batch: int, ctx: int, max_tokens: int, slots: tuple[int, ...] = (0,)):
+    """`batch` running sequences with `ctx - 1` tokens cached, so the next steps are all decode steps;
+    request i runs on adapter slot `slots[i % len(slots)]`."""
     from harli_train.engine import SamplingParams, SequenceStatus
 
     sched, bm = engine.scheduler, engine.block_manager
     for i in range(batch):
         engine.add_request(
-            [(7 * i + j) % 200 for j in range(ctx)], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            [(7 * i + j) % 200 for j in range(ctx)],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            lora_slot=slots[i % len(slots)],
         )
     while sched.waiting:
         seq = sched.waiting.popleft()
@@ -97,10 +105,12 @@ def drain(engine) -> None:
     engine.abort_all()  # also settles a step launched ahead
 
 
-def measure_tpot(engine, batch: int, ctx: int, steps: int, warmup: int, partition: str) -> dict:
+def measure_tpot(
+    engine, batch: int, ctx: int, steps: int, warmup: int, partition: str, slots: tuple[int, ...] = (0,)
+) -> dict:
     import torch
 
-    prime(engine, batch, ctx, warmup + steps + 2)
+    prime(engine, batch, ctx, warmup + steps + 2, slots)
     lat = []
     for i in range(warmup + steps):
         r = engine.step(partition)
@@ -111,7 +121,7 @@ def measure_tpot(engine, batch: int, ctx: int, steps: int, warmup: int, partitio
     graphs = engine.runner.graphs
     if graphs is not None:
         # The graph alone, replayed back to back on its stream: step time minus host work.
-        graph = graphs.graphs[(partition, graphs.bucket(batch))]
+        graph = graphs.graphs[(partition, graphs.bucket(batch), any(slots))]
         stream = engine.runner.partitions[partition].stream
         with torch.cuda.stream(stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -415,10 +425,12 @@ class Bench:
         bw = self.res.get("copy_TBps", float("nan")) * 1e12
         return (weights + batch * ctx * self.res["kv_bytes_per_token"]) / bw * 1e3
 
-    def sweep(self, engine, partition: str, points, label: str | None = None) -> dict:
+    def sweep(
+        self, engine, partition: str, points, label: str | None = None, slots: tuple[int, ...] = (0,)
+    ) -> dict:
         out = {}
         for b, c in points:
-            m = measure_tpot(engine, b, c, self.steps, self.warmup, partition)
+            m = measure_tpot(engine, b, c, self.steps, self.warmup, partition, slots)
             m["roofline_ms"] = self.roofline_ms(b, c)
             m["roofline_all_weights_ms"] = self.roofline_ms(b, c, all_weights=True)
             m["ratio"] = m["tpot_ms"] / m["roofline_ms"]
@@ -524,6 +536,52 @@ class Bench:
         prompt_len, tokens = (16, 4) if self.dry else (200, 16)
         self.section("sanity", lambda: sanity(engine, model, device, prompt_len, tokens))
 
+    def lora_sections(self, device) -> dict:
+        """Batched LoRA rows on an engine of its own (4 random rank-16 adapters on all seven projections);
+        freed when this returns."""
+        import torch
+
+        from harli_train.engine import DecodeEngine, EngineConfig
+        from harli_train.model import load_model
+
+        rank, n_adapters = 16, 4
+        model = load_model(
+            self.res.get("model", "tiny"), torch.float32 if self.dry else torch.bfloat16, device
+        )
+        batches = [b for b in self.batches if b <= 64]
+        cfg = EngineConfig(
+            max_num_seqs=max(batches),
+            max_model_len=self.ctx + self.warmup + self.steps + 16,
+            graph_batch_sizes=tuple(batches),
+            gpu_memory_utilization=0.6,
+            num_kv_blocks=256 if self.dry else None,
+            max_loras=n_adapters,
+            max_lora_rank=rank,
+        )
+        engine = DecodeEngine(model, cfg)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for slot in range(1, n_adapters + 1):
+            pairs = {
+                path: (
+                    torch.randn(rank, m.in_features, generator=gen) / m.in_features**0.5,
+                    torch.randn(m.out_features, rank, generator=gen) * 0.01,
+                )
+                for path, m in model.lora_modules().items()
+            }
+            engine.load_lora(slot, pairs, rank, 2.0)
+        out = {"rank": rank, "adapters": n_adapters, "slot_MB": engine.lora.nbytes / 2**20}
+        points = [(b, self.ctx) for b in batches]
+        variants = {"lora_base": (0,), "lora_1": (1,), "lora_mix4": tuple(range(1, n_adapters + 1))}
+        for label, slots in variants.items():
+            out[label] = self.sweep(engine, "default", points, label=label, slots=slots)
+        out["ratios"] = {
+            label: {k: out[label][k]["tpot_ms"] / out["lora_base"][k]["tpot_ms"] for k in out["lora_base"]}
+            for label in ("lora_1", "lora_mix4")
+        }
+        out["targets"] = {"lora_1": 1.10, "lora_mix4": 1.15}
+        engine.close()
+        return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -542,6 +600,10 @@ def main() -> None:
     bench = Bench(dry, args.steps)
     bench.section("copy_TBps", lambda: copy_bandwidth(device, (64 << 20) if dry else (2 << 30)) / 1e12)
     bench.section("engine_run", lambda: bench.engine_sections(device))
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    bench.section("lora", lambda: bench.lora_sections(device))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -587,6 +649,16 @@ def main() -> None:
                 for k, v in res["attention_kernel"].items()
             )
         )
+    if res.get("lora"):
+        lora = res["lora"]
+        for label, ratios in lora["ratios"].items():
+            worst = max(ratios.values())
+            verdict = "ok" if worst <= lora["targets"][label] else "MISS"
+            print(
+                f"{label}: TPOT / lora_base "
+                + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+                + f"  (target <= {lora['targets'][label]}: {verdict})"
+            )
     if res["errors"]:
         print("errors:", ", ".join(res["errors"]))
     header = ["where", "batch", "ctx", "tpot_ms", "replay_ms", "roofline_ms", "ratio", "<=1.25x"]

@@ -131,11 +131,26 @@ run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 
   -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
      python3 -c '$probe' && harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl \
      --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
+readme_form "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora"
+# The adapter by its folder's name, then loaded again at run time under another name and asked once more.
+probe_lora="${probe//llama-1b/quickstart-adapter}
+r = u.Request(\"http://127.0.0.1:8000/v1/load_lora_adapter\", json.dumps({\"lora_name\": \"again\",
+    \"lora_path\": \"runs/quickstart-adapter\"}).encode(), {\"Content-Type\": \"application/json\"})
+print(u.urlopen(r).read().decode(), file=sys.stderr)
+r = u.Request(\"http://127.0.0.1:8000/v1/completions\", json.dumps({\"model\": \"again\", \"prompt\": \"hi\",
+    \"max_tokens\": 4}).encode(), {\"Content-Type\": \"application/json\"})
+print(json.load(u.urlopen(r))[\"usage\"], file=sys.stderr)"
+run serve-adapter 90 "grep -q 'added successfully' serve-adapter.err && test \$(grep -c completion_tokens serve-adapter.err) -ge 2" \
+  -- bash -c "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora --port 8000 \
+     --out runs/serve-lora & pid=\$!; python3 -c '$probe_lora'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --serve 8000 --exit-after-training output.dir=runs/served"
 probe_tiny=${probe//llama-1b/tiny}
-run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors" \
+probe_live=${probe//llama-1b/served}  # the adapter being trained, served live under the run's name
+run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors \
+  && test \$(grep -c completion_tokens colocate-serve.err) -ge 2" \
   -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
-     train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; kill -TERM \$pid; wait \$pid"
+     train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; python3 -c '$probe_live'; kill -TERM \$pid; \
+     wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 # The README's real model, where its package is installed (the GPU machine reaches no package index: without

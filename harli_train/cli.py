@@ -257,7 +257,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
 @click.option(
     "--adapter",
     type=click.Path(exists=True, file_okay=False),
-    help="A PEFT LoRA adapter directory to merge into the weights first.",
+    help="A PEFT LoRA adapter directory (safetensors) to generate with, unmerged as `serve --adapter` runs it.",
 )
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
@@ -303,7 +303,8 @@ def generate(
         if chat
         else prompts
     )
-    seqs = [engine.add_request(r, params) for r in requests]  # RequestRefused: one line, exit 1
+    slot = 1 if adapter else 0  # build_engine puts the adapter in slot 1
+    seqs = [engine.add_request(r, params, lora_slot=slot) for r in requests]  # RequestRefused: exit 1
     engine.run_until_done()
     for prompt, seq in zip(prompts, seqs, strict=True):
         text = engine.decode_text(seq)
@@ -326,6 +327,15 @@ def generate(
               help="Requests waiting at most; more get 429.")  # fmt: skip
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--adapter", "adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A PEFT LoRA adapter directory (safetensors) to serve as model id <its folder name>; "
+              "repeat for more.")  # fmt: skip
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")  # fmt: skip
+@click.option("--max-loras", default=None, type=click.IntRange(min=1),
+              help="Adapter slots [default: one per --adapter, 4 more with --allow-runtime-lora].")  # fmt: skip
+@click.option("--max-lora-rank", default=None, type=click.IntRange(1, 256),
+              help="Largest adapter rank served [default: the largest --adapter's, at least 16].")  # fmt: skip
 @_friendly
 def serve(
     model_source: str,
@@ -336,12 +346,21 @@ def serve(
     max_queue: int,
     max_batch: int,
     device: str,
+    adapters: tuple[str, ...],
+    allow_runtime_lora: bool,
+    max_loras: int | None,
+    max_lora_rank: int | None,
 ) -> None:
-    """Serve MODEL behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics) until SIGTERM or Ctrl-C; the records go under --out."""
+    """Serve MODEL (and each --adapter, unmerged) behind an OpenAI-compatible API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C; the records go under
+    --out."""
     from harli_train.serve.command import run_server
 
-    summary = run_server(model_source, host, port, api_key, out_dir, max_queue, max_batch, device)
+    summary = run_server(
+        model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
+        adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+    )  # fmt: skip
     click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
 
 

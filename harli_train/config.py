@@ -390,6 +390,9 @@ class ColocationSection:
     # Off by default until mixed steps replay CUDA graphs (run eagerly, they were host-bound on the H200).
     mixed_prefill: bool = key(False, "bool")
     max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)
+    # With --serve: the adapter being trained is served as model id <output dir name>, refreshed from the
+    # trainer's masters every this many optimizer steps.
+    serve_adapter_every: int = key(1, "int", at_least(1))
 
     def __post_init__(self) -> None:
         _validate(self, "colocation")

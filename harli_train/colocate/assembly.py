@@ -19,6 +19,7 @@ import torch
 from harli_train import kernels
 from harli_train.colocate.colocation import Colocation
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
+from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import Policy, needs_partitions, profile_shares
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
@@ -35,6 +36,8 @@ from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_l
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
+from harli_train.engine.adapters import AdapterCatalog
+from harli_train.engine.api import model_id as served_id
 from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
@@ -89,9 +92,13 @@ def build_engine(
     max_batch: int,
     seed: int = 0,
     mixed_prefill: bool = False,
+    lora_rank: int | None = None,
+    base_id: str = "base",
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
-    ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own).
+    ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own). With
+    ``lora_rank`` it has two adapter slots of that rank (a live adapter's buffers). Its catalog serves the
+    base as ``base_id``.
 
     Sized for the longest of ``requests`` but never past the model's context: a longer request is refused
     (and recorded so) when it arrives, as is one that needs more than the whole KV cache.
@@ -105,6 +112,8 @@ def build_engine(
         seed=seed,
         overlap=False,
         mixed_prefill=mixed_prefill,
+        max_loras=2 if lora_rank else 0,
+        max_lora_rank=lora_rank or 16,
     )
     cfg = capped_to_context(cfg, model.config.max_position_embeddings)  # before the cache is sized from it
     device = model.lm_head.weight.device
@@ -119,7 +128,7 @@ def build_engine(
     full = ladder.full
     stream = full.infer_stream if is_cuda_stream(full.infer_stream) else None
     engine = DecodeEngine(model, cfg, stream=stream, num_sms=full.infer_sms, tokenizer=tokenizer)
-    return EngineAdapter(engine, full, seed=seed)
+    return EngineAdapter(engine, full, seed=seed, catalog=AdapterCatalog(engine, base_id))
 
 
 def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
@@ -292,6 +301,7 @@ def assemble(
     *,
     loads: Sequence[list[TraceRequest]] = (),
     spatial: bool | None = None,
+    live_adapter: bool = False,
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
@@ -304,6 +314,10 @@ def assemble(
     and written there). The recipe's policy is ``Colocation.policy``, prepared (``Colocation.prepare``)
     when ``warm_up``. RecipeError when the policy cannot run on this machine or no decode step can meet
     the objective.
+
+    With ``live_adapter`` (``--serve``), or a load whose requests name a model, the trainer's adapter is
+    served live as model id ``<output dir name>`` (``LiveAdapter``), when the served model is the trained
+    base; a request naming a model not served is a RecipeError.
     """
     col = cfg.colocation
     device = resolve_device(cfg.train.device, cfg.source)
@@ -316,15 +330,35 @@ def assemble(
     )
     ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step, spatial)
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
+    every_request = [*requests, *(r for load in loads for r in load)]
+    live = shared and (live_adapter or any(r.model is not None for r in every_request))
     engine = build_engine(
         served,
         load_tokenizer(serve_model, is_preset(serve_model)),
         ladder,
-        [*requests, *(r for load in loads for r in load)],
+        every_request,
         col.max_batch,
         seed=cfg.train.seed,
         mixed_prefill=col.mixed_prefill,
+        lora_rank=cfg.lora.rank if live else None,
+        base_id=served_id(serve_model),
     )
+    live_adapter_ = None
+    if live:
+        live_adapter_ = LiveAdapter(
+            engine.engine,
+            engine.catalog,
+            Path(cfg.output.dir).name,
+            trainer.model,
+            trainer.step,
+            col.serve_adapter_every,
+        )
+    unknown = sorted({r.model for r in every_request if r.model is not None} - set(engine.catalog.ids()))
+    if unknown:
+        engine.close()
+        trainer.metrics.close()
+        expected = f"requests naming a served model ({', '.join(engine.catalog.ids())})"
+        raise RecipeError(cfg.source, "colocation.trace", expected, f"model {unknown[0]!r}")
     # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
     model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
     corun = (
@@ -350,7 +384,11 @@ def assemble(
             "fit": predictor.fit_report,
         },
     }
-    colocation = Colocation(cfg, trainer, engine, ladder, requests, predictor, profile, info)
+    if live_adapter_ is not None:
+        info["live_adapter"] = {"model": live_adapter_.name, "every": col.serve_adapter_every}
+    colocation = Colocation(
+        cfg, trainer, engine, ladder, requests, predictor, profile, info, engine.catalog, live_adapter_
+    )
     try:
         try:
             policy = colocation.new_policy()

@@ -17,12 +17,14 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter
+from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import Policy, make_policy
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import Profile
 from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
 from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.config import RecipeConfig
+from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest
 from harli_train.train.step import train_step
 from harli_train.train.trainer import Trainer
@@ -50,8 +52,11 @@ class Colocation:
         predictor: LatencyPredictor | None = None,
         profile: Profile | None = None,
         info: dict[str, Any] | None = None,
+        catalog: AdapterCatalog | None = None,
+        live: LiveAdapter | None = None,
     ) -> None:
         self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
+        self.catalog, self.live = catalog, live  # the served model ids; the trainer's adapter served live
         self.requests, self.predictor, self.profile = requests, predictor, profile
         self.info: dict[str, Any] = dict(info or {})
         self.policy: Policy | None = None
@@ -112,7 +117,14 @@ class Colocation:
         """A run of ``policy`` serving ``requests`` beside ``trainer`` (default: ``self.trainer``), its
         records under ``out_dir``; ``run()`` it once."""
         return ColocatedRuntime(
-            trainer or self.trainer, self.engine, policy, requests, out_dir, options, info=self.info
+            trainer or self.trainer,
+            self.engine,
+            policy,
+            requests,
+            out_dir,
+            options,
+            info=self.info,
+            live=self.live if trainer is None or trainer is self.trainer else None,
         )
 
     def close(self) -> None:

@@ -59,7 +59,8 @@ def run_colocated(
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
-    col = assemble(cfg, serve_model, resume)
+    served = {"live_adapter": True} if serve is not None else {}  # the trainer's adapter served live
+    col = assemble(cfg, serve_model, resume, **served)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}
     try:
@@ -105,17 +106,16 @@ def _with_server(col, serve_model: str, serve, api_key, exit_after_training: boo
 
     from harli_train.colocate.gauges import GaugeBoard
     from harli_train.serve.app import Server
-    from harli_train.serve.command import model_id
     from harli_train.serve.engine_loop import RequestPort
     from harli_train.serve.http_thread import HttpThread
 
-    port = RequestPort(col.engine, col.cfg.colocation.max_queue)
+    port = RequestPort(col.engine, col.cfg.colocation.max_queue, col.catalog)
     board = GaugeBoard()
     server = Server(
         port,
         col.engine.tokenizer,
         col.engine.max_model_len,
-        [model_id(serve_model)],
+        col.catalog,
         api_key,
         extra_metrics=board.metrics,
     )

@@ -17,6 +17,7 @@ import torch
 
 from harli_train.colocate.sm import Partition
 from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, SamplingParams, StepResult
+from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest, synthetic_prompt
 from harli_train.engine.runner import DEFAULT_PARTITION
 from harli_train.engine.scheduler import StepPreview
@@ -32,9 +33,12 @@ def is_cuda_stream(stream: Any) -> bool:
 class EngineAdapter:
     """Wraps a ``DecodeEngine``: partitions keyed by their inference stream, requests, peek, step, profile."""
 
-    def __init__(self, engine: DecodeEngine, full: Partition, seed: int = 0) -> None:
-        # The engine was built with `full`'s inference stream as its default partition.
-        self.engine, self.seed = engine, seed
+    def __init__(
+        self, engine: DecodeEngine, full: Partition, seed: int = 0, catalog: AdapterCatalog | None = None
+    ) -> None:
+        # The engine was built with `full`'s inference stream as its default partition; `catalog` resolves
+        # the model ids trace requests name (None: every request runs on the base).
+        self.engine, self.seed, self.catalog = engine, seed, catalog
         self.vocab_size = engine.model.config.vocab_size
         self._keys: dict[int, str] = {id(full.infer_stream): DEFAULT_PARTITION}
         self._warm: set[str] = set()
@@ -72,7 +76,8 @@ class EngineAdapter:
 
     # ---- load ----------------------------------------------------------------------------------------
     def submit(self, request: TraceRequest, arrival_time: float, ignore_eos: bool = True) -> bool:
-        """Queue a trace request (a synthetic prompt when it only gives a length); False if refused."""
+        """Queue a trace request (a synthetic prompt when it only gives a length) on the model it names;
+        False if refused."""
         prompt: str | list[int]
         if request.prompt is not None:
             prompt = request.prompt
@@ -80,16 +85,24 @@ class EngineAdapter:
             salt = zlib.crc32(str(request.request_id).encode())
             prompt = synthetic_prompt(request.prompt_len, self.vocab_size, self.seed + salt)
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=ignore_eos, seed=self.seed)
+        slot = self.catalog.slot(request.model) if self.catalog is not None else 0
         try:
-            self.engine.add_request(prompt, params, request_id=request.request_id, arrival_time=arrival_time)
+            self.engine.add_request(
+                prompt, params, request_id=request.request_id, arrival_time=arrival_time, lora_slot=slot
+            )
         except RequestRefused as e:
             log.warning("%s", e)
             return False  # recorded in the engine's metrics
         return True
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str, arrival_time: float) -> Sequence:
-        """Queue a client's request as it came (HTTP): RequestRefused when it can never run here."""
-        return self.engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival_time)
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str, arrival_time: float, lora_slot: int = 0
+    ) -> Sequence:
+        """Queue a client's request as it came (HTTP), on adapter slot `lora_slot`: RequestRefused when it
+        can never run here."""
+        return self.engine.add_request(
+            prompt, params, request_id=request_id, arrival_time=arrival_time, lora_slot=lora_slot
+        )
 
     def abort(self, seq: Sequence) -> bool:
         """Drop one request now (its client went away); False when it had already finished."""

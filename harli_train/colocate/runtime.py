@@ -12,6 +12,10 @@ Ctrl-C (or SIGTERM) stops at the next step boundary: the trainer checkpoints its
 Outputs under ``out_dir``: ``steps.jsonl`` (one line per engine step: batch, KV tokens, share, predicted
 and measured latency, micro-steps launched), ``summary.json``, ``timeline.png``, ``throughput.png`` and the
 engine's per-request records under ``serve/``.
+
+With a ``LiveAdapter`` the trainer's adapter is served under the run's name: refreshed after optimizer steps
+(``TrainerSide.on_optimizer_step``), its posted versions taken up between engine steps, and the final one
+served once training is done (``LiveAdapter`` has the rules).
 """
 
 from __future__ import annotations
@@ -138,8 +142,10 @@ class ColocatedRuntime:
         options: RuntimeOptions | None = None,
         memory_hook: MemoryHook | None = None,
         info: dict[str, Any] | None = None,
+        live: Any = None,
     ) -> None:
-        self.trainer, self.engine, self.policy = trainer, engine, policy
+        self.trainer, self.engine, self.policy, self.live = trainer, engine, policy, live
+        self._live_final = False  # the final adapter is served (or there is none to serve)
         self.requests, self.opts = requests, options or RuntimeOptions()
         self.out_dir = Path(out_dir)
         self.hook, self.info = memory_hook, dict(info or {})
@@ -151,6 +157,7 @@ class ColocatedRuntime:
             on_slice=policy.observe_train_slice,
             should_stop=self._stop.is_set,
             max_in_flight=self.opts.max_in_flight,
+            on_optimizer_step=live.after_optimizer_step if live is not None else None,
         )
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
@@ -242,6 +249,8 @@ class ColocatedRuntime:
                     engine.submit(r, self.t0 + r.arrival_s * opts.time_scale)
             if port is not None:
                 port.drain()
+            if self.live is not None:
+                self._poll_live()
             busy = engine.has_unfinished()
             if opts.serve_until_stopped:
                 pass  # HTTP clients are served until the run is stopped
@@ -258,6 +267,12 @@ class ColocatedRuntime:
                     port.publish()
             self._progress()
         self.stop_reason = "interrupted"
+
+    def _poll_live(self) -> None:
+        """Take up the live adapter's new versions; once training is done, serve its final one."""
+        self.live.poll()
+        if self.worker.done and not self._live_final:
+            self._live_final = self.live.publish_final(self.worker.snapshot.step)
 
     def _in_grace(self, port: Any) -> bool:
         """Stopped with HTTP clients: admit no more, and let the running ones finish within ``grace_s``."""
@@ -359,6 +374,7 @@ class ColocatedRuntime:
         row = {
             "kind": result.kind,
             "batch": result.num_decode,
+            "adapter_rows": result.adapter_rows,
             "kv_tokens": result.kv_tokens,
             "prefill_tokens": result.prefill_tokens,
             "infer_sms": plan.partition.infer_sms,

@@ -59,8 +59,12 @@ class TrainerSide:
         oom_backoff_steps: int = 64,
         log_limit: int = 4096,
         max_in_flight: int = 2,
+        on_optimizer_step: Callable[[int], None] | None = None,
     ) -> None:
         self.trainer, self.on_oom, self.priority = trainer, on_oom, priority
+        # Called with the step's number right after each optimizer update is launched, on the launching
+        # thread with the trainer's stream current (the live adapter's refresh).
+        self.on_optimizer_step = on_optimizer_step
         # Micro-steps queued on the GPU at most (beside decode). The time estimates run short on a small rung,
         # and a queue grown too long fills the stream's hardware queue: the trainer's launches then block in
         # the driver, and decode's submissions with them (bench/results/README.md).
@@ -239,6 +243,8 @@ class TrainerSide:
         try:
             with ctx, kernels.sm_budget(max(sms, 1)):
                 ms = next(self.gen)
+                if ms.phase == "optim" and self.on_optimizer_step is not None:
+                    self.on_optimizer_step(self.trainer.step + 1)  # counted at the generator's next call
         except StopIteration:
             self.done = True
             return 0.0

@@ -6,15 +6,24 @@ import json
 import logging
 import time
 import zlib
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from harli_train.engine.adapters import AdapterCatalog, read_for_serving
 from harli_train.engine.engine import DecodeEngine, RequestRefused
 from harli_train.engine.engine_config import EngineConfig, EngineError
-from harli_train.engine.load import TraceReplay, TraceRequest, poisson_trace, read_trace, synthetic_prompt
+from harli_train.engine.load import (
+    TraceError,
+    TraceReplay,
+    TraceRequest,
+    poisson_trace,
+    read_trace,
+    synthetic_prompt,
+)
 from harli_train.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,19 +45,53 @@ def build_engine(
 ) -> DecodeEngine:
     """Load `model_source` (preset or HF directory) and its tokenizer, and build an engine over it.
 
-    A PEFT `adapter` directory is merged into the weights first: the engine serves plain projections.
-    """
-    from harli_train.adapter import load_adapter, merge_adapter
+    With a PEFT `adapter` directory the engine has one adapter slot holding it, slot 1 (requests name it
+    with `lora_slot=1`): served unmerged, by the same path as `serve --adapter`."""
+    if adapter is None:
+        return build_catalog(model_source, device, dtype, seed, config).engine
+    return build_catalog(model_source, device, dtype, seed, config, adapters=[adapter]).engine
+
+
+def build_catalog(
+    model_source: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    config: EngineConfig | None = None,
+    adapters: Sequence[str] = (),
+    extra_slots: int = 0,
+    max_lora_rank: int | None = None,
+) -> AdapterCatalog:
+    """An engine over `model_source` serving the base and each PEFT directory of `adapters` under its folder
+    name (slots 1, 2, ... in that order), with `extra_slots` more slots for adapters loaded later, of rank
+    <= `max_lora_rank` (default: the largest of `adapters`' ranks and 16). AdapterError for an adapter that
+    does not fit the model."""
     from harli_train.data.tokenizer import load_tokenizer
     from harli_train.model import is_preset, load_model, resolve_dtype
 
     dev = _device(device)
     model = load_model(model_source, resolve_dtype(dtype, dev), dev, seed=seed)
-    if adapter is not None:
-        load_adapter(model, adapter)
-        merge_adapter(model)
+    cfg = replace(config) if config is not None else EngineConfig()
+    if adapters or extra_slots:
+        ranks = [read_for_serving(model, path).rank for path in adapters]  # checked before sizing slots
+        cfg.max_loras = max(cfg.max_loras, len(adapters) + extra_slots)
+        cfg.max_lora_rank = max_lora_rank or max([16, *ranks])
     tokenizer = load_tokenizer(model_source, is_preset(model_source))
-    return DecodeEngine(model, config or EngineConfig(), tokenizer=tokenizer)
+    engine = DecodeEngine(model, cfg, tokenizer=tokenizer)
+    catalog = AdapterCatalog(engine, model_id(model_source))
+    for path in adapters:
+        catalog.add(adapter_id(path), catalog.read(path), str(path))
+    return catalog
+
+
+def model_id(source: str) -> str:
+    """The id clients name a served model by: a preset's name, or an HF directory's folder name."""
+    return Path(source).name if Path(source).expanduser().is_dir() else source
+
+
+def adapter_id(path: str | Path) -> str:
+    """The id an adapter directory is served under: its folder's name."""
+    return Path(path).expanduser().resolve().name
 
 
 def generate_text(
@@ -111,6 +154,12 @@ def serve_trace(
     keep to their output length (`ignore_eos`), as serving benchmarks do; refused ones are recorded.
     """
     requests = _trace_requests(trace, rate, duration_s, prompt_len, output_len, burst_rate, seed)
+    named = sorted({r.model for r in requests if r.model not in (None, model_id(model_source))})
+    if named:
+        raise TraceError(
+            f"trace {trace}: request for model {named[0]!r}, but serve-trace serves the base model only "
+            f"({model_id(model_source)!r}); the co-located run serves its adapter by the run's name"
+        )
     need_len = max((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests)
     cfg = config or EngineConfig(max_num_seqs=max_batch, max_model_len=max(need_len, 256), seed=seed)
     engine = build_engine(model_source, device, dtype, seed, cfg)

@@ -4,8 +4,11 @@ A decode step is a stream over the weights, so the projections go to the bandwid
 grouped launch, gate/up in one launch with the SwiGLU in its epilogue, o/down/lm_head one launch each
 (batches over MAX_GEMV_ROWS go to cuBLAS). It
 reads the model's own weight tensors (nothing is copied or concatenated) and calls the same norm and rope
-ops as the model, so its output equals `model(...)` up to the order of fp32 sums. It serves the base model
-only: a projection with a LoRA adapter would be skipped, so the runner uses it only when none is attached.
+ops as the model, so its output equals `model(...)` up to the order of fp32 sums. The model's projections
+carry no adapter (one would be skipped, so the runner uses it only when none is attached); served adapters
+come from the engine's `LoRASlots`: in a step with adapter rows every projection adds their deltas, and the
+epilogues that would fuse past the projection's output (SwiGLU, the residual add and norm) run after the
+add instead. A step without adapter rows runs exactly the base path.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 
 from harli_train import kernels
 from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear, decode_linear_add_rms_norm
+from harli_train.engine.lora_slots import LoRASlots
 from harli_train.model import LlamaForCausalLM
 
 # From this many rows on, a single square-ish projection (N, K <= 4096: o_proj of an 8B model) goes to
@@ -54,10 +58,10 @@ def _project_add_norm(
 class DecodeForward:
     """`forward(ids [B], positions [B], attn) -> final hidden [B, H]`; `logits(hidden, out) -> [B, V]`."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, lora: LoRASlots | None = None):
         if not self.supports(model):
             raise ValueError("DecodeForward serves a base model only: detach the LoRA adapters first")
-        self.model = model
+        self.model, self.lora = model, lora
         cfg = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -89,6 +93,9 @@ class DecodeForward:
         layers = model.model.layers
         first = layers[0].input_layernorm
         h = kernels.rms_norm(residual, first.weight, first.eps)
+        lora = self.lora if self.lora is not None and self.lora.meta is not None else None
+        if lora is not None:
+            return self._forward_lora(lora, h, residual, rope, attn_ctx)
         for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
@@ -107,6 +114,32 @@ class DecodeForward:
         return h
 
     __call__ = forward
+
+    def _forward_lora(self, lora: LoRASlots, h, residual, rope, attn_ctx) -> torch.Tensor:
+        """The layers of `forward` with the step's adapter deltas added to every projection."""
+        model, b = self.model, h.shape[0]
+        layers = model.model.layers
+        for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+            qkv = lora.add(qkv, h, i, ("q_proj", "k_proj", "v_proj"))
+            if qkv_bias is not None:
+                qkv += qkv_bias
+            q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
+            o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope).reshape(b, -1)
+            y = lora.add(_project(o, (attn.o_proj.weight,)), o, i, ("o_proj",))
+            norm = layer.post_attention_layernorm
+            h, residual = kernels.add_rms_norm(y, residual, norm.weight, norm.eps)
+            gate_up = _project(h, (mlp.gate_proj.weight, mlp.up_proj.weight))
+            gate_up = lora.add(gate_up, h, i, ("gate_proj", "up_proj"))
+            n = mlp.gate_proj.weight.shape[0]
+            act = kernels.swiglu(gate_up[:, :n], gate_up[:, n:])
+            y = lora.add(_project(act, (mlp.down_proj.weight,)), act, i, ("down_proj",))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            h, residual = kernels.add_rms_norm(y, residual, norm.weight, norm.eps)
+        return h
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, H] -> logits [B, V] (into `out` when given)."""

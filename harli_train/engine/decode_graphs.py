@@ -5,6 +5,11 @@ SM partition gets its own set. All graphs read one set of static input buffers a
 a step copies its inputs in (padding rows get slot -1 and context 0, which the kernels skip), replays, and
 samples from the logits before the next step can overwrite them (steps are ordered on the device). A step
 launched ahead of the host gathers its input ids on the device from the previous step's tokens.
+
+With adapter slots (`lora`) each bucket has a second graph, captured with the LoRA adds reading static
+rows-by-slot buffers (`LoRAStepMeta` over them, its grid sized for the bucket): a step with adapter rows
+stages its layout there and replays that graph; a step without replays the base graph and pays nothing.
+The adapters' weights are read by address, so writing a slot needs no re-capture.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 
 from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.lora_ops import lora_layout
+from harli_train.engine.lora_slots import LoRASlots, LoRAStepMeta
 from harli_train.model import LlamaForCausalLM
 
 
@@ -29,8 +36,9 @@ class DecodeGraphs:
         config: EngineConfig,
         device: torch.device,
         decode_forward=None,
+        lora: LoRASlots | None = None,
     ):
-        self.model, self.attn = model, attn
+        self.model, self.attn, self.lora = model, attn, lora
         self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
         self.buckets = config.graph_batch_sizes
         max_bs, width = self.buckets[-1], config.max_blocks_per_seq
@@ -50,8 +58,13 @@ class DecodeGraphs:
         self.logits = torch.empty(
             (max_bs, model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
         )
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[str, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        if lora is not None:
+            # [sorted ids (max_bs), slot starts (slots + 1)], staged like the other inputs.
+            n = max_bs + lora.num_slots + 1
+            self.host_lora = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self.dev_lora = torch.zeros(n, dtype=torch.int32, device=device)
 
     def close(self) -> None:
         """Drop the graphs, their memory pool and the pinned staging buffers."""
@@ -59,6 +72,8 @@ class DecodeGraphs:
         self.pool = None
         self.host_i64.clear()
         self.host_i32.clear()
+        if self.lora is not None:
+            self.host_lora.clear()
 
     def bucket(self, n: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -68,7 +83,20 @@ class DecodeGraphs:
             False, self.dev_i64[2, :bs], self.block_tables[:bs], self.context_lens[:bs], num_sms=num_sms
         )
 
-    def _forward(self, bs: int, num_sms: int) -> None:
+    def _lora_meta(self, bs: int) -> LoRAStepMeta:
+        max_bs = self.buckets[-1]
+        return LoRAStepMeta(self.dev_lora[:bs], self.dev_lora[max_bs:], None, bs)
+
+    def _forward(self, bs: int, num_sms: int, with_lora: bool = False) -> None:
+        if with_lora:
+            self.lora.meta = self._lora_meta(bs)
+        try:
+            self._forward_base(bs, num_sms)
+        finally:
+            if self.lora is not None:
+                self.lora.meta = None
+
+    def _forward_base(self, bs: int, num_sms: int) -> None:
         self.attn.meta = self._metadata(bs, num_sms)
         ids, pos = self.dev_i64[0, :bs, None], self.dev_i64[1, :bs, None]
         if self.decode_forward is not None:
@@ -84,21 +112,25 @@ class DecodeGraphs:
         self.dev_i64.zero_()
         self.dev_i64[2].fill_(-1)  # slot -1: the warm-up and capture runs write nothing to the cache
         self.context_lens.zero_()
+        if self.lora is not None:
+            self.dev_lora.zero_()  # every slot empty: the LoRA programs return at once
         torch.cuda.synchronize()  # the zeroing above (and the cache's) ran on another stream
+        variants = (False, True) if self.lora is not None else (False,)
         for bs in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                self._forward(bs, num_sms)  # warm-up: compiles kernels, sets up cuBLAS outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._forward(bs, num_sms)
-            if self.pool is None:
-                self.pool = graph.pool()
-            # The first launch of a graph uploads it to the device: replay once here (slot -1: the cache is
-            # not written), so no served step pays for it.
-            with torch.cuda.stream(stream):
-                graph.replay()
-            self.graphs[(key, bs)] = graph
+            for with_lora in variants:
+                with torch.cuda.stream(stream):
+                    self._forward(bs, num_sms, with_lora)  # warm-up: compiles kernels, sets up cuBLAS
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self._forward(bs, num_sms, with_lora)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                # The first launch of a graph uploads it to the device: replay once here (slot -1: the cache
+                # is not written), so no served step pays for it.
+                with torch.cuda.stream(stream):
+                    graph.replay()
+                self.graphs[(key, bs, with_lora)] = graph
         torch.cuda.synchronize()
         self.attn.meta = None
 
@@ -111,15 +143,25 @@ class DecodeGraphs:
         context_lens: np.ndarray,
         block_tables: np.ndarray,
         feed: tuple[torch.Tensor, np.ndarray] | None = None,
+        adapters: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Run one decode step of n = len(input_ids) sequences on partition `key`; returns logits [n, V]
         (a view of the shared buffer: read it before the next replay). Call on the partition's stream.
-        With `feed` = (tokens, rows), the input ids are tokens[rows] (on the device) instead."""
+        With `feed` = (tokens, rows), the input ids are tokens[rows] (on the device) instead. `adapters`:
+        each row's adapter slot (None or all 0: the base graph)."""
         n = len(input_ids)
         bs = self.bucket(n)
+        parity = self.num_replays % 2
+        with_lora = adapters is not None and bool(np.any(adapters))
+        if with_lora:
+            sorted_ids, slot_start = lora_layout(adapters, self.lora.num_slots)
+            staged = self.host_lora[parity].numpy()
+            max_bs = self.buckets[-1]
+            staged[:n], staged[n:max_bs], staged[max_bs:] = sorted_ids, 0, slot_start
+            self.dev_lora.copy_(self.host_lora[parity], non_blocking=True)
         # The staging set used two replays ago: its copy was queued before that step, which has finished
         # (the host read its tokens before launching more than one step past it).
-        host_i64, host_i32 = self.host_i64[self.num_replays % 2], self.host_i32[self.num_replays % 2]
+        host_i64, host_i32 = self.host_i64[parity], self.host_i32[parity]
         self.num_replays += 1
         host = host_i64.numpy()
         host[0, :n] = input_ids
@@ -138,5 +180,5 @@ class DecodeGraphs:
         self.context_lens[:bs].copy_(self.dev_i32[:bs, 0])
         if feed is not None:
             torch.index_select(feed[0], 0, self.dev_i64[3, :n], out=self.dev_i64[0, :n])
-        self.graphs[(key, bs)].replay()
+        self.graphs[(key, bs, with_lora)].replay()
         return self.logits[:n]

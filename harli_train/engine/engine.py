@@ -51,6 +51,7 @@ class StepResult:
     preempted: list[Sequence] = field(default_factory=list)
     gpu_s: float | None = None  # the step's span on its stream (GPU only): latency_s less this is host time
     launch_s: float | None = None  # host time queuing the step's work (GPU only), which gpu_s includes
+    adapter_rows: int = 0  # rows that ran on an adapter slot (the step's LoRA work)
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
@@ -61,6 +62,10 @@ def _eos_ids(model: LlamaForCausalLM) -> set[int]:
 
 class DecodeEngine:
     """Serves `model` (frozen, no adapter attached) from a paged KV cache with continuous batching.
+
+    With `config.max_loras` it also serves adapters, unmerged: `load_lora` puts one in a slot, a request
+    names its slot (`add_request(lora_slot=...)`) and keeps it to its end; one step batches rows of any
+    slots (the base's included). The engine adds forward hooks to `model`'s projections for that.
 
     Drive it with `add_request` + `step()` (one prefill or decode step per call, on the partition named),
     or `generate()` / `run_until_done()`. `stream` is where steps run (a green-context stream for a partial
@@ -108,6 +113,7 @@ class DecodeEngine:
         )
         self.scheduler = Scheduler(cfg, self.block_manager, _eos_ids(model))
         self.runner = ModelRunner(model, cfg, self.block_manager, storage, self.use_triton, seed=cfg.seed)
+        self.lora = self.runner.lora  # the adapter slots (None without max_loras)
         self.runner.add_partition(DEFAULT_PARTITION, stream, num_sms)
         self.overlap = self.runner.use_graphs if cfg.overlap is None else cfg.overlap
         self._inflight: LaunchedStep | None = None  # launched ahead, not completed yet
@@ -157,15 +163,26 @@ class DecodeEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_slot: int = 0,
     ) -> Sequence:
         """Queue a request: token ids, or a text that the engine's tokenizer encodes as a prompt
-        (`harli_train.data.tokenization.prompt_ids`: with the tokenizer's own special tokens). Raises
+        (`harli_train.data.tokenization.prompt_ids`: with the tokenizer's own special tokens), on adapter
+        slot `lora_slot` (0: the base; EngineError for a slot that holds no adapter). Raises
         RequestRefused (others are untouched, the refusal is recorded in the metrics) if it could never run
         here: longer than `max_model_len` (at most the model's context) or than the whole KV cache."""
         params = params or SamplingParams()
+        if lora_slot and (
+            self.lora is None or not 0 < lora_slot < self.lora.num_slots or not self.lora.ranks[lora_slot]
+        ):
+            raise EngineError(f"adapter slot {lora_slot} holds no adapter (load one with load_lora first)")
         ids = self._encode(prompt)
         seq = Sequence(
-            self._next_id, ids, params, self.clock() if arrival_time is None else arrival_time, request_id
+            self._next_id,
+            ids,
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+            request_id,
+            lora_slot,
         )
         self._next_id += 1
         problem = self._refusal(seq)
@@ -199,6 +216,41 @@ class DecodeEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- adapters -----------------------------------------------------------------------------------------
+    def slot_busy(self, slot: int) -> bool:
+        """Whether a queued or running request runs on adapter slot `slot` (its weights must stay)."""
+        sched = self.scheduler
+        return any(s.lora_slot == slot for s in (*sched.waiting, *sched.running))
+
+    def load_lora(self, slot: int, pairs, rank: int, scale: float) -> None:
+        """Put an adapter in `slot` (1..max_loras): `pairs` maps module paths to (A [r, in], B [out, r]),
+        `scale` is its alpha / r. EngineError when the slot is in use or the adapter does not fit. Waits for
+        the steps in flight (one of them may read the slot's old weights), so call it between steps."""
+        if self.lora is None:
+            raise EngineError("this engine has no adapter slots (engine config max_loras is 0)")
+        if self.slot_busy(slot):
+            raise EngineError(f"adapter slot {slot} is in use by running requests")
+        try:
+            self.lora.check_fits(slot, rank)
+        except ValueError as err:
+            raise EngineError(str(err)) from None
+        self.quiesce()
+        self.lora.write(slot, pairs, rank, scale)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # in place before any later step reads it
+
+    def last_step_event(self) -> torch.cuda.Event | None:
+        """An event past every step launched so far (None on a CPU): what a writer of a slot waits for."""
+        return self.runner.last_event()
+
+    def quiesce(self) -> None:
+        """Wait until no launched step is running on the device (the slots may then be written)."""
+        if self._inflight is not None:
+            self._inflight.wait()
+        event = self.runner.last_event()
+        if event is not None:
+            event.synchronize()
 
     def peek(self) -> StepPreview:
         """The step `step()` would run now, without running it (`StepPreview`: its decode rows and the
@@ -302,6 +354,7 @@ class DecodeEngine:
             batch.preempted,
             launched.gpu_s(),
             launched.launch_s,
+            sum(1 for s in batch.seqs if s.lora_slot),
         )
         self.metrics.add_step(
             StepRecord(
@@ -329,7 +382,8 @@ class DecodeEngine:
         and a compile inside a served request's prefill stalls every running sequence for a second or
         more. Runs prompts of `prompt_lens` tokens (capped by the engine's limits) alone and then packed
         into one step, each with one decode step after it; then forgets them (blocks freed, metrics reset).
-        Returns how many requests ran. The engine must be idle."""
+        With adapters loaded, the packed group runs once more on the first of them (the LoRA kernels of the
+        prefill path). Returns how many requests ran. The engine must be idle."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine (requests are queued or running)")
         cfg = self.config
@@ -337,10 +391,12 @@ class DecodeEngine:
         lens = sorted({max(1, min(int(n), limit)) for n in prompt_lens})
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         ran = 0
-        for group in [[n] for n in lens] + [lens]:
+        loaded = [s for s, r in enumerate(self.lora.ranks) if r] if self.lora is not None else []
+        groups = [([n], 0) for n in lens] + [(lens, 0)] + [(lens, s) for s in loaded[:1]]
+        for group, slot in groups:
             for n in group:
                 try:
-                    self.add_request([3 + (7 * i) % 97 for i in range(n)], params)
+                    self.add_request([3 + (7 * i) % 97 for i in range(n)], params, lora_slot=slot)
                     ran += 1
                 except RequestRefused:
                     continue  # too big for this cache: not a shape it will ever prefill

@@ -21,6 +21,7 @@ class EngineConfig:
     prefilled in chunks. With `mixed_prefill` (stall-free) prefill chunks ride in decode steps, at most
     `prefill_chunk_tokens` of them per step unless the caller of `step()` names another budget; a step with
     nothing to decode is a pure prefill step. Without it a step is either prefill or decode (prefill first).
+    With `max_loras` > 0 each request may name an adapter slot (1..max_loras; 0 is the base model).
     """
 
     block_size: int = 16
@@ -44,6 +45,10 @@ class EngineConfig:
     # Overlap the host's work with the GPU's: while decode step N runs, step N+1 (the same sequences, fed
     # N's tokens on the device) is launched before N's tokens are read back. None: on with CUDA graphs.
     overlap: bool | None = None
+    # Adapter slots (besides the base model) that requests may name, each of rank <= max_lora_rank; 0 allocates
+    # nothing and the engine serves the base only.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         names = (
@@ -56,6 +61,10 @@ class EngineConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise EngineError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_loras < 0:
+            raise EngineError(f"engine config: max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise EngineError(f"engine config: max_lora_rank must be in 1..256, got {self.max_lora_rank}")
         if self.block_size & (self.block_size - 1):
             raise EngineError(f"engine config: block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

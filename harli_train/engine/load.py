@@ -1,7 +1,8 @@
 """Request load: trace files (JSONL), synthetic Poisson arrivals, and a replay clock that releases them.
 
 A trace line is one request: {"arrival_s": 0.25, "prompt": "text" | "prompt_len": 512, "output_len": 128}
-(optional "id"). `arrival_time` and `max_tokens` are accepted for `arrival_s` and `output_len`.
+(optional "id", and "model": the model id it asks for, e.g. a co-located run's live adapter; default the
+base). `arrival_time` and `max_tokens` are accepted for `arrival_s` and `output_len`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class TraceRequest:
     prompt: str | None = None
     prompt_len: int | None = None
     request_id: str | None = None
+    model: str | None = None  # None: the base model
 
     def to_json(self) -> str:
         d = {
@@ -36,6 +38,7 @@ class TraceRequest:
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
             "id": self.request_id,
+            "model": self.model,
         }
         return json.dumps({k: v for k, v in d.items() if v is not None})
 
@@ -64,8 +67,13 @@ def parse_request(d: dict, where: str) -> TraceRequest:
         raise TraceError(f"{where}: prompt must be a string, got {type(prompt).__name__}")
     if prompt_len is not None and (not isinstance(prompt_len, int) or prompt_len < 1):
         raise TraceError(f"{where}: prompt_len must be an integer >= 1, got {prompt_len!r}")
+    model = d.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise TraceError(f"{where}: model must be a non-empty string (a served model id), got {model!r}")
     rid = d.get("id")
-    return TraceRequest(float(arrival), output_len, prompt, prompt_len, None if rid is None else str(rid))
+    return TraceRequest(
+        float(arrival), output_len, prompt, prompt_len, None if rid is None else str(rid), model
+    )
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

@@ -7,7 +7,9 @@ context, so the attention kernel's programs for them return at once. The dense l
 one, so a padding token's (unused) values never reach a real one. The logits of the rows that sample are
 gathered inside the graph into one static buffer; read them before the next replay (steps are ordered on
 the device). Without graphs (a CPU, or a partition not captured) `replay` runs the same forward over the same
-buffers eagerly, which is how the padding is tested off the GPU.
+buffers eagerly, which is how the padding is tested off the GPU. With adapter slots, each bucket has a second
+graph with the LoRA adds over static rows-by-slot buffers (padding tokens run on the base), replayed only by
+steps with adapter tokens (see `DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 
 from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.lora_ops import lora_layout
+from harli_train.engine.lora_slots import LoRASlots, LoRAStepMeta
 from harli_train.model import LlamaForCausalLM
 
 BUCKET_STEP = 64  # tokens between buckets: a step pads at most 63 tokens
@@ -36,9 +40,15 @@ class MixedGraphs:
     """Static buffers, the graphs that read them, and `replay` (stage a step's rows, run its bucket)."""
 
     def __init__(
-        self, model: LlamaForCausalLM, attn: PagedAttention, config: EngineConfig, device, pool=None
+        self,
+        model: LlamaForCausalLM,
+        attn: PagedAttention,
+        config: EngineConfig,
+        device,
+        pool=None,
+        lora: LoRASlots | None = None,
     ):
-        self.model, self.attn = model, attn
+        self.model, self.attn, self.lora = model, attn, lora
         self.buckets = token_buckets(config)
         t_max, s_max, width = self.buckets[-1], config.max_num_seqs, config.max_blocks_per_seq
         self.max_tokens, self.max_rows = t_max, s_max
@@ -55,9 +65,13 @@ class MixedGraphs:
         self.logits = torch.empty(
             (s_max, model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
         )
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[str, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = pool
         self.num_replays = 0
+        if lora is not None:  # [sorted ids (t_max), slot starts (slots + 1)]
+            n = t_max + lora.num_slots + 1
+            self.host_lora = [torch.zeros(n, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self.dev_lora = torch.zeros(n, dtype=torch.int32, device=device)
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.max_tokens and num_rows <= self.max_rows
@@ -65,8 +79,19 @@ class MixedGraphs:
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def _forward(self, t: int, num_sms: int) -> None:
-        """The model over the first `t` packed tokens; logits of the rows `dev_i64[3]` names."""
+    def _forward(self, t: int, num_sms: int, with_lora: bool = False) -> None:
+        """The model over the first `t` packed tokens; logits of the rows `dev_i64[3]` names; `with_lora`:
+        the projections add the adapter deltas the static LoRA buffers lay out."""
+        if with_lora:
+            sorted_ids, slot_start = self.dev_lora[:t], self.dev_lora[self.max_tokens :]
+            self.lora.meta = LoRAStepMeta(sorted_ids, slot_start, None, t)
+        try:
+            self._forward_base(t, num_sms)
+        finally:
+            if self.lora is not None:
+                self.lora.meta = None
+
+    def _forward_base(self, t: int, num_sms: int) -> None:
         s = self.max_rows
         self.attn.meta = AttentionMetadata(
             True,
@@ -89,19 +114,23 @@ class MixedGraphs:
         self.dev_i32.zero_()
         self.context_lens.zero_()
         self.cu_seqlens.zero_()  # no row has a token: the attention programs return at once
+        if self.lora is not None:
+            self.dev_lora.zero_()  # every slot empty: the LoRA programs return at once
         torch.cuda.synchronize()
+        variants = (False, True) if self.lora is not None else (False,)
         for t in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                self._forward(t, num_sms)  # warm-up: compiles kernels, sets up cuBLAS outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._forward(t, num_sms)
-            if self.pool is None:
-                self.pool = graph.pool()
-            with torch.cuda.stream(stream):
-                graph.replay()  # the first launch uploads the graph: no served step pays for it
-            self.graphs[(key, t)] = graph
+            for with_lora in variants:
+                with torch.cuda.stream(stream):
+                    self._forward(t, num_sms, with_lora)  # warm-up: compiles kernels, sets up cuBLAS
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self._forward(t, num_sms, with_lora)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                with torch.cuda.stream(stream):
+                    graph.replay()  # the first launch uploads the graph: no served step pays for it
+                self.graphs[(key, t, with_lora)] = graph
         torch.cuda.synchronize()
 
     def replay(
@@ -115,13 +144,23 @@ class MixedGraphs:
         tables: np.ndarray,
         sampling: list[int],
         num_sms: int,
+        adapters: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Run one varlen step on partition `key` (call on its stream): row i has `num_tokens[i]` new tokens,
         `context_lens[i]` cached after the step and block table `tables[i]`; returns the logits [len(sampling),
-        V] of the last token of each row in `sampling` (a view of the shared buffer)."""
+        V] of the last token of each row in `sampling` (a view of the shared buffer). `adapters`: each
+        token's adapter slot (None or all 0: the base graph)."""
         total, rows = len(ids), len(num_tokens)
         t = self.bucket(total)
-        host_i64, host_i32 = self.host_i64[self.num_replays % 2], self.host_i32[self.num_replays % 2]
+        parity = self.num_replays % 2
+        with_lora = adapters is not None and bool(np.any(adapters))
+        if with_lora:
+            sorted_ids, slot_start = lora_layout(adapters, self.lora.num_slots)
+            staged = self.host_lora[parity].numpy()
+            top = self.max_tokens
+            staged[:total], staged[total:top], staged[top:] = sorted_ids, 0, slot_start
+            self.dev_lora.copy_(self.host_lora[parity], non_blocking=True)
+        host_i64, host_i32 = self.host_i64[parity], self.host_i32[parity]
         self.num_replays += 1
         h = host_i64.numpy()
         h[0, :total], h[1, :total], h[2, :total] = ids, positions, slots
@@ -137,11 +176,11 @@ class MixedGraphs:
         self.dev_i32.copy_(host_i32, non_blocking=True)
         self.context_lens.copy_(self.dev_i32[:, 0])
         self.cu_seqlens[1:].copy_(self.dev_i32[:, 1])
-        graph = self.graphs.get((key, t))
+        graph = self.graphs.get((key, t, with_lora))
         if graph is not None:
             graph.replay()
         else:
-            self._forward(t, num_sms)
+            self._forward(t, num_sms, with_lora)
         return self.logits[: len(sampling)]
 
     def close(self) -> None:
@@ -150,3 +189,5 @@ class MixedGraphs:
         self.pool = None
         self.host_i64.clear()
         self.host_i32.clear()
+        if self.lora is not None:
+            self.host_lora.clear()

@@ -15,6 +15,7 @@ from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.decode_graphs import DecodeGraphs
 from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.engine.kv_cache import KVStorage
+from harli_train.engine.lora_slots import LoRASlots, adapter_slots
 from harli_train.engine.mixed_graphs import MixedGraphs
 from harli_train.engine.sampler import Sampler, SamplingBatch
 from harli_train.engine.scheduler import ScheduledBatch
@@ -86,6 +87,10 @@ class ModelRunner:
     may be launched `ahead`, before the previous step's tokens are read: its input ids are gathered on the
     device from that step's tokens. Each launch waits (on the device) for the one before it, so
     consecutive steps may run on different partitions' streams.
+
+    With `config.max_loras`, `lora` holds the adapter slots: each step's rows-by-slot metadata is prepared
+    once (`LoRASlots.prepare`) and every projection adds its rows' deltas; a step with no adapter row does
+    no LoRA work (its graphs were captured without it).
     """
 
     def __init__(
@@ -102,22 +107,29 @@ class ModelRunner:
         self.attn = PagedAttention(storage, model.config.head_dim, use_triton)
         self.sampler = Sampler()
         self.seed = seed
+        self.lora: LoRASlots | None = None
+        if config.max_loras:
+            dtype = model.lm_head.weight.dtype
+            self.lora = LoRASlots(
+                model.config, config.max_loras, config.max_lora_rank, dtype, self.device, use_triton
+            )
+            self.lora.install_hooks(model)
         self.decode_forward = None
         if config.decode_gemv and use_triton:
             from harli_train.engine.decode_forward import DecodeForward  # imports triton
 
             if DecodeForward.supports(model):
-                self.decode_forward = DecodeForward(model)
+                self.decode_forward = DecodeForward(model, self.lora)
         self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
         self.graphs = (
-            DecodeGraphs(model, self.attn, config, self.device, self.decode_forward)
+            DecodeGraphs(model, self.attn, config, self.device, self.decode_forward, self.lora)
             if self.use_graphs
             else None
         )
         # Varlen steps replay graphs too where they are frequent (mixed steps, which ride every decode step
         # while prefill work waits); prefill-first steps stay eager.
         self.mixed_graphs = (
-            MixedGraphs(model, self.attn, config, self.device)
+            MixedGraphs(model, self.attn, config, self.device, lora=self.lora)
             if self.use_graphs and config.mixed_prefill
             else None
         )
@@ -183,6 +195,9 @@ class ModelRunner:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])  # the previous step ran on another partition's stream
+            if stream is not None and self.lora is not None:
+                for event in self.lora.take_waits():  # an adapter written on another stream
+                    stream.wait_event(event)
             start = launch_s = None
             if stream is not None:
                 start = torch.cuda.Event(enable_timing=True)
@@ -212,6 +227,10 @@ class ModelRunner:
         self._num_launched += 1
         return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s)
 
+    def last_event(self) -> torch.cuda.Event | None:
+        """An event past every step launched so far (None on a CPU, or before the first step)."""
+        return self._last[1] if self._last is not None else None
+
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
 
@@ -228,8 +247,9 @@ class ModelRunner:
             context_lens.append(start + n)
         tables = bm.tables[[s.row for s in batch.seqs], : bm.blocks_for(max(context_lens))]
         positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
+        adapters = adapter_slots(batch.seqs, batch.num_tokens) if self.lora is not None else None
         return self._varlen_forward(
-            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part
+            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part, adapters
         )
 
     def _varlen_forward(
@@ -243,14 +263,16 @@ class ModelRunner:
         sampling: list[int],
         key: str,
         part: Partition,
+        adapters: np.ndarray | None = None,
     ) -> torch.Tensor:
         """The model over packed rows (`num_tokens[i]` new tokens of row i, cached context after it
-        `context_lens[i]`); logits of the last token of each row in `sampling`. A step that fits the mixed
-        graphs replays its bucket's graph; others run eagerly."""
+        `context_lens[i]`); logits of the last token of each row in `sampling`. `adapters`: each token's
+        adapter slot (None: all the base). A step that fits the mixed graphs replays its bucket's graph;
+        others run eagerly."""
         graphs = self.mixed_graphs
         if graphs is not None and graphs.fits(len(ids), len(num_tokens)):
             return graphs.replay(
-                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms
+                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms, adapters
             )
         cu = np.zeros(len(num_tokens) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(num_tokens)
@@ -265,7 +287,8 @@ class ModelRunner:
         )
         input_ids = self._to_device(ids, torch.int64)[None]
         positions_t = self._to_device(positions, torch.int64)[None]
-        hidden = self.model(input_ids, positions_t, self.attn)
+        with self._adapters(adapters):
+            hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.meta = None
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
         return self.model.logits(hidden[0, last_rows])
@@ -290,14 +313,21 @@ class ModelRunner:
         tables = bm.tables[rows, :width]
         slots = tables[np.arange(len(seqs)), positions // bm.block_size].astype(np.int64) * bm.block_size
         slots += positions % bm.block_size
+        adapters = adapter_slots(seqs) if self.lora is not None else None
         if self.graphs is not None:
-            return self.graphs.replay(key, ids, positions, slots, lens, tables, feed)
+            return self.graphs.replay(key, ids, positions, slots, lens, tables, feed, adapters)
         ids_t = (
             self._to_device(ids, torch.int64)
             if feed is None
             else feed[0][self._to_device(feed[1], torch.int64)]
         )
-        return self._eager_decode(ids_t, positions, slots, lens, tables, part)
+        with self._adapters(adapters):
+            return self._eager_decode(ids_t, positions, slots, lens, tables, part)
+
+    def _adapters(self, token_slots: np.ndarray | None) -> contextlib.AbstractContextManager:
+        if self.lora is None or token_slots is None:
+            return contextlib.nullcontext()
+        return self.lora.active(token_slots)
 
     def _eager_decode(
         self,

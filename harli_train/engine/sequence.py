@@ -28,12 +28,14 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float,
         request_id: str | None = None,
+        lora_slot: int = 0,
     ):
         self.seq_id = seq_id
         self.request_id = request_id if request_id is not None else str(seq_id)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        self.lora_slot = lora_slot  # the adapter slot the request runs on, for all its steps (0: the base)
         self.status = SequenceStatus.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []

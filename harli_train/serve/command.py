@@ -11,18 +11,14 @@ import json
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from harli_train.engine.api import model_id
 from harli_train.engine.engine_config import EngineConfig, capped_to_context
 
 log = logging.getLogger(__name__)
-
-
-def model_id(source: str) -> str:
-    """The id clients name a served model by: a preset's name, or an HF directory's folder name."""
-    return Path(source).name if Path(source).expanduser().is_dir() else source
 
 
 def run_server(
@@ -36,10 +32,19 @@ def run_server(
     device: str = "auto",
     grace_s: float = 10.0,
     ready: Callable[[int], None] | None = None,
+    adapters: Sequence[str] = (),
+    allow_runtime_lora: bool = False,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> dict[str, Any]:
-    """Serve ``model`` on ``host:port`` (port 0: any free one, passed to ``ready``) until SIGTERM/SIGINT;
-    returns the serving summary."""
-    from harli_train.engine.api import build_engine
+    """Serve ``model`` and each PEFT directory of ``adapters`` (under its folder's name) on ``host:port``
+    (port 0: any free one, passed to ``ready``) until SIGTERM/SIGINT; returns the serving summary.
+
+    ``allow_runtime_lora`` adds the routes that load and unload adapters while serving. ``max_loras`` adapter
+    slots (default: one per adapter, and 4 more with ``allow_runtime_lora``) of rank ``max_lora_rank``
+    (default: the largest given, at least 16)."""
+    from harli_train.adapter import AdapterError
+    from harli_train.engine.api import build_catalog
     from harli_train.model import model_config
     from harli_train.serve.app import Server
     from harli_train.serve.engine_loop import EngineLoop
@@ -49,10 +54,26 @@ def run_server(
     out.mkdir(parents=True, exist_ok=True)
     context = model_config(model).max_position_embeddings
     cfg = capped_to_context(EngineConfig(max_num_seqs=max_batch, max_model_len=context), context)
-    engine = build_engine(model, device, config=cfg)
-    loop = EngineLoop(engine, max_queue=max_queue)
+    extra = 4 if allow_runtime_lora else 0
+    if max_loras is not None:
+        if max_loras < len(adapters):
+            raise AdapterError(f"--max-loras {max_loras} is fewer than the {len(adapters)} adapters given")
+        extra = max_loras - len(adapters)
+    catalog = build_catalog(
+        model, device, config=cfg, adapters=adapters, extra_slots=extra, max_lora_rank=max_lora_rank
+    )
+    engine = catalog.engine
+    loop = EngineLoop(engine, max_queue=max_queue, catalog=catalog)
     loop.start()
-    server = Server(loop.port, engine.tokenizer, cfg.max_model_len, [name], api_key, alive=lambda: loop.alive)
+    server = Server(
+        loop.port,
+        engine.tokenizer,
+        cfg.max_model_len,
+        catalog,
+        api_key,
+        alive=lambda: loop.alive,
+        allow_runtime_lora=allow_runtime_lora,
+    )
     try:
         asyncio.run(_serve(server, host, port, grace_s, ready))
     finally:

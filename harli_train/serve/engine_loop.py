@@ -1,7 +1,10 @@
 """Between HTTP handlers and the engine: a ``RequestPort`` (a mailbox of requests and aborts in, every drawn
 token out to the request's event queue on the server's event loop) that whoever owns the engine drains
 before its steps and publishes after them, and ``EngineLoop``, the engine's own thread when it serves alone
-(co-located, the co-location runtime's loop drives the same port).
+(co-located, the co-location runtime's loop drives the same port). With an ``AdapterCatalog`` a request names
+its model id, resolved to an adapter slot when the engine's owner admits it (the request keeps that slot, and
+so the adapter's version, to its end); ``call`` runs a change of the catalog (loading an adapter) on the
+owner's thread and hands its result back as an asyncio future.
 
 One owner per piece of state: only the engine's owner touches the engine; a handler owns its
 ``RequestHandle`` and reads the events posted to it (``loop.call_soon_threadsafe``); ``stats()`` is a snapshot.
@@ -14,9 +17,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.engine import DecodeEngine, RequestRefused
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.sequence import Sequence
@@ -37,6 +42,8 @@ class Event:
     finish_reason: str | None = None  # the engine's: eos, stop, length, aborted, refused
     error: str | None = None  # why a refused request was refused
     prompt_tokens: int = 0
+    status: int = 400  # the HTTP status a refusal answers with
+    step: int | None = None  # the optimizer step of the live adapter the request runs on
 
 
 class RequestHandle:
@@ -59,29 +66,42 @@ class RequestPort:
     """The mailbox between HTTP handlers (any thread: ``submit``, ``RequestHandle.abort``) and the engine's
     owner (one thread: ``drain`` before a step, ``publish`` after it, ``close`` at the end). ``engine`` is
     anything with ``add_request``, ``abort`` and ``scheduler`` (a DecodeEngine, or the co-location runtime's
-    adapter of one)."""
+    adapter of one); ``catalog`` maps model ids to its adapter slots (None: the base only)."""
 
-    def __init__(self, engine: Any, max_queue: int = 256) -> None:
-        self.engine, self.max_queue = engine, max_queue
+    def __init__(self, engine: Any, max_queue: int = 256, catalog: AdapterCatalog | None = None) -> None:
+        self.engine, self.max_queue, self.catalog = engine, max_queue, catalog
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._handles: dict[int, RequestHandle] = {}  # by seq_id, owner thread only
         self._sent: dict[int, int] = {}  # tokens already posted, by seq_id
+        self._steps: dict[int, int | None] = {}  # the live adapter step each request pinned, by seq_id
         self._pending = 0  # submitted, not yet admitted or refused (guarded)
         self._lock = threading.Lock()
         self._snapshot: dict[str, Any] = {"waiting": 0, "running": 0}
         self.closing_at: float | None = None  # set by a "stop" message: no more admissions, a deadline
 
     def submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, aio: asyncio.AbstractEventLoop
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        aio: asyncio.AbstractEventLoop,
+        model: str | None = None,
     ) -> RequestHandle:
-        """Queue a request; its events arrive on the returned handle. ``QueueFull`` when too many wait."""
+        """Queue a request for ``model`` (None: the base); its events arrive on the returned handle.
+        ``QueueFull`` when too many wait."""
         with self._lock:
             if self._pending + self._snapshot["waiting"] >= self.max_queue:
                 raise QueueFull()
             self._pending += 1
         handle = RequestHandle(self, aio)
-        self._inbox.put(("submit", (handle, prompt, params, request_id, time.perf_counter())))
+        self._inbox.put(("submit", (handle, prompt, params, request_id, time.perf_counter(), model)))
         return handle
+
+    def call(self, fn: Callable[[], Any], aio: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Run ``fn()`` on the owner's thread at its next ``drain``; the future gets its result or error."""
+        future = aio.create_future()
+        self._inbox.put(("call", (fn, future, aio)))
+        return future
 
     def abort(self, handle: RequestHandle) -> None:
         """Drop ``handle``'s request at the owner's next ``drain`` (any thread)."""
@@ -114,17 +134,39 @@ class RequestPort:
             elif kind == "abort":
                 if item.seq is not None and self.engine.abort(item.seq):
                     self._finish(item.seq)
+            elif kind == "call":
+                self._call(*item)
             else:
                 self.closing_at = item
 
-    def _admit(self, handle: RequestHandle, prompt, params, request_id: str, t: float) -> None:
+    @staticmethod
+    def _call(fn: Callable[[], Any], future: asyncio.Future, aio: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as err:  # handed to the handler, which answers it
+            result, error = None, err
+        aio.call_soon_threadsafe(_settle, future, result, error)
+
+    def _admit(
+        self, handle: RequestHandle, prompt, params, request_id: str, t: float, model: str | None
+    ) -> None:
         with self._lock:
             self._pending -= 1
         if self.closing_at is not None:
             handle.post(Event(done=True, finish_reason="refused", error="the server is shutting down"))
             return
+        slot, step = 0, None
+        if self.catalog is not None:
+            try:
+                slot, step = self.catalog.slot(model), self.catalog.step(model)
+            except KeyError:  # unloaded between the handler's check and now
+                error = f"the model '{model}' is no longer served"
+                handle.post(Event(done=True, finish_reason="refused", error=error, status=404))
+                return
         try:
-            seq = self.engine.add_request(prompt, params, request_id=request_id, arrival_time=t)
+            seq = self.engine.add_request(
+                prompt, params, request_id=request_id, arrival_time=t, lora_slot=slot
+            )
         except RequestRefused as err:
             refused = Event(
                 done=True, finish_reason="refused", error=str(err), prompt_tokens=err.seq.num_prompt_tokens
@@ -134,6 +176,7 @@ class RequestPort:
         handle.seq = seq
         self._handles[seq.seq_id] = handle
         self._sent[seq.seq_id] = 0
+        self._steps[seq.seq_id] = step
 
     def publish(self) -> None:
         """Post every token drawn since the last call; end finished requests."""
@@ -142,7 +185,7 @@ class RequestPort:
             new = seq.completion_token_ids[self._sent[seq_id] :]
             if new:
                 self._sent[seq_id] += len(new)
-                handle.post(Event(tokens=new, prompt_tokens=seq.num_prompt_tokens))
+                handle.post(Event(new, prompt_tokens=seq.num_prompt_tokens, step=self._steps[seq_id]))
             if seq.is_finished:
                 self._finish(seq)
         sched = self.engine.scheduler
@@ -151,9 +194,15 @@ class RequestPort:
     def _finish(self, seq: Sequence) -> None:
         handle = self._handles.pop(seq.seq_id, None)
         self._sent.pop(seq.seq_id, None)
+        step = self._steps.pop(seq.seq_id, None)
         if handle is not None:
             handle.post(
-                Event(done=True, finish_reason=seq.finish_reason, prompt_tokens=seq.num_prompt_tokens)
+                Event(
+                    done=True,
+                    finish_reason=seq.finish_reason,
+                    prompt_tokens=seq.num_prompt_tokens,
+                    step=step,
+                )
             )
 
     def close(self) -> None:
@@ -169,14 +218,33 @@ class RequestPort:
                 break
             if kind == "submit":
                 item[0].post(Event(done=True, finish_reason="refused", error="the server is shutting down"))
+            elif kind == "call":
+                _, future, aio = item
+                aio.call_soon_threadsafe(_settle, future, None, RuntimeError("the server is shutting down"))
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the handler's loop: hand a ``call``'s outcome over (unless its handler went away)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class EngineLoop:
     """The engine's own thread when it serves alone: drains the port, steps, publishes, until ``stop()``."""
 
-    def __init__(self, engine: DecodeEngine, max_queue: int = 256, idle_wait_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        max_queue: int = 256,
+        idle_wait_s: float = 0.01,
+        catalog: AdapterCatalog | None = None,
+    ) -> None:
         self.engine, self.idle_wait_s = engine, idle_wait_s
-        self.port = RequestPort(engine, max_queue)
+        self.port = RequestPort(engine, max_queue, catalog)
         self._thread = threading.Thread(target=self._run, name="harli-engine", daemon=True)
 
     def start(self) -> None:
@@ -187,9 +255,14 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, aio: asyncio.AbstractEventLoop
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        aio: asyncio.AbstractEventLoop,
+        model: str | None = None,
     ) -> RequestHandle:
-        return self.port.submit(prompt, params, request_id, aio)
+        return self.port.submit(prompt, params, request_id, aio, model)
 
     def stats(self) -> dict[str, Any]:
         return self.port.stats()

@@ -44,14 +44,15 @@ class ClientRecord:
 async def _one(
     session, url: str, model: str, req: TraceRequest, vocab: int, t0: float, headers
 ) -> ClientRecord:
+    # A trace line naming a model asks for it; the others for `model`.
     import aiohttp
 
     await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
     prompt: Any = req.prompt
     if prompt is None:
         prompt = synthetic_prompt(req.prompt_len, vocab, zlib.crc32(str(req.request_id).encode()))
-    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}  # fmt: skip
+    body = {"model": req.model or model, "prompt": prompt, "max_tokens": req.output_len, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}  # fmt: skip
     sent = time.perf_counter()
     rec = ClientRecord(str(req.request_id), sent - t0)
     times: list[float] = []

@@ -179,20 +179,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def response(req: APIRequest, text: str, reason: str, used: dict[str, int]) -> dict[str, Any]:
-    """The whole (non-streamed) response."""
+def response(
+    req: APIRequest, text: str, reason: str, used: dict[str, int], fingerprint: str | None = None
+) -> dict[str, Any]:
+    """The whole (non-streamed) response; ``fingerprint``: its ``system_fingerprint`` (None: left out)."""
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
-    return {"id": req.object_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": used}  # fmt: skip
+    out = {"id": req.object_id, "object": obj, "created": req.created, "model": req.model,
+           "choices": [choice], "usage": used}  # fmt: skip
+    if fingerprint is not None:
+        out["system_fingerprint"] = fingerprint
+    return out
 
 
 def chunk(req: APIRequest, text: str | None, reason: str | None, used: dict | None = None,
-          first: bool = False) -> dict[str, Any]:  # fmt: skip
+          first: bool = False, fingerprint: str | None = None) -> dict[str, Any]:  # fmt: skip
     """One streamed chunk: a piece of text, the finish reason, or (with ``used`` and no choice) the usage."""
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -204,6 +209,8 @@ def chunk(req: APIRequest, text: str | None, reason: str | None, used: dict | No
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
         obj = "text_completion"
     out = {"id": req.object_id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
+    if fingerprint is not None:
+        out["system_fingerprint"] = fingerprint
     if used is not None:
         out["choices"], out["usage"] = [], used
     elif req.include_usage:

@@ -1,0 +1,160 @@
+"""Adapters served unmerged by the decode engine: greedy output on an adapter equals peft's merged model and
+`harli-train generate --adapter`; a batch mixing the base and two adapters gives each request what it gets
+alone (decode, chunked prefill and mixed steps); the catalog's refusals and its slot reuse."""
+
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from harli_train.adapter import AdapterError
+from harli_train.cli import main
+from harli_train.engine import EngineConfig, SamplingParams
+from harli_train.engine.api import build_catalog
+
+from .lora_adapters import ALL_TARGETS, greedy, peft_merged, save_base, save_peft_adapter
+
+PROMPTS = [[256, *b"hello there"], [256, *b"a much longer prompt that is chunked"], [256, *b"ok"]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = save_base(root / "base")
+    alpha = save_peft_adapter(base, root / "alpha", rank=8, alpha=16, targets=ALL_TARGETS, seed=1)
+    beta = save_peft_adapter(
+        base, root / "beta", rank=4, alpha=4, targets=["q_proj", "v_proj", "down_proj"], seed=2
+    )
+    return base, alpha, beta
+
+
+def _catalog(models, **config):
+    base, alpha, beta = models
+    cfg = EngineConfig(max_model_len=128, **config)
+    return build_catalog(str(base), "cpu", "float32", config=cfg, adapters=[str(alpha), str(beta)])
+
+
+def _run(engine, requests, n=10):
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    seqs = [engine.add_request(ids, params, lora_slot=slot) for ids, slot in requests]
+    engine.run_until_done()
+    return [s.completion_token_ids for s in seqs]
+
+
+def test_greedy_output_on_an_adapter_equals_peft_merged_and_generate(models, tmp_path):
+    base, alpha, beta = models
+    catalog = _catalog(models)
+    assert catalog.ids() == ["base", "alpha", "beta"]
+    engine = catalog.engine
+    for name, adapter in (("base", None), ("alpha", alpha), ("beta", beta)):
+        (got,) = _run(engine, [(PROMPTS[0], catalog.slot(name))], n=12)
+        assert got == greedy(peft_merged(base, adapter), PROMPTS[0], 12), name
+    (on_base,), (on_alpha,) = _run(engine, [(PROMPTS[0], 0)]), _run(engine, [(PROMPTS[0], 1)])
+    assert on_base != on_alpha  # the adapter matters
+    # The command line's --adapter: the same unmerged path, the same text.
+    prompt = "hello there"
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=8), lora_slot=catalog.slot("alpha"))
+    engine.run_until_done()
+    args = ["generate", "--model", str(base), "--adapter", str(alpha), "--prompt", prompt]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "8", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == prompt + engine.decode_text(seq)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_batch_mixing_base_and_two_adapters_gives_each_request_what_it_gets_alone(models, mixed):
+    """Prompts chunked (8 tokens a step) and, with mixed prefill, riding in decode steps beside rows of
+    other adapters."""
+    engine = _catalog(models, mixed_prefill=mixed, prefill_chunk_tokens=8, max_num_batched_tokens=16).engine
+    requests = [(PROMPTS[i % 3], slot) for i, slot in enumerate([0, 1, 2, 1, 0, 2])]
+    alone = [_run(engine, [r])[0] for r in requests]
+    together = _run(engine, requests)
+    assert together == alone
+    assert len({tuple(a) for a in alone[:3]}) == 3  # base, alpha and beta differ on these prompts
+
+
+@pytest.mark.slow
+def test_triton_kernels_serve_the_same_tokens_in_a_mixed_batch(models, monkeypatch):
+    """The decode path with the GEMV kernels and the batched LoRA kernels (under the interpreter)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch_engine = _catalog(models).engine
+    triton_engine = _catalog(models, kernels="triton").engine
+    assert triton_engine.runner.decode_forward is not None
+    requests = [(PROMPTS[0], 1), (PROMPTS[2], 0), (PROMPTS[0], 2)]
+    assert _run(triton_engine, requests, n=6) == _run(torch_engine, requests, n=6)
+
+
+def test_the_catalog_refuses_what_it_cannot_serve_and_reuses_slots(models, tmp_path):
+    base, alpha, _ = models
+    catalog = _catalog(models)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(alpha, pickled)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="only safetensors adapters.*adapter_model.bin is a pickle"):
+        catalog.read(pickled)
+    big = save_peft_adapter(base, tmp_path / "big", rank=32, alpha=32, targets=["q_proj"], seed=3)
+    with pytest.raises(AdapterError, match="rank 32 exceeds the engine's max LoRA rank 16"):
+        catalog.read(big)
+    other = tmp_path / "other-base"
+    from .hf_models import save_tiny_llama
+
+    save_tiny_llama(other, vocab_size=264, hidden_size=48, intermediate_size=72, num_hidden_layers=2)
+    wrong = save_peft_adapter(other, tmp_path / "wrong", rank=4, alpha=4, targets=["q_proj"], seed=4)
+    with pytest.raises(AdapterError, match="expected .*adapter made for another model"):
+        catalog.read(wrong)
+    with pytest.raises(AdapterError, match="already served"):
+        catalog.add("alpha", catalog.read(alpha))
+    with pytest.raises(AdapterError, match="all 2 adapter slots are in use"):
+        catalog.add("gamma", catalog.read(alpha))
+    # Unloading: a running request finishes on its slot; the slot is reused only after it has.
+    engine = catalog.engine
+    running = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), lora_slot=1)
+    catalog.remove("alpha")
+    with pytest.raises(KeyError):
+        catalog.slot("alpha")
+    with pytest.raises(AdapterError, match="slots are in use"):
+        catalog.add("gamma", catalog.read(alpha))
+    engine.run_until_done()
+    assert running.completion_token_ids == _run(_catalog(models).engine, [(PROMPTS[0], 1)], n=4)[0]
+    assert catalog.add("gamma", catalog.read(alpha)) == 1 and catalog.ids() == ["base", "beta", "gamma"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph(models, mixed):
+    """On a GPU: decode (and mixed) steps replay the LoRA graph of their bucket for a mix of adapters and
+    give the eager engine's tokens; a base-only batch replays the base graph."""
+    base, alpha, beta = models
+    cfg = dict(max_model_len=128, mixed_prefill=mixed, prefill_chunk_tokens=8, max_num_batched_tokens=64)
+    graphs = build_catalog(
+        str(base), "cuda", "float32", config=EngineConfig(**cfg), adapters=[str(alpha), str(beta)]
+    )
+    eager = build_catalog(
+        str(base),
+        "cuda",
+        "float32",
+        config=EngineConfig(enforce_eager=True, **cfg),
+        adapters=[str(alpha), str(beta)],
+    )
+    assert graphs.engine.runner.use_graphs and ("default", 1, True) in graphs.engine.runner.graphs.graphs
+    requests = [(PROMPTS[i % 3], slot) for i, slot in enumerate([0, 1, 2, 1, 0, 2])]
+    assert _run(graphs.engine, requests) == _run(eager.engine, requests)
+    replayed = []
+
+    class Spy:  # stands for a graph: records which one replays
+        def __init__(self, key, graph):
+            self.key, self.graph = key, graph
+
+        def replay(self):
+            replayed.append(self.key)
+            self.graph.replay()
+
+    table = graphs.engine.runner.graphs.graphs
+    for key in list(table):
+        table[key] = Spy(key, table[key])
+    assert _run(graphs.engine, [(PROMPTS[0], 0)]) == _run(eager.engine, [(PROMPTS[0], 0)])
+    assert replayed and all(not with_lora for _, _, with_lora in replayed)
