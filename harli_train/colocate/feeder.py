@@ -77,6 +77,8 @@ class TrainFeeder:
         # for up to 28 ms (bench/results/2026-11-29-bench_colocate-s6-connections32.json.gz, stall samples).
         self.max_in_flight = max_in_flight
         self.hook = memory_hook or CacheReleaseHook()
+        # Entered around every resumption of the trainer's generator (the page pool: where its allocations go).
+        self._memory_scope = getattr(self.hook, "trainer_scope", contextlib.nullcontext)
         self.on_slice, self.should_stop = on_slice, should_stop
         self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
         self.on_gpu = trainer.device.type == "cuda"
@@ -309,7 +311,7 @@ class TrainFeeder:
         t0 = time.perf_counter()
         self.launching_kind = kind
         try:
-            with ctx, kernels.sm_budget(max(sms, 1)):
+            with ctx, kernels.sm_budget(max(sms, 1)), self._memory_scope():
                 ms = next(self.gen)
         except StopIteration:
             self.done = True
@@ -438,7 +440,9 @@ class TrainFeeder:
                 return
             self._drain()
         try:
-            self._track(next(self.gen), 0)  # counts the step, then launches the next step's first chunk
+            with self._memory_scope():
+                ms = next(self.gen)  # counts the step, then launches the next step's first chunk
+            self._track(ms, 0)
         except StopIteration:
             self.done = True
 

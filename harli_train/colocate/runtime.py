@@ -171,6 +171,8 @@ class ColocatedRuntime:
         self._steps_file = open(self.out_dir / "steps.jsonl", "w")
         restore = self._install_signals()
         self.engine.reset_metrics()
+        if self.hook is not None and hasattr(self.hook, "begin_run"):
+            self.hook.begin_run()
         self.t0 = time.perf_counter()
         self._last_progress = self.t0
         self._prev: Partition | None = None
@@ -417,6 +419,8 @@ class ColocatedRuntime:
             "train_step": self.trainer.step,
             "tokens": round(self.feeder.progress_tokens() - self.start_tokens),
         }
+        if self.hook is not None and hasattr(self.hook, "step_row"):
+            row.update(self.hook.step_row())  # the page pool's tenants, for the timeline
         self._steps_file.write(json.dumps(row) + "\n")
 
     def _progress(self, force: bool = False) -> None:
