@@ -161,9 +161,11 @@ def open_pool(
         try:
             return memory.open(spec, engine_cfg.max_num_seqs * engine_cfg.max_blocks_per_seq)
         except (PoolError, ValueError) as err:  # e.g. a KV block that does not tile the driver's page
-            log.warning("running without the page pool: %s", err)
-            info["pool"] = pool_disabled(f"the page pool could not be set up: {err}")
-            return TensorKVStorage(spec, plain_kv_blocks(engine_cfg, spec, device), device)
+            reason = str(err).splitlines()[0]
+        # Out of the handler: the traceback no longer holds the half-made pool (its pages are freed).
+        log.warning("running without the page pool: %s", reason)
+        info["pool"] = pool_disabled(f"the page pool could not be set up: {reason}")
+        return TensorKVStorage(spec, plain_kv_blocks(engine_cfg, spec, device), device)
 
     return memory, kv_storage, info
 

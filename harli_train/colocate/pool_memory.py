@@ -83,6 +83,7 @@ class PoolMemory(CacheReleaseHook):
         self._trainer: Any = None
         self._placement: OptimizerPlacement | None = None
         self._acc: dict[str, Any] = {}  # the sample's statistics, the resizer thread's alone
+        self._refusals0 = 0
 
     # ---- set-up ----------------------------------------------------------------------------------
     def open(self, spec: Any, max_blocks: int) -> PooledKVStorage:
@@ -91,31 +92,35 @@ class PoolMemory(CacheReleaseHook):
         cuda = self.device.type == "cuda"
         block_bytes = spec.bytes_per_block // (2 * spec.num_layers)
         page = host_page_bytes(block_bytes)
-        self.pool = PagePool(
+        pool = PagePool(
             self.budget.bytes,
             backend="cuda" if cuda else "host",
             device=self.device.index or 0,
             host_page_bytes=page,
             precreate=cuda,  # a GPU claims its pages now; host pages are made as they are first used
         )
-        pool = self.pool
-        quota = (
-            None
-            if self.budget.trainer_quota_bytes is None
-            else self.budget.trainer_quota_bytes // pool.page_bytes
-        )
-        self.kv = PooledKVStorage(pool, spec, max_blocks, tenant=pool.add_tenant("kv"))
-        self.trainer_tenant = pool.add_tenant("trainer", max(quota, 1) if quota is not None else None)
+        quota_bytes = self.budget.trainer_quota_bytes
+        quota = None if quota_bytes is None else max(quota_bytes // pool.page_bytes, 1)
+        kv = PooledKVStorage(pool, spec, max_blocks, tenant=pool.add_tenant("kv"))
+        tenant = pool.add_tenant("trainer", quota)
         batch, seq_len, layers = self.train_shape
-        self.swapper = ActivationSwapper(
+        swapper = ActivationSwapper(
             pool,
-            self.trainer_tenant,
+            tenant,
             layer_bytes=chunk_saved_bytes(self.model.config, batch, seq_len, layers, spec.dtype),
             window=1,
             lookahead=1,
             exclude=[*self.model.parameters(), *self.model.buffers()],
         )
-        self.trainer_memory = TrainerMemory(pool, self.trainer_tenant) if cuda else None
+        trainer_memory = TrainerMemory(pool, tenant) if cuda else None
+        # Nothing is kept unless all of it could be made (the caller then runs without the pool).
+        self.pool, self.trainer_tenant, self.swapper, self.trainer_memory = (
+            pool,
+            tenant,
+            swapper,
+            trainer_memory,
+        )
+        self.kv = kv
         self.headroom_blocks = HEADROOM_GROUPS * self.kv.blocks_per_page
         self.slack_blocks = SHRINK_SLACK_GROUPS * self.kv.blocks_per_page
         self._grow_order: int | None = None
@@ -188,8 +193,9 @@ class PoolMemory(CacheReleaseHook):
         return self.resizer.snapshot
 
     def begin_run(self) -> None:
-        """A run starts: peaks and means count from now."""
+        """A run starts: peaks, means and refusals count from now."""
         self.resizer.poke(reset=True, wait=True)
+        self._refusals0 = self.engine.kv_refusals if self.engine is not None else 0
 
     def trainer_scope(self) -> contextlib.AbstractContextManager:
         """Around each trainer micro-step: on a GPU its torch allocations go to the pool."""
@@ -358,7 +364,7 @@ class PoolMemory(CacheReleaseHook):
                 k: st[k] for k in ("stashed_bytes", "passthrough_bytes", "swap_out_bytes", "swap_in_bytes")
             }
             | {"placed_bytes": self._placement.nbytes if self._placement is not None else 0},
-            "refusals": getattr(eng, "kv_refusals", 0) if eng is not None else 0,
+            "refusals": eng.kv_refusals - self._refusals0 if eng is not None else 0,
         }
 
     def close(self) -> None:

@@ -248,6 +248,7 @@ class ColocatedRuntime:
                 return
             elif busy and closed and (window is not None or now - trained_at > opts.drain_s):
                 return  # window over, or training done and the drain took too long: abort the rest
+            self._memory_hook()
             preview = engine.peek()
             if preview.kind == "idle":
                 self._idle(replay, closed)
@@ -257,6 +258,16 @@ class ColocatedRuntime:
                     port.publish()
             self._progress()
         self.stop_reason = "interrupted"
+
+    def _memory_hook(self) -> None:
+        """Before every decision, idle ones included (a request waiting for blocks makes the step idle):
+        the hook sizes the KV cache for what the next steps need."""
+        if self.hook is None:
+            return
+        try:
+            self.hook.before_decode(self.engine)
+        except Exception as err:  # memory management must not stop serving
+            log.warning("memory hook failed before a decode step: %s", err)
 
     def _in_grace(self, port: Any) -> bool:
         """Stopped with HTTP clients: admit no more, and let the running ones finish within ``grace_s``."""
@@ -326,11 +337,6 @@ class ColocatedRuntime:
         self._hold(plan)
         policy.ladder.switch(self._prev, plan.partition)
         self._prev = plan.partition
-        if self.hook is not None:
-            try:
-                self.hook.before_decode(self.engine)
-            except Exception as err:  # memory management must not stop serving
-                log.warning("memory hook failed before a decode step: %s", err)
         launched = 0
         if plan.train == BESIDE:
             launched = feeder.feed(plan)  # with the trainer thread: published, launched there
