@@ -34,6 +34,7 @@ from harli_train.colocate.kv_resizer import KVResizer, Resized
 from harli_train.colocate.memory_hook import CacheReleaseHook
 from harli_train.colocate.optimizer_placement import OptimizerPlacement
 from harli_train.colocate.pool_budget import PoolBudget, chunk_saved_bytes, host_page_bytes
+from harli_train.engine.metrics import percentiles
 from harli_train.memory import (
     ActivationSwapper,
     PagePool,
@@ -127,15 +128,7 @@ class PoolMemory(CacheReleaseHook):
         self._shrink_order = -1
         self._retry_at = 0
         self._decisions = 0
-        self.counts = {
-            "grows": 0,
-            "grow_pages": 0,
-            "grow_s": 0.0,
-            "grow_short": 0,
-            "shrinks": 0,
-            "shrink_pages": 0,
-            "shrink_s": 0.0,
-        }
+        self._zero_counts()
         self.resizer = KVResizer(self.kv, self._sample, SAMPLE_S)
         log.info(
             "page pool: %s backend, %d pages of %d KiB (%.2f GiB, %s); KV page group of %d blocks",
@@ -147,6 +140,12 @@ class PoolMemory(CacheReleaseHook):
             self.kv.blocks_per_page,
         )
         return self.kv
+
+    def _zero_counts(self) -> None:
+        self.counts = dict.fromkeys(("grows", "grow_pages", "grow_short", "shrinks", "shrink_pages"), 0)
+        self.counts.update(grow_s=0.0, shrink_s=0.0)
+        self.reclaim_grow_s: list[float] = []
+        self._swap0 = self.swapper.stats_snapshot()
 
     def attach(self, trainer: Any) -> None:
         """Make ``trainer`` the trainer tenant: its chunks' saved tensors go to the swapper's stashes, and
@@ -195,6 +194,8 @@ class PoolMemory(CacheReleaseHook):
     def begin_run(self) -> None:
         """A run starts: peaks, means and refusals count from now."""
         self.resizer.poke(reset=True, wait=True)
+        self._take_results()  # what set-up resized is not the run's
+        self._zero_counts()
         self._refusals0 = self.engine.kv_refusals if self.engine is not None else 0
 
     def trainer_scope(self) -> contextlib.AbstractContextManager:
@@ -286,6 +287,8 @@ class PoolMemory(CacheReleaseHook):
             c[f"{kind}_s"] += r.seconds
         if kind == "grow" and r.error is not None:
             c["grow_short"] += 1
+        if kind == "grow" and r.reclaimed:
+            self.reclaim_grow_s.append(r.seconds)  # a grow that waited for the trainer's spill
 
     def _sample(self, reset: bool) -> PoolSample:
         """Resizer thread: read the pool (its lock is this thread's to wait for) and the swapper; fold the
@@ -319,7 +322,8 @@ class PoolMemory(CacheReleaseHook):
         self.resizer.poke(wait=True)
         self._take_results()
         pool, s, c = self.pool, self.sample, self.counts
-        st = self.swapper.stats_snapshot()
+        now = self.swapper.stats_snapshot()
+        st = {k: v - self._swap0[k] for k, v in now.items()}  # this run's
         eng = self.engine
 
         def tenant(i: int, pages: int) -> dict[str, Any]:
@@ -359,6 +363,8 @@ class PoolMemory(CacheReleaseHook):
                 "bytes_spilled": st["reclaim_spilled_bytes"],
                 "seconds": round(copy_s, 6),
                 "spill_gib_per_s": st["reclaim_spilled_bytes"] / copy_s / 2**30 if copy_s > 0 else None,
+                # KV grows that took pages from the trainer: order to mapped, the spill included.
+                "grow_ms": percentiles([1e3 * t for t in self.reclaim_grow_s]),
             },
             "trainer": {
                 k: st[k] for k in ("stashed_bytes", "passthrough_bytes", "swap_out_bytes", "swap_in_bytes")
