@@ -169,16 +169,16 @@ class PoolMemory(CacheReleaseHook):
         """Set-up only (no steps running): map page groups for ``num_blocks`` blocks, as many as the free
         pages allow, or unmap down to them; returns the blocks the cache now holds. The profile runs on a
         cache this size (its synthetic steps read distinct blocks), the run starts from what it then needs."""
-        kv = self.kv
+        kv, eng = self.kv, self.engine
         if num_blocks < kv.num_blocks:
-            kv.shrink(num_blocks)
+            keep = self._round(num_blocks)
+            if eng is None or eng.shrink_kv_blocks(keep):  # the engine lets go of the blocks first
+                kv.shrink(keep)
         else:
             spare = self.pool.free_pages // kv.pages_per_group * kv.blocks_per_page
             kv.grow(min(num_blocks, kv.num_blocks + spare))
-        if self.engine is not None:
-            if kv.num_blocks < self.engine.block_manager.num_blocks:
-                self.engine.shrink_kv_blocks(kv.num_blocks)
-            self.engine.grow_kv_blocks(kv.num_blocks)
+        if eng is not None:
+            eng.grow_kv_blocks(kv.num_blocks)
         return kv.num_blocks
 
     def bind(self, engine: Any) -> None:
