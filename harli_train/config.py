@@ -393,9 +393,26 @@ class ColocationSection:
     # With --serve: the adapter being trained is served as model id <output dir name>, refreshed from the
     # trainer's masters every this many optimizer steps.
     serve_adapter_every: int = key(1, "int", at_least(1))
+    # One page pool for the KV cache and the trainer (harli_train/colocate/pool_memory.py); false: a fixed KV
+    # tensor and torch's allocator, as without the pool (the A/B). memory_gib: the pool's budget (default:
+    # what is free after the weights, less a safety margin); trainer_memory_gib: the trainer's quota in it.
+    memory_pool: bool = key(True, "bool")
+    memory_gib: float | None = key(None, "float", above(0), optional=True)
+    trainer_memory_gib: float | None = key(None, "float", above(0), optional=True)
 
     def __post_init__(self) -> None:
         _validate(self, "colocation")
+        if (
+            self.memory_gib is not None
+            and self.trainer_memory_gib is not None
+            and self.trainer_memory_gib > self.memory_gib
+        ):
+            raise RecipeError(
+                _UNPLACED,
+                "colocation.trainer_memory_gib",
+                f"a quota within the pool's budget (colocation.memory_gib = {self.memory_gib:g})",
+                f"{self.trainer_memory_gib:g}",
+            )
 
     @property
     def static_sms(self) -> int | None:

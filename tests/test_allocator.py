@@ -447,3 +447,26 @@ def test_swapper_leaves_parameters_and_their_views_in_place():
         torch.nn.functional.gelu(frozen(x)).sum().backward()
         assert torch.equal(x.grad, grad)
         pool.check()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is built on Linux only")
+def test_the_install_names_a_missing_compiler(tmp_path):
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CXX": "no-such-c++", "CC": "no-such-cc"}
+    build = [
+        "build_ext",
+        "--force",
+        "--build-temp",
+        str(tmp_path / "tmp"),
+        "--build-lib",
+        str(tmp_path / "lib"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "setup.py", *build], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    assert "no C++ compiler found to build its page pool" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr

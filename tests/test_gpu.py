@@ -89,3 +89,30 @@ def test_profile_command_exits_cleanly(tmp_path):
         _run(["profile", "--model", "tiny", "--out", str(tmp_path / "p.json")], tmp_path)
     )
     assert report["samples"] > 0 and (tmp_path / "p.json").is_file()
+
+
+def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]]:
+    """A co-located quickstart on the CUDA page pool under static:64 (the same SM budgets every run, so the
+    kernels take the same configurations); its memory.pool and its losses."""
+    run = tmp_path / name
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    overrides = ["train.steps=12", "train.log_every=1", "colocation.rate=16", "colocation.duration_s=6"]
+    overrides += ["colocation.prompt_len=1024", "colocation.output_len=64", f"output.dir={run}", *extra]
+    args = [recipe, "--colocate-with", "tiny", "--policy", "static:64", "--quiet", *overrides]
+    _assert_clean_exit(_run(args, tmp_path))
+    pool = json.loads((run / "colocate" / "summary.json").read_text())["memory"]["pool"]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return pool, losses
+
+
+def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trains_the_same(tmp_path):
+    pool, losses = _pool_run(tmp_path, "roomy")
+    assert pool["enabled"] and pool["backend"] == "cuda" and pool["page_bytes"] == 2 << 20
+    kv, trainer = pool["tenants"]["kv"]["peak"], pool["tenants"]["trainer"]["peak"]
+    assert kv > 0 and trainer > 0  # the trainer's torch allocations and stashes are pool pages
+    # A budget below both peaks together: the KV cache must take pages from the trainer's stashes.
+    budget_gib = (trainer + max(kv // 2, 1)) * (2 << 20) / 2**30
+    pressed, pressed_losses = _pool_run(tmp_path, "pressed", f"colocation.memory_gib={budget_gib:.4f}")
+    assert pressed["reclaims"]["count"] > 0 and pressed["reclaims"]["bytes_spilled"] >= 0
+    assert pressed["refusals"] == 0
+    assert pressed_losses == losses

@@ -890,28 +890,6 @@ def test_a_resumed_colocated_run_writes_its_records_beside_the_first_parts(tmp_p
     assert fresh["records"]["part"] == 1 and not list(col.glob("part-*"))
 
 
-def test_pool_hook_grows_the_kv_cache_and_gives_pages_back(tmp_path):
-    from harli_train.colocate.engine_adapter import EngineAdapter
-    from harli_train.colocate.memory_hook import PoolMemoryHook
-    from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec, SamplingParams
-    from harli_train.memory import PagePool, PooledKVStorage
-
-    model = load_model("tiny", torch.float32, "cpu")
-    pool = PagePool(16 << 20, backend="host", host_page_bytes=64 << 10)
-    kv = PooledKVStorage(pool, KVCacheSpec.for_model(model.config, 16, torch.float32), max_blocks=128)
-    engine = DecodeEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256), storage=kv)
-    adapter_ = EngineAdapter(engine, TimeSliceLadder.cpu_standin(TOTAL).full)
-    hook = PoolMemoryHook(kv, headroom_blocks=16)
-    start = kv.num_blocks
-    for _ in range(4):
-        engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=20, ignore_eos=True))
-    while engine.has_unfinished():
-        hook.before_decode(adapter_)
-        engine.step()
-    assert kv.num_blocks > start and engine.block_manager.num_blocks == kv.num_blocks
-    assert hook.on_trainer_oom() > 0 and kv.num_blocks == engine.block_manager.num_blocks == start
-
-
 def test_gc_pauses_freeze_setup_objects_and_time_collections():
     class Node:
         def __init__(self) -> None:

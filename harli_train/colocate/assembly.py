@@ -10,7 +10,7 @@ place this happens, for the command line and the co-location benchmark alike (``
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,9 @@ from harli_train.colocate.colocation import Colocation
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
 from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import Policy, needs_partitions, profile_shares
+from harli_train.colocate.pool_budget import pool_budget
+from harli_train.colocate.pool_memory import PoolMemory
+from harli_train.colocate.pool_memory import disabled as pool_disabled
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
     MixedGrid,
@@ -35,11 +38,12 @@ from harli_train.colocate.shared_model import base_view
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_ladder
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
-from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec
+from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec, TensorKVStorage
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.api import model_id as served_id
 from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
+from harli_train.memory import PoolError
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
 from harli_train.train.trainer import Trainer, resolve_device
 
@@ -94,11 +98,14 @@ def build_engine(
     mixed_prefill: bool = False,
     lora_rank: int | None = None,
     base_id: str = "base",
+    kv_storage: Callable[[KVCacheSpec, EngineConfig], Any] | None = None,
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
     ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own). With
     ``lora_rank`` it has two adapter slots of that rank (a live adapter's buffers). Its catalog serves the
-    base as ``base_id``.
+    base as ``base_id``. ``kv_storage(spec, config)``: the cache to serve from (the page pool's, which grows
+    as far as the engine's batch limit and longest sequence can use); default: a fixed tensor, on a GPU sized
+    for the batch limit within ``KV_MEMORY_FRACTION`` of the device.
 
     Sized for the longest of ``requests`` but never past the model's context: a longer request is refused
     (and recorded so) when it arrives, as is one that needs more than the whole KV cache.
@@ -117,18 +124,58 @@ def build_engine(
     )
     cfg = capped_to_context(cfg, model.config.max_position_embeddings)  # before the cache is sized from it
     device = model.lm_head.weight.device
-    if (
+    spec = KVCacheSpec.for_model(model.config, cfg.block_size, model.lm_head.weight.dtype)
+    storage = None
+    if kv_storage is not None:
+        storage = kv_storage(spec, cfg)
+    elif (
         device.type == "cuda"
     ):  # size the cache for the batch limit, leaving the rest of the GPU to the trainer
-        block_bytes = KVCacheSpec.for_model(
-            model.config, cfg.block_size, model.lm_head.weight.dtype
-        ).bytes_per_block
-        cap = int(KV_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory) // block_bytes
-        cfg.num_kv_blocks = max(cfg.max_blocks_per_seq, min(cfg.max_num_seqs * cfg.max_blocks_per_seq, cap))
+        cfg.num_kv_blocks = plain_kv_blocks(cfg, spec, device)
     full = ladder.full
     stream = full.infer_stream if is_cuda_stream(full.infer_stream) else None
-    engine = DecodeEngine(model, cfg, stream=stream, num_sms=full.infer_sms, tokenizer=tokenizer)
+    engine = DecodeEngine(
+        model, cfg, stream=stream, num_sms=full.infer_sms, storage=storage, tokenizer=tokenizer
+    )
     return EngineAdapter(engine, full, seed=seed, catalog=AdapterCatalog(engine, base_id))
+
+
+def plain_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """The fixed cache's blocks beside the trainer: enough for the batch limit, within
+    ``KV_MEMORY_FRACTION`` of the GPU (``cpu_kv_bytes`` on a CPU), at least one longest sequence."""
+    useful = cfg.max_num_seqs * cfg.max_blocks_per_seq
+    if device.type == "cuda":
+        cap = int(KV_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    else:
+        cap = cfg.cpu_kv_bytes
+    return max(cfg.max_blocks_per_seq, min(useful, cap // spec.bytes_per_block))
+
+
+def open_pool(
+    cfg: RecipeConfig, trainer: Trainer, device: torch.device
+) -> tuple[PoolMemory | None, Callable[[KVCacheSpec, EngineConfig], Any] | None, dict[str, Any]]:
+    """The page pool for ``cfg``'s co-located run when ``colocation.memory_pool`` (its budget checked now,
+    RecipeError naming the key): (memory, the engine's KV factory, the summary's ``memory`` entry). Without
+    the pool, or when the pool cannot be had on this machine (logged), (None, None, the reason)."""
+    col = cfg.colocation
+    if not col.memory_pool:
+        return None, None, {"pool": pool_disabled("colocation.memory_pool is false")}
+    budget = pool_budget(cfg, device)
+    shape = (cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep)
+    memory = PoolMemory(budget, device, trainer.model, shape)
+    info: dict[str, Any] = {}
+
+    def kv_storage(spec: KVCacheSpec, engine_cfg: EngineConfig) -> Any:
+        try:
+            return memory.open(spec, engine_cfg.max_num_seqs * engine_cfg.max_blocks_per_seq)
+        except (PoolError, ValueError) as err:  # e.g. a KV block that does not tile the driver's page
+            reason = str(err).splitlines()[0]
+        # Out of the handler: the traceback no longer holds the half-made pool (its pages are freed).
+        log.warning("running without the page pool: %s", reason)
+        info["pool"] = pool_disabled(f"the page pool could not be set up: {reason}")
+        return TensorKVStorage(spec, plain_kv_blocks(engine_cfg, spec, device), device)
+
+    return memory, kv_storage, info
 
 
 def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
@@ -332,6 +379,7 @@ def assemble(
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     every_request = [*requests, *(r for load in loads for r in load)]
     live = shared and (live_adapter or any(r.model is not None for r in every_request))
+    memory, kv_storage, memory_info = open_pool(cfg, trainer, device)
     engine = build_engine(
         served,
         load_tokenizer(serve_model, is_preset(serve_model)),
@@ -342,7 +390,15 @@ def assemble(
         mixed_prefill=col.mixed_prefill,
         lora_rank=cfg.lora.rank if live else None,
         base_id=served_id(serve_model),
+        kv_storage=kv_storage,
     )
+    if memory is not None and memory.kv is None:
+        memory = None  # it could not be set up: a fixed cache instead (memory_info says why)
+    if memory is not None:
+        memory.bind(engine.engine)
+        memory.attach(trainer)
+        # The profile's synthetic steps read distinct blocks, as many as a fixed cache would have.
+        memory.fit_blocks(plain_kv_blocks(engine.engine.config, engine.engine.storage.spec, device))
     live_adapter_ = None
     if live:
         live_adapter_ = LiveAdapter(
@@ -356,6 +412,8 @@ def assemble(
     unknown = sorted({r.model for r in every_request if r.model is not None} - set(engine.catalog.ids()))
     if unknown:
         engine.close()
+        if memory is not None:
+            memory.close()
         trainer.metrics.close()
         expected = f"requests naming a served model ({', '.join(engine.catalog.ids())})"
         raise RecipeError(cfg.source, "colocation.trace", expected, f"model {unknown[0]!r}")
@@ -372,6 +430,8 @@ def assemble(
     predictor, profile = build_predictor(
         engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
     )
+    if memory is not None:
+        memory.fit_blocks(1)  # the run grows the cache as its load needs; the trainer warms up beside it
     info = {
         "serve_model": serve_model,
         "train_model": cfg.model.name,
@@ -383,11 +443,22 @@ def assemble(
             "key": profile.key.describe(),
             "fit": predictor.fit_report,
         },
+        "memory": memory_info,
     }
     if live_adapter_ is not None:
         info["live_adapter"] = {"model": live_adapter_.name, "every": col.serve_adapter_every}
     colocation = Colocation(
-        cfg, trainer, engine, ladder, requests, predictor, profile, info, engine.catalog, live_adapter_
+        cfg,
+        trainer,
+        engine,
+        ladder,
+        requests,
+        predictor,
+        profile,
+        info,
+        engine.catalog,
+        live_adapter_,
+        memory,
     )
     try:
         try:

@@ -7,6 +7,7 @@ The command line makes one such run (the recipe's policy and trainer); the co-lo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import Policy, make_policy
+from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import Profile
 from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
@@ -38,8 +40,9 @@ class Colocation:
 
     ``trainer`` is the current trainer (the recipe's until ``new_trainer`` replaces it); ``policy`` the
     recipe's policy once ``assemble`` has made (and prepared) it; ``requests`` the recipe's load; ``profile``
-    the decode profile the predictor was fitted to (None without one). Runs share the engine, so they
-    happen one after the other, never at once.
+    the decode profile the predictor was fitted to (None without one); ``memory`` the page pool that the KV
+    cache and the trainer share (None: a fixed KV tensor and torch's allocator). Runs share the engine, so
+    they happen one after the other, never at once.
     """
 
     def __init__(
@@ -54,11 +57,13 @@ class Colocation:
         info: dict[str, Any] | None = None,
         catalog: AdapterCatalog | None = None,
         live: LiveAdapter | None = None,
+        memory: PoolMemory | None = None,
     ) -> None:
         self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
         self.catalog, self.live = catalog, live  # the served model ids; the trainer's adapter served live
         self.requests, self.predictor, self.profile = requests, predictor, profile
         self.info: dict[str, Any] = dict(info or {})
+        self.memory = memory
         self.policy: Policy | None = None
 
     @property
@@ -86,6 +91,8 @@ class Colocation:
         trainer.setup()
         self.trainer.metrics.close()  # the replaced trainer's log, if it never ran
         self.trainer = trainer
+        if self.memory is not None:
+            self.memory.attach(trainer)  # the replaced trainer's placed state goes back to it
         return trainer
 
     def prepare(self, policy: Policy) -> Policy:
@@ -100,7 +107,8 @@ class Colocation:
         torch.cuda.empty_cache()
         while True:
             places = policy.trainer_partitions() + [self.ladder.full]
-            failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False)
+            scope = self.memory.trainer_scope if self.memory is not None else contextlib.nullcontext
+            failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False, scope=scope)
             if not self.ladder.retire(failed):
                 return policy
             torch.cuda.empty_cache()
@@ -123,7 +131,8 @@ class Colocation:
             requests,
             out_dir,
             options,
-            info=self.info,
+            self.memory,
+            self.info,
             live=self.live if trainer is None or trainer is self.trainer else None,
         )
 
@@ -136,11 +145,17 @@ class Colocation:
         is therefore the last thing to go. Idempotent.
         """
         self.engine.close()
+        if self.memory is not None:
+            self.memory.close()
         self.ladder.close()
 
 
 def warm_up_trainer(
-    trainer: Trainer, partitions: list[Partition], total_sms: int, release: bool = True
+    trainer: Trainer,
+    partitions: list[Partition],
+    total_sms: int,
+    release: bool = True,
+    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> set[int]:
     """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
 
@@ -153,7 +168,8 @@ def warm_up_trainer(
     their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
     cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
     allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
-    the H200).
+    the H200). ``scope()`` is entered around each step, as the feeder enters it around each micro-step (the
+    page pool's, so that the caches warmed are those the run allocates from).
     """
     if trainer.device.type != "cuda":
         return set()
@@ -171,7 +187,7 @@ def warm_up_trainer(
     places.setdefault(total_sms, partitions[-1].train_stream)
 
     def step(sms: int) -> None:
-        with torch.cuda.stream(places[sms]), kernels.sm_budget(sms):
+        with torch.cuda.stream(places[sms]), kernels.sm_budget(sms), scope():
             for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
                 pass
         torch.cuda.synchronize()

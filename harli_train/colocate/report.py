@@ -54,6 +54,11 @@ def build_summary(
     serve = phases.get("serve", {"seconds": 0.0, "finetune_tokens": 0.0, "finetune_tokens_per_s": 0.0})
     steps = max(rt.decode_steps, 1)
     ladder = rt.policy.ladder
+    memory = dict(rt.info.get("memory", {}))
+    pool = rt.hook.summary() if rt.hook is not None and hasattr(rt.hook, "summary") else None
+    if pool is not None:
+        memory["pool"] = pool
+    memory.setdefault("pool", {"enabled": False, "reason": "this run was given no page pool"})
     return {
         "policy": rt.policy.name,
         "objective": {
@@ -100,6 +105,7 @@ def build_summary(
             "mixed_steps": rt.mixed_steps,
             "prefill_steps": rt.prefill_steps,
         },
+        "memory": memory,
         "objective_stats": objective,
         "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
         "trainer_paused_fraction": rt.paused_steps / steps,
@@ -128,8 +134,22 @@ def _thin(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows[::stride]
 
 
+def _pool_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Pages each tenant of the page pool holds over time, and when the trainer gave pages back."""
+    t = [r["t"] for r in rows]
+    ax.step(t, [r["kv_pages"] for r in rows], where="post", color="tab:blue", label="KV cache pages")
+    ax.step(t, [r["trainer_pages"] for r in rows], where="post", color="tab:green", label="trainer pages")
+    marks = [b["t"] for a, b in zip(rows, rows[1:], strict=False) if b["reclaims"] > a["reclaims"]]
+    if marks:
+        ax.plot(marks, [0] * len(marks), "^", color="tab:red", ms=5, label=f"reclaims ({len(marks)} steps)")
+    ax.set_ylabel("pool pages")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8, ncol=3)
+
+
 def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str = "") -> dict[str, str]:
-    """timeline.png (SM share, batch, step latency against the objective) and throughput.png; paths."""
+    """timeline.png (SM share, batch, step latency against the objective and, with the page pool, pages per
+    tenant) and throughput.png; paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,7 +160,10 @@ def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str 
     decode = _thin([r for r in rows if r["kind"] in ("decode", "mixed")])
     files = {"timeline": str(out_dir / "timeline.png"), "throughput": str(out_dir / "throughput.png")}
 
-    fig, (ax_share, ax_batch, ax_lat) = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+    pooled = [r for r in _thin(rows) if "kv_pages" in r]
+    panels = 4 if pooled else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 8 + 2.5 * (panels - 3)), sharex=True)
+    ax_share, ax_batch, ax_lat = axes[:3]
     t = [r["t"] for r in decode]
     ax_share.step(t, [r["infer_sms"] for r in decode], where="post", label="decode SMs", color="tab:blue")
     ax_share.step(t, [r["train_sms"] for r in decode], where="post", label="trainer SMs", color="tab:green")
@@ -167,8 +190,10 @@ def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str 
     if bad:
         ax_lat.plot(*zip(*bad, strict=True), "x", color="tab:red", ms=4, label=f"violations ({len(bad)})")
     ax_lat.set_ylabel("ms")
-    ax_lat.set_xlabel("seconds")
     ax_lat.legend(loc="upper right", fontsize=8, ncol=3)
+    if pooled:
+        _pool_panel(axes[3], pooled)
+    axes[-1].set_xlabel("seconds")
     fig.suptitle(f"co-location timeline {title}".strip())
     fig.tight_layout()
     fig.savefig(files["timeline"], dpi=90)

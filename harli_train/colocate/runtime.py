@@ -181,6 +181,8 @@ class ColocatedRuntime:
         self._steps_file = open(self.out_dir / "steps.jsonl", "w")
         restore = self._install_signals()
         self.engine.reset_metrics()
+        if self.hook is not None and hasattr(self.hook, "begin_run"):
+            self.hook.begin_run()
         self.t0 = time.perf_counter()
         self._last_progress = self._last_gauges = self.t0
         self._prev: Partition | None = None
@@ -258,6 +260,7 @@ class ColocatedRuntime:
                 return
             elif busy and closed and (window is not None or now - trained_at > opts.drain_s):
                 return  # window over, or training done and the drain took too long: abort the rest
+            self._memory_hook()
             preview = engine.peek()
             if preview.kind == "idle":
                 self._idle(replay, closed)
@@ -273,6 +276,16 @@ class ColocatedRuntime:
         self.live.poll()
         if self.worker.done and not self._live_final:
             self._live_final = self.live.publish_final(self.worker.snapshot.step)
+
+    def _memory_hook(self) -> None:
+        """Before every decision, idle ones included (a request waiting for blocks makes the step idle):
+        the hook sizes the KV cache for what the next steps need."""
+        if self.hook is None:
+            return
+        try:
+            self.hook.before_decode(self.engine)
+        except Exception as err:  # memory management must not stop serving
+            log.warning("memory hook failed before a decode step: %s", err)
 
     def _in_grace(self, port: Any) -> bool:
         """Stopped with HTTP clients: admit no more, and let the running ones finish within ``grace_s``."""
@@ -342,11 +355,6 @@ class ColocatedRuntime:
         self._hold(plan)
         policy.ladder.switch(self._prev, plan.partition)
         self._prev = plan.partition
-        if self.hook is not None:
-            try:
-                self.hook.before_decode(self.engine)
-            except Exception as err:  # memory management must not stop serving
-                log.warning("memory hook failed before a decode step: %s", err)
         launched = 0
         if plan.train == BESIDE:
             launched = worker.feed(plan)  # with the trainer thread: published, launched there
@@ -437,6 +445,8 @@ class ColocatedRuntime:
             "train_step": self.worker.snapshot.step,
             "tokens": round(self.worker.progress_tokens() - self.start_tokens),
         }
+        if self.hook is not None and hasattr(self.hook, "step_row"):
+            row.update(self.hook.step_row())  # the page pool's tenants, for the timeline
         self._steps_file.write(json.dumps(row) + "\n")
 
     def _progress(self, force: bool = False) -> None:

@@ -53,6 +53,7 @@ class TrainerSide:
         trainer: Any,
         on_oom: Callable[[], None],
         priority: HostPriority,
+        memory_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_slice: Callable[[float], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         max_oom_retries: int = 3,
@@ -62,6 +63,8 @@ class TrainerSide:
         on_optimizer_step: Callable[[int], None] | None = None,
     ) -> None:
         self.trainer, self.on_oom, self.priority = trainer, on_oom, priority
+        # Entered around every resumption of the trainer's generator (the page pool: where its allocations go).
+        self.memory_scope = memory_scope
         # Called with the step's number right after each optimizer update is launched, on the launching
         # thread with the trainer's stream current (the live adapter's refresh).
         self.on_optimizer_step = on_optimizer_step
@@ -241,7 +244,7 @@ class TrainerSide:
         self.launching_kind = kind
         self.on_launch()
         try:
-            with ctx, kernels.sm_budget(max(sms, 1)):
+            with ctx, kernels.sm_budget(max(sms, 1)), self.memory_scope():
                 ms = next(self.gen)
                 if ms.phase == "optim" and self.on_optimizer_step is not None:
                     self.on_optimizer_step(self.trainer.step + 1)  # counted at the generator's next call

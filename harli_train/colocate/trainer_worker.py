@@ -17,6 +17,7 @@ ended it (raised in the decode thread at its next decision). Without a thread (t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -72,6 +73,7 @@ class TrainerWorker:
             trainer,
             self._on_oom,
             self.priority,
+            getattr(self.hook, "trainer_scope", contextlib.nullcontext),
             on_slice=on_slice,
             should_stop=should_stop,
             max_in_flight=max_in_flight,

@@ -121,6 +121,10 @@ class DecodeEngine:
         # there (harli_train.colocate.host_priority).
         self.host_yield: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self.num_launched_ahead = 0  # decode steps launched before their predecessor's tokens were read
+        # The most blocks the cache could hold (a pooled cache that other tenants can give pages to: the
+        # co-located page pool sets it); None: the storage's `max_blocks`, or the blocks it has.
+        self.kv_capacity: Callable[[], int] | None = None
+        self.kv_refusals = 0  # requests refused because the whole cache could not hold them
         self.closed = False
         self.metrics = EngineMetrics(clock())
         self._next_id = 0
@@ -205,9 +209,12 @@ class DecodeEngine:
                 limit = f"the model's context of {self.context} tokens (max_position_embeddings)"
             return f"{where}: its prompt of {n} tokens + max_tokens {m} = {n + m} exceeds {limit}"
         need = self.block_manager.blocks_for(n + m - 1)  # the last drawn token is never cached
-        # A pooled cache can grow to max_blocks; only a request beyond that can never run.
-        capacity = max(self.block_manager.num_blocks, getattr(self.storage, "max_blocks", 0))
+        # A pooled cache can grow (to max_blocks, or as far as its pool lets it); only a request beyond
+        # that cannot run.
+        ceiling = self.kv_capacity() if self.kv_capacity else getattr(self.storage, "max_blocks", 0)
+        capacity = max(self.block_manager.num_blocks, ceiling)
         if need > capacity:
+            self.kv_refusals += 1
             return (
                 f"{where}: it needs {need} KV blocks ({n + m - 1} tokens, {cfg.block_size} per block) "
                 f"but the whole cache has {capacity}"

@@ -32,6 +32,11 @@ class PooledKVStorage:
     ``shrink`` unmaps them, so addresses and strides never change (CUDA graphs stay valid).
     Group 0 is always mapped, so padded block-table entries (block 0) stay readable; other unmapped
     blocks are backed by nothing (no zero page): block tables must name only blocks < num_blocks.
+    On the host backend newly mapped groups are zeroed: the engine's torch reference path multiplies
+    masked-out values by a zero softmax weight, and a page another tenant left NaN bytes in would poison
+    it (the GPU kernels mask their loads instead, so their pages are left as they come).
+    ``grow``/``shrink`` may run on another thread than the decode steps (a lock orders them); a block
+    the engine hands out is always below ``num_blocks`` before and after either.
     spec: any object with ``num_layers``, ``block_shape`` and ``dtype`` (engine.kv_cache.KVCacheSpec).
     """
 
@@ -51,13 +56,20 @@ class PooledKVStorage:
         self._lock = threading.Lock()
         self._groups = 0
         self.region = pool.reserve(self.tenant, self._planes * self.n_groups)
-        self.grow(1)
+        self.region.map(self._slots(0, 1), reclaim=True)
+        self._groups = 1
         shape = (spec.num_layers, 2, self.max_blocks, *spec.block_shape)
         self.data = self.region.as_tensor().view(spec.dtype).view(shape)
+        self._zero_new(0, 1)
 
     @property
     def num_blocks(self) -> int:
         return self._groups * self.blocks_per_page
+
+    @property
+    def pages_per_group(self) -> int:
+        """Pages one page group (``blocks_per_page`` blocks of every layer's K and V) takes."""
+        return self._planes
 
     @property
     def mapped_bytes(self) -> int:
@@ -85,8 +97,13 @@ class PooledKVStorage:
             groups = min(self.n_groups, -(-num_blocks // self.blocks_per_page))
             if groups > self._groups:
                 self.region.map(self._slots(self._groups, groups), reclaim=True)
+                self._zero_new(self._groups, groups)
                 self._groups = groups
             return self.num_blocks
+
+    def _zero_new(self, first: int, stop: int) -> None:
+        if self.pool.backend == "host":  # see the class docstring
+            self.pages()[:, :, first:stop].zero_()
 
     def shrink(self, num_blocks: int, wait: Any = None) -> int:
         """Unmap page groups wholly past `num_blocks` (never group 0); the caller guarantees those blocks are

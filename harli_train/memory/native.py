@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -28,8 +29,9 @@ class PoolError(RuntimeError):
     """A pool call failed; the message says why."""
 
 
-class PoolExhausted(PoolError):
-    """The pool has fewer free pages than asked for."""
+class PoolExhausted(PoolError, torch.OutOfMemoryError):
+    """The pool has fewer free pages than asked for. It is an out-of-memory error, so that whoever recovers
+    from torch's (the co-location feeder: abandon the trainer's step, redo it later) recovers from it too."""
 
 
 class QuotaExceeded(PoolExhausted):
@@ -169,8 +171,9 @@ class PagePool:
         self.device = torch.device("cuda", device) if self.backend == "cuda" else torch.device("cpu")
         self.page_bytes: int = lib.hvmm_pool_page_bytes(handle)
         self.budget_pages: int = self.stats()["budget_pages"]
-        self._reclaimers: list[tuple[Tenant, Callable[[int], int]]] = []
+        self._reclaimers: list[tuple[Tenant, Callable[[int], int], Callable[[], int] | None]] = []
         self.reclaim_stats = {"calls": 0, "pages_asked": 0, "pages_freed": 0, "seconds": 0.0}
+        self._stats_lock = threading.Lock()  # reclaim may be called from several threads
 
     def close(self) -> None:
         """Wait for the device's queued work, then unmap and release everything. Refused while torch still
@@ -208,23 +211,35 @@ class PagePool:
         """A virtual range of n_pages pages for `tenant`, nothing mapped yet."""
         return Region(self, tenant, n_pages)
 
-    def register_reclaimer(self, tenant: Tenant, reclaim: Callable[[int], int]) -> None:
-        """`reclaim(n_pages) -> pages_freed` is called when another tenant is short of pages."""
-        self._reclaimers.append((tenant, reclaim))
+    def register_reclaimer(
+        self, tenant: Tenant, reclaim: Callable[[int], int], reclaimable: Callable[[], int] | None = None
+    ) -> None:
+        """`reclaim(n_pages) -> pages_freed` is called when another tenant is short of pages;
+        `reclaimable() -> pages` (optional) says how many it could free now (``reclaimable_pages``)."""
+        self._reclaimers.append((tenant, reclaim, reclaimable))
+
+    def reclaimable_pages(self, requester: Tenant | None = None) -> int:
+        """Pages the other tenants' reclaimers say they could give back now (a snapshot: it may change)."""
+        return sum(
+            int(fn())
+            for tenant, _, fn in list(self._reclaimers)
+            if fn is not None and (requester is None or tenant.id != requester.id)
+        )
 
     def reclaim(self, n_pages: int, requester: Tenant | None = None) -> int:
         """Ask the other tenants' reclaimers, in registration order, to free n_pages; returns pages freed."""
         t0, freed = time.perf_counter(), 0
-        for tenant, fn in list(self._reclaimers):
+        for tenant, fn, _ in list(self._reclaimers):
             if freed >= n_pages:
                 break
             if requester is None or tenant.id != requester.id:
                 freed += int(fn(n_pages - freed))
-        rs = self.reclaim_stats
-        rs["calls"] += 1
-        rs["pages_asked"] += n_pages
-        rs["pages_freed"] += freed
-        rs["seconds"] += time.perf_counter() - t0
+        with self._stats_lock:
+            rs = self.reclaim_stats
+            rs["calls"] += 1
+            rs["pages_asked"] += n_pages
+            rs["pages_freed"] += freed
+            rs["seconds"] += time.perf_counter() - t0
         return freed
 
     def check(self) -> None:

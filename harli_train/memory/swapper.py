@@ -74,7 +74,9 @@ class ActivationSwapper:
     i its pages are mapped again at the same addresses and the bytes copied back; the `lookahead` layers
     below are prefetched on the side stream. Results are bit-identical to running without the swapper.
     A stash is reused once autograd has dropped all its tensors. `layer_bytes` bounds one layer's saved
-    bytes; what does not fit stays an ordinary tensor. One trainer stream is assumed.
+    bytes; what does not fit stays an ordinary tensor. The trainer may move between streams when each
+    new one waits for the one before (as the co-location feeder hands work over): spills are ordered after
+    the stream of the latest pack or unpack, which is after all the trainer's earlier work.
     """
 
     def __init__(
@@ -109,8 +111,13 @@ class ActivationSwapper:
             "swap_ins": 0,
             "reclaimed_pages": 0,
             "reclaim_seconds": 0.0,
+            # Only the spills other tenants asked for (``reclaim``), not the trainer's own.
+            "reclaims": 0,
+            "reclaim_pages": 0,
+            "reclaim_spilled_bytes": 0,
+            "reclaim_copy_seconds": 0.0,
         }
-        pool.register_reclaimer(tenant, self.reclaim)
+        pool.register_reclaimer(tenant, self.reclaim, self.reclaimable_pages)
 
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
@@ -121,6 +128,12 @@ class ActivationSwapper:
     @property
     def resident_pages(self) -> int:
         return sum(s.mapped for s in self._stashes.values())
+
+    def reclaimable_pages(self) -> int:
+        """Pages ``reclaim`` could free now: the mapped stashes outside the window (a snapshot)."""
+        with self._lock:
+            keep = self._window()
+            return sum(s.mapped for i, s in self._stashes.items() if i not in keep)
 
     # -- autograd hooks ---------------------------------------------------------------------------------
     def _pack(self, layer: int, t: torch.Tensor) -> Any:
@@ -150,7 +163,7 @@ class ActivationSwapper:
                 return t.detach()
             self._ensure_resident(layer)
             self._ensure_mapped(stash, layer, -(-(offset + span) // self.pool.page_bytes))
-            if self._cuda and self._stream is None:
+            if self._cuda:
                 self._stream = torch.cuda.current_stream(self.pool.device)
             self._view(stash, offset, span, t.dtype, t.shape, stride).copy_(t)
             stash.used, stash.live = offset + span, stash.live + 1
@@ -164,6 +177,8 @@ class ActivationSwapper:
             return saved
         with self._lock:
             self._current, self._backward = saved.layer, True
+            if self._cuda:
+                self._stream = torch.cuda.current_stream(self.pool.device)
             self._ensure_resident(saved.layer)
             for lower in range(saved.layer - 1, saved.layer - 1 - self.lookahead, -1):
                 with contextlib.suppress(PoolExhausted):  # prefetch is best effort; unpack maps for real
@@ -256,7 +271,20 @@ class ActivationSwapper:
         """Pool callback: spill stashes of layers outside the window until n_pages are free; returns pages
         freed. Blocks until the copies (and the trainer's queued work) are done."""
         with self._lock:
-            return self._spill(n_pages, protect=self._window())
+            before = self.stats["swap_out_bytes"], self.stats["reclaim_seconds"]
+            pages = self._spill(n_pages, protect=self._window())
+            if pages:
+                st = self.stats
+                st["reclaims"] += 1
+                st["reclaim_pages"] += pages
+                st["reclaim_spilled_bytes"] += st["swap_out_bytes"] - before[0]
+                st["reclaim_copy_seconds"] += st["reclaim_seconds"] - before[1]
+            return pages
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """A copy of ``stats``, consistent (taken under the lock the spills hold)."""
+        with self._lock:
+            return dict(self.stats)
 
     def _spill(self, n_pages: int, protect: set[int]) -> int:
         # Empty stashes cost nothing to unmap; then the lowest layers, which backward needs last.

@@ -97,6 +97,7 @@ def train_step(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     recompute: Callable[[int, int], bool] | None = None,
     buffers: BatchBuffers | None = None,
+    stash: Callable[[int], contextlib.AbstractContextManager] | None = None,
 ) -> Generator[MicroStep, None, StepResult]:
     """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
 
@@ -105,6 +106,9 @@ def train_step(
     `recompute(micro_batch, start)`, asked just before the backward of the chunk starting at layer `start`,
     says whether to rebuild that chunk's forward graph first (on the stream current at that moment).
     `buffers` (optional) hold each micro-batch's inputs on the device (`BatchBuffers`).
+    `stash(i)` (optional) is entered around chunk i's forward (and its rebuild): where the tensors it saves
+    for backward are kept (the co-located page pool's ``ActivationSwapper.layer``); it moves bytes, never
+    changes them.
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
@@ -115,6 +119,7 @@ def train_step(
         getattr(m, "dropout", 0.0) > 0.0 and m.training for m in model.modules()
     )
     bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
+    kept = stash or (lambda chunk: contextlib.nullcontext())
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     input_tokens = 0
     for mb, batch in enumerate(batches):
@@ -123,12 +128,12 @@ def train_step(
         # Forward, chunk by chunk; each chunk keeps its own autograd graph.
         saved, rng = [], []
         hidden, residual = model.embed(ids), None
-        for start, stop in bounds:
+        for chunk, (start, stop) in enumerate(bounds):
             # The embedding is frozen: the first chunk needs no gradient for its input.
             h_in, r_in = _leaf(hidden, start > 0), _leaf(residual)
             if replay:
                 rng.append(rng_state())
-            with autocast():
+            with kept(chunk), autocast():
                 hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             saved.append([h_in, r_in, hidden, residual])
             yield MicroStep("fwd", mb, start, stop)
@@ -150,7 +155,7 @@ def train_step(
             (start, stop), (h_in, r_in, h_out, r_out) = bounds[i], saved[i]
             if recompute is not None and recompute(mb, start):
                 saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
-                with _replaying(rng[i] if replay else None), autocast():
+                with _replaying(rng[i] if replay else None), kept(i), autocast():
                     h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
             outs = [h_out] if r_out is None else [h_out, r_out]
             torch.autograd.backward(outs, list(grads[: len(outs)]))

@@ -88,6 +88,9 @@ class Trainer:
         # Asked before each chunk's backward whether to rebuild the chunk's forward first (co-location: its
         # stream's SMs went to decode); see `train_step`.
         self.recompute_chunk: Callable[[int, int], bool] | None = None
+        # Entered around each chunk's forward: where the tensors it saves for backward are kept (co-location
+        # keeps them in the page pool, whence they can be spilled to host memory); see `train_step`.
+        self.stash_chunk: Callable[[int], contextlib.AbstractContextManager] | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
@@ -251,6 +254,7 @@ class Trainer:
                 self._autocast,
                 self.recompute_chunk,
                 self.buffers,
+                self.stash_chunk,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:
