@@ -33,6 +33,7 @@ from harli_train.colocate.profile import (
     default_profile_path,
     fastest_step_s,
     get_or_build_profile,
+    save_profile,
 )
 from harli_train.colocate.shared_model import base_view
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_ladder
@@ -250,6 +251,8 @@ def build_predictor(
         reps=reps or (10 if on_gpu else 3),
         mixed_step_fn=engine.synthetic_mixed,
         mixed_grid=mixed,
+        # With adapter slots: what one adapter and each one more add to a decode step (LoRACost).
+        lora_slots=tuple(range(1, min(engine.engine.num_adapter_slots, 4) + 1)),
     )
 
     def build() -> Profile:
@@ -267,7 +270,12 @@ def build_predictor(
     if path is None and not on_gpu:  # CPU timings depend on the machine's load: measure afresh
         profile = build()
     else:
-        profile = get_or_build_profile(path or default_profile_path(key), key, build, shares)
+        stored = Path(path or default_profile_path(key))
+        profile = get_or_build_profile(stored, key, build, shares)
+        if grid["lora_slots"] and not any(s.get("lora_slots") for s in profile.samples):
+            log.warning("profile %s has no steps on adapters, which this engine serves: re-profiling", stored)
+            profile = build()
+            save_profile(stored, profile)
     predictor = LatencyPredictor.fit(
         profile.samples,
         ladder.total_sms,

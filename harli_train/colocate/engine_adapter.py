@@ -152,10 +152,10 @@ class EngineAdapter:
     def metrics(self) -> EngineMetrics:
         return self.engine.metrics
 
-    def synthetic_decode(self, batch: int, kv_len: int, partition: Partition) -> None:
-        """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, for
-        profiling (launched, not waited for, on a GPU)."""
-        self.engine.synthetic_decode(batch, kv_len, self.key(partition))
+    def synthetic_decode(self, batch: int, kv_len: int, partition: Partition, lora_slots: int = 0) -> None:
+        """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, its rows
+        on ``lora_slots`` adapters, for profiling (launched, not waited for, on a GPU)."""
+        self.engine.synthetic_decode(batch, kv_len, self.key(partition), lora_slots)
 
     def synthetic_mixed(
         self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: Partition

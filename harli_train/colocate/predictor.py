@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from harli_train.colocate.lora_cost import LoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.regression import weighted_lstsq
 
@@ -67,6 +68,7 @@ class LatencyPredictor:
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled
+    lora: LoRACost | None = None  # what adapters add to a decode step; None: not profiled (no adapter slots)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
     # Correction factors by family: decode solo, decode co-run, mixed solo, mixed co-run.
     _glob: list[float] = field(default_factory=lambda: [1.0] * 4, repr=False)  # GPU-wide
@@ -87,7 +89,8 @@ class LatencyPredictor:
         """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
         model to mixed samples (those with ``prefill_tokens``) when the profile has them."""
         mixed = [r for r in samples if "prefill_tokens" in r]
-        samples = [r for r in samples if "prefill_tokens" not in r]
+        lora = LoRACost.fit(samples)
+        samples = [r for r in samples if "prefill_tokens" not in r and not r.get("lora_slots")]
         solo = [r for r in samples if not r["corun"]]
         corun = [r for r in samples if r["corun"]]
         # A share's A and C need at least two KV sizes; thinner shares are interpolated from neighbours.
@@ -129,6 +132,7 @@ class LatencyPredictor:
             pred._fit_stage2(solo, corun)
         if mixed:
             pred.mixed = MixedStepModel.fit(mixed)
+        pred.lora = lora
         pred.fit_report = {
             "skipped_shares": skipped,
             "n_solo": len(solo),
@@ -197,14 +201,23 @@ class LatencyPredictor:
         return row
 
     def predict(
-        self, batch: int, kv_tokens: int, infer_sms: int, corun: bool = True, raw: bool = False
+        self,
+        batch: int,
+        kv_tokens: int,
+        infer_sms: int,
+        corun: bool = True,
+        raw: bool = False,
+        lora_slots: int = 0,
     ) -> float:
-        """Seconds for one decode step of ``batch`` sequences reading ``kv_tokens`` cached tokens in all."""
+        """Seconds for one decode step of ``batch`` sequences reading ``kv_tokens`` cached tokens in all, its
+        rows running ``lora_slots`` distinct adapters (0: the base only; unmodelled without a LoRA profile)."""
         row = self._rows.get(infer_sms) or self._row(infer_sms)
         b = batch if batch <= self.batch_max else self.batch_max
         t = row[0] + row[1] * kv_tokens + b * (row[2] + b * (row[3] + b * row[4]))
         if batch > b:  # past the profiled batches: assume linear growth, which overestimates (safe side)
             t *= batch / b
+        if lora_slots and self.lora is not None:
+            t += self.lora.seconds(infer_sms, lora_slots)
         if corun:
             t *= 1.0 + self.intensity * (row[5] + row[6] * batch + row[7] * kv_tokens)
         if raw:
@@ -220,13 +233,16 @@ class LatencyPredictor:
         infer_sms: int,
         corun: bool = True,
         raw: bool = False,
+        lora_slots: int = 0,
     ) -> float:
         """Seconds for one mixed step: ``batch`` decode rows reading ``kv_tokens`` cached tokens and prefill
-        chunks of ``prefill_tokens`` tokens whose attention covers ``attn_pairs`` query-key pairs. Needs a
-        profile with mixed samples (``self.mixed``)."""
+        chunks of ``prefill_tokens`` tokens whose attention covers ``attn_pairs`` query-key pairs, the decode
+        rows on ``lora_slots`` adapters. Needs a profile with mixed samples (``self.mixed``)."""
         if self.mixed is None:
             raise ValueError("this profile has no mixed-step samples: re-profile to predict mixed steps")
         t = self.mixed.predict(batch, kv_tokens, prefill_tokens, attn_pairs, infer_sms, corun)
+        if lora_slots and self.lora is not None:
+            t += self.lora.seconds(infer_sms, lora_slots)
         return t if raw else t * self.correction(infer_sms, corun, mixed=True)
 
     def predict_all_shares(
@@ -292,7 +308,7 @@ class LatencyPredictor:
         """Mean and max absolute percentage error of the uncorrected model: decode solo and co-run, and mixed
         steps (samples with ``prefill_tokens``) when the model has them."""
         mixed = [r for r in samples if "prefill_tokens" in r]
-        samples = [r for r in samples if "prefill_tokens" not in r]
+        samples = [r for r in samples if "prefill_tokens" not in r and not r.get("lora_slots")]
         out: dict[str, float] = {}
         for name, want in (("solo", False), ("corun", True)):
             errs = [
@@ -332,6 +348,7 @@ class LatencyPredictor:
             "corrections": {str(s): list(c) for s, c in self._corr.items()},
             "gpu_correction": list(self._glob),
             "mixed": None if self.mixed is None else self.mixed.to_dict(),
+            "lora": None if self.lora is None else self.lora.to_dict(),
         }
 
     @classmethod
@@ -350,6 +367,7 @@ class LatencyPredictor:
             intensity=float(d.get("intensity", 1.0)),
             fit_report=dict(d.get("fit_report", {})),
             mixed=MixedStepModel.from_dict(d["mixed"]) if d.get("mixed") else None,
+            lora=LoRACost.from_dict(d["lora"]) if d.get("lora") else None,
         )
         pad = lambda c: [float(x) for x in c] + [1.0] * (4 - len(c))  # files of two families (decode only)
         pred._corr = {int(s): pad(c) for s, c in d.get("corrections", {}).items()}

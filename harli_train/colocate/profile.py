@@ -266,9 +266,12 @@ def run_profile_grid(
     reps: int = 10,
     mixed_step_fn: MixedStepFn | None = None,
     mixed_grid: MixedGrid | None = None,
+    lora_slots: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """Median latency of decode steps per (partition, batch, kv_len), and of mixed steps per (partition,
-    ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer.
+    ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer. With ``lora_slots``
+    (adapter counts, e.g. (1, 2)): decode steps of the middle batch at the shortest KV length whose rows run
+    on that many adapters, alone (``decode_step_fn(b, kv, partition, n)``), for ``LoRACost``.
 
     ``decode_step_fn`` and ``mixed_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on
     ``train_stream``
@@ -284,7 +287,9 @@ def run_profile_grid(
             _median(_time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
         )
         # (batch, kv_len, chunk or None, timing reps, warm-up, beside the trainer too)
-        points = [(b, kv, None, reps, warmup, corun) for b in batches for kv in kv_lens]
+        points: list[tuple] = [(b, kv, None, reps, warmup, corun) for b in batches for kv in kv_lens]
+        b_lora = list(batches)[len(batches) // 2]
+        points += [(b_lora, min(kv_lens), ("lora", n), reps, warmup, False) for n in lora_slots if n > 0]
         if mixed_step_fn is not None:
             g = mixed_grid or MixedGrid()
             points += [
@@ -301,6 +306,9 @@ def run_profile_grid(
             }
             if chunk is None:
                 step = lambda b=b, kv=kv, p=p: decode_step_fn(b, kv, p)
+            elif chunk[0] == "lora":
+                step = lambda b=b, kv=kv, p=p, n=chunk[1]: decode_step_fn(b, kv, p, n)
+                base["lora_slots"] = chunk[1]
             else:
                 n, c = chunk
                 step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)

@@ -302,10 +302,17 @@ class DecodeEngine:
         """Start the metrics afresh (e.g. after a warm-up)."""
         self.metrics = EngineMetrics(self.clock())
 
-    def synthetic_decode(self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION) -> None:
-        """A decode step of `batch` x `kv_len` that touches no request and no cached value: for profiling
-        step latency (launched, not waited for, on a GPU)."""
-        self.runner.synthetic_decode(batch, kv_len, partition)
+    def synthetic_decode(
+        self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION, lora_slots: int = 0
+    ) -> None:
+        """A decode step of `batch` x `kv_len` that touches no request and no cached value, its rows on
+        `lora_slots` adapter slots: for profiling step latency (launched, not waited for, on a GPU)."""
+        self.runner.synthetic_decode(batch, kv_len, partition, lora_slots)
+
+    @property
+    def num_adapter_slots(self) -> int:
+        """How many adapters one step can serve (0: the engine has no adapter slots)."""
+        return 0 if self.runner.lora is None else self.runner.lora.num_slots - 1
 
     def synthetic_mixed(
         self,

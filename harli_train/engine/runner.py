@@ -354,9 +354,12 @@ class ModelRunner:
         self.attn.meta = None
         return logits
 
-    def synthetic_decode(self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION) -> None:
+    def synthetic_decode(
+        self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION, lora_slots: int = 0
+    ) -> None:
         """One decode step of `batch` sequences with `kv_len` tokens of context each, for timing: it reads
-        existing blocks, writes no K/V (slot -1) and draws nothing. On a GPU the graph is launched on the
+        existing blocks, writes no K/V (slot -1) and draws nothing; with `lora_slots` its rows run on that
+        many adapter slots, in turn (needs the engine's adapter slots). On a GPU the graph is launched on the
         partition's stream and not waited for."""
         part, bm = self.partitions[partition], self.block_manager
         if not (1 <= batch <= self.config.max_num_seqs and 1 <= kv_len <= self.config.max_model_len):
@@ -368,11 +371,21 @@ class ModelRunner:
         tables = (np.arange(batch * width).reshape(batch, width) % bm.num_blocks).astype(np.int32)
         lens = np.full(batch, kv_len, dtype=np.int64)
         slots = np.full(batch, -1, dtype=np.int64)
+        adapters = None
+        if lora_slots:
+            if self.lora is None or lora_slots >= self.lora.num_slots:
+                have = 0 if self.lora is None else self.lora.num_slots - 1
+                raise EngineError(
+                    f"synthetic_decode: {lora_slots} adapters asked of an engine with {have} slots"
+                )
+            adapters = (1 + np.arange(batch) % lora_slots).astype(np.int64)
         with self._on(part):
             if self.graphs is not None:
-                self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables)
+                self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables, None, adapters)
                 return
-            self._eager_decode(self._to_device([0] * batch, torch.int64), lens - 1, slots, lens, tables, part)
+            ids_t = self._to_device([0] * batch, torch.int64)
+            with self._adapters(adapters):
+                self._eager_decode(ids_t, lens - 1, slots, lens, tables, part)
 
     def synthetic_mixed(
         self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: str

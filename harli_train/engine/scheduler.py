@@ -61,6 +61,7 @@ class StepPreview:
     decode_kv_tokens: int = 0
     pieces: tuple[PrefillPiece, ...] = ()
     mixed: bool = False
+    lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
 
     @property
     def prefill_tokens(self) -> int:
@@ -216,7 +217,8 @@ class Scheduler:
         budget = self._budget(len(decoding) if mixed else 0, self.config.max_num_batched_tokens)
         plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
         pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
-        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed)
+        adapters = len({s.lora_slot for s in decoding} - {0})
+        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,

@@ -25,9 +25,8 @@ def largest_chunk(
 
     def raw(n: int) -> float:
         pieces = preview.take(n)
-        return predictor.predict_mixed(
-            b, kv, n, attention_pairs([(p.tokens, p.context) for p in pieces]), sms, corun, raw=True
-        )
+        pairs = attention_pairs([(p.tokens, p.context) for p in pieces])
+        return predictor.predict_mixed(b, kv, n, pairs, sms, corun, raw=True, lora_slots=preview.lora_slots)
 
     lo, hi = min(MIN_CHUNK, preview.prefill_tokens), preview.prefill_tokens
     if raw(hi) * corr <= budget_s:

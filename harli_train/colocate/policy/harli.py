@@ -89,10 +89,12 @@ class HarliPolicy(ControlledPolicy):
             return self.prefill.plan(preview.decode_after())
         if preview.kind == "mixed" and self.predictor.mixed is not None:
             return self._mixed(preview)
-        return self.with_chunk(self._decode(preview.decode_seqs, preview.decode_kv_tokens), preview)
+        return self.with_chunk(
+            self._decode(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots), preview
+        )
 
-    def _decode(self, batch: int, kv_tokens: int) -> StepPlan:
-        d = self.controller.decide(batch, kv_tokens)
+    def _decode(self, batch: int, kv_tokens: int, lora_slots: int = 0) -> StepPlan:
+        d = self.controller.decide(batch, kv_tokens, lora_slots)
         if d.pause_trainer or d.mode == "alternate":
             return self.decode_plan(d, None)
         trainer = self.rungs.trail(d.partition.infer_sms)
@@ -105,7 +107,7 @@ class HarliPolicy(ControlledPolicy):
         shrink count are left as they are."""
         b, kv = preview.decode_seqs, preview.decode_kv_tokens
         floor = min(self.prefill_floor, preview.prefill_tokens)
-        own, _ = self.controller.target(b, kv)
+        own, _ = self.controller.target(b, kv, preview.lora_slots)
         start = own.infer_sms if own is not None else self.ladder.total_sms
         if not self.ladder.time_sliced:
             for part in self.ladder.spatial:

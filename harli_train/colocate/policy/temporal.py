@@ -56,7 +56,8 @@ class TemporalPolicy(ControlledPolicy):
     def plan(self, preview: StepPreview) -> StepPlan:
         if preview.kind != "decode":  # prefill work: alone on the whole GPU
             return self.with_chunk(paused(self.slices.full, f"{preview.kind}: whole GPU"), preview)
-        return self.decode_plan(self.controller.decide(preview.decode_seqs, preview.decode_kv_tokens), None)
+        d = self.controller.decide(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
+        return self.decode_plan(d, None)
 
     def idle_plan(self) -> StepPlan:
         return whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)

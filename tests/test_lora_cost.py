@@ -1,0 +1,121 @@
+"""What adapters add to a decode step, for the latency predictor: the fit of LoRACost from profile samples,
+the predictor's LoRA term (and that adapter samples leave the base model's fit alone), the engine's preview
+of a step's distinct adapters, the controller giving a step on adapters the share it needs, and a profile of
+an engine with adapter slots."""
+
+import pytest
+
+from harli_train.colocate.controller import Controller
+from harli_train.colocate.lora_cost import LoRACost
+from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.profile import run_profile_grid
+from harli_train.colocate.sm import SMLadder
+from harli_train.engine import SamplingParams
+
+from .test_lora_serving import PROMPTS, _catalog, models  # noqa: F401  (the fixture)
+
+F = {32: 4e-4, 64: 2e-4}  # one adapter's cost per share
+P = {32: 1e-4, 64: 5e-5}  # each further adapter
+
+
+def base_s(sms, batch, kv):
+    return 1e-3 * (1 + 64 / sms) + 2e-6 * kv + 1e-5 * batch * 32 / sms
+
+
+def samples():
+    out = []
+    for sms in (32, 64):
+        for batch in (1, 8, 32):
+            for kv in (256, 1024):
+                for corun in (False, True):
+                    t = base_s(sms, batch, batch * kv) * (1.2 if corun else 1.0)
+                    out.append(
+                        dict(batch=batch, kv_tokens=batch * kv, infer_sms=sms, corun=corun, latency_s=t)
+                    )
+        for n in (1, 2, 4):  # solo steps of batch 8 at KV 256 on n adapters
+            t = base_s(sms, 8, 8 * 256) + F[sms] + P[sms] * (n - 1)
+            out.append(
+                dict(batch=8, kv_tokens=8 * 256, infer_sms=sms, corun=False, latency_s=t, lora_slots=n)
+            )
+    return out
+
+
+def test_lora_cost_fits_the_fixed_and_per_adapter_parts_per_share_and_interpolates_between():
+    cost = LoRACost.fit(samples())
+    for sms in (32, 64):
+        f, p = cost.params[sms]
+        assert f == pytest.approx(F[sms], rel=1e-6) and p == pytest.approx(P[sms], rel=1e-6)
+        assert cost.seconds(sms, 0) == 0.0
+        assert cost.seconds(sms, 3) == pytest.approx(F[sms] + 2 * P[sms], rel=1e-6)
+    assert cost.seconds(64, 1) < cost.seconds(48, 1) < cost.seconds(32, 1)  # in 1/s between shares
+    assert cost.seconds(16, 1) == pytest.approx(2 * F[32], rel=1e-6)  # below the profile: in proportion
+    assert cost.seconds(132, 1) == pytest.approx(F[64], rel=1e-6)
+    assert LoRACost.from_dict(cost.to_dict()) == cost
+    assert LoRACost.fit([r for r in samples() if not r.get("lora_slots")]) is None
+
+
+def test_the_predictor_adds_the_adapters_and_fits_the_base_without_their_samples():
+    with_lora = LatencyPredictor.fit(samples(), 132, 1.0)
+    without = LatencyPredictor.fit([r for r in samples() if not r.get("lora_slots")], 132, 1.0)
+    assert with_lora.share_params == without.share_params and without.lora is None
+    for corun in (False, True):
+        assert with_lora.predict(8, 2048, 64, corun, raw=True) == without.predict(
+            8, 2048, 64, corun, raw=True
+        )
+    solo, solo_on_two = (with_lora.predict(8, 2048, 64, False, raw=True, lora_slots=n) for n in (0, 2))
+    assert solo_on_two == pytest.approx(solo + F[64] + P[64], rel=1e-3)
+    co, co_on_two = (with_lora.predict(8, 2048, 64, True, raw=True, lora_slots=n) for n in (0, 2))
+    assert co_on_two / solo_on_two == pytest.approx(co / solo, rel=1e-9)  # the slowdown covers the adapters
+    assert without.predict(8, 2048, 64, lora_slots=2) == without.predict(8, 2048, 64)  # nothing to add
+    again = LatencyPredictor.from_dict(with_lora.to_dict())
+    assert again.predict(8, 2048, 64, lora_slots=3) == with_lora.predict(8, 2048, 64, lora_slots=3)
+
+
+def test_the_controller_gives_a_step_on_adapters_the_share_it_needs():
+    ladder = SMLadder.cpu_standin(132, 16)
+    pred = LatencyPredictor.fit(samples(), 132, 1.0)
+    budget = pred.predict(8, 2048, 32, True) * 1.02  # the base step just fits 32 SMs
+    base = Controller(pred, ladder, budget, 0.0, hysteresis_steps=1).target(8, 2048)
+    lora = Controller(pred, ladder, budget, 0.0, hysteresis_steps=1).target(8, 2048, lora_slots=4)
+    assert base[0].infer_sms == 32 < lora[0].infer_sms and lora[1] <= budget
+    ctl = Controller(pred, ladder, budget, 0.0, hysteresis_steps=1)
+    d = ctl.decide(8, 2048, lora_slots=4)
+    assert d.partition is lora[0] and d.predicted_s == pytest.approx(lora[1])
+
+
+def test_the_preview_counts_a_steps_distinct_adapters_and_the_profile_times_them(models):  # noqa: F811
+    engine = _catalog(models).engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for prompt, slot in ((PROMPTS[0], 1), (PROMPTS[1], 1), (PROMPTS[2], 0)):
+        engine.add_request(prompt, params, lora_slot=slot)
+    while engine.peek().kind != "decode":
+        engine.step()
+    assert engine.peek().lora_slots == 1
+    engine.add_request(PROMPTS[0], params, lora_slot=2)
+    while engine.peek().kind != "decode" or engine.peek().decode_seqs < 4:
+        engine.step()
+    assert engine.peek().lora_slots == 2
+    engine.run_until_done()
+    assert engine.num_adapter_slots == 2
+    ladder = SMLadder.cpu_standin(8, 4)
+    from harli_train.colocate.engine_adapter import EngineAdapter
+
+    adapter = EngineAdapter(engine, ladder.full)
+    adapter.register(ladder.partitions)
+    got = run_profile_grid(
+        adapter.synthetic_decode,
+        None,
+        ladder,
+        batches=(1, 2, 4),
+        kv_lens=(8, 16),
+        warmup=0,
+        reps=1,
+        lora_slots=(1, 2),
+    )
+    on_adapters = [r for r in got if r.get("lora_slots")]
+    assert {(r["infer_sms"], r["lora_slots"], r["batch"]) for r in on_adapters} == {
+        (s, n, 2) for s in ladder.shares for n in (1, 2)
+    }
+    assert all(r["latency_s"] > 0 and not r["corun"] for r in on_adapters)
+    with pytest.raises(Exception, match="3 adapters asked of an engine with 2 slots"):
+        engine.synthetic_decode(2, 8, lora_slots=3)
