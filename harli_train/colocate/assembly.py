@@ -292,6 +292,7 @@ def assemble(
     *,
     loads: Sequence[list[TraceRequest]] = (),
     spatial: bool | None = None,
+    parallel: Any = None,
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
@@ -303,17 +304,17 @@ def assemble(
     The decode profile is ``colocation.profile`` when set (reused when it matches this machine, else measured
     and written there). The recipe's policy is ``Colocation.policy``, prepared (``Colocation.prepare``)
     when ``warm_up``. RecipeError when the policy cannot run on this machine or no decode step can meet
-    the objective.
+    the objective. ``parallel``: this rank's part of a tensor-parallel job (``parallel.colocated.TPAssembly``:
+    its trainer, model slices, engine publishing and share agreement), None on one GPU.
     """
     col = cfg.colocation
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
-    trainer = Trainer(cfg, quiet=True)
+    trainer = Trainer(cfg, quiet=True) if parallel is None else parallel.trainer(cfg)
     trainer.setup(resume=resume)  # checks the output directory before loading anything
-    served = (
-        base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
-    )
+    load = load_model if parallel is None else parallel.load_served
+    served = base_view(trainer.model) if shared else load(serve_model, dtype, device, seed=cfg.model.seed)
     ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step, spatial)
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     engine = build_engine(
@@ -325,6 +326,8 @@ def assemble(
         seed=cfg.train.seed,
         mixed_prefill=col.mixed_prefill,
     )
+    if parallel is not None:
+        parallel.lead(engine)
     # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
     model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
     corun = (
@@ -334,6 +337,8 @@ def assemble(
         if device.type == "cuda"
         else None
     )
+    if corun is not None and parallel is not None:
+        corun = parallel.local_fn(corun)  # a load beside profiled steps: its collectives are not needed
     shares = profile_shares(col.policy, ladder)
     predictor, profile = build_predictor(
         engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
@@ -350,7 +355,7 @@ def assemble(
             "fit": predictor.fit_report,
         },
     }
-    colocation = Colocation(cfg, trainer, engine, ladder, requests, predictor, profile, info)
+    colocation = Colocation(cfg, trainer, engine, ladder, requests, predictor, profile, info, parallel)
     try:
         try:
             policy = colocation.new_policy()

@@ -7,6 +7,7 @@ The command line makes one such run (the recipe's policy and trainer); the co-lo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable
@@ -50,8 +51,10 @@ class Colocation:
         predictor: LatencyPredictor | None = None,
         profile: Profile | None = None,
         info: dict[str, Any] | None = None,
+        parallel: Any = None,
     ) -> None:
         self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
+        self.parallel = parallel  # a tensor-parallel rank's hooks (assemble's ``parallel``), or None
         self.requests, self.predictor, self.profile = requests, predictor, profile
         self.info: dict[str, Any] = dict(info or {})
         self.policy: Policy | None = None
@@ -69,7 +72,10 @@ class Colocation:
         if self.predictor is not None:
             self.predictor.reset_corrections()
         col = self.cfg.colocation
-        return make_policy(name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin)
+        policy = make_policy(
+            name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin
+        )
+        return policy if self.parallel is None else self.parallel.wrap_policy(policy)
 
     def new_trainer(self, out_dir: str | Path) -> Trainer:
         """A fresh adapter and optimizer on the shared weights, as the recipe says, writing to ``out_dir``
@@ -95,7 +101,10 @@ class Colocation:
         torch.cuda.empty_cache()
         while True:
             places = policy.trainer_partitions() + [self.ladder.full]
-            failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False)
+            # Under tensor parallelism each rank warms its own kernels: no collective runs.
+            local = contextlib.nullcontext() if self.parallel is None else self.parallel.local()
+            with local:
+                failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False)
             if not self.ladder.retire(failed):
                 return policy
             torch.cuda.empty_cache()

@@ -36,9 +36,11 @@ def run_server(
     device: str = "auto",
     grace_s: float = 10.0,
     ready: Callable[[int], None] | None = None,
+    build: Callable[[EngineConfig], Any] | None = None,
 ) -> dict[str, Any]:
     """Serve ``model`` on ``host:port`` (port 0: any free one, passed to ``ready``) until SIGTERM/SIGINT;
-    returns the serving summary."""
+    returns the serving summary. ``build(config)``: the engine to serve with (default: ``build_engine`` of
+    ``model`` on ``device``; tensor parallelism passes rank 0's)."""
     from harli_train.engine.api import build_engine
     from harli_train.model import model_config
     from harli_train.serve.app import Server
@@ -49,7 +51,7 @@ def run_server(
     out.mkdir(parents=True, exist_ok=True)
     context = model_config(model).max_position_embeddings
     cfg = capped_to_context(EngineConfig(max_num_seqs=max_batch, max_model_len=context), context)
-    engine = build_engine(model, device, config=cfg)
+    engine = build_engine(model, device, config=cfg) if build is None else build(cfg)
     loop = EngineLoop(engine, max_queue=max_queue)
     loop.start()
     server = Server(loop.port, engine.tokenizer, cfg.max_model_len, [name], api_key, alive=lambda: loop.alive)
