@@ -63,9 +63,9 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, model: str, on_gpu: bool) ->
     bad = {k: v for k, v in sizes.items() if v % n}
     if bad:
         shape = ", ".join(f"{k} {v}" for k, v in sizes.items())
-        raise ModelError(
-            f"--tensor-parallel {n}: must divide the {' and '.join(bad)} of model {model!r} ({shape})"
-        )
+        names = list(bad)
+        which = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ModelError(f"--tensor-parallel {n}: must divide the {which} of model {model!r} ({shape})")
     if on_gpu and n > torch.cuda.device_count():
         raise ModelError(f"--tensor-parallel {n}: this machine has {torch.cuda.device_count()} GPU(s)")
 
