@@ -54,6 +54,7 @@ def _tp_decode(tp, out: str) -> None:
     Path(out).write_text(json.dumps({"tokens": tokens, "logits": logits[0].tolist()}))
 
 
+@pytest.mark.slow
 def test_sharded_decode_equals_the_single_process_engine(tmp_path):
     out = tmp_path / "tp.json"
     spawn(_tp_decode, 2, False, (str(out),))
@@ -93,6 +94,7 @@ def single_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sharded_training_equals_single_process_training(tmp_path, single_run):
     run = tmp_path / "tp"
     summary = run_tensor_parallel("train", 2, {"cfg": _recipe(run), "quiet": True}, on_gpu=False)
@@ -118,6 +120,7 @@ def test_sharded_training_equals_single_process_training(tmp_path, single_run):
     assert _metrics(resumed, "loss") == pytest.approx(_metrics(single_run, "loss")[2:], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_colocated_tensor_parallel_run_completes(tmp_path):
     out = tmp_path / "colo"
     args = [str(QUICKSTART), "--colocate-with", "tiny", "--tensor-parallel", "2", "--quiet"]
@@ -144,6 +147,7 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_one_line(tmp_p
     assert result.exit_code == 2 and "expected a positive number of ranks" in result.output
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_stops_the_job_with_its_error(tmp_path):
     # Every rank fails to read the data file (inside the ranks, after they started): the command ends with
     # the one-line error and exit code one process gives, and no rank is left waiting.

@@ -61,7 +61,8 @@ def run_colocated(
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
-    col = assemble(cfg, serve_model, resume, parallel=parallel)
+    extra = {} if parallel is None else {"parallel": parallel}  # one GPU: assemble exactly as before
+    col = assemble(cfg, serve_model, resume, **extra)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}
     try:

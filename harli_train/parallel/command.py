@@ -137,7 +137,8 @@ def _rank_main(tp: TPGroups, job: str, args: dict[str, Any], results: str, verbo
     level = logging.DEBUG if verbose else logging.INFO if tp.is_leader else logging.WARNING
     logging.basicConfig(level=level, format=f"harli-train[rank {tp.rank}]: %(message)s", stream=sys.stderr)
     if not tp.is_leader:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the job stops
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the job stops
+            signal.signal(sig, signal.SIG_IGN)
     if tp.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp.world))
     out = Path(results) / f"rank-{tp.rank}.json"
