@@ -59,12 +59,19 @@ def decode_rank(tp, model: str, batches: list[int], kv_len: int, steps: int, out
     max_b = max(batches)
     blocks = max_b * (-(-(kv_len + 1) // 16))
     cfg = EngineConfig(max_num_seqs=max_b, max_model_len=kv_len + 16, num_kv_blocks=blocks)
-    engine = serving_engine(model, cfg, tp, tokenizer=False)
-    if not tp.is_leader:
-        follow_engine(engine, tp)
-        engine.close()
-        return
-    channel = lead_engine(engine, tp)
+    if tp is None:  # TP=1: the one-GPU engine users run without the flag (GEMV kernels, graphs)
+        from harli_train.engine import DecodeEngine
+        from harli_train.model import load_model, resolve_dtype
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        engine, channel = DecodeEngine(load_model(model, resolve_dtype("auto", device), device), cfg), None
+    else:
+        engine = serving_engine(model, cfg, tp, tokenizer=False)
+        if not tp.is_leader:
+            follow_engine(engine, tp)
+            engine.close()
+            return
+        channel = lead_engine(engine, tp)
     device = engine.device
     rows = []
     for b in batches:
@@ -88,7 +95,8 @@ def decode_rank(tp, model: str, batches: list[int], kv_len: int, steps: int, out
         read = weight_bytes + row["batch"] * kv_len * kv_per_token  # this rank's slice of both
         row["roofline_ms"] = 1e3 * read / bandwidth
         row["vs_roofline"] = row["tpot_ms"] / row["roofline_ms"]
-    stop_followers(channel)
+    if channel is not None:
+        stop_followers(channel)
     engine.close()
     Path(out).write_text(
         json.dumps({"rows": rows, "bandwidth_gbs": bandwidth / 1e9, "weight_bytes_per_rank": weight_bytes})
@@ -100,7 +108,10 @@ def bench_decode(model: str, n: int, batches: list[int], kv_len: int, steps: int
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "decode.json"
-        spawn(decode_rank, n, on_gpu, (model, batches, kv_len, steps, str(out)))
+        if n == 1:
+            decode_rank(None, model, batches, kv_len, steps, str(out))
+        else:
+            spawn(decode_rank, n, on_gpu, (model, batches, kv_len, steps, str(out)))
         return json.loads(out.read_text())
 
 
@@ -191,7 +202,7 @@ def main() -> None:
                 [
                     f"TP={n}",
                     policy,
-                    tok or r.get("error", "")[:40],
+                    tok if tok is not None else r.get("error", "")[:40],
                     ratio,
                     r.get("violation_rate"),
                     r.get("clean"),
