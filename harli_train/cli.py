@@ -165,6 +165,8 @@ def main(verbose: bool) -> None:
     is_flag=True,
     help="With --serve: stop once training is done and requests finished.",
 )
+@click.option("--tensor-parallel", "tensor_parallel", type=int, default=1, show_default=True, metavar="N",
+              help="Split the model over N ranks (GPUs; gloo processes on a CPU).")  # fmt: skip
 @_friendly
 def train(
     recipe: str,
@@ -177,6 +179,7 @@ def train(
     serve_at: str | None,
     api_key: str | None,
     exit_after_training: bool,
+    tensor_parallel: int,
 ) -> None:
     """Train as RECIPE says; OVERRIDES are `section.key=value` pairs applied on top of it."""
     from harli_train.config import load_recipe
@@ -193,7 +196,9 @@ def train(
 
         use_colocated_output_dir(cfg)
     resume_path = resume_from or (cfg.output.dir if resume else None)
-    if colocate_with is not None:
+    if tensor_parallel != 1:
+        summary = _tensor_parallel_train(cfg, colocate_with, tensor_parallel, resume_path, quiet, serve)
+    elif colocate_with is not None:
         from harli_train.colocate.commands import run_colocated
 
         summary = run_colocated(
@@ -212,6 +217,41 @@ def train(
     click.echo(_strict_json(summary, indent=2))
     if summary["interrupted"] and serve is None:  # a server stopped by SIGTERM/Ctrl-C ends as asked: 0
         sys.exit(130)
+
+
+def _tensor_parallel_run(job: str, n: int, models: list[str], device: str, args: dict) -> Any:
+    """Run a `--tensor-parallel N` job (harli_train.parallel.command) after checking N against each model;
+    a rank's error ends the command as that error would on one GPU."""
+    import torch
+
+    from harli_train.model import model_config
+    from harli_train.parallel.command import TensorParallelError, run_tensor_parallel
+    from harli_train.parallel.group import check_tensor_parallel
+
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    for source in dict.fromkeys(models):
+        check_tensor_parallel(model_config(source), n, source, on_gpu)
+    try:
+        return run_tensor_parallel(job, n, args, on_gpu)
+    except TensorParallelError as err:
+        codes = [code for cls, code in _exit_codes() if err.error_class and issubclass(err.error_class, cls)]
+        failure = click.ClickException(str(err))
+        failure.exit_code = codes[0] if codes else RUN_FAILURE
+        raise failure from None
+
+
+def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> dict:
+    if resume_path is not None:
+        raise click.UsageError(
+            "--tensor-parallel does not resume a run yet (its checkpoints resume on one GPU)"
+        )
+    if serve is not None:
+        raise click.UsageError("--tensor-parallel does not take --serve yet (use `harli-train serve`)")
+    models = [cfg.model.name] + ([colocate_with] if colocate_with else [])
+    if colocate_with is None:
+        return _tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})
+    args = {"cfg": cfg, "serve_model": colocate_with, "options": {"quiet": quiet}}
+    return _tensor_parallel_run("colocate", n, models, cfg.train.device, args)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -336,6 +376,8 @@ def generate(
               help="Adapter slots [default: one per --adapter, 4 more with --allow-runtime-lora].")  # fmt: skip
 @click.option("--max-lora-rank", default=None, type=click.IntRange(1, 256),
               help="Largest adapter rank served [default: the largest --adapter's, at least 16].")  # fmt: skip
+@click.option("--tensor-parallel", "tensor_parallel", type=int, default=1, show_default=True, metavar="N",
+              help="Split the model over N ranks (GPUs; gloo processes on a CPU).")  # fmt: skip
 @_friendly
 def serve(
     model_source: str,
@@ -350,17 +392,27 @@ def serve(
     allow_runtime_lora: bool,
     max_loras: int | None,
     max_lora_rank: int | None,
+    tensor_parallel: int,
 ) -> None:
     """Serve MODEL (and each --adapter, unmerged) behind an OpenAI-compatible API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C; the records go under
     --out."""
     from harli_train.serve.command import run_server
 
-    summary = run_server(
-        model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
-        adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-    )  # fmt: skip
+    if tensor_parallel != 1:
+        if adapters or allow_runtime_lora:
+            raise click.UsageError(
+                "--tensor-parallel does not serve adapters yet (--adapter, --allow-runtime-lora)"
+            )
+        args = dict(model=model_source, host=host, port=port, api_key=api_key, out_dir=out_dir)
+        args.update(max_queue=max_queue, max_batch=max_batch, device=device)
+        summary = _tensor_parallel_run("serve", tensor_parallel, [model_source], device, args)
+    else:
+        summary = run_server(
+            model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
+            adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+        )  # fmt: skip
     click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
 
 

@@ -267,12 +267,17 @@ def test_a_colocated_run_serves_http_clients_while_it_trains(tmp_path):
         while time.time() < deadline and len(metrics.read_text().splitlines()) <= before + 1:
             time.sleep(0.5)
         assert len(metrics.read_text().splitlines()) > before + 1, "training advanced while serving"
-        # /metrics carries the trainer's live figures beside the server's own (read after training advanced).
+        # /metrics carries the trainer's live figures beside the server's own (published every 0.5 s).
         req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        with urllib.request.urlopen(req) as resp:
-            gauges = dict(
-                line.split(" ", 1) for line in resp.read().decode().splitlines() if line and line[0] != "#"
-            )
+        deadline, gauges = time.time() + 30, {}
+        while time.time() < deadline and float(gauges.get("harli_train_step", 0)) == 0:
+            time.sleep(0.2)
+            with urllib.request.urlopen(req) as resp:
+                gauges = dict(
+                    line.split(" ", 1)
+                    for line in resp.read().decode().splitlines()
+                    if line and line[0] != "#"
+                )
         assert float(gauges["harli_train_step"]) > 0 and float(gauges["harli_trainer_tokens_per_s"]) > 0
         assert float(gauges["harli_total_sms"]) > 0 and float(gauges["harli_token_intervals"]) > 0
         assert "harli_objective_violations" in gauges and "harli_trainer_sms" in gauges

@@ -357,6 +357,7 @@ def assemble(
     loads: Sequence[list[TraceRequest]] = (),
     spatial: bool | None = None,
     live_adapter: bool = False,
+    parallel: Any = None,
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
@@ -372,17 +373,18 @@ def assemble(
 
     With ``live_adapter`` (``--serve``), or a load whose requests name a model, the trainer's adapter is
     served live as model id ``<output dir name>`` (``LiveAdapter``), when the served model is the trained
-    base; a request naming a model not served is a RecipeError.
+    base; a request naming a model not served is a RecipeError. ``parallel``: this rank's part of a
+    tensor-parallel job (``parallel.colocated.TPAssembly``: its trainer, model slices, engine publishing and
+    share agreement), None on one GPU.
     """
     col = cfg.colocation
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
-    trainer = Trainer(cfg, quiet=True)
+    trainer = Trainer(cfg, quiet=True) if parallel is None else parallel.trainer(cfg)
     trainer.setup(resume=resume)  # checks the output directory before loading anything
-    served = (
-        base_view(trainer.model) if shared else load_model(serve_model, dtype, device, seed=cfg.model.seed)
-    )
+    load = load_model if parallel is None else parallel.load_served
+    served = base_view(trainer.model) if shared else load(serve_model, dtype, device, seed=cfg.model.seed)
     ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step, spatial)
     requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     every_request = [*requests, *(r for load in loads for r in load)]
@@ -425,6 +427,8 @@ def assemble(
         trainer.metrics.close()
         expected = f"requests naming a served model ({', '.join(engine.catalog.ids())})"
         raise RecipeError(cfg.source, "colocation.trace", expected, f"model {unknown[0]!r}")
+    if parallel is not None:
+        parallel.lead(engine)
     # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
     model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
     corun = (
@@ -434,6 +438,8 @@ def assemble(
         if device.type == "cuda"
         else None
     )
+    if corun is not None and parallel is not None:
+        corun = parallel.local_fn(corun)  # a load beside profiled steps: its collectives are not needed
     shares = profile_shares(col.policy, ladder)
     predictor, profile = build_predictor(
         engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
@@ -467,6 +473,7 @@ def assemble(
         engine.catalog,
         live_adapter_,
         memory,
+        parallel,
     )
     try:
         try:

@@ -58,9 +58,11 @@ class Colocation:
         catalog: AdapterCatalog | None = None,
         live: LiveAdapter | None = None,
         memory: PoolMemory | None = None,
+        parallel: Any = None,
     ) -> None:
         self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
         self.catalog, self.live = catalog, live  # the served model ids; the trainer's adapter served live
+        self.parallel = parallel  # a tensor-parallel rank's hooks (assemble's ``parallel``), or None
         self.requests, self.predictor, self.profile = requests, predictor, profile
         self.info: dict[str, Any] = dict(info or {})
         self.memory = memory
@@ -79,7 +81,10 @@ class Colocation:
         if self.predictor is not None:
             self.predictor.reset_corrections()
         col = self.cfg.colocation
-        return make_policy(name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin)
+        policy = make_policy(
+            name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin
+        )
+        return policy if self.parallel is None else self.parallel.wrap_policy(policy)
 
     def new_trainer(self, out_dir: str | Path) -> Trainer:
         """A fresh adapter and optimizer on the shared weights, as the recipe says, writing to ``out_dir``
@@ -108,7 +113,12 @@ class Colocation:
         while True:
             places = policy.trainer_partitions() + [self.ladder.full]
             scope = self.memory.trainer_scope if self.memory is not None else contextlib.nullcontext
-            failed = warm_up_trainer(self.trainer, places, self.ladder.total_sms, release=False, scope=scope)
+            # Under tensor parallelism each rank warms its own kernels: no collective runs.
+            local = contextlib.nullcontext() if self.parallel is None else self.parallel.local()
+            with local:
+                failed = warm_up_trainer(
+                    self.trainer, places, self.ladder.total_sms, release=False, scope=scope
+                )
             if not self.ladder.retire(failed):
                 return policy
             torch.cuda.empty_cache()

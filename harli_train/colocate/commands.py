@@ -46,21 +46,25 @@ def run_colocated(
     serve: tuple[str, int] | None = None,
     api_key: str | None = None,
     exit_after_training: bool = False,
+    parallel: Any = None,
 ) -> dict[str, Any]:
     """Train as ``cfg`` says while serving ``serve_model``'s decode load on the same GPU; returns the summary.
 
     With ``serve`` = (host, port) HTTP clients reach the engine through the OpenAI-compatible API beside the
     recipe's load (``harli_train.serve``), until the run is stopped (SIGTERM, Ctrl-C), or, with
     ``exit_after_training``, until training is done and their requests have finished.
-    ``policy`` overrides ``colocation.policy``; ``resume`` is a run directory or checkpoint to continue from.
+    ``parallel``: rank 0's part of a tensor-parallel job (``assemble``'s). ``policy`` overrides
+    ``colocation.policy``; ``resume`` is a run directory or checkpoint to continue from.
     The adapter and checkpoints go to ``<output.dir>`` as usual, the co-location records to
     ``records_dir(...)``: ``<output.dir>/colocate/``, or beside it for a resumed run.
     """
     if policy is not None:
         cfg.colocation.policy = check_policy(policy)
     options = options or RuntimeOptions(quiet=quiet)
-    served = {"live_adapter": True} if serve is not None else {}  # the trainer's adapter served live
-    col = assemble(cfg, serve_model, resume, **served)
+    extra = {} if parallel is None else {"parallel": parallel}  # one GPU: assemble exactly as before
+    if serve is not None:
+        extra["live_adapter"] = True  # the trainer's adapter served live
+    col = assemble(cfg, serve_model, resume, **extra)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}
     try:

@@ -8,7 +8,6 @@ and the engine's "no adapter attached" check holds without touching the model co
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from harli_train.model import LlamaForCausalLM
@@ -23,8 +22,7 @@ def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 def base_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """A LoRA-free model sharing every frozen weight and buffer tensor of ``model``; in eval mode."""
-    with torch.device("meta"):
-        view = LlamaForCausalLM(model.config)
+    view = model.empty_like()  # a tensor-parallel slice keeps its class (and its collectives)
     for name, param in model.named_parameters(remove_duplicate=False):
         module, leaf = _owner(view, name)
         if leaf in _LORA_NAMES:

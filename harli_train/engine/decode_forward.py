@@ -73,7 +73,10 @@ class DecodeForward:
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
-        """True when no projection carries an adapter and only q/k/v may have a bias."""
+        """True when no projection carries an adapter, only q/k/v may have a bias, and the model is whole
+        (a tensor-parallel slice must all-reduce between o/down and the fused add + norm)."""
+        if model.tensor_parallel > 1:
+            return False
         mods = model.lora_modules()
         no_other_bias = all(
             m.bias is None

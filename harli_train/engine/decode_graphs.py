@@ -104,6 +104,9 @@ class DecodeGraphs:
             self.decode_forward.logits(hidden, out=self.logits[:bs])
             return
         hidden = self.model(ids, pos, self.attn)
+        if self.model.tensor_parallel > 1:  # a slice's head holds its rows of the vocabulary: gathered
+            self.logits[:bs].copy_(self.model.logits(hidden[:, 0]))
+            return
         torch.mm(hidden[:, 0], self.model.lm_head.weight.t(), out=self.logits[:bs])
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +20,7 @@ from harli_train.engine.mixed_graphs import MixedGraphs
 from harli_train.engine.sampler import Sampler, SamplingBatch
 from harli_train.engine.scheduler import ScheduledBatch
 from harli_train.engine.sequence import Sequence
+from harli_train.engine.step_inputs import StepInputs
 from harli_train.model import LlamaForCausalLM
 
 DEFAULT_PARTITION = "default"
@@ -141,6 +142,9 @@ class ModelRunner:
         ]
         self._num_launched = 0
         self._last: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        # Tensor parallelism: rank 0's runner hands every forward's inputs here before running it, so the
+        # other ranks run the same forward (`follow`); None on one GPU.
+        self.publish: Callable[[StepInputs], None] | None = None
 
     def add_partition(self, key: str, stream: torch.cuda.Stream | None, num_sms: int | None = None) -> None:
         """Register a place to run steps; on a GPU this captures its decode graphs (on `stream`)."""
@@ -153,6 +157,8 @@ class ModelRunner:
         if self.graphs is not None and stream is None:
             stream = torch.cuda.Stream(self.device)  # capture needs a side stream; steps then run on it
         self.partitions[key] = Partition(stream, num_sms)
+        if self.publish is not None:
+            self.publish(StepInputs("partition", key, num_sms=num_sms))
         if self.graphs is not None:
             with _sm_budget(num_sms):
                 self.graphs.capture(key, stream, num_sms)
@@ -269,6 +275,9 @@ class ModelRunner:
         `context_lens[i]`); logits of the last token of each row in `sampling`. `adapters`: each token's
         adapter slot (None: all the base). A step that fits the mixed graphs replays its bucket's graph;
         others run eagerly."""
+        if self.publish is not None:
+            self.publish(StepInputs("varlen", key, ids, positions, slots, np.asarray(context_lens), tables,
+                                    list(num_tokens), list(sampling)))  # fmt: skip
         graphs = self.mixed_graphs
         if graphs is not None and graphs.fits(len(ids), len(num_tokens)):
             return graphs.replay(
@@ -314,6 +323,9 @@ class ModelRunner:
         slots = tables[np.arange(len(seqs)), positions // bm.block_size].astype(np.int64) * bm.block_size
         slots += positions % bm.block_size
         adapters = adapter_slots(seqs) if self.lora is not None else None
+        if self.publish is not None:
+            assert feed is None, "a tensor-parallel engine launches no step ahead"
+            self.publish(StepInputs("decode", key, ids, positions, slots, lens, tables))
         if self.graphs is not None:
             return self.graphs.replay(key, ids, positions, slots, lens, tables, feed, adapters)
         ids_t = (
@@ -379,6 +391,8 @@ class ModelRunner:
                     f"synthetic_decode: {lora_slots} adapters asked of an engine with {have} slots"
                 )
             adapters = (1 + np.arange(batch) % lora_slots).astype(np.int64)
+        if self.publish is not None:
+            self.publish(StepInputs("decode", partition, [0] * batch, lens - 1, slots, lens, tables))
         with self._on(part):
             if self.graphs is not None:
                 self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables, None, adapters)
@@ -415,6 +429,33 @@ class ModelRunner:
             self._varlen_forward(
                 ids, positions, slots, context_lens, num_tokens, tables, rows, partition, part
             )
+
+    def follow(self, inputs: StepInputs, stream: torch.cuda.Stream | None = None) -> None:
+        """Run the forward rank 0 published (its logits unused: rank 0 samples); 'partition' registers
+        one on ``stream``. Steps on different partitions' streams run in order, as `launch` keeps them."""
+        if inputs.kind == "partition":
+            self.add_partition(inputs.partition, stream, inputs.num_sms)
+            return
+        part = self.partitions[inputs.partition]
+        with self._on(part):
+            current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if current is not None and self._last is not None and self._last[0] != current:
+                current.wait_event(self._last[1])
+            if inputs.kind == "varlen":
+                self._varlen_forward(inputs.ids, inputs.positions, inputs.slots, list(inputs.context_lens),
+                                     inputs.num_tokens, inputs.tables, inputs.sampling, inputs.partition, part)  # fmt: skip
+            elif self.graphs is not None:
+                self.graphs.replay(inputs.partition, inputs.ids, inputs.positions, inputs.slots,
+                                   inputs.context_lens, inputs.tables)  # fmt: skip
+            else:
+                ids = self._to_device(inputs.ids, torch.int64)
+                self._eager_decode(
+                    ids, inputs.positions, inputs.slots, inputs.context_lens, inputs.tables, part
+                )
+            if current is not None:
+                event = torch.cuda.Event()
+                event.record(current)
+                self._last = (current, event)
 
     def _sampling_batch(self, seqs: list[Sequence], ahead: int = 0) -> SamplingBatch | None:
         if all(s.params.greedy for s in seqs):

@@ -218,6 +218,20 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    # Llama-3-70B shapes, for the tensor-parallel bench (140 GB in bf16: split over 2-8 GPUs).
+    "llama-70b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_ROPE),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     # Llama-3.2-1B shapes (tied embeddings).
     "llama-1b": ModelConfig(
         vocab_size=128256,

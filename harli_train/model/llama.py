@@ -107,6 +107,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole model. `forward` returns final hidden states; `logits` applies the (frozen) head."""
 
+    tensor_parallel = 1  # ranks the model is split over (harli_train.parallel: this object is one slice)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -146,6 +148,16 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Sum of the token losses (fp32) of hidden [N, H] through the frozen head; labels [N] shifted.
+        The fused kernel never materialises the [N, vocab] logits."""
+        return kernels.linear_cross_entropy(hidden, self.lm_head.weight, labels, ignore_index)[0]
+
+    def empty_like(self) -> LlamaForCausalLM:
+        """A model of this class and shape on the meta device, with no adapter (``base_view`` fills it)."""
+        with torch.device("meta"):
+            return LlamaForCausalLM(self.config)
 
     # LoRA management.
     def lora_modules(self, targets=LORA_TARGETS) -> dict[str, LoRALinear]:

@@ -36,14 +36,17 @@ def run_server(
     allow_runtime_lora: bool = False,
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
+    build: Callable[[EngineConfig], Any] | None = None,
 ) -> dict[str, Any]:
     """Serve ``model`` and each PEFT directory of ``adapters`` (under its folder's name) on ``host:port``
     (port 0: any free one, passed to ``ready``) until SIGTERM/SIGINT; returns the serving summary.
 
     ``allow_runtime_lora`` adds the routes that load and unload adapters while serving. ``max_loras`` adapter
     slots (default: one per adapter, and 4 more with ``allow_runtime_lora``) of rank ``max_lora_rank``
-    (default: the largest given, at least 16)."""
+    (default: the largest given, at least 16). ``build(config)``: the engine to serve with instead, the base
+    only (tensor parallelism passes rank 0's)."""
     from harli_train.adapter import AdapterError
+    from harli_train.engine.adapters import AdapterCatalog
     from harli_train.engine.api import build_catalog
     from harli_train.model import model_config
     from harli_train.serve.app import Server
@@ -54,15 +57,21 @@ def run_server(
     out.mkdir(parents=True, exist_ok=True)
     context = model_config(model).max_position_embeddings
     cfg = capped_to_context(EngineConfig(max_num_seqs=max_batch, max_model_len=context), context)
-    extra = 4 if allow_runtime_lora else 0
-    if max_loras is not None:
-        if max_loras < len(adapters):
-            raise AdapterError(f"--max-loras {max_loras} is fewer than the {len(adapters)} adapters given")
-        extra = max_loras - len(adapters)
-    catalog = build_catalog(
-        model, device, config=cfg, adapters=adapters, extra_slots=extra, max_lora_rank=max_lora_rank
-    )
-    engine = catalog.engine
+    if build is not None:
+        engine = build(cfg)
+        catalog = AdapterCatalog(engine, name)
+    else:
+        extra = 4 if allow_runtime_lora else 0
+        if max_loras is not None:
+            if max_loras < len(adapters):
+                raise AdapterError(
+                    f"--max-loras {max_loras} is fewer than the {len(adapters)} adapters given"
+                )
+            extra = max_loras - len(adapters)
+        catalog = build_catalog(
+            model, device, config=cfg, adapters=adapters, extra_slots=extra, max_lora_rank=max_lora_rank
+        )
+        engine = catalog.engine
     loop = EngineLoop(engine, max_queue=max_queue, catalog=catalog)
     loop.start()
     server = Server(

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from harli_train import kernels
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.train.batch_buffers import BatchBuffers
@@ -143,9 +142,7 @@ def train_step(
         with autocast():
             normed = model.final_norm(h_in, r_in)
             shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
-            mb_loss, _ = kernels.linear_cross_entropy(
-                shifted, model.lm_head.weight, labels[:, 1:].reshape(-1), IGNORE_INDEX
-            )
+            mb_loss = model.token_loss(shifted, labels[:, 1:].reshape(-1), IGNORE_INDEX)
         (mb_loss / total_targets).backward()
         loss_sum += mb_loss.detach().float()
         grads = (h_in.grad, r_in.grad)
@@ -197,11 +194,8 @@ def eval_step(
                 yield MicroStep("eval", mb, start, stop)
             with torch.no_grad(), autocast():
                 normed = model.final_norm(hidden, residual)
-                mb_loss, _ = kernels.linear_cross_entropy(
-                    normed[:, :-1].reshape(-1, normed.shape[-1]),
-                    model.lm_head.weight,
-                    labels[:, 1:].reshape(-1),
-                    IGNORE_INDEX,
+                mb_loss = model.token_loss(
+                    normed[:, :-1].reshape(-1, normed.shape[-1]), labels[:, 1:].reshape(-1), IGNORE_INDEX
                 )
             loss_sum += mb_loss.float()
     finally:

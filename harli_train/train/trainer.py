@@ -260,7 +260,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             clip = cfg.clip_grad_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            grad_norm = self.clip_gradients(clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._pending_commit = (result, lr, grad_norm, t0)
@@ -289,6 +289,19 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
+
+    # What a tensor-parallel trainer (harli_train.parallel.tp_trainer) replaces: its adapter is in slices.
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Scale the adapter's gradients to a global norm of at most ``max_norm``; returns the norm before."""
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def saved_model(self) -> LlamaForCausalLM:
+        """The model whose adapter the adapter and checkpoint files hold."""
+        return self.model
+
+    def saved_optimizer(self) -> dict[str, Any]:
+        """The optimizer state a checkpoint holds."""
+        return self.optimizer.state_dict()
 
     def _commit_step(self) -> None:
         """Count the step whose optimizer update has run; from here on it is kept, never redone. Its metrics
@@ -357,7 +370,7 @@ class Trainer:
                 ckpt = self.save_checkpoint() if self.step > 0 else None
                 try:
                     adapter_dir = save_adapter(
-                        self.model, self.out_dir / "adapter", base_model=self.cfg.model.name
+                        self.saved_model(), self.out_dir / "adapter", base_model=self.cfg.model.name
                     )
                 except OSError as err:
                     saved = f"; checkpoint {ckpt} is complete" if ckpt else ""
@@ -390,13 +403,18 @@ class Trainer:
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.saved_optimizer(),
             "loader": self.loader.state_dict(),
             "rng": rng_state(),
             "recipe": recipe_to_dict(self.cfg),
         }
         return save_checkpoint(
-            self.out_dir, self.step, self.model, state, self.cfg.model.name, self.cfg.output.keep_checkpoints
+            self.out_dir,
+            self.step,
+            self.saved_model(),
+            state,
+            self.cfg.model.name,
+            self.cfg.output.keep_checkpoints,
         )
 
 
