@@ -68,7 +68,8 @@ b=recipes/llama-8b-lora.yaml
 # The GPU tests run beside the commands (their time is mostly Triton compiling on the host's cores): every
 # GPU-only test, and the training kernels' tests in bf16 natively (fp32/fp16 run in CI's interpreter).
 gpu_tests="cd '$repo' && python3 -m pytest -q -m gpu -k 'not fp32 and not fp16' -p no:cacheprovider \
-  tests/test_gpu.py tests/test_engine.py tests/test_sm.py tests/test_kernels.py"
+  tests/test_gpu.py tests/test_engine.py tests/test_sm.py tests/test_kernels.py tests/test_lora_ops.py \
+  tests/test_lora_serving.py"
 t_tests=$(date +%s)
 (cd "$scratch" && timeout -k 15 "${SMOKE_TESTS_S:-300}" bash -c "$gpu_tests" >"$scratch/gpu-tests.out" 2>&1; \
   echo $? >"$scratch/gpu-tests.rc") &
@@ -151,6 +152,16 @@ run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/ad
   -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
      train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; python3 -c '$probe_live'; kill -TERM \$pid; \
      wait \$pid"
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --tensor-parallel 2"
+readme_form "harli-train serve --model tiny --tensor-parallel 2 --port 8000"
+# Tensor parallelism over 2 GPUs where the machine has them, else over 2 gloo processes on its CPU (the same
+# command, CUDA hidden): the command itself is checked either way.
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then tp_env=(env); tp=tp-gpu; else tp_env=(env CUDA_VISIBLE_DEVICES=); tp=tp-cpu; fi
+run "colocate-$tp" 150 "json_ok colocate-$tp && test -f runs/quickstart-tp/adapter/adapter_model.safetensors" \
+  -- "${tp_env[@]}" harli-train $q --colocate-with tiny --tensor-parallel 2 train.steps=6 output.dir=runs/quickstart-tp
+run "serve-$tp" 120 "test \$(grep -c completion_tokens serve-$tp.err) -ge 1" \
+  -- "${tp_env[@]}" bash -c "harli-train serve --model tiny --tensor-parallel 2 --port 8000 --out runs/serve-tp \
+     & pid=\$!; python3 -c '$probe_tiny'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 # The README's real model, where its package is installed (the GPU machine reaches no package index: without

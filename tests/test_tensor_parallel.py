@@ -168,3 +168,40 @@ def test_llama_70b_preset_has_llama_3_70b_shapes():
         check_tensor_parallel(cfg, n, "llama-70b", on_gpu=False)
     with pytest.raises(ModelError, match="KV heads"):
         check_tensor_parallel(cfg, 16, "llama-70b", on_gpu=False)
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_whole_process_group_stops_the_job_once_and_cleanly(tmp_path):
+    """SIGTERM to the command and its process group (what `timeout` sends; systemd and a terminal's Ctrl-C
+    signal the group too) reaches rank 0 only through the spawning process: the server stops as asked, exit
+    code 0, no rank's error."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "harli_train", "serve", "--model", "tiny", "--tensor-parallel", "2"]
+    cmd += ["--port", "0", "--out", str(tmp_path / "serve")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    url = None
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        if "on http://127.0.0.1:" in line:
+            url = line.split("on ", 1)[1].split("/v1", 1)[0]
+            break
+        assert time.time() < deadline, "the server did not start"
+    assert url, "the server did not start"
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.load(resp)["usage"]["completion_tokens"] == 3
+    os.kill(proc.pid, signal.SIGTERM)  # as `timeout` does: the command, then its whole group
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err[-2000:]
+    assert "Error" not in err and "Traceback" not in err, err[-2000:]
+    assert "served 1 requests" in err

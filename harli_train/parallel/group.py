@@ -118,6 +118,11 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, on_gpu: bool, address: str, fn: Callable, args: tuple) -> None:
+    # A process group of the ranks' own: a signal to the command's group (a terminal's Ctrl-C, `timeout`,
+    # systemd) reaches the spawning process alone, which hands it to rank 0 once.
+    os.setpgrp()
+    if rank == 0:
+        _stop_with_parent()
     groups = init_groups(rank, world, on_gpu, init_method=address)
     try:
         fn(groups, *args)
@@ -125,11 +130,22 @@ def _entry(rank: int, world: int, on_gpu: bool, address: str, fn: Callable, args
         close_groups()
 
 
+def _stop_with_parent() -> None:
+    """Linux: SIGTERM this process (rank 0, which then stops the job as asked) when its parent dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def spawn(fn: Callable[..., None], world: int, on_gpu: bool, args: tuple = ()) -> None:
     """Run ``fn(groups, *args)`` on ``world`` new processes of this host, one per rank, and wait for them.
 
-    SIGTERM sent to this process goes to rank 0, which stops the job (a terminal's Ctrl-C reaches every
-    rank of the process group itself; this process ignores it meanwhile). A rank that raises or dies makes
+    The ranks run in a process group of their own; SIGINT and SIGTERM sent to this process (or to its
+    group: a terminal's Ctrl-C) go to rank 0, which stops the job (a second Ctrl-C, as on one process, stops
+    it at once); rank 0 gets SIGTERM if this process dies. A rank that raises or dies makes
     the others be terminated (torch.multiprocessing's join), and this raises
     torch.multiprocessing.spawn.ProcessException naming the rank; ``fn`` reports its own errors through whatever
     its args give it (``parallel.command`` uses a result file per rank).
@@ -143,8 +159,8 @@ def spawn(fn: Callable[..., None], world: int, on_gpu: bool, args: tuple = ()) -
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     if in_main:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(ctx.processes[0].pid, signum))
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, frame: os.kill(ctx.processes[0].pid, signum))
     try:
         while not ctx.join():
             pass
