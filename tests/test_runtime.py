@@ -37,8 +37,8 @@ from harli_train.colocate.shared_model import base_view, shares_weights
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder
 from harli_train.config import RecipeError, load_recipe
 from harli_train.data.tokenizer import load_tokenizer
+from harli_train.engine.launched_step import LaunchedStep
 from harli_train.engine.load import TraceRequest
-from harli_train.engine.runner import LaunchedStep
 from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.kernels import launch_config
 from harli_train.model import load_model

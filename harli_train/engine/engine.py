@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -19,39 +18,13 @@ from harli_train.engine.runner import DEFAULT_PARTITION, LaunchedStep, ModelRunn
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.scheduler import Scheduler, StepPreview
 from harli_train.engine.sequence import Sequence, SequenceStatus
+from harli_train.engine.step_result import RequestRefused, StepResult
 from harli_train.model import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 # Prefill lengths a warm-up runs: every integer specialisation Triton makes (1, multiples of 16, others),
 # short and long, alone and packed.
 WARMUP_PROMPT_LENS = (1, 5, 16, 17, 100, 512, 1000)
-
-
-class RequestRefused(EngineError):
-    """A request that can never run in this engine (too long for the model length or the whole cache);
-    `seq` is its sequence, finished with finish_reason 'refused' and `error` set."""
-
-    def __init__(self, message: str, seq: Sequence):
-        super().__init__(message)
-        self.seq = seq
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one `step()` did; `latency_s` spans scheduling, the model, sampling and bookkeeping."""
-
-    kind: str  # "decode", "mixed" (decode rows and prefill chunks), "prefill" or "idle" (nothing to run)
-    num_seqs: int = 0
-    num_tokens: int = 0
-    kv_tokens: int = 0
-    num_decode: int = 0  # decode rows (each drew a token a running request waited for)
-    prefill_tokens: int = 0
-    latency_s: float = 0.0
-    finished: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    gpu_s: float | None = None  # the step's span on its stream (GPU only): latency_s less this is host time
-    launch_s: float | None = None  # host time queuing the step's work (GPU only), which gpu_s includes
-    adapter_rows: int = 0  # rows that ran on an adapter slot (the step's LoRA work)
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
