@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from harli_train.host_threads import single_threaded_ops
+
 log = logging.getLogger(__name__)
 
 
@@ -103,6 +105,7 @@ class KVResizer:
 
     # ---- the resizer thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        single_threaded_ops()  # its page zeroing and spills must not bring an OpenMP team of their own
         while True:
             try:
                 item = self._orders.get(timeout=self.sample_s)
