@@ -45,6 +45,7 @@ results are the matrix of record, whose table goes in the README.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -198,6 +199,24 @@ def set_up(args: argparse.Namespace, scratch: Path, cells: list[Cell]) -> Coloca
     return assemble(cfg, cfg.model.name, loads=[list(c.requests) for c in cells], spatial=True)
 
 
+LIVE_MODEL = "setup"  # the live adapter's model id: the set-up's output directory's name
+
+
+def on_live_adapter(cells: list[Cell], fraction: float) -> list[Cell]:
+    """``cells`` with ``fraction`` of each cell's requests (spread evenly over it) naming the live adapter,
+    the adapter being trained: those run their LoRA in the decode steps, served from the trainer's masters."""
+    if fraction <= 0:
+        return cells
+    out = []
+    for cell in cells:
+        reqs = [
+            dataclasses.replace(r, model=LIVE_MODEL) if int((i + 1) * fraction) > int(i * fraction) else r
+            for i, r in enumerate(cell.requests)
+        ]
+        out.append(dataclasses.replace(cell, requests=tuple(reqs)))
+    return out
+
+
 def describe(col: Colocation, args: argparse.Namespace, cells: list[Cell], seconds: float) -> dict[str, Any]:
     cfg, engine = col.cfg, col.engine.engine
     return {
@@ -260,6 +279,12 @@ def parse_args() -> argparse.Namespace:
         help="standalone rates file: reused when it exists, else measured and written",
     )
     add("--keep-steps", type=int, default=0, help="step records kept per window in the JSON")
+    add(
+        "--live-fraction",
+        type=float,
+        default=0.0,
+        help="this share of the requests on the adapter being trained (served live, refreshed every step)",
+    )
     add("--time-budget-s", type=float, default=570.0, help="no window starts that would end past this")
     add("--ladder-step", type=int, default=None, help="SMs between splits (default: the recipe's)")
     add(
@@ -286,6 +311,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--policies: among {', '.join(POLICIES)} or 'none', got {','.join(args.policies)}")
     if "static" in args.policies and "harli" not in args.policies:
         ap.error("--policies: static needs harli (the sweep starts at the split harli's peak needs)")
+    if not 0 <= args.live_fraction <= 1:
+        ap.error(f"--live-fraction: want a share in [0, 1], got {args.live_fraction}")
     for text in args.objectives:
         if not _objective_ok(text):
             ap.error(f"--objectives {text!r}: want milliseconds > 0 or auto:K with K > 1")
@@ -311,6 +338,7 @@ def main() -> None:
     cells = make_cells(args.trace, loads, args.min_window_s, args.min_requests)
     if args.dry_run:
         cells = [compressed(c, DRY_WINDOW_S, DRY_REQUESTS, DRY_PROMPT, DRY_OUTPUT) for c in cells]
+    cells = on_live_adapter(cells, args.live_fraction)
     scratch = Path(tempfile.mkdtemp(prefix="bench_colocate_"))
     col = None
     try:

@@ -95,11 +95,21 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "mean_infer_sms": summary["mean_infer_sms"],
         "micro_steps": ft["micro_steps"],
         "feed": ft["feed"],
+        # Decode rows that ran an adapter (the live one), of every decode row served.
+        "adapter_row_fraction": adapter_row_fraction(steps),
+        "live_adapter": summary.get("live_adapter"),
     }
     if keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)
         row["steps"] = [[r.get(k) for k in STEP_COLUMNS] for r in steps[:keep_steps]]
     return row
+
+
+def adapter_row_fraction(steps: list[dict[str, Any]]) -> float:
+    """The share of the decode rows of ``steps`` that ran on an adapter (0.0 without decode rows)."""
+    rows = sum(r.get("batch") or 0 for r in steps if r.get("kind") in ("decode", "mixed"))
+    lora = sum(r.get("adapter_rows") or 0 for r in steps if r.get("kind") in ("decode", "mixed"))
+    return lora / rows if rows else 0.0
 
 
 def decode_spans(

@@ -186,3 +186,45 @@ def test_the_recipe_key_and_trace_lines_naming_a_model_are_checked(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(TraceRequest(0.5, 4, prompt_len=8, request_id="a", model="run").to_json() + "\n")
     assert read_trace(trace)[0].model == "run"
+
+
+def test_the_live_adapter_follows_a_fresh_trainer_and_refreshes_from_its_steps():
+    """A bench window's fresh trainer (another model, its steps from 0): the live id serves its adapter at
+    once, and its first optimizer step refreshes it (the old trainer's step count no longer holds it back)."""
+    old = _trainer_model()
+    _step(old, 1)
+    engine, catalog, live = _live(old)
+    live.after_optimizer_step(5)
+    live.poll()
+    assert live.step == 5
+    fresh = _trainer_model()
+    _step(fresh, 7)
+    live.follow(fresh, 0)
+    assert (live.step, catalog.step("run")) == (0, 0)
+    seq = engine.add_request(
+        PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), lora_slot=catalog.slot("run")
+    )
+    engine.run_until_done()
+    assert seq.completion_token_ids == _reference(fresh, 8)
+    _step(fresh, 8)
+    live.after_optimizer_step(1)
+    live.poll()
+    assert live.step == 1
+    seq = engine.add_request(
+        PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), lora_slot=catalog.slot("run")
+    )
+    engine.run_until_done()
+    assert seq.completion_token_ids == _reference(fresh, 8)
+
+
+def test_the_bench_puts_a_share_of_each_cells_requests_on_the_live_adapter():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_colocate import LIVE_MODEL, on_live_adapter
+    from colocate_load import make_cells
+
+    cells = make_cells("steady", ["light"], 15.0, 50)
+    (half,) = on_live_adapter(cells, 0.5)
+    models = [r.model for r in half.requests]
+    assert abs(models.count(LIVE_MODEL) - len(models) / 2) <= 1 and set(models) == {None, LIVE_MODEL}
+    assert [r.arrival_s for r in half.requests] == [r.arrival_s for r in cells[0].requests]
+    assert on_live_adapter(cells, 0.0) == cells

@@ -62,6 +62,7 @@ class Colocation:
     ) -> None:
         self.cfg, self.trainer, self.engine, self.ladder = cfg, trainer, engine, ladder
         self.catalog, self.live = catalog, live  # the served model ids; the trainer's adapter served live
+        self._live_for = trainer  # the trainer whose adapter the live one serves
         self.parallel = parallel  # a tensor-parallel rank's hooks (assemble's ``parallel``), or None
         self.requests, self.predictor, self.profile = requests, predictor, profile
         self.info: dict[str, Any] = dict(info or {})
@@ -133,9 +134,13 @@ class Colocation:
         trainer: Trainer | None = None,
     ) -> ColocatedRuntime:
         """A run of ``policy`` serving ``requests`` beside ``trainer`` (default: ``self.trainer``), its
-        records under ``out_dir``; ``run()`` it once."""
+        records under ``out_dir``; ``run()`` it once. A live adapter serves ``trainer``'s adapter."""
+        trainer = trainer or self.trainer
+        if self.live is not None and trainer is not self._live_for:
+            self.live.follow(trainer.model, trainer.step)
+            self._live_for = trainer
         return ColocatedRuntime(
-            trainer or self.trainer,
+            trainer,
             self.engine,
             policy,
             requests,
@@ -143,7 +148,7 @@ class Colocation:
             options,
             self.memory,
             self.info,
-            live=self.live if trainer is None or trainer is self.trainer else None,
+            live=self.live,
         )
 
     def close(self) -> None:

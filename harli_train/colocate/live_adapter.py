@@ -43,6 +43,7 @@ class LiveAdapter:
         every: int = 1,
     ) -> None:
         self.engine, self.catalog, self.name, self.every = engine, catalog, name, every
+        self.model = model
         self.modules = {path: m for path, m in model.lora_modules().items() if m.has_lora}
         first = next(iter(self.modules.values()))
         self.buffers = catalog.reserve(2)
@@ -60,6 +61,19 @@ class LiveAdapter:
         self._published = step
         catalog.set_live(name, self.current, step)
         self.poll()
+
+    def follow(self, model: LlamaForCausalLM, step: int) -> None:
+        """Serve another trainer's adapter from now on (a fresh trainer of the same recipe: a bench window).
+        Between runs only: no request in flight, neither side running. Its masters are copied into the live
+        slot at once."""
+        self.poll()
+        self.model = model
+        self.modules = {path: m for path, m in model.lora_modules().items() if m.has_lora}
+        self.engine.lora.copy_from(self.current, self.modules)
+        if self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()
+        self.step = self._published = step
+        self.catalog.set_live(self.name, self.current, step)
 
     # ---- trainer side -------------------------------------------------------------------------------
     def after_optimizer_step(self, step: int) -> None:

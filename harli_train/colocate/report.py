@@ -71,6 +71,7 @@ def build_summary(
         "duration_s": duration,
         "ladder": {"kind": ladder.kind, "total_sms": ladder.total_sms, "shares": ladder.shares},
         **rt.info,
+        **live_adapter_figures(rt),
         "finetune": {
             "tokens_per_s": serve["finetune_tokens_per_s"],  # while serving the load: the co-location figure
             "tokens_per_s_overall": total_tokens / duration if duration > 0 else 0.0,
@@ -227,3 +228,14 @@ def write_plots(out_dir: str | Path, tpot_s: float, budget_s: float, title: str 
     fig.savefig(files["throughput"], dpi=90)
     plt.close(fig)
     return files
+
+
+def live_adapter_figures(rt: Any) -> dict[str, Any]:
+    """The live adapter's part of a run's summary: its model id, refresh interval, the refreshes this run made
+    and the optimizer step it served last ({} without one)."""
+    if rt.live is None:
+        return {}
+    info = dict(rt.info.get("live_adapter") or {})
+    return {
+        "live_adapter": {**info, "refreshes": rt.live.refreshes - rt.live_refreshes0, "step": rt.live.step}
+    }

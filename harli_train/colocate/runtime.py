@@ -146,6 +146,7 @@ class ColocatedRuntime:
     ) -> None:
         self.trainer, self.engine, self.policy, self.live = trainer, engine, policy, live
         self._live_final = False  # the final adapter is served (or there is none to serve)
+        self.live_refreshes0 = live.refreshes if live is not None else 0  # this run's count starts here
         self.requests, self.opts = requests, options or RuntimeOptions()
         self.out_dir = Path(out_dir)
         self.hook, self.info = memory_hook, dict(info or {})
