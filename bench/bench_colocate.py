@@ -22,6 +22,10 @@ trace's one cell). First, the trainer alone (``exclusive``, ``exclusive:N``, ``-
 standalone rates on the whole GPU and on every split's trainer SMs (or ``--standalone`` gives them back),
 from which colocate_matrix.py rates each policy (share efficiency) and each cell's ideal.
 
+``--live-fraction F`` puts that share of each cell's requests (spread evenly) on the adapter being trained,
+served live (model id ``setup``, refreshed from each window's trainer after its optimizer steps): the bench
+of serving the live adapter beside training (each row's ``adapter_row_fraction``, ``live_adapter``).
+
 The dry run replays 8 of each window's requests (thinned, prompts and outputs clipped) in 1 s on the
 quickstart's tiny model, its trainer at batch 2 x 64 on its own thread (the second core, beside decode):
 it checks the machinery and the layout, its figures mean nothing.
