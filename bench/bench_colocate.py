@@ -78,7 +78,7 @@ from colocate_windows import OutOfTime, Windows  # noqa: E402
 from harli_train.colocate.assembly import assemble  # noqa: E402
 from harli_train.colocate.colocation import Colocation  # noqa: E402
 from harli_train.colocate.mixed_model import attention_pairs  # noqa: E402
-from harli_train.colocate.runtime import RuntimeOptions  # noqa: E402
+from harli_train.colocate.runtime_options import RuntimeOptions  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

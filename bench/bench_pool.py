@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from harli_train.colocate.assembly import assemble  # noqa: E402
 from harli_train.colocate.colocation import Colocation  # noqa: E402
 from harli_train.colocate.report import read_steps  # noqa: E402
-from harli_train.colocate.runtime import RuntimeOptions  # noqa: E402
+from harli_train.colocate.runtime_options import RuntimeOptions  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 from harli_train.engine.load import TraceRequest, read_trace  # noqa: E402
 

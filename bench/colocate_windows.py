@@ -24,7 +24,7 @@ from stall_sampler import StallSampler, stall_spans
 
 from harli_train.colocate import report
 from harli_train.colocate.colocation import Colocation
-from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.engine.load import TraceRequest
 
 WINDOW_OVERHEAD_S = 5.0  # a window's cost besides its length, until one has been measured

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harli_train.colocate.assembly import assemble
-from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.config import load_recipe
 from harli_train.engine.load import TraceRequest
 

@@ -10,7 +10,7 @@ from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.mixed_model import MixedStepModel, attention_pairs
 from harli_train.colocate.policy import MIN_CHUNK, largest_chunk, make_policy
 from harli_train.colocate.predictor import LatencyPredictor, split_samples
-from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder
 from harli_train.engine.metrics import EngineMetrics
 from harli_train.engine.sampling_params import SamplingParams

@@ -23,7 +23,8 @@ from harli_train.colocate.policy import Policy, make_policy
 from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import Profile
-from harli_train.colocate.runtime import ColocatedRuntime, RuntimeOptions
+from harli_train.colocate.runtime import ColocatedRuntime
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.config import RecipeConfig
 from harli_train.engine.adapters import AdapterCatalog

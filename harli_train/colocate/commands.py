@@ -24,7 +24,7 @@ from harli_train.colocate.assembly import (
     corun_workload,
 )
 from harli_train.colocate.profile import ProfileKey, default_profile_path
-from harli_train.colocate.runtime import RuntimeOptions
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_dir
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import poisson_trace

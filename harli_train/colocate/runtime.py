@@ -21,7 +21,6 @@ served once training is done (``LiveAdapter`` has the rules).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import signal
@@ -29,17 +28,18 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.engine_adapter import EngineAdapter
-from harli_train.colocate.gauges import GaugeBoard, RuntimeGauges
+from harli_train.colocate.gauges import RuntimeGauges
+from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
+from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition
 from harli_train.colocate.trainer_side import OOM_ERRORS
 from harli_train.colocate.trainer_worker import TrainerWorker
@@ -48,85 +48,6 @@ from harli_train.engine.scheduler import StepPreview
 from harli_train.kernels.launch_config import set_launch_gate
 
 log = logging.getLogger(__name__)
-
-
-class GcPauses:
-    """Python's cyclic collector while serving: setup's objects frozen out of it, each collection timed.
-
-    A collection holds the GIL, so it stalls the decode thread whichever thread triggers it, for as long as
-    it takes to walk the tracked objects of its generation; with the model, the engine and the trainer
-    loaded, a full one walks millions. Freezing what exists at the start keeps those out of every walk.
-    On the H200 (bench_colocate, 5 s windows) no full collection then ran while serving and the longest
-    pause was 0.7-2.0 ms. The rare 27-44 ms decode steps seen there at an unchanged share and batch are
-    therefore not the collector.
-    """
-
-    def __init__(self) -> None:
-        self.count, self.total_s, self.max_s = [0, 0, 0], 0.0, 0.0
-        self._t0: float | None = None
-
-    def __enter__(self) -> GcPauses:
-        gc.collect()
-        gc.freeze()
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-        gc.unfreeze()
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            took, self._t0 = time.perf_counter() - self._t0, None
-            self.count[info["generation"]] += 1
-            self.total_s += took
-            self.max_s = max(self.max_s, took)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "collections_by_generation": list(self.count),
-            "total_ms": 1e3 * self.total_s,
-            "max_ms": 1e3 * self.max_s,
-        }
-
-
-@dataclass(slots=True)
-class RuntimeOptions:
-    """How a co-located run ends and reports."""
-
-    until: str = "train"  # "train": when training is done; "load": when the load's window closes
-    window_s: float | None = None  # "load": seconds of load to serve (default: up to the last arrival)
-    drain_s: float = 30.0  # "train": how long running requests may finish once training is done
-    solo_s: float = 10.0  # "load" + exclusive: seconds the trainer then runs alone
-    time_scale: float = 1.0  # arrival times are multiplied by this
-    progress_every_s: float = 2.0
-    quiet: bool = False
-    finish: bool = True  # checkpoint and adapter at the end (benchmarks skip them)
-    plots: bool = True
-    max_decode_ooms: int = 3  # consecutive decode-side OOMs before giving up
-    # Launch the trainer's micro-steps from a thread of their own, so their host time does not delay decode
-    # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
-    trainer_thread: bool | None = None
-    switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
-    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainerSide.max_in_flight)
-    # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
-    # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
-    host_priority: bool = True
-    # HTTP clients' requests enter through this port (serve.engine_loop.RequestPort), drained before every
-    # engine step and published after it; with serve_until_stopped the loop serves them until it is stopped,
-    # training done or not (``--serve``), else until training is done and they have finished.
-    port: Any = None
-    serve_until_stopped: bool = False
-    grace_s: float = 10.0  # stopped with a port: its running requests get this long to finish
-    gauges: GaugeBoard | None = None  # live figures published for other threads (the server's /metrics)
-
-    def __post_init__(self) -> None:
-        if self.until not in ("train", "load"):
-            raise ValueError(f"RuntimeOptions.until must be 'train' or 'load', got {self.until!r}")
-        if self.max_in_flight < 1:
-            raise ValueError(f"RuntimeOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
 
 
 class ColocatedRuntime:

@@ -1,0 +1,45 @@
+"""RuntimeOptions: how a co-located run ends, reports and shares the host (the runtime's knobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harli_train.colocate.gauges import GaugeBoard
+
+
+@dataclass(slots=True)
+class RuntimeOptions:
+    """How a co-located run ends and reports."""
+
+    until: str = "train"  # "train": when training is done; "load": when the load's window closes
+    window_s: float | None = None  # "load": seconds of load to serve (default: up to the last arrival)
+    drain_s: float = 30.0  # "train": how long running requests may finish once training is done
+    solo_s: float = 10.0  # "load" + exclusive: seconds the trainer then runs alone
+    time_scale: float = 1.0  # arrival times are multiplied by this
+    progress_every_s: float = 2.0
+    quiet: bool = False
+    finish: bool = True  # checkpoint and adapter at the end (benchmarks skip them)
+    plots: bool = True
+    max_decode_ooms: int = 3  # consecutive decode-side OOMs before giving up
+    # Launch the trainer's micro-steps from a thread of their own, so their host time does not delay decode
+    # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
+    trainer_thread: bool | None = None
+    switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
+    max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainerSide.max_in_flight)
+    # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
+    # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
+    host_priority: bool = True
+    # HTTP clients' requests enter through this port (serve.engine_loop.RequestPort), drained before every
+    # engine step and published after it; with serve_until_stopped the loop serves them until it is stopped,
+    # training done or not (``--serve``), else until training is done and they have finished.
+    port: Any = None
+    serve_until_stopped: bool = False
+    grace_s: float = 10.0  # stopped with a port: its running requests get this long to finish
+    gauges: GaugeBoard | None = None  # live figures published for other threads (the server's /metrics)
+
+    def __post_init__(self) -> None:
+        if self.until not in ("train", "load"):
+            raise ValueError(f"RuntimeOptions.until must be 'train' or 'load', got {self.until!r}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"RuntimeOptions.max_in_flight must be >= 1, got {self.max_in_flight}")
