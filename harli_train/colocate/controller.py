@@ -93,7 +93,6 @@ class Controller:
         self._streak = 0  # consecutive steps that would allow a smaller share
         self._streak_max = -1  # the largest share any of those steps needed
         self._step = 0
-        self._lora = 0  # distinct adapters of the step being decided (the predictor's LoRA term)
         self._open: dict[int, dict[str, Any]] = {}  # logged decisions not yet measured, by step
         self._max_open = 64  # a runtime may decide a few steps ahead of reading their timings
         self._file: IO[str] | None = open(log_path, "a") if log_path else None
@@ -123,11 +122,10 @@ class Controller:
     def decide(self, batch: int, kv_tokens: int, lora_slots: int = 0) -> Decision:
         """The partition for the next decode step of ``batch`` sequences reading ``kv_tokens`` tokens, its
         rows on ``lora_slots`` distinct adapters (0: the base only)."""
-        self._lora = lora_slots
         if self.ladder.time_sliced:
-            d = self._decide_alternate(batch, kv_tokens)
+            d = self._decide_alternate(batch, kv_tokens, lora_slots)
         else:
-            d = self._decide_spatial(batch, kv_tokens)
+            d = self._decide_spatial(batch, kv_tokens, lora_slots)
         self._step += 1
         entry = {
             "step": d.step,
@@ -151,21 +149,22 @@ class Controller:
     def target(self, batch: int, kv_tokens: int, lora_slots: int = 0) -> tuple[Partition | None, float]:
         """The smallest spatial share whose predicted step for ``batch`` meets the budget, and that prediction
         ((None, inf) when none does); decides nothing."""
-        self._lora = lora_slots
-        index, t = self._target(batch, kv_tokens)
+        index, t = self._target(batch, kv_tokens, lora_slots)
         return (self.ladder.partitions[index] if index >= 0 else None), t
 
-    def _target(self, batch: int, kv_tokens: int, budget: float | None = None) -> tuple[int, float]:
+    def _target(
+        self, batch: int, kv_tokens: int, lora_slots: int, budget: float | None = None
+    ) -> tuple[int, float]:
         """Index and prediction of the smallest spatial rung within budget; (-1, inf) when none is."""
-        predict, budget = self._predict, self.budget_s if budget is None else budget
+        predict, budget = self.predictor.predict, self.budget_s if budget is None else budget
         for index, sms in self._spatial:
-            t = predict(batch, kv_tokens, sms, True)
+            t = predict(batch, kv_tokens, sms, True, lora_slots=lora_slots)
             if t <= budget:
                 return index, t
         return -1, float("inf")
 
-    def _decide_spatial(self, batch: int, kv_tokens: int) -> Decision:
-        target, t_target = self._target(batch, kv_tokens)
+    def _decide_spatial(self, batch: int, kv_tokens: int, lora_slots: int) -> Decision:
+        target, t_target = self._target(batch, kv_tokens, lora_slots)
         full = self._full.index
         want = full if target < 0 else target
         cur = self._cur
@@ -180,7 +179,9 @@ class Controller:
             if self._streak >= self.hysteresis_steps:
                 to = self._streak_max
                 if cur == full:  # leaving the whole GPU: the trainer resumes beside decode
-                    strict, _ = self._target(batch, kv_tokens, self.budget_s * (1.0 - self.resume_margin))
+                    strict, _ = self._target(
+                        batch, kv_tokens, lora_slots, self.budget_s * (1.0 - self.resume_margin)
+                    )
                     to = max(to, strict)  # none within the margin (-1): the plain target, not a trap
                 if self.settle and not self._pays(cur, to):
                     reason = f"settle: a shrink to {self.ladder.partitions[to].infer_sms} SMs would not pay"
@@ -193,8 +194,12 @@ class Controller:
                 reason = f"hysteresis: keep share ({self._streak}/{self.hysteresis_steps} steps could shrink)"
         part = self.ladder.partitions[self._cur]
         if part.exclusive:
-            return self._exclusive(part, batch, kv_tokens, target < 0, reason)
-        t = t_target if part.index == target else self._predict(batch, kv_tokens, part.infer_sms, True)
+            return self._exclusive(part, batch, kv_tokens, lora_slots, target < 0, reason)
+        t = (
+            t_target
+            if part.index == target
+            else self.predictor.predict(batch, kv_tokens, part.infer_sms, True, lora_slots=lora_slots)
+        )
         if t > self.budget_s:  # the model now puts a held (larger) share over budget: take the target at once
             self._grew()
             self._cur, self._streak, self._streak_max = want, 0, -1
@@ -221,9 +226,9 @@ class Controller:
         return (a - b) * self.dwell_s >= cost
 
     def _exclusive(
-        self, part: Partition, batch: int, kv_tokens: int, infeasible: bool, reason: str
+        self, part: Partition, batch: int, kv_tokens: int, lora_slots: int, infeasible: bool, reason: str
     ) -> Decision:
-        t = self._predict(batch, kv_tokens, part.infer_sms, False)
+        t = self.predictor.predict(batch, kv_tokens, part.infer_sms, False, lora_slots=lora_slots)
         if infeasible:
             reason = (
                 f"no share meets {self.budget_s * 1e3:.3f} ms beside the trainer: whole GPU, trainer paused"
@@ -232,10 +237,10 @@ class Controller:
                 reason += f"; alone it still needs {t * 1e3:.3f} ms"
         return self._decision(part, t, True, reason, "exclusive", False, batch, kv_tokens)
 
-    def _decide_alternate(self, batch: int, kv_tokens: int) -> Decision:
+    def _decide_alternate(self, batch: int, kv_tokens: int, lora_slots: int) -> Decision:
         """Time slicing: pause at once when step + micro-step overrun; resume after the hysteresis."""
         part = self._full
-        t = self._predict(batch, kv_tokens, part.infer_sms, False)
+        t = self.predictor.predict(batch, kv_tokens, part.infer_sms, False, lora_slots=lora_slots)
         fits = t + self.train_slice_s <= self.budget_s
         paused = self._cur == -1
         if not fits:
@@ -253,10 +258,6 @@ class Controller:
         else:
             reason = "alternate: room for a micro-step"
         return self._decision(part, t, self._cur == -1, reason, "alternate", False, batch, kv_tokens)
-
-    def _predict(self, batch: int, kv_tokens: int, sms: int, corun: bool) -> float:
-        """The predictor's step on ``sms`` for the decision under way (its adapters included)."""
-        return self.predictor.predict(batch, kv_tokens, sms, corun, lora_slots=self._lora)
 
     def _decision(self, part, t, pause, reason, mode, corun, batch, kv_tokens) -> Decision:
         corr = self.predictor.correction(part.infer_sms, corun)
