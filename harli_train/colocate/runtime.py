@@ -374,16 +374,21 @@ class ColocatedRuntime:
     def _progress(self, force: bool = False) -> None:
         now = time.perf_counter()
         board = self.opts.gauges
-        if board is not None and (force or now - self._last_gauges >= board.every_s):
+        gauges_due = board is not None and (force or now - self._last_gauges >= board.every_s)
+        line_due = not self.opts.quiet and (force or now - self._last_progress >= self.opts.progress_every_s)
+        if not (gauges_due or line_due):
+            return
+        stats = self.objective()  # one pass over the requests for both
+        if gauges_due:
             self._last_gauges = now
-            board.publish(self._gauges(now, self.objective()))
-        if self.opts.quiet or (not force and now - self._last_progress < self.opts.progress_every_s):
+            board.publish(self._gauges(now, stats))
+        if not line_due:
             return
         self._last_progress = now
         elapsed = max(now - self.t0, 1e-9)
         tr, eng = self.worker.snapshot, self.engine.engine
         tok_s = (tr.tokens - self.start_tokens) / elapsed
-        objective = report.objective_text(self.objective())  # the statistic the run's last line gives
+        objective = report.objective_text(stats)  # the statistic the run's last line gives
         share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
         paused = self.paused_steps / max(self.decode_steps, 1)
         line = (
