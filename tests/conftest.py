@@ -12,6 +12,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test: co-located runs have two threads of their own (decode and helpers)
+    on CI's two cores, and two thread teams on two shared cores thrash; everything there is tiny."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def tiny_hf_dir(tmp_path):
     """A small random transformers Llama saved as a local HF directory; returns (path, hf_model)."""
     from .hf_models import save_tiny_llama

@@ -3,10 +3,7 @@ a request's tokens all from the version it pinned, `serve_adapter_every`, and th
 co-located `--serve` run whose served versions advance and each equal the checkpoint of their step."""
 
 import json
-import os
-import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +16,8 @@ from harli_train.colocate.shared_model import base_view
 from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.model import load_model
+
+from .servers import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 42, 99, 3, 7]
@@ -127,19 +126,10 @@ def test_a_colocated_serve_run_serves_its_adapter_live(tmp_path):
     the final adapter stays served."""
     openai = pytest.importorskip("openai")
     steps, run = 5, tmp_path / "live-run"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "harli_train", str(ROOT / "recipes" / "quickstart.yaml"), "--colocate-with",
-           "tiny", "--serve", "0", "--quiet", "colocation.rate=0", f"train.steps={steps}", "train.batch_size=2",
-           "data.seq_len=32", "train.warmup_steps=1", "train.log_every=1", "output.checkpoint_every=1",
-           f"output.keep_checkpoints={steps}", f"output.dir={run}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    url = None
-    for line in proc.stderr:
-        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
-        if found:
-            url = f"http://127.0.0.1:{found.group(1)}"
-            break
-    assert url, "the co-located server did not start"
+    proc, url = launch([str(ROOT / "recipes" / "quickstart.yaml"), "--colocate-with", "tiny", "--serve", "0",
+                        "--quiet", "colocation.rate=0", f"train.steps={steps}", "train.batch_size=2",
+                        "data.seq_len=32", "train.warmup_steps=1", "train.log_every=1", "output.checkpoint_every=1",
+                        f"output.keep_checkpoints={steps}", f"output.dir={run}"])  # fmt: skip
     seen: list[tuple[int, str]] = []
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")

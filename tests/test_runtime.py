@@ -84,13 +84,7 @@ def preview(
 TOTAL = 132
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two threads on two shared cores thrash; everything here is tiny.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def recipe(out: Path, *extra: str):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .hf_models import save_tiny_llama
+from .servers import launch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
@@ -57,29 +58,7 @@ def build_chat_model(path: Path) -> Path:
 
 
 def start_server(tmp: Path, model: str, *args: str) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "harli_train",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        "0",
-        "--out",
-        str(tmp / "out"),
-    ]
-    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 120
-    for line in proc.stderr:
-        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
-        if found:
-            return proc, f"http://127.0.0.1:{found.group(1)}"
-        if time.time() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"the server did not start: {proc.stderr.read()}")
+    return launch(["serve", "--model", model, "--port", "0", "--out", str(tmp / "out"), *args])
 
 
 def post(url: str, body, key: str | None = KEY) -> tuple[int, dict]:
@@ -243,18 +222,9 @@ def test_a_colocated_run_serves_http_clients_while_it_trains(tmp_path):
     """`--colocate-with tiny --serve 0`: the openai client gets completions while training advances; SIGTERM
     stops the server, checkpoints the trainer, writes its adapter and exits 0."""
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "harli_train", str(root / "recipes" / "quickstart.yaml"), "--colocate-with",
-           "tiny", "--serve", "0", "--api-key", KEY, "--quiet", "colocation.rate=0", "train.steps=100000",
-           f"output.dir={tmp_path / 'run'}", "output.checkpoint_every=0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    url = None
-    for line in proc.stderr:
-        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
-        if found:
-            url = f"http://127.0.0.1:{found.group(1)}"
-            break
-    assert url, "the co-located server did not start"
+    proc, url = launch([str(root / "recipes" / "quickstart.yaml"), "--colocate-with", "tiny", "--serve", "0",
+                        "--api-key", KEY, "--quiet", "colocation.rate=0", "train.steps=100000",
+                        f"output.dir={tmp_path / 'run'}", "output.checkpoint_every=0"])  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
         metrics = tmp_path / "run" / "metrics.jsonl"

@@ -21,6 +21,8 @@ from harli_train.parallel.command import run_tensor_parallel
 from harli_train.parallel.group import check_tensor_parallel, spawn
 from harli_train.train.trainer import Trainer
 
+from .servers import launch
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
 PROMPTS = [[256, 5, 17, 99, 3], [256, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [256, 7]]
 ENGINE = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=12)
@@ -177,24 +179,20 @@ def test_a_signal_to_the_whole_process_group_stops_the_job_once_and_cleanly(tmp_
     code 0, no rank's error."""
     import os
     import signal
-    import subprocess
-    import sys
-    import time
     import urllib.request
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "harli_train", "serve", "--model", "tiny", "--tensor-parallel", "2"]
-    cmd += ["--port", "0", "--out", str(tmp_path / "serve")]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    url = None
-    deadline = time.time() + 120
-    for line in proc.stderr:
-        if "on http://127.0.0.1:" in line:
-            url = line.split("on ", 1)[1].split("/v1", 1)[0]
-            break
-        assert time.time() < deadline, "the server did not start"
-    assert url, "the server did not start"
+    args = [
+        "serve",
+        "--model",
+        "tiny",
+        "--tensor-parallel",
+        "2",
+        "--port",
+        "0",
+        "--out",
+        str(tmp_path / "serve"),
+    ]
+    proc, url = launch(args, env={"CUDA_VISIBLE_DEVICES": ""}, start_new_session=True)
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
