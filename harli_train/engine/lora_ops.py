@@ -259,7 +259,7 @@ def lora_add(
     a = list(a_stacks) + [a_stacks[0]] * (3 - n_slices)
     b = list(b_stacks) + [b_stacks[0]] * (3 - n_slices)
     n = ns + [0] * (3 - n_slices)
-    col = list(columns) + [0] * (3 - n_slices)
+    col = [int(c) for c in columns] + [0] * (3 - n_slices)  # Triton specializes Python ints only
     _lora_shrink_kernel[(m_tiles * split, n_slices, s)](
         x, x.stride(0), a[0], a[1], a[2], part, sorted_ids, slot_start, scales, t, k, r, n_slices,
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, SPLIT_K=split,

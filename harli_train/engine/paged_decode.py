@@ -277,7 +277,7 @@ def paged_decode(
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         NUM_SPLITS=splits,
         NEW_KV=new_kv is not None,
@@ -296,7 +296,7 @@ def paged_decode(
             NUM_SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits),
             HEAD_DIM=d,
-            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
             num_warps=4,
         )
     return out

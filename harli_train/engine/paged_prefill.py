@@ -136,7 +136,7 @@ def paged_prefill(
         out.stride(1),
         GROUP=hq // hkv,
         HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg,  # fp32 caches: no tf32 rounding
