@@ -52,7 +52,9 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "harli_train", *args]
 
 
-def write_load(src: Path, dst: Path, scale: float, shift_s: float, limit: int | None, clip: int | None) -> int:
+def write_load(
+    src: Path, dst: Path, scale: float, shift_s: float, limit: int | None, clip: int | None
+) -> int:
     """``src``'s requests with arrivals times ``scale`` plus ``shift_s`` (the first ``limit``; prompt and
     output lengths clipped to ``clip``) as a trace at ``dst``; returns how many."""
     from harli_train.engine.load import read_trace
@@ -94,7 +96,9 @@ def wait_ready(url: str, proc: subprocess.Popen, warm_steps: int, timeout_s: flo
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the served run was not ready (health, {warm_steps} trainer steps) in {timeout_s:.0f}s")
+    raise RuntimeError(
+        f"the served run was not ready (health, {warm_steps} trainer steps) in {timeout_s:.0f}s"
+    )
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -148,9 +152,20 @@ def served_run(args, recipe: str, load: Path, work: Path) -> dict[str, Any]:
         ready_s = wait_ready(url, proc, args.warm_steps, args.ready_timeout_s)
         t_load = time.monotonic()
         client = subprocess.run(
-            _cli("loadgen", "--url", url, "--trace", str(load), "--tpot-ms", str(args.tpot_ms),
-                 "--out", str(work / "client")),  # fmt: skip
-            capture_output=True, text=True, timeout=args.load_timeout_s,
+            _cli(
+                "loadgen",
+                "--url",
+                url,
+                "--trace",
+                str(load),
+                "--tpot-ms",
+                str(args.tpot_ms),
+                "--out",
+                str(work / "client"),
+            ),  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=args.load_timeout_s,
         )
         if client.returncode != 0:
             raise RuntimeError(f"loadgen exited with {client.returncode}: {client.stderr[-1500:]}")
@@ -216,7 +231,9 @@ def inproc_run(args, recipe: str, load: Path, until_s: float, work: Path) -> dic
             rc = proc.wait()
         log.close()
     if rc not in (0, 130):  # 130: a training run stopped by a signal (its checkpoint and summary written)
-        raise RuntimeError(f"the in-process run exited with {rc}: {(work / 'inproc.log').read_text()[-1500:]}")
+        raise RuntimeError(
+            f"the in-process run exited with {rc}: {(work / 'inproc.log').read_text()[-1500:]}"
+        )
     return {"command": cmd[2:], "exit_code": rc, "engine": _engine_figures(out), "trainer": trainer_rate(out)}
 
 
@@ -238,15 +255,23 @@ def compare(served: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any]:
         "trainer_ok": trainer is not None and abs(trainer - 1) <= TARGETS["trainer_served_vs_inproc"],
         "objective": {
             where: {k: src.get(k) for k in ("violations", "violation_rate", "tpot_attainment", "intervals")}
-            for where, src in (("client", client), ("served_engine", engine), ("inproc_engine", inproc["engine"]))
+            for where, src in (
+                ("client", client),
+                ("served_engine", engine),
+                ("inproc_engine", inproc["engine"]),
+            )
         },
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU: the quickstart's tiny model, a thinned trace")
-    ap.add_argument("--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (dry run: quickstart)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="CPU: the quickstart's tiny model, a thinned trace"
+    )
+    ap.add_argument(
+        "--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (dry run: quickstart)"
+    )
     ap.add_argument("--model", default=None, help="--colocate-with (default: llama-8b; dry run: tiny)")
     ap.add_argument("--trace", default="bursty", help="a shipped trace under recipes/traces")
     ap.add_argument("--load", default="medium", choices=sorted(LOADS))
@@ -261,7 +286,9 @@ def main() -> int:
     args = ap.parse_args()
     from harli_train.config import load_recipe
 
-    recipe = args.recipe or str(REPO / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml"))
+    recipe = args.recipe or str(
+        REPO / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml")
+    )
     args.model = args.model or ("tiny" if args.dry_run else "llama-8b")
     if args.dry_run:
         args.set = ["colocation.tpot_ms=200", "train.batch_size=2", *args.set]
@@ -283,7 +310,9 @@ def main() -> int:
             last = write_load(src, work / "load-inproc.jsonl", scale, served["lead_in_s"], limit, clip)
             assert last == n
             end = max(r["arrival_s"] for r in _jsonl(work / "load-inproc.jsonl"))
-            inproc = result["inproc"] = inproc_run(args, recipe, work / "load-inproc.jsonl", end + args.drain_s, work)
+            inproc = result["inproc"] = inproc_run(
+                args, recipe, work / "load-inproc.jsonl", end + args.drain_s, work
+            )
             result["comparison"] = compare(served, inproc)
         except Exception as err:  # the JSON records what ran and why the rest did not
             result["error"] = f"{type(err).__name__}: {err}"
@@ -313,7 +342,16 @@ def report(result: dict[str, Any]) -> str:
         rows.append([name, src["ttft_ms"]["p50"], src["ttft_ms"]["p99"], src["tpot_ms"]["p50"],
                      src["tpot_ms"]["p99"], src.get("violations"), src.get("tpot_attainment"),
                      (trainer or s["trainer"])["tokens_per_s"] if name != "served_engine" else ""])  # fmt: skip
-    head = ["source", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "violations", "attainment", "trainer tok/s"]
+    head = [
+        "source",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "violations",
+        "attainment",
+        "trainer tok/s",
+    ]
     lines = [common.table(rows, head), ""]
     worst = c["client_vs_engine_worst"]
     lines.append(f"client / engine (TTFT, TPOT p50/p99/mean): worst {worst:.3f} off "
