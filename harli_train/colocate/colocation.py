@@ -19,6 +19,7 @@ import torch
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.live_adapter import LiveAdapter
+from harli_train.colocate.memory_hook import CacheReleaseHook
 from harli_train.colocate.policy import Policy, make_policy
 from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.predictor import LatencyPredictor
@@ -69,6 +70,7 @@ class Colocation:
         self.info: dict[str, Any] = dict(info or {})
         self.memory = memory
         self.policy: Policy | None = None
+        self._stream_bytes: int | None = None  # what one trainer stream caches (measured at the first prepare)
 
     @property
     def tpot_s(self) -> float:
@@ -113,11 +115,12 @@ class Colocation:
             return policy
         torch.cuda.empty_cache()
         while True:
-            places = policy.trainer_partitions() + [self.ladder.full]
             scope = self.memory.trainer_scope if self.memory is not None else contextlib.nullcontext
             # Under tensor parallelism each rank warms its own kernels: no collective runs.
             local = contextlib.nullcontext() if self.parallel is None else self.parallel.local()
             with local:
+                self._fit_trainer_streams(policy, scope)
+                places = policy.trainer_partitions() + [self.ladder.full]
                 failed = warm_up_trainer(
                     self.trainer, places, self.ladder.total_sms, release=False, scope=scope
                 )
@@ -125,6 +128,35 @@ class Colocation:
                 return policy
             torch.cuda.empty_cache()
             policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
+
+    def _fit_trainer_streams(self, policy: Policy, scope: Callable) -> None:
+        """Warm the whole GPU's trainer stream, measure the working set it caches, and have ``policy``
+        launch on no more streams than the memory left beside the KV cache's largest size holds: each
+        stream keeps its own copy (torch's cache, and the page pool's MemPool, never hand one stream's
+        freed blocks to another), and a stream warmed past the memory runs set-up out of it."""
+        hook = self.memory if self.memory is not None else CacheReleaseHook()
+        if self._stream_bytes is None:  # the first warm-up of this trainer's shapes
+            before = hook.trainer_bytes()
+            full = [self.ladder.full]
+            warm_up_trainer(self.trainer, full, self.ladder.total_sms, release=False, scope=scope)
+            self._stream_bytes = hook.trainer_bytes() - before
+        per_stream = self._stream_bytes
+        if per_stream <= 0:
+            return
+        room = hook.trainer_room_bytes()
+        count = int(room // per_stream)
+        wanted = len(policy.trainer_partitions()) - 1  # the whole GPU's stream is warmed already
+        if policy.limit_trainer_streams(count):
+            log.warning(
+                "the trainer's working set (%.1f GiB a stream) fits %d more streams in the %.1f GiB left "
+                "beside the KV cache: %s launches on %d of its %d trainer rungs",
+                per_stream / 2**30,
+                count,
+                room / 2**30,
+                policy.name,
+                len(policy.trainer_partitions()) - 1,
+                wanted,
+            )
 
     def runtime(
         self,

@@ -7,8 +7,9 @@ spare). Neither may raise for the serving side's sake: a failure is logged and t
 
 A hook may also have ``begin_run()`` (a run starts), ``trainer_scope()`` (a context entered around each
 trainer micro-step: where its allocations go), ``step_row()`` (fields for each step record) and
-``summary()`` (the run summary's ``memory.pool``); ``CacheReleaseHook`` gives the defaults, and the page
-pool's hook is ``harli_train.colocate.pool_memory.PoolMemory``.
+``summary()`` (the run summary's ``memory.pool``), ``trainer_bytes()`` and ``trainer_room_bytes()`` (what the
+trainer holds, and what more it may take, on a GPU: how many trainer streams fit); ``CacheReleaseHook`` gives
+the defaults, and the page pool's hook is ``harli_train.colocate.pool_memory.PoolMemory``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class CacheReleaseHook:
 
     def summary(self) -> dict[str, Any] | None:
         return None
+
+    def trainer_bytes(self) -> int:
+        """GPU memory torch holds (the trainer's share of it is what grows as its streams are warmed)."""
+        return torch.cuda.memory_reserved()
+
+    def trainer_room_bytes(self) -> int:
+        """GPU memory the trainer may still take: what the driver has free (the KV cache is allocated)."""
+        return torch.cuda.mem_get_info()[0]
 
     def on_trainer_oom(self) -> int:
         gc.collect()

@@ -204,6 +204,17 @@ class PoolMemory(CacheReleaseHook):
             return contextlib.nullcontext()
         return self.trainer_memory.scope()
 
+    def trainer_bytes(self) -> int:
+        """The pool's pages the trainer tenant holds."""
+        return self.trainer_tenant.stats()["used_pages"] * self.pool.page_bytes
+
+    def trainer_room_bytes(self) -> int:
+        """Free pages less those the KV cache would map to reach its largest size: what the trainer may take
+        and still leave decode its whole cache."""
+        kv = self.kv
+        groups = -(-kv.max_blocks // kv.blocks_per_page) - kv.num_blocks // kv.blocks_per_page
+        return max(self.pool.free_pages - groups * kv.pages_per_group, 0) * self.pool.page_bytes
+
     def capacity_blocks(self) -> int:
         """Blocks the cache could hold: those mapped, plus the page groups that the free pages and the pages
         the trainer could give back would map (the last sample's figures), at most ``max_blocks``."""

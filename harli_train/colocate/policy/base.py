@@ -68,6 +68,11 @@ class Policy:
         """The partitions whose trainer streams the trainer launches on (warmed up before serving)."""
         return self.partitions()
 
+    def limit_trainer_streams(self, count: int) -> bool:
+        """Launch the trainer on at most ``count`` streams besides the whole GPU's (each grows its own copy
+        of the trainer's working set in torch's cache); whether the policy dropped any. This one's are fixed."""
+        return False
+
     def plan(self, preview: StepPreview) -> StepPlan:
         """Where the step ``preview`` describes runs, its prefill budget, and what the trainer does."""
         raise NotImplementedError

@@ -84,6 +84,9 @@ class HarliPolicy(ControlledPolicy):
     def trainer_partitions(self) -> list[Partition]:
         return [*self.rungs.rungs, self.ladder.full]
 
+    def limit_trainer_streams(self, count: int) -> bool:
+        return self.rungs.limit(count)
+
     def plan(self, preview: StepPreview) -> StepPlan:
         if preview.kind == "prefill":
             return self.prefill.plan(preview.decode_after())

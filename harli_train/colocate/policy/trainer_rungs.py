@@ -30,8 +30,23 @@ class TrainerRungs:
         if stride < 1:
             raise ValueError(f"harli: trainer_stride must be >= 1, got {stride}")
         self.ladder, self.window_s, self.clock = ladder, window_s, clock
-        self.rungs: list[Partition] = ladder.spatial[::-1][::stride][::-1]  # ascending decode share
+        self.restride(stride)
         self.recent: deque[tuple[float, int]] = deque()  # (time, decode SMs) of recent spatial steps
+
+    def restride(self, stride: int) -> None:
+        """Launch on every ``stride``-th spatial rung from now on."""
+        self.stride = stride
+        self.rungs: list[Partition] = self.ladder.spatial[::-1][::stride][::-1]  # ascending decode share
+
+    def limit(self, count: int) -> bool:
+        """Keep at most ``count`` (>= 1) rungs, evenly spread (the stride grown); whether any was dropped."""
+        n, stride = len(self.ladder.spatial), self.stride
+        while -(-n // stride) > max(count, 1):
+            stride += 1
+        if stride == self.stride:
+            return False
+        self.restride(stride)
+        return True
 
     def select(self, decode_sms: int) -> Partition:
         """The rung with the most trainer SMs that leaves decode at least ``decode_sms`` (the full GPU past
