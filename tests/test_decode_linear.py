@@ -97,6 +97,49 @@ def test_projection_with_residual_add_and_norm(dtype, m, split):
     assert y.dtype == h.dtype == dtype
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("m,use_dot", [(1, False), (1, True), (6, True)])
+def test_addend_joins_the_fp32_sums_before_the_epilogue(swiglu, m, use_dot):
+    """An fp32 addend (a LoRA delta; gate columns then up columns with SwiGLU) is added before the cast and
+    the SwiGLU: in the GEMV's epilogue without split-K, in the reduce kernel with it (FMA and dot)."""
+    k, n = 200, 40
+    x = _randn(m, k, dtype=torch.float32, seed=m + 20)
+    ns = (n, n) if swiglu else (n, 24, 24)
+    ws = [_randn(rows, k, dtype=torch.float32, seed=30 + i) for i, rows in enumerate(ns)]
+    addend = _randn(m, sum(ns), dtype=torch.float32, seed=40)
+    base = decode_linear_config(1 if m == 1 else 16, ns, k, 132, swiglu, 4)
+    want = decode_linear_reference(x, ws, swiglu=swiglu, addend=addend)
+    assert not torch.allclose(want, decode_linear_reference(x, ws, swiglu=swiglu), atol=1e-2)
+    for split in (1, 2):
+        cfg = with_config(
+            base,
+            split_k=split,
+            use_dot=use_dot,
+            block_m=16 if use_dot else 1,
+            block_n=32 if use_dot else 8,
+            block_k=32,
+        )
+        got = decode_linear(x, ws, swiglu=swiglu, config=cfg, addend=addend)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 2), (5, 1), (5, 3)])
+def test_projection_with_an_addend_then_residual_add_and_norm(dtype, m, split):
+    k, n = 136, 48
+    x, w = _randn(m, k, dtype=dtype, seed=m + 50), _randn(n, k, dtype=dtype, seed=51)
+    residual, norm_w = _randn(m, n, dtype=dtype, seed=52), _randn(n, dtype=dtype, seed=53)
+    addend = _randn(m, n, dtype=torch.float32, seed=54)
+    base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
+    cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
+    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, addend=addend)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x, [w], addend=addend), residual, norm_w, 1e-5
+    )
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+
+
 def test_configs_for_llama_8b_shapes():
     shapes = {
         "qkv": ((4096, 1024, 1024), 4096, False),
