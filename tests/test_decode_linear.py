@@ -217,12 +217,14 @@ def llama8b(sms, dtype=torch.bfloat16):
         for m in (1, 2, 4, 8, 16, 32, 64):
             for ns, k, swiglu in SHAPES:
                 x = torch.empty(m, k, device="meta", dtype=dtype)
-                decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns], swiglu=swiglu,
-                              num_sms=sms)
-                if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
-                    r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
-                    decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w, 1e-5,
-                                               num_sms=sms)
+                # without and with an fp32 addend (the LoRA delta)
+                for add in (None, torch.empty(m, sum(ns), device="meta", dtype=torch.float32)):
+                    decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns],
+                                  swiglu=swiglu, num_sms=sms, addend=add)
+                    if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
+                        r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
+                        decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w,
+                                                   1e-5, num_sms=sms, addend=add)
     return run
 
 rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
@@ -233,8 +235,8 @@ assert len(rows) >= 10 and not bad, bad
 
 @pytest.mark.slow
 def test_decode_linear_compiles_for_sm90():
-    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs) compiles for sm_90
-    without spills."""
+    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs, with and without
+    an addend) compiles for sm_90 without spills."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
