@@ -134,7 +134,8 @@ def _run_delta(kernel, token_slots, k, ns, rank, dtype, num_slots=5, max_rows=No
     out = torch.full((t, sum(ns)), float("nan"), device=DEVICE)
     got = DELTAS[kernel](
         x, a, b, torch.from_numpy(sorted_ids).to(DEVICE), torch.from_numpy(slot_start).to(DEVICE), scales,
-        max_rows if max_rows is not None else int(np.bincount(token_slots).max()), out=out, config=config,
+        max_rows if max_rows is not None else int(np.bincount(token_slots, minlength=2)[1:].max()),
+        out=out, config=config,
     )  # fmt: skip
     assert got.data_ptr() == out.data_ptr() and got.dtype == torch.float32
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -159,6 +160,16 @@ def test_delta_of_three_uneven_slices_side_by_side(kernel, dtype):
 def test_delta_rows_of_a_slot_spanning_several_row_tiles(kernel):
     slots = [int(s) for s in np.random.default_rng(1).integers(0, 4, 90)]
     _run_delta(kernel, slots, k=40, ns=[33, 20], rank=8, dtype=torch.float32, num_slots=4, seed=5)
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+def test_delta_of_more_base_rows_than_max_rows(kernel):
+    """max_rows bounds an adapter slot's rows only: the base's programs stride over its row tiles, and a
+    step of base rows alone (max_rows 0) is all zeros."""
+    slots = [0] * 37 + [2, 1, 2]
+    np.random.default_rng(2).shuffle(slots)
+    _run_delta(kernel, slots, k=40, ns=[24, 8], rank=8, dtype=torch.float32, seed=13)  # max_rows 2
+    _run_delta(kernel, [0] * 21, k=40, ns=[24], rank=8, dtype=torch.float32, seed=14)  # max_rows 0
 
 
 @pytest.mark.parametrize("n_sub", [1, 2, 3])

@@ -5,11 +5,11 @@ as an addend, so the projection keeps its fused epilogue (SwiGLU, residual add +
 by slot as in `lora_ops` (`sorted_ids`, `slot_start`; slot 0 is the base). Each program owns (slot, a row
 tile of that slot's tokens, a span of one slice's columns): it computes its rows' part = scale_s * x A_s^T
 over the whole K itself (A_s is R x K: every span re-reads it, and its rows of x, from L2), then writes
-part @ B_s^T over its span in BLOCK_N-column tiles. Programs of slot 0 write zeros, so every row of the
-delta is written and it needs no memset: every row of the step must belong to a slot (slot_start[S] = T).
-Up to three slices share x (q/k/v, gate/up), side by side in the delta's columns. The grid is sized by
-`max_rows` (the most rows one slot may hold, the base included), not by the step's content, and the
-buffers are read by address, so a CUDA graph replays for any mix of adapters. Block sizes come from
+part @ B_s^T over its span in BLOCK_N-column tiles. Programs of slot 0 write zeros (striding over the
+base's row tiles), so every row of the delta is written and it needs no memset: every row of the step must
+belong to a slot (slot_start[S] = T). Up to three slices share x (q/k/v, gate/up), side by side in the
+delta's columns. The grid is sized by `max_rows` (the most rows one adapter slot may hold), not by the
+step's content, and the buffers are read by address, so a CUDA graph replays for any mix of adapters. Block sizes come from
 `lora_fused_config` (no autotune).
 """
 
@@ -128,17 +128,25 @@ def _lora_fused_kernel(
     n_first = span * (N_SUB * BLOCK_N)
     if m_tile * BLOCK_M >= count or n_first >= n:
         return
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    out_rows = delta_ptr + rows[:, None] * stride_dm + col0
     offs_n = tl.arange(0, BLOCK_N)
-    if slot == 0:  # the base model's rows: a zero delta
+    if slot == 0:
+        # The base model's rows get a zero delta. They may outnumber max_rows (a step's base rows are not
+        # bounded by it): the slot's programs stride over its row tiles.
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in range(N_SUB):
-            cols = n_first + j * BLOCK_N + offs_n
-            tl.store(out_rows + cols[None, :], zeros, mask=m_mask[:, None] & (cols < n)[None, :])
+        step = (tl.num_programs(0) // n_spans) * BLOCK_M
+        for first in range(m_tile * BLOCK_M, count, step):
+            offs_m = first + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            out_rows = delta_ptr + rows[:, None] * stride_dm + col0
+            for j in range(N_SUB):
+                cols = n_first + j * BLOCK_N + offs_n
+                tl.store(out_rows + cols[None, :], zeros, mask=m_mask[:, None] & (cols < n)[None, :])
     else:
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        out_rows = delta_ptr + rows[:, None] * stride_dm + col0
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         offs_k = tl.arange(0, BLOCK_K)
@@ -175,7 +183,7 @@ def lora_delta_fused(
     sorted_ids: torch.Tensor,  # shape [T] int32 (lora_layout; every row in a slot)
     slot_start: torch.Tensor,  # shape [S + 1] int32 (lora_layout)
     scales: torch.Tensor,  # shape [S] fp32
-    max_rows: int,  # the most rows one slot may hold, slot 0 included (the grid's bound)
+    max_rows: int,  # the most rows one adapter slot may hold (the grid's bound)
     out: torch.Tensor | None = None,  # shape [T, sum N_i] fp32, unit column stride
     config: LoRAFusedConfig | None = None,
 ) -> torch.Tensor:
@@ -196,9 +204,10 @@ def lora_delta_fused(
     if out is None:
         out = torch.empty((t, sum(ns)), dtype=torch.float32, device=x.device)
     assert out.shape == (t, sum(ns)) and out.stride(1) == 1 and out.dtype == torch.float32, "delta [T, N]"
-    if t == 0 or max_rows == 0:
+    if t == 0:
         return out
-    cfg = config or lora_fused_config(int(max_rows), r, k, tuple(ns), current_num_sms(), x.element_size())
+    max_rows = max(1, int(max_rows))  # one row tile at least: the base's programs write its zeros
+    cfg = config or lora_fused_config(max_rows, r, k, tuple(ns), current_num_sms(), x.element_size())
     # tl.dot needs 16 on every side: the interpreter would take less, the GPU compiler does not.
     assert min(cfg.block_m, cfg.block_r, cfg.block_k, cfg.block_n) >= 16 and cfg.block_r >= r, cfg
     n_spans = _cdiv(max(ns), cfg.block_n * cfg.n_sub)
@@ -206,7 +215,7 @@ def lora_delta_fused(
     b = list(b_stacks) + [b_stacks[0]] * (3 - n_slices)
     n = ns + [0] * (3 - n_slices)
     col = [0, n[0], n[0] + n[1]]  # Python ints: Triton on a GPU refuses numpy ones
-    _lora_fused_kernel[(_cdiv(int(max_rows), cfg.block_m) * n_spans, n_slices, s)](
+    _lora_fused_kernel[(_cdiv(max_rows, cfg.block_m) * n_spans, n_slices, s)](
         x, x.stride(0), a[0], a[1], a[2], b[0], b[1], b[2], out, out.stride(0), sorted_ids, slot_start,
         scales, k, r, n[0], n[1], n[2], col[1], col[2], n_spans,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, N_SUB=cfg.n_sub,

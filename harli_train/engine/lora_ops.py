@@ -199,16 +199,23 @@ def _lora_expand_kernel(
         col0 = col2
     if m_tile * BLOCK_M >= count or n_tile * BLOCK_N >= n:
         return
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if slot == 0:  # only with STORE: the base model's rows get a zero delta
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if slot == 0:
+        # Only with STORE: the base model's rows get a zero delta. They may outnumber max_rows, so the
+        # slot's programs stride over its row tiles.
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        step = (tl.num_programs(0) // n_tiles) * BLOCK_M
+        for first in range(m_tile * BLOCK_M, count, step):
+            offs_m = first + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
+            tl.store(y_ptrs, zeros, mask=m_mask[:, None] & n_mask[None, :])
     else:
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         mid = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -223,11 +230,13 @@ def _lora_expand_kernel(
             other=0.0,
         )
         delta = tl.dot(mid.to(bt.dtype), bt, input_precision=PRECISION)
-    if STORE:
-        tl.store(y_ptrs, delta, mask=mask)
-    else:
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if STORE:
+            tl.store(y_ptrs, delta, mask=mask)
+        else:
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_add(
@@ -255,7 +264,7 @@ def lora_delta_split(
     sorted_ids: torch.Tensor,  # shape [T] int32 (lora_layout; every row in a slot)
     slot_start: torch.Tensor,  # shape [S + 1] int32 (lora_layout)
     scales: torch.Tensor,  # shape [S] fp32
-    max_rows: int,  # the most rows one slot may hold, slot 0 included (the grid's bound)
+    max_rows: int,  # the most rows one adapter slot may hold (the grid's bound)
     out: torch.Tensor | None = None,  # shape [T, sum N_i] fp32, unit column stride
     config: LoRAConfig | None = None,
 ) -> torch.Tensor:
@@ -291,9 +300,9 @@ def _shrink_expand(
         )
         assert 0 <= col and col + b.shape[1] <= y.shape[1], "a slice's columns must lie inside y"
         ns.append(int(b.shape[1]))
-    if t == 0 or max_rows == 0:
+    if t == 0 or (max_rows == 0 and not store):
         return
-    max_rows = int(max_rows)
+    max_rows = max(1, int(max_rows))  # storing: one row tile at least, for the base's zeros
     cfg = config or lora_config(max_rows, r, k, current_num_sms(), x.element_size())
     assert min(cfg.block_m, cfg.block_r, cfg.block_k, cfg.block_n) >= 16, f"tl.dot needs 16 a side: {cfg}"
     m_tiles = _cdiv(max_rows, cfg.block_m)

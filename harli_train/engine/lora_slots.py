@@ -28,8 +28,8 @@ from harli_train.model.llama import LORA_TARGETS
 class LoRAStepMeta:
     """One step's tokens grouped by adapter slot, prepared once and read by every projection: `sorted_ids`
     [T] int32 and `slot_start` [S + 1] int32 (`lora_ops.lora_layout`), `token_slots` [T] int64 (each
-    token's slot, for the torch path), `max_rows` the most rows one slot may hold, the base's included
-    (the kernels' grid). For `LoRASlots.delta` every row is in a slot (slot_start[S] = T)."""
+    token's slot, for the torch path), `max_rows` the most rows one adapter slot may hold (the kernels'
+    grid). For `LoRASlots.delta` every row is in a slot, the base's included (slot_start[S] = T)."""
 
     sorted_ids: torch.Tensor
     slot_start: torch.Tensor
@@ -157,7 +157,7 @@ class LoRASlots:
             torch.from_numpy(sorted_ids).to(dev, non_blocking=True),
             torch.from_numpy(slot_start).to(dev, non_blocking=True),
             torch.from_numpy(slots).to(dev, non_blocking=True),
-            int(np.diff(slot_start).max()),
+            int(np.diff(slot_start)[1:].max()),
         )
 
     @contextlib.contextmanager
