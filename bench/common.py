@@ -1,4 +1,4 @@
-"""Shared by the GPU benchmarks: where results go, environment facts, a table printer."""
+"""Shared by the GPU benchmarks: where results go, environment facts, CUDA-graph timing, a table printer."""
 
 from __future__ import annotations
 
@@ -61,6 +61,30 @@ def hf_llama_config(mc: Any, **overrides: Any) -> Any:
         attn_implementation="sdpa",
     )
     return LlamaConfig(**{**settings, **overrides})
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Mean time of `fn` replayed `reps` times inside one CUDA graph (no launch gaps)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()  # compiles, sets up cuBLAS outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return median(times)
 
 
 def median(xs: list[float]) -> float:

@@ -97,6 +97,49 @@ def test_projection_with_residual_add_and_norm(dtype, m, split):
     assert y.dtype == h.dtype == dtype
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("m,use_dot", [(1, False), (1, True), (6, True)])
+def test_addend_joins_the_fp32_sums_before_the_epilogue(swiglu, m, use_dot):
+    """An fp32 addend (a LoRA delta; gate columns then up columns with SwiGLU) is added before the cast and
+    the SwiGLU: in the GEMV's epilogue without split-K, in the reduce kernel with it (FMA and dot)."""
+    k, n = 200, 40
+    x = _randn(m, k, dtype=torch.float32, seed=m + 20)
+    ns = (n, n) if swiglu else (n, 24, 24)
+    ws = [_randn(rows, k, dtype=torch.float32, seed=30 + i) for i, rows in enumerate(ns)]
+    addend = _randn(m, sum(ns), dtype=torch.float32, seed=40)
+    base = decode_linear_config(1 if m == 1 else 16, ns, k, 132, swiglu, 4)
+    want = decode_linear_reference(x, ws, swiglu=swiglu, addend=addend)
+    assert not torch.allclose(want, decode_linear_reference(x, ws, swiglu=swiglu), atol=1e-2)
+    for split in (1, 2):
+        cfg = with_config(
+            base,
+            split_k=split,
+            use_dot=use_dot,
+            block_m=16 if use_dot else 1,
+            block_n=32 if use_dot else 8,
+            block_k=32,
+        )
+        got = decode_linear(x, ws, swiglu=swiglu, config=cfg, addend=addend)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 2), (5, 1), (5, 3)])
+def test_projection_with_an_addend_then_residual_add_and_norm(dtype, m, split):
+    k, n = 136, 48
+    x, w = _randn(m, k, dtype=dtype, seed=m + 50), _randn(n, k, dtype=dtype, seed=51)
+    residual, norm_w = _randn(m, n, dtype=dtype, seed=52), _randn(n, dtype=dtype, seed=53)
+    addend = _randn(m, n, dtype=torch.float32, seed=54)
+    base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
+    cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
+    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, addend=addend)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x, [w], addend=addend), residual, norm_w, 1e-5
+    )
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+
+
 def test_configs_for_llama_8b_shapes():
     shapes = {
         "qkv": ((4096, 1024, 1024), 4096, False),
@@ -174,12 +217,14 @@ def llama8b(sms, dtype=torch.bfloat16):
         for m in (1, 2, 4, 8, 16, 32, 64):
             for ns, k, swiglu in SHAPES:
                 x = torch.empty(m, k, device="meta", dtype=dtype)
-                decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns], swiglu=swiglu,
-                              num_sms=sms)
-                if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
-                    r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
-                    decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w, 1e-5,
-                                               num_sms=sms)
+                # without and with an fp32 addend (the LoRA delta)
+                for add in (None, torch.empty(m, sum(ns), device="meta", dtype=torch.float32)):
+                    decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns],
+                                  swiglu=swiglu, num_sms=sms, addend=add)
+                    if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
+                        r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
+                        decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w,
+                                                   1e-5, num_sms=sms, addend=add)
     return run
 
 rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
@@ -190,8 +235,8 @@ assert len(rows) >= 10 and not bad, bad
 
 @pytest.mark.slow
 def test_decode_linear_compiles_for_sm90():
-    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs) compiles for sm_90
-    without spills."""
+    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs, with and without
+    an addend) compiles for sm_90 without spills."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,3 +279,32 @@ def test_projection_past_gemv_rows_falls_back_to_torch():
     torch.testing.assert_close(
         out, decode_linear_reference(x, [ws[0], ws[0].flip(0)], swiglu=True), **TOL[torch.float32]
     )
+
+
+def test_the_torch_fallback_adds_the_addend_before_swiglu_and_the_add_norm():
+    """Past MAX_GEMV_ROWS (and o_proj at CUBLAS_SQUARE_ROWS) the LoRA delta joins F.linear's output before
+    the SwiGLU and the residual add + norm, as in the GEMV's epilogue."""
+    from harli_train.engine.decode_forward import CUBLAS_SQUARE_ROWS, _project, _project_add_norm, _use_gemv
+    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+
+    f32 = dict(dtype=torch.float32)
+    x64, w64 = _randn(CUBLAS_SQUARE_ROWS, 48, seed=61, **f32), _randn(48, 48, seed=62, **f32)
+    res, norm = _randn(CUBLAS_SQUARE_ROWS, 48, seed=63, **f32), torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)
+    add = _randn(CUBLAS_SQUARE_ROWS, 48, seed=64, **f32)
+    assert not _use_gemv(x64, (w64,))
+    y, h = _project_add_norm(x64, w64, res, norm, add)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x64, [w64], addend=add), res, norm.weight, 1e-5
+    )
+    torch.testing.assert_close(h, want_h, **TOL[torch.float32])
+    torch.testing.assert_close(y, want_y, **TOL[torch.float32])
+
+    x = _randn(MAX_GEMV_ROWS + 3, 48, seed=65, **f32)
+    ws = [_randn(n, 48, seed=66 + n, **f32) for n in (32, 16, 16)]
+    add = _randn(x.shape[0], 64, seed=67, **f32)
+    want = decode_linear_reference(x, ws, addend=add)
+    torch.testing.assert_close(_project(x, tuple(ws), addend=add), want, **TOL[torch.float32])
+    gate_up = (ws[0], ws[0].flip(0).contiguous())
+    got = _project(x, gate_up, swiglu=True, addend=add)
+    want = decode_linear_reference(x, list(gate_up), swiglu=True, addend=add)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])

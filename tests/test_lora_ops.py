@@ -1,7 +1,10 @@
-"""The batched LoRA shrink/expand kernels against the plain-torch reference: odd shapes, ranks 8/16/64, one
-to three slices, mixed slots with base rows (left untouched), split-K, and a graph-sized grid."""
+"""The batched LoRA kernels against the plain-torch reference: the shrink/expand add (odd shapes, ranks
+8/16/64, one to three slices, mixed slots with base rows left untouched, split-K, a graph-sized grid) and the
+fp32 deltas of the fused kernel and of the split pair (zeros on base rows, every row written)."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -11,10 +14,12 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from harli_train.engine.lora_fused import LoRAFusedConfig, lora_delta_fused, lora_fused_config  # noqa: E402
 from harli_train.engine.lora_ops import (  # noqa: E402
     lora_add,
     lora_add_reference,
     lora_config,
+    lora_delta_split,
     lora_layout,
 )
 
@@ -110,3 +115,136 @@ def test_config_pads_rows_and_rank_to_the_dot_minimum_and_splits_long_k():
     assert (cfg.block_m, cfg.block_r, cfg.block_k) == (16, 16, 128) and cfg.split_k == 8
     assert lora_config(64, 64, 14336, 132, 2).split_k == 16
     assert lora_config(1, 16, 4096, 8, 2).split_k == 2  # a small partition: fewer ranges
+
+
+DELTAS = {"fused": lora_delta_fused, "split": lora_delta_split}
+
+
+def _run_delta(kernel, token_slots, k, ns, rank, dtype, num_slots=5, max_rows=None, config=None, seed=0):
+    """The delta into a NaN-poisoned buffer against the reference added to zeros; base rows exactly 0."""
+    t = len(token_slots)
+    x = _randn(t, k, dtype=dtype, seed=seed + 100)
+    a, b = _stacks(num_slots, rank, k, ns, dtype, seed)
+    cols = [sum(ns[:i]) for i in range(len(ns))]
+    scales = torch.rand(num_slots, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.5
+    sorted_ids, slot_start = lora_layout(np.array(token_slots), num_slots)
+    slots_t = torch.tensor(token_slots, device=DEVICE)
+    zeros = torch.zeros(t, sum(ns), device=DEVICE)
+    want = lora_add_reference(zeros, x, a, b, cols, slots_t, scales)
+    out = torch.full((t, sum(ns)), float("nan"), device=DEVICE)
+    got = DELTAS[kernel](
+        x, a, b, torch.from_numpy(sorted_ids).to(DEVICE), torch.from_numpy(slot_start).to(DEVICE), scales,
+        max_rows if max_rows is not None else int(np.bincount(token_slots, minlength=2)[1:].max()),
+        out=out, config=config,
+    )  # fmt: skip
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[slots_t == 0], zeros[slots_t == 0])  # written, and exactly zero
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [5, 16, 64])
+def test_delta_of_one_slice_matches_reference(kernel, dtype, rank):
+    """Rank 5 is padded to the dot's 16; the base rows get zeros."""
+    _run_delta(kernel, [0, 2, 1, 2, 0, 4, 2, 1, 0], k=72, ns=[40], rank=rank, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_of_three_uneven_slices_side_by_side(kernel, dtype):
+    _run_delta(kernel, [1, 0, 3, 3, 1, 2, 0], k=96, ns=[64, 24, 40], rank=16, dtype=dtype, seed=3)
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+def test_delta_rows_of_a_slot_spanning_several_row_tiles(kernel):
+    slots = [int(s) for s in np.random.default_rng(1).integers(0, 4, 90)]
+    _run_delta(kernel, slots, k=40, ns=[33, 20], rank=8, dtype=torch.float32, num_slots=4, seed=5)
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+def test_delta_of_more_base_rows_than_max_rows(kernel):
+    """max_rows bounds an adapter slot's rows only: the base's programs stride over its row tiles, and a
+    step of base rows alone (max_rows 0) is all zeros."""
+    slots = [0] * 37 + [2, 1, 2]
+    np.random.default_rng(2).shuffle(slots)
+    _run_delta(kernel, slots, k=40, ns=[24, 8], rank=8, dtype=torch.float32, seed=13)  # max_rows 2
+    _run_delta(kernel, [0] * 21, k=40, ns=[24], rank=8, dtype=torch.float32, seed=14)  # max_rows 0
+
+
+@pytest.mark.parametrize("n_sub", [1, 2, 3])
+def test_fused_spans_of_several_column_tiles_and_a_k_tail(n_sub):
+    """A program covering n_sub tiles of 16 columns (the last span partly past the slice) over a K that
+    is not a multiple of the K block."""
+    cfg = LoRAFusedConfig(16, 16, 32, 16, n_sub, 4, 3)
+    _run_delta("fused", [2, 1, 0, 2, 2], k=100, ns=[70, 18], rank=16, dtype=torch.float32, config=cfg, seed=7)
+
+
+@pytest.mark.parametrize("kernel", DELTAS)
+def test_delta_with_a_graph_sized_grid_and_an_all_base_step(kernel):
+    """A grid sized for a bucket larger than the step, and a step of base rows only (all zeros)."""
+    _run_delta(kernel, [3, 0, 3, 0, 0], k=48, ns=[20], rank=8, dtype=torch.float32, max_rows=32, seed=9)
+    _run_delta(kernel, [0, 0, 0, 0], k=48, ns=[20, 12], rank=8, dtype=torch.float32, max_rows=16, seed=11)
+
+
+def test_fused_config_pads_to_the_dot_minimum_and_keeps_the_programs_within_half_the_sms():
+    shapes = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336))}
+    shapes["down"] = (14336, (4096,))
+    for max_rows in (1, 4, 16, 64):
+        for sms in (132, 48):
+            for k, ns in shapes.values():
+                cfg = lora_fused_config(max_rows, 16, k, ns, sms, 2)
+                assert min(cfg.block_m, cfg.block_r, cfg.block_k, cfg.block_n) >= 16
+                assert k % cfg.block_k == 0 and all(n % cfg.block_n == 0 for n in ns)
+                span = cfg.block_n * cfg.n_sub
+                programs = -(-max_rows // cfg.block_m) * sum(-(-n // span) for n in ns)
+                assert programs <= sms // 2 or span >= max(ns)
+                assert cfg.n_sub == 1 or programs > sms // 4  # the smallest span that fits
+    cfg = lora_fused_config(1, 8, 40, (20,), 132, 4)
+    assert (cfg.block_m, cfg.block_r, cfg.block_k, cfg.block_n) == (16, 16, 64, 32)
+
+
+_COMPILE_CHECK = """
+import torch
+from harli_train.kernels import compile_check as c
+from harli_train.kernels.launch_config import sm_budget
+from harli_train.engine.lora_fused import lora_delta_fused
+from harli_train.engine.lora_ops import lora_add, lora_delta_split
+
+SHAPES = [(4096, (4096, 1024, 1024)), (4096, (4096,)), (4096, (14336, 14336)), (14336, (4096,))]
+
+def llama8b(sms, dtype=torch.bfloat16, slots=5, rank=16):
+    def run():
+        meta, i32 = dict(device="meta", dtype=dtype), dict(device="meta", dtype=torch.int32)
+        scales = torch.empty(slots, device="meta", dtype=torch.float32)
+        with sm_budget(sms):
+            for t in (1, 2, 16, 64):
+                for k, ns in SHAPES:
+                    x = torch.empty(t, k, **meta)
+                    a = [torch.empty(slots, rank, k, **meta) for _ in ns]
+                    b = [torch.empty(slots, n, rank, **meta) for n in ns]
+                    ids, start = torch.empty(t, **i32), torch.empty(slots + 1, **i32)
+                    lora_delta_fused(x, a, b, ids, start, scales, t)
+                    lora_delta_split(x, a, b, ids, start, scales, t)
+                    y = torch.empty(t, sum(ns), **meta)
+                    lora_add(y, x, a, b, [sum(ns[:i]) for i in range(len(ns))], ids, start, scales, t)
+    return run
+
+rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
+bad = [r for r in rows if c.spills(r)]
+assert len(rows) >= 10 and not bad, bad
+"""
+
+
+@pytest.mark.slow
+def test_lora_kernels_compile_for_sm90():
+    """The fused delta, the split delta and the add of Llama-3-8B's projections (batch 1-64, 132 and 48
+    SMs) compile for sm_90 without spills: tl.dot's shape rules and shared memory, which the interpreter
+    does not check."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

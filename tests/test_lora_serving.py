@@ -75,16 +75,69 @@ def test_a_batch_mixing_base_and_two_adapters_gives_each_request_what_it_gets_al
 
 
 @pytest.mark.slow
-def test_triton_kernels_serve_the_same_tokens_in_a_mixed_batch(models, monkeypatch):
+@pytest.mark.parametrize("lora_kernel", ["fused", "split"])
+def test_triton_kernels_serve_the_same_tokens_in_a_mixed_batch(models, monkeypatch, lora_kernel):
     """The decode path with the GEMV kernels and the batched LoRA kernels (under the interpreter)."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch_engine = _catalog(models).engine
-    triton_engine = _catalog(models, kernels="triton").engine
-    assert triton_engine.runner.decode_forward is not None
+    triton_engine = _catalog(models, kernels="triton", lora_kernel=lora_kernel).engine
+    assert triton_engine.runner.decode_forward is not None and triton_engine.lora.kernel == lora_kernel
     requests = [(PROMPTS[0], 1), (PROMPTS[2], 0), (PROMPTS[0], 2)]
     assert _run(triton_engine, requests, n=6) == _run(torch_engine, requests, n=6)
+
+
+@pytest.mark.parametrize("lora_kernel", ["fused", "split"])
+def test_a_decode_step_with_adapters_runs_the_base_launches_plus_the_deltas(models, monkeypatch, lora_kernel):
+    """The adapter step keeps the base step's fused projections (SwiGLU and add + norm in their epilogues,
+    each now given the delta) and adds one delta per projection launch; a base step computes no delta."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from harli_train import kernels
+    from harli_train.engine import decode_forward, lora_fused, lora_ops
+
+    engine = _catalog(models, kernels="triton", lora_kernel=lora_kernel).engine
+    calls = []
+
+    def record(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name + ("+delta" if kwargs.get("addend") is not None else ""))
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in [
+        (decode_forward, "decode_linear"),
+        (decode_forward, "decode_linear_add_rms_norm"),
+        (kernels, "swiglu"),
+        (kernels, "add_rms_norm"),
+        (lora_fused, "lora_delta_fused"),
+        (lora_ops, "lora_delta_split"),
+        (lora_ops, "lora_add"),
+    ]:
+        record(module, name)
+    engine.add_partition("two_sms", None, 2)  # few attention splits: fewer programs to interpret
+    engine.synthetic_decode(2, 4, "two_sms")
+    base = list(calls)
+    calls.clear()
+    engine.synthetic_decode(2, 4, "two_sms", lora_slots=2)
+    delta = "lora_delta_fused" if lora_kernel == "fused" else "lora_delta_split"
+    layers = engine.model.config.num_layers
+    assert calls.count(delta) == 4 * layers and len(calls) == len(base) + 4 * layers
+    assert [c.removesuffix("+delta") for c in calls if c != delta] == base
+    assert sum(c.endswith("+delta") for c in calls) == 4 * layers  # every projection but the LM head
+    assert "swiglu" not in base and not any("lora" in c for c in base)
+
+
+def test_lora_kernel_names_the_allowed_values():
+    from harli_train.engine import EngineError
+
+    with pytest.raises(EngineError, match=r"lora_kernel is one of \('fused', 'split'\), got 'punica'"):
+        EngineConfig(lora_kernel="punica")
 
 
 def test_the_catalog_refuses_what_it_cannot_serve_and_reuses_slots(models, tmp_path):

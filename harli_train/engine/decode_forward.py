@@ -1,14 +1,15 @@
 """The engine's decode-step forward: the model's layers, with its projections run by `decode_linear`.
 
 A decode step is a stream over the weights, so the projections go to the bandwidth-shaped kernel: q/k/v in one
-grouped launch, gate/up in one launch with the SwiGLU in its epilogue, o/down/lm_head one launch each
-(batches over MAX_GEMV_ROWS go to cuBLAS). It
-reads the model's own weight tensors (nothing is copied or concatenated) and calls the same norm and rope
-ops as the model, so its output equals `model(...)` up to the order of fp32 sums. The model's projections
-carry no adapter (one would be skipped, so the runner uses it only when none is attached); served adapters
-come from the engine's `LoRASlots`: in a step with adapter rows every projection adds their deltas, and the
-epilogues that would fuse past the projection's output (SwiGLU, the residual add and norm) run after the
-add instead. A step without adapter rows runs exactly the base path.
+grouped launch, gate/up in one launch with the SwiGLU in its epilogue, o/down/lm_head one launch each, o and
+down with the residual add and the next norm fused (batches over MAX_GEMV_ROWS go to cuBLAS). It reads the
+model's own weight tensors (nothing is copied or concatenated) and calls the same norm and rope ops as the
+model, so its output equals `model(...)` up to the order of fp32 sums. The model's projections carry no
+adapter (one would be skipped, so the runner uses it only when none is attached); served adapters come from
+the engine's `LoRASlots`: in a step with adapter rows each projection's delta depends only on its input, so
+it is computed first (`LoRASlots.delta`, fp32) and the projection adds it to its fp32 sums before its
+epilogue. A step with adapters runs the base step's launches plus the delta kernels (one a projection with
+lora_kernel "fused", two with "split"); a step without runs exactly the base path.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from harli_train.model import LlamaForCausalLM
 # cuBLAS: its tiled GEMM beat the split-K GEMV there on the H200 (bench_decode at 64 rows: 8.3 against
 # 10.6 us, and the whole step; see `tpot_o_gemv` in bench/results).
 CUBLAS_SQUARE_ROWS = 64
+# The LoRA targets of each projection launch, in the launch's column order.
+QKV, O, GATE_UP, DOWN = ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
 
 
 def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
@@ -35,11 +38,18 @@ def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
 
 
 def _project(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], swiglu: bool = False, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    swiglu: bool = False,
+    out: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,  # fp32 [M, sum N]: added before the SwiGLU (see decode_linear)
 ) -> torch.Tensor:
     if _use_gemv(x, weights):
-        return decode_linear(x, weights, swiglu=swiglu, out=out)
+        return decode_linear(x, weights, swiglu=swiglu, out=out, addend=addend)
     ys = [F.linear(x, w) for w in weights]
+    if addend is not None:
+        parts = addend.split([w.shape[0] for w in weights], dim=1)
+        ys = [(y.float() + a).to(y.dtype) for y, a in zip(ys, parts, strict=True)]
     y = kernels.swiglu(ys[0], ys[1]) if swiglu else torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
     if out is None:
         return y
@@ -47,12 +57,12 @@ def _project(
 
 
 def _project_add_norm(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm, addend: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # (norm(x W^T + residual), x W^T + residual): the split-K sum, the add and the norm in one kernel.
+    # (norm(x W^T (+ addend) + residual), x W^T (+ addend) + residual): with split-K, one kernel after the GEMV.
     if _use_gemv(x, (weight,)):
-        return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps)
-    return kernels.add_rms_norm(_project(x, (weight,)), residual, norm.weight, norm.eps)
+        return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps, addend=addend)
+    return kernels.add_rms_norm(_project(x, (weight,), addend=addend), residual, norm.weight, norm.eps)
 
 
 class DecodeForward:
@@ -87,7 +97,8 @@ class DecodeForward:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_ctx) -> torch.Tensor:
         """The final normed hidden state [B, H]. Per layer: qkv, attention (rope and the K/V store inside),
-        o with the residual add and norm, gate/up with SwiGLU, down with the next add and norm."""
+        o with the residual add and norm, gate/up with SwiGLU, down with the next add and norm; each
+        projection adds the step's adapter delta (when `lora.meta` is set) before its epilogue."""
         model = self.model
         b = input_ids.shape[0]
         cos, sin = model.rope(positions.view(b, 1))
@@ -96,53 +107,32 @@ class DecodeForward:
         layers = model.model.layers
         first = layers[0].input_layernorm
         h = kernels.rms_norm(residual, first.weight, first.eps)
-        lora = self.lora if self.lora is not None and self.lora.meta is not None else None
-        if lora is not None:
-            return self._forward_lora(lora, h, residual, rope, attn_ctx)
         for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
-            if qkv_bias is not None:
-                qkv += qkv_bias
-            q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
-            o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope)
-            h, residual = _project_add_norm(
-                o.reshape(b, -1), attn.o_proj.weight, residual, layer.post_attention_layernorm
-            )
-            act = _project(h, (mlp.gate_proj.weight, mlp.up_proj.weight), swiglu=True)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            h, residual = _project_add_norm(act, mlp.down_proj.weight, residual, norm)
-        return h
-
-    __call__ = forward
-
-    def _forward_lora(self, lora: LoRASlots, h, residual, rope, attn_ctx) -> torch.Tensor:
-        """The layers of `forward` with the step's adapter deltas added to every projection."""
-        model, b = self.model, h.shape[0]
-        layers = model.model.layers
-        for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = _project(h, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
-            qkv = lora.add(qkv, h, i, ("q_proj", "k_proj", "v_proj"))
+            qkv_w = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+            qkv = _project(h, qkv_w, addend=self._delta(h, i, QKV))
             if qkv_bias is not None:
                 qkv += qkv_bias
             q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
             o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope).reshape(b, -1)
-            y = lora.add(_project(o, (attn.o_proj.weight,)), o, i, ("o_proj",))
-            norm = layer.post_attention_layernorm
-            h, residual = kernels.add_rms_norm(y, residual, norm.weight, norm.eps)
-            gate_up = _project(h, (mlp.gate_proj.weight, mlp.up_proj.weight))
-            gate_up = lora.add(gate_up, h, i, ("gate_proj", "up_proj"))
-            n = mlp.gate_proj.weight.shape[0]
-            act = kernels.swiglu(gate_up[:, :n], gate_up[:, n:])
-            y = lora.add(_project(act, (mlp.down_proj.weight,)), act, i, ("down_proj",))
+            h, residual = _project_add_norm(
+                o, attn.o_proj.weight, residual, layer.post_attention_layernorm, self._delta(o, i, O)
+            )
+            gate_up_w = (mlp.gate_proj.weight, mlp.up_proj.weight)
+            act = _project(h, gate_up_w, swiglu=True, addend=self._delta(h, i, GATE_UP))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
-            h, residual = kernels.add_rms_norm(y, residual, norm.weight, norm.eps)
+            h, residual = _project_add_norm(
+                act, mlp.down_proj.weight, residual, norm, self._delta(act, i, DOWN)
+            )
         return h
+
+    __call__ = forward
+
+    def _delta(self, x: torch.Tensor, layer: int, targets: tuple[str, ...]) -> torch.Tensor | None:
+        # None (no launch) unless the step has adapter rows.
+        return None if self.lora is None else self.lora.delta(x, layer, targets)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, H] -> logits [B, V] (into `out` when given)."""

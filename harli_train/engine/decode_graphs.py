@@ -6,9 +6,10 @@ a step copies its inputs in (padding rows get slot -1 and context 0, which the k
 samples from the logits before the next step can overwrite them (steps are ordered on the device). A step
 launched ahead of the host gathers its input ids on the device from the previous step's tokens.
 
-With adapter slots (`lora`) each bucket has a second graph, captured with the LoRA adds reading static
-rows-by-slot buffers (`LoRAStepMeta` over them, its grid sized for the bucket): a step with adapter rows
-stages its layout there and replays that graph; a step without replays the base graph and pays nothing.
+With adapter slots (`lora`) each bucket has a second graph, captured with the LoRA kernels reading static
+rows-by-slot buffers (`LoRAStepMeta` over them, its grid sized for the bucket, the padding rows on the
+base): a step with adapter rows stages its layout there and replays that graph; a step without replays the
+base graph and pays nothing.
 The adapters' weights are read by address, so writing a slot needs no re-capture.
 """
 
@@ -157,10 +158,14 @@ class DecodeGraphs:
         parity = self.num_replays % 2
         with_lora = adapters is not None and bool(np.any(adapters))
         if with_lora:
-            sorted_ids, slot_start = lora_layout(adapters, self.lora.num_slots)
+            # The bucket's padding rows run on the base (slot 0): every row of the graph is in a slot, so
+            # a LoRA delta kernel writes all of them (zeros on the base's).
+            padded = np.zeros(bs, dtype=np.int64)
+            padded[:n] = adapters
+            sorted_ids, slot_start = lora_layout(padded, self.lora.num_slots)
             staged = self.host_lora[parity].numpy()
             max_bs = self.buckets[-1]
-            staged[:n], staged[n:max_bs], staged[max_bs:] = sorted_ids, 0, slot_start
+            staged[:bs], staged[bs:max_bs], staged[max_bs:] = sorted_ids, 0, slot_start
             self.dev_lora.copy_(self.host_lora[parity], non_blocking=True)
         # The staging set used two replays ago: its copy was queued before that step, which has finished
         # (the host read its tokens before launching more than one step past it).

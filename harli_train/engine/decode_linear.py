@@ -10,7 +10,9 @@ One launch covers up to three weights that share x (q/k/v, gate/up): program ids
 0, then 1, then 2, and each weight's rows land in their column range of one output. With `swiglu`, a program
 reads the same rows of gate (weight 0) and up (weight 1) and writes silu(g) * u. When the row tiles alone
 cannot fill the SMs, K is split: fp32 partials go to a workspace and a second kernel sums them in a fixed
-order (deterministic) and applies the cast (and the SwiGLU).
+order (deterministic) and applies the cast (and the SwiGLU). An fp32 `addend` (the step's LoRA delta) joins
+the sums before that epilogue, so adapters keep the SwiGLU and add-norm fusions. The kernels are in
+`decode_linear_kernels`.
 
 Configs are fixed per (M bucket, N's, K, SMs) by `decode_linear_config` (no autotune: CUDA graphs capture
 one kernel per bucket).
@@ -24,10 +26,13 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from harli_train import kernels
+from harli_train.engine.decode_linear_kernels import (
+    _decode_linear_kernel,
+    _split_reduce_add_rms_norm_kernel,
+    _split_reduce_kernel,
+)
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 SMEM_PER_SM = 228 * 1024
@@ -45,254 +50,6 @@ class DecodeLinearConfig:
     num_warps: int
     num_stages: int
     use_dot: bool
-
-
-@triton.jit
-def _accumulate(
-    x_ptr,
-    stride_xm,
-    w_ptr,
-    rows,
-    n_rows,
-    M,
-    K,
-    k_start,
-    k_end,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """fp32 sums over k in [k_start, k_end) of W[rows, k] x[m, k]: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    row_mask = rows < n_rows
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
-    if USE_DOT:
-        offs_m = tl.arange(0, BLOCK_M)
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                k_mask = offs_k < BLOCK_K
-            else:
-                k_mask = offs_k + k0 < K
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs + k0, mask=k_mask[:, None] & (offs_m < M)[None, :], other=0.0)
-            acc = tl.dot(w, xt.to(w.dtype), acc, input_precision=PRECISION)
-        return acc
-    else:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                k_mask = offs_k < BLOCK_K
-            else:
-                k_mask = offs_k + k0 < K
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
-            acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-        return tl.sum(acc2, axis=1)
-
-
-@triton.jit
-def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
-    # acc [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0 only) into out[m, cols].
-    if USE_DOT:
-        offs_m = tl.arange(0, BLOCK_M)
-        ptrs = out_ptr + offs_m[None, :] * stride_om + cols[:, None]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & (offs_m < M)[None, :])
-    else:
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-# x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
-# out: [M, N_total] (row stride stride_om) when SPLIT_K == 1, else the fp32 workspace [SPLIT_K, M, N_total]
-# (dense). Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU, N_total = N_0 and the
-# workspace holds gate sums in [0, N_0) and up sums in [N_0, 2 N_0).
-# Grid (row tiles of all weights, SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 / weights 0 and 1.
-@triton.jit
-def _decode_linear_kernel(
-    x_ptr,
-    stride_xm,
-    w0_ptr,
-    w1_ptr,
-    w2_ptr,
-    out_ptr,
-    stride_om,
-    M,
-    K,
-    n0,
-    n1,
-    n2,
-    tiles_0,
-    tiles_01,
-    n_total,
-    k_per_split,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    if SWIGLU:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _accumulate(
-            x_ptr,
-            stride_xm,
-            w0_ptr,
-            rows,
-            n0,
-            M,
-            K,
-            k_start,
-            k_end,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            USE_DOT,
-            EVEN_N,
-            EVEN_K,
-            PRECISION,
-        )
-        u = _accumulate(
-            x_ptr,
-            stride_xm,
-            w1_ptr,
-            rows,
-            n0,
-            M,
-            K,
-            k_start,
-            k_end,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            USE_DOT,
-            EVEN_N,
-            EVEN_K,
-            PRECISION,
-        )
-        col_mask = rows < n0
-        if SPLIT_K == 1:
-            _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
-        else:
-            part = out_ptr + split.to(tl.int64) * M * (2 * n0)
-            _store_tile(part, 2 * n0, g, rows, col_mask, M, BLOCK_M, USE_DOT)
-            _store_tile(part, 2 * n0, u, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
-    else:
-        # Scalar branches pick the weight; every program then runs the same streaming loop.
-        w_ptr = w0_ptr
-        n_rows = n0
-        col0 = 0
-        tile = pid
-        if pid >= tiles_01:
-            w_ptr = w2_ptr
-            n_rows = n2
-            col0 = n0 + n1
-            tile = pid - tiles_01
-        elif pid >= tiles_0:
-            w_ptr = w1_ptr
-            n_rows = n1
-            col0 = n0
-            tile = pid - tiles_0
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _accumulate(
-            x_ptr,
-            stride_xm,
-            w_ptr,
-            rows,
-            n_rows,
-            M,
-            K,
-            k_start,
-            k_end,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            USE_DOT,
-            EVEN_N,
-            EVEN_K,
-            PRECISION,
-        )
-        col_mask = rows < n_rows
-        if SPLIT_K == 1:
-            _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
-        else:
-            part = out_ptr + split.to(tl.int64) * M * n_total
-            _store_tile(part, n_total, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
-
-
-# part: [SPLIT_K, M, W] fp32 dense (W = N, or 2 N with SWIGLU); out: [M, N] row stride stride_om.
-@triton.jit
-def _split_reduce_kernel(
-    part_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr
-):
-    m = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    width = 2 * N if SWIGLU else N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        row = part_ptr + (s * M + m) * width
-        acc += tl.load(row + cols, mask=mask, other=0.0)
-        if SWIGLU:
-            up += tl.load(row + N + cols, mask=mask, other=0.0)
-    if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * up
-    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# part: [SPLIT_K, M, N] fp32 dense; res, h, y: [M, N] (row strides given). One program per row: the sum of
-# the splits is the projection's output in its dtype (as `decode_linear` would store it); then the
-# residual add and RMSNorm round as `kernels.add_rms_norm` does (h in its dtype, fp32 statistics).
-@triton.jit
-def _split_reduce_add_rms_norm_kernel(
-    part_ptr,
-    res_ptr,
-    stride_r,
-    w_ptr,
-    h_ptr,
-    stride_h,
-    y_ptr,
-    stride_y,
-    M,
-    N,
-    eps,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    m = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
-    x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
-    r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    h = (x + r).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + m * stride_h + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    normed = (hf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int) -> int:
@@ -367,10 +124,13 @@ def decode_linear(
     out: torch.Tensor | None = None,  # shape [M, N_out], unit column stride
     num_sms: int | None = None,
     config: DecodeLinearConfig | None = None,
+    addend: torch.Tensor | None = None,  # shape [M, sum N_g] fp32, unit column stride
 ) -> torch.Tensor:
-    """x @ concat(weights)^T -> [M, sum N_g]; with `swiglu` (weights = gate, up): silu(x gate^T) * (x up^T)
-    -> [M, N]. `num_sms` defaults to the current SM budget; `config` overrides the chosen launch config."""
-    return _decode_linear(x, weights, swiglu, out, num_sms, config)
+    """x @ concat(weights)^T (+ addend) -> [M, sum N_g]; with `swiglu` (weights = gate, up): silu(g) * u of
+    g = x gate^T, u = x up^T -> [M, N], the addend's first N columns added to g and the next N to u. The
+    addend joins the fp32 sums before the cast (in the GEMV's epilogue, or the split-K sum's): no launch
+    more. `num_sms` defaults to the current SM budget; `config` overrides the chosen launch config."""
+    return _decode_linear(x, weights, swiglu, out, num_sms, config, addend)
 
 
 def decode_linear_add_rms_norm(
@@ -381,15 +141,17 @@ def decode_linear_add_rms_norm(
     eps: float,
     num_sms: int | None = None,
     config: DecodeLinearConfig | None = None,
+    addend: torch.Tensor | None = None,  # shape [M, N] fp32, unit column stride
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.add_rms_norm(x @ weight^T, residual, norm_weight, eps)` -> (normed, x @ weight^T + residual).
-    When K is split the split-sum kernel does the add and the norm too: one launch less."""
+    """`kernels.add_rms_norm(p, residual, norm_weight, eps)` -> (normed, p + residual) of the projection
+    p = x @ weight^T (+ addend, in fp32 before p's cast). When K is split the split-sum kernel does the add
+    and the norm too: one launch less."""
     m, n = x.shape[0], weight.shape[0]
     assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
     h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
     y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
     return _decode_linear(
-        x, (weight,), False, None, num_sms, config, add_norm=(residual, norm_weight, eps, y, h)
+        x, (weight,), False, None, num_sms, config, addend, add_norm=(residual, norm_weight, eps, y, h)
     )
 
 
@@ -400,8 +162,8 @@ def _decode_linear(
     out: torch.Tensor | None,
     num_sms: int | None,
     config: DecodeLinearConfig | None,
-    add_norm: tuple
-    | None = None,  # (residual, norm weight, eps, y out, h out): see decode_linear_add_rms_norm
+    addend: torch.Tensor | None,
+    add_norm: tuple | None = None,  # (residual, norm weight, eps, y out, h out): decode_linear_add_rms_norm
 ):
     assert 1 <= len(weights) <= 3 and x.dim() == 2 and x.stride(1) == 1, "x [M, K] and 1-3 weights"
     m, k = x.shape
@@ -413,6 +175,10 @@ def _decode_linear(
     if swiglu:
         assert len(weights) == 2 and ns[0] == ns[1], "swiglu takes gate and up of one shape"
     n_out = ns[0] if swiglu else sum(ns)
+    if addend is not None:
+        assert addend.shape == (m, sum(ns)) and addend.stride(1) == 1 and addend.dtype == torch.float32, (
+            f"addend {tuple(addend.shape)} {addend.dtype} must be fp32 [{m}, {sum(ns)}], unit column stride"
+        )
     if out is None:
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n_out) and out.stride(1) == 1, f"out must be [{m}, {n_out}]"
@@ -434,72 +200,50 @@ def _decode_linear(
     else:
         dest = torch.empty((split, m, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=x.device)
         stride = dest.stride(1)
+    # Without an addend the kernels never read it: x stands in for the pointer.
+    add, add_stride = (x, 0) if addend is None else (addend, addend.stride(0))
     n_padded = (ns + (0, 0))[:3]
     _decode_linear_kernel[(grid_n, split)](
-        x,
-        x.stride(0),
-        w[0],
-        w[1],
-        w[2],
-        dest,
-        stride,
-        m,
-        k,
-        n_padded[0],
-        n_padded[1],
-        n_padded[2],
-        tiles[0],
-        tiles[0] + tiles[1],
-        n_out,
-        k_per_split,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SPLIT_K=split,
-        SWIGLU=swiglu,
-        USE_DOT=cfg.use_dot,
-        EVEN_N=even_n,
-        EVEN_K=even_k,
+        x, x.stride(0), w[0], w[1], w[2], dest, stride, add, add_stride, m, k,
+        n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], n_out, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, SWIGLU=swiglu,
+        HAS_ADDEND=addend is not None, USE_DOT=cfg.use_dot, EVEN_N=even_n, EVEN_K=even_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if add_norm is not None:
         residual, norm_weight, eps, y, h = add_norm
         if split == 1:
             return kernels.add_rms_norm(out, residual, norm_weight, eps)
         block = _pow2(n_out)
         _split_reduce_add_rms_norm_kernel[(m,)](
-            dest,
-            residual,
-            residual.stride(0),
-            norm_weight,
-            h,
-            h.stride(0),
-            y,
-            y.stride(0),
-            m,
-            n_out,
-            eps,
-            SPLIT_K=split,
-            BLOCK=block,
+            dest, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
+            y, y.stride(0), m, n_out, eps, SPLIT_K=split, HAS_ADDEND=addend is not None, BLOCK=block,
             num_warps=max(4, min(16, block // 512)),
-        )
+        )  # fmt: skip
         return y, h
     if split > 1:
         block = min(1024, _pow2(n_out))
         _split_reduce_kernel[(m, _cdiv(n_out, block))](
-            dest, out, out.stride(0), m, n_out, SPLIT_K=split, SWIGLU=swiglu, BLOCK=block, num_warps=4
-        )
+            dest, out, out.stride(0), add, add_stride, m, n_out,
+            SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 
 def decode_linear_reference(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], swiglu: bool = False
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    swiglu: bool = False,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same op in torch, fp32 math, cast to x's dtype."""
-    ys = [F.linear(x.float(), w.float()) for w in weights]
-    y = F.silu(ys[0]) * ys[1] if swiglu else torch.cat(ys, dim=-1)
+    """The same op in torch, fp32 math (the addend added to the fp32 sums), cast to x's dtype."""
+    y = torch.cat([F.linear(x.float(), w.float()) for w in weights], dim=-1)
+    if addend is not None:
+        y = y + addend.float()
+    if swiglu:
+        n = weights[0].shape[0]
+        y = F.silu(y[:, :n]) * y[:, n:]
     return y.to(x.dtype)
 
 

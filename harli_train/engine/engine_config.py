@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+LORA_KERNELS = ("fused", "split")
 
 
 class EngineError(ValueError):
@@ -49,6 +50,9 @@ class EngineConfig:
     # nothing and the engine serves the base only.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # How a decode step's projection computes its adapters' delta (Triton kernels only): "fused", one launch
+    # (each program shrinks over the whole K, then expands), or "split", a shrink and an expand launch.
+    lora_kernel: str = "fused"
 
     def __post_init__(self) -> None:
         names = (
@@ -72,6 +76,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineError(
                 f"engine config: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.lora_kernel not in LORA_KERNELS:
+            raise EngineError(
+                f"engine config: lora_kernel is one of {LORA_KERNELS}, got {self.lora_kernel!r}"
             )
         if self.kernels not in KERNEL_BACKENDS:
             raise EngineError(f"engine config: kernels is one of {KERNEL_BACKENDS}, got {self.kernels!r}")

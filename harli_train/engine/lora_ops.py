@@ -9,6 +9,8 @@ token rows slot by slot and `slot_start[s]` is where slot s's rows begin. Two ke
   * expand: y[t, col_i : col_i + N_i] += (sum over splits of part[split, i, t, :]) B_s^T, the splits summed in
     a fixed order (deterministic) and the add done in fp32 before the one cast to y's dtype.
 Up to three slices share x (q/k/v, gate/up), each with its own A and B stacks and its own column range of y.
+`lora_add` adds into y (the model's own forward, through hooks); `lora_delta_split` stores the delta into an
+fp32 buffer instead (zeros on the base's rows), as `lora_fused.lora_delta_fused` does in one launch.
 The grids are sized by `max_rows` (the most rows one slot may hold), not by the step's content, so a CUDA
 graph captured for a bucket replays for any mix of adapters; the kernels read the buffers by address, so
 writing an adapter's weights needs no re-capture. Block sizes come from `lora_config` (no autotune).
@@ -145,7 +147,8 @@ def _lora_shrink_kernel(
 
 
 # part: as the shrink wrote it; b0..b2: B stacks [S, N_i, R] contiguous (unused ones alias b0); y: [T, *]
-# (row stride stride_ym, unit column stride), slice i adding into columns [col_i, col_i + N_i).
+# (row stride stride_ym, unit column stride), slice i adding into columns [col_i, col_i + N_i); with STORE,
+# y is an fp32 delta that the delta is stored into instead, zeros on slot 0's rows.
 # Grid (cdiv(max_rows, BLOCK_M) * n_tiles, n_slices, S), n_tiles = cdiv(max N_i, BLOCK_N).
 @triton.jit
 def _lora_expand_kernel(
@@ -170,13 +173,15 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    STORE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     piece = tl.program_id(1)
     slot = tl.program_id(2)
-    if slot == 0:
-        return
+    if not STORE:
+        if slot == 0:
+            return
     m_tile = pid // n_tiles
     n_tile = pid % n_tiles
     start = tl.load(slot_start_ptr + slot)
@@ -194,29 +199,44 @@ def _lora_expand_kernel(
         col0 = col2
     if m_tile * BLOCK_M >= count or n_tile * BLOCK_N >= n:
         return
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    mid = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        src = part_ptr + (s * n_slices + piece).to(tl.int64) * T * R
-        mid += tl.load(
-            src + rows[:, None] * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0
-        )
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    bt = tl.load(  # B^T tile [BLOCK_R, BLOCK_N]
-        b_ptr + slot.to(tl.int64) * n * R + offs_n[None, :] * R + offs_r[:, None],
-        mask=n_mask[None, :] & r_mask[:, None],
-        other=0.0,
-    )
-    delta = tl.dot(mid.to(bt.dtype), bt, input_precision=PRECISION)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    if slot == 0:
+        # Only with STORE: the base model's rows get a zero delta. They may outnumber max_rows, so the
+        # slot's programs stride over its row tiles.
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        step = (tl.num_programs(0) // n_tiles) * BLOCK_M
+        for first in range(m_tile * BLOCK_M, count, step):
+            offs_m = first + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
+            tl.store(y_ptrs, zeros, mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        mid = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            src = part_ptr + (s * n_slices + piece).to(tl.int64) * T * R
+            mid += tl.load(
+                src + rows[:, None] * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0
+            )
+        bt = tl.load(  # B^T tile [BLOCK_R, BLOCK_N]
+            b_ptr + slot.to(tl.int64) * n * R + offs_n[None, :] * R + offs_r[:, None],
+            mask=n_mask[None, :] & r_mask[:, None],
+            other=0.0,
+        )
+        delta = tl.dot(mid.to(bt.dtype), bt, input_precision=PRECISION)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + (col0 + offs_n)[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if STORE:
+            tl.store(y_ptrs, delta, mask=mask)
+        else:
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_add(
@@ -233,6 +253,38 @@ def lora_add(
 ) -> torch.Tensor:
     """y[:, col_i : col_i + N_i] += scale_s * (x A_i,s^T) B_i,s^T for each token of an adapter slot s != 0
     (slot 0's rows of y are not touched); returns y. Two launches (shrink, expand) whatever the mix."""
+    _shrink_expand(y, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, False)
+    return y
+
+
+def lora_delta_split(
+    x: torch.Tensor,  # shape [T, K], unit column stride
+    a_stacks: Sequence[torch.Tensor],  # 1-3 tensors, shape [S, R, K] contiguous, x's dtype
+    b_stacks: Sequence[torch.Tensor],  # one per A, shape [S, N_i, R] contiguous
+    sorted_ids: torch.Tensor,  # shape [T] int32 (lora_layout; every row in a slot)
+    slot_start: torch.Tensor,  # shape [S + 1] int32 (lora_layout)
+    scales: torch.Tensor,  # shape [S] fp32
+    max_rows: int,  # the most rows one adapter slot may hold (the grid's bound)
+    out: torch.Tensor | None = None,  # shape [T, sum N_i] fp32, unit column stride
+    config: LoRAConfig | None = None,
+) -> torch.Tensor:
+    """The fp32 delta [T, sum N_i] of `lora_delta_fused` (slices side by side, zeros on the base's rows)
+    by the shrink and the expand: two launches whatever the mix."""
+    t, ns = x.shape[0], [int(b.shape[1]) for b in b_stacks]
+    if out is None:
+        out = torch.empty((t, sum(ns)), dtype=torch.float32, device=x.device)
+    assert out.shape == (t, sum(ns)) and out.dtype == torch.float32, f"delta must be fp32 [{t}, {sum(ns)}]"
+    columns = [sum(ns[:i]) for i in range(len(ns))]
+    _shrink_expand(
+        out, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, True
+    )
+    return out
+
+
+def _shrink_expand(
+    y, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, store
+):
+    # The launches of lora_add (store False: y += delta) and lora_delta_split (store True: y = delta).
     n_slices = len(a_stacks)
     assert 1 <= n_slices <= 3 and len(b_stacks) == n_slices == len(columns), "1-3 slices, A/B/column each"
     assert x.dim() == 2 and x.stride(1) == 1 and y.dim() == 2 and y.stride(1) == 1, "x [T, K], y [T, N]"
@@ -247,10 +299,12 @@ def lora_add(
             f"B {tuple(b.shape)}"
         )
         assert 0 <= col and col + b.shape[1] <= y.shape[1], "a slice's columns must lie inside y"
-        ns.append(b.shape[1])
-    if t == 0 or max_rows == 0:
-        return y
+        ns.append(int(b.shape[1]))
+    if t == 0 or (max_rows == 0 and not store):
+        return
+    max_rows = max(1, int(max_rows))  # storing: one row tile at least, for the base's zeros
     cfg = config or lora_config(max_rows, r, k, current_num_sms(), x.element_size())
+    assert min(cfg.block_m, cfg.block_r, cfg.block_k, cfg.block_n) >= 16, f"tl.dot needs 16 a side: {cfg}"
     m_tiles = _cdiv(max_rows, cfg.block_m)
     k_per_split = _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = _cdiv(k, k_per_split)  # no empty range
@@ -269,9 +323,8 @@ def lora_add(
     _lora_expand_kernel[(m_tiles * n_tiles, n_slices, s)](
         part, b[0], b[1], b[2], y, y.stride(0), sorted_ids, slot_start, t, r, n_slices, n[0], n[1], n[2],
         col[1], col[2], n_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        SPLIT_K=split, PRECISION=precision, num_warps=cfg.num_warps,
+        SPLIT_K=split, STORE=store, PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
-    return y
 
 
 def lora_add_reference(

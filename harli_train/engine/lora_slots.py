@@ -5,6 +5,8 @@ Slot 0 is the base model (its rows get no delta); slots 1..max_loras hold adapte
 R sits in its slot's first r rows of A and columns of B, the rest zero, so one kernel config serves every
 rank. `meta` is the current step's `LoRAStepMeta` (None: no row of the step runs an adapter, and no
 projection does any LoRA work); the runner sets it around a forward, as it sets the attention's metadata.
+Two ways to apply it: `delta` (the decode forward: an fp32 delta the projection adds before its epilogue,
+by the `kernel` chosen, "fused" or "split") and `add` (the model's own forward, through hooks).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harli_train.engine.engine_config import LORA_KERNELS
 from harli_train.model.config import ModelConfig
 from harli_train.model.linear import LoRALinear
 from harli_train.model.llama import LORA_TARGETS
@@ -25,7 +28,8 @@ from harli_train.model.llama import LORA_TARGETS
 class LoRAStepMeta:
     """One step's tokens grouped by adapter slot, prepared once and read by every projection: `sorted_ids`
     [T] int32 and `slot_start` [S + 1] int32 (`lora_ops.lora_layout`), `token_slots` [T] int64 (each
-    token's slot, for the torch path), `max_rows` the most rows one slot may hold (the kernels' grid)."""
+    token's slot, for the torch path), `max_rows` the most rows one adapter slot may hold (the kernels'
+    grid). For `LoRASlots.delta` every row is in a slot, the base's included (slot_start[S] = T)."""
 
     sorted_ids: torch.Tensor
     slot_start: torch.Tensor
@@ -67,8 +71,11 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device,
         use_triton: bool,
+        kernel: str = "fused",
     ):
+        assert kernel in LORA_KERNELS, f"LoRA kernel {kernel!r} is not one of {LORA_KERNELS}"
         self.num_slots, self.max_rank, self.use_triton = max_loras + 1, max_rank, use_triton
+        self.kernel = kernel
         self.num_layers, self.dtype, self.device = config.num_layers, dtype, device
         s, r, L = self.num_slots, max_rank, config.num_layers
         self.shapes = _target_shapes(config)
@@ -179,6 +186,28 @@ class LoRASlots:
         from harli_train.engine.lora_ops import lora_add_reference
 
         return lora_add_reference(y, x, a, b, columns, meta.token_slots, self.scales)
+
+    def delta(self, x: torch.Tensor, layer: int, targets: Sequence[str]) -> torch.Tensor | None:
+        """The fp32 delta [T, sum N] of the projections `targets` of x [T, K], side by side in that order
+        (zeros on the base's rows), for the projection to add before its epilogue; None, and no work, when
+        the step has no adapter row. One launch with the "fused" kernel, two with "split"."""
+        meta = self.meta
+        if meta is None:
+            return None
+        a = [self.a[t][layer] for t in targets]
+        b = [self.b[t][layer] for t in targets]
+        if self.use_triton:
+            from harli_train.engine.lora_fused import lora_delta_fused
+            from harli_train.engine.lora_ops import lora_delta_split
+
+            fn = lora_delta_fused if self.kernel == "fused" else lora_delta_split
+            return fn(x, a, b, meta.sorted_ids, meta.slot_start, self.scales, meta.max_rows)
+        from harli_train.engine.lora_ops import lora_add_reference
+
+        widths = [self.shapes[t][1] for t in targets]
+        zeros = torch.zeros((x.shape[0], sum(widths)), dtype=torch.float32, device=x.device)
+        columns = [sum(widths[:i]) for i in range(len(widths))]
+        return lora_add_reference(zeros, x, a, b, columns, meta.token_slots, self.scales)
 
     def install_hooks(self, model: torch.nn.Module) -> list:
         """Forward hooks that add the step's adapter deltas to each projection of `model` (the path that runs

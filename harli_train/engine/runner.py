@@ -68,7 +68,13 @@ class ModelRunner:
         if config.max_loras:
             dtype = model.lm_head.weight.dtype
             self.lora = LoRASlots(
-                model.config, config.max_loras, config.max_lora_rank, dtype, self.device, use_triton
+                model.config,
+                config.max_loras,
+                config.max_lora_rank,
+                dtype,
+                self.device,
+                use_triton,
+                config.lora_kernel,
             )
             self.lora.install_hooks(model)
         self.decode_forward = None

@@ -1,0 +1,261 @@
+"""The Triton kernels behind `decode_linear` (launchers, configs and the contract live there).
+
+`_decode_linear_kernel` streams row tiles of up to three weights against a few rows of x (FMA at M == 1,
+"swap AB" tensor-core dots above); with SPLIT_K > 1 it writes fp32 partials that `_split_reduce_kernel` (or
+`_split_reduce_add_rms_norm_kernel`) sums in a fixed order. An optional fp32 addend [M, N_total] (a LoRA
+delta) joins the fp32 sum before the epilogue (cast, SwiGLU, residual add and norm): in the GEMV kernel's
+epilogue without split-K, in the reduce kernel with it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _accumulate(
+    x_ptr,
+    stride_xm,
+    w_ptr,
+    rows,
+    n_rows,
+    M,
+    K,
+    k_start,
+    k_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """fp32 sums over k in [k_start, k_end) of W[rows, k] x[m, k]: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    row_mask = rows < n_rows
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                k_mask = offs_k < BLOCK_K
+            else:
+                k_mask = offs_k + k0 < K
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs + k0, mask=k_mask[:, None] & (offs_m < M)[None, :], other=0.0)
+            acc = tl.dot(w, xt.to(w.dtype), acc, input_precision=PRECISION)
+        return acc
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                k_mask = offs_k < BLOCK_K
+            else:
+                k_mask = offs_k + k0 < K
+            if EVEN_N:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        return tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _load_tile(ptr, stride_m, cols, col_mask, M, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    # ptr[m, cols] in fp32, laid out as the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0).
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        ptrs = ptr + offs_m[None, :] * stride_m + cols[:, None]
+        return tl.load(ptrs, mask=col_mask[:, None] & (offs_m < M)[None, :], other=0.0).to(tl.float32)
+    else:
+        return tl.load(ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0 only) into out[m, cols].
+    if USE_DOT:
+        offs_m = tl.arange(0, BLOCK_M)
+        ptrs = out_ptr + offs_m[None, :] * stride_om + cols[:, None]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & (offs_m < M)[None, :])
+    else:
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
+# out: [M, N_total] (row stride stride_om) when SPLIT_K == 1, else the fp32 workspace [SPLIT_K, M, N_total]
+# (dense). Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU, N_total = N_0 and the
+# workspace holds gate sums in [0, N_0) and up sums in [N_0, 2 N_0).
+# add: fp32 [M, N_total] (2 N_0 with SWIGLU: gate columns, then up; row stride stride_am), read when
+# HAS_ADDEND and SPLIT_K == 1 (the reduce kernel adds it otherwise).
+# Grid (row tiles of all weights, SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 / weights 0 and 1.
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr,
+    stride_xm,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    out_ptr,
+    stride_om,
+    add_ptr,
+    stride_am,
+    M,
+    K,
+    n0,
+    n1,
+    n2,
+    tiles_0,
+    tiles_01,
+    n_total,
+    k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if SWIGLU:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = _accumulate(
+            x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
+        )  # fmt: skip
+        u = _accumulate(
+            x_ptr, stride_xm, w1_ptr, rows, n0, M, K, k_start, k_end,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
+        )  # fmt: skip
+        col_mask = rows < n0
+        if SPLIT_K == 1:
+            if HAS_ADDEND:
+                g += _load_tile(add_ptr, stride_am, rows, col_mask, M, BLOCK_M, USE_DOT)
+                u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
+        else:
+            part = out_ptr + split.to(tl.int64) * M * (2 * n0)
+            _store_tile(part, 2 * n0, g, rows, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(part, 2 * n0, u, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
+    else:
+        # Scalar branches pick the weight; every program then runs the same streaming loop.
+        w_ptr = w0_ptr
+        n_rows = n0
+        col0 = 0
+        tile = pid
+        if pid >= tiles_01:
+            w_ptr = w2_ptr
+            n_rows = n2
+            col0 = n0 + n1
+            tile = pid - tiles_01
+        elif pid >= tiles_0:
+            w_ptr = w1_ptr
+            n_rows = n1
+            col0 = n0
+            tile = pid - tiles_0
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _accumulate(
+            x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
+        )  # fmt: skip
+        col_mask = rows < n_rows
+        if SPLIT_K == 1:
+            if HAS_ADDEND:
+                acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+        else:
+            part = out_ptr + split.to(tl.int64) * M * n_total
+            _store_tile(part, n_total, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+
+
+# part: [SPLIT_K, M, W] fp32 dense (W = N, or 2 N with SWIGLU); out: [M, N] row stride stride_om; add (when
+# HAS_ADDEND): fp32 [M, W] row stride stride_am, summed with the splits.
+@triton.jit
+def _split_reduce_kernel(
+    part_ptr,
+    out_ptr,
+    stride_om,
+    add_ptr,
+    stride_am,
+    M,
+    N,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    width = 2 * N if SWIGLU else N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + (s * M + m) * width
+        acc += tl.load(row + cols, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(row + N + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(add_ptr + m * stride_am + N + cols, mask=mask, other=0.0)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * up
+    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# part: [SPLIT_K, M, N] fp32 dense; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32
+# [M, N] row stride stride_am. One program per row: the sum of the splits (and the addend) is the
+# projection's output in its dtype (as `decode_linear` would store it); then the residual add and RMSNorm
+# round as `kernels.add_rms_norm` does (h in its dtype, fp32 statistics).
+@triton.jit
+def _split_reduce_add_rms_norm_kernel(
+    part_ptr,
+    add_ptr,
+    stride_am,
+    res_ptr,
+    stride_r,
+    w_ptr,
+    h_ptr,
+    stride_h,
+    y_ptr,
+    stride_y,
+    M,
+    N,
+    eps,
+    SPLIT_K: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
+    x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + m * stride_h + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
