@@ -247,12 +247,17 @@ def compare(served: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any]:
     }
     trainer = _ratio(served["trainer"]["tokens_per_s"], inproc["trainer"]["tokens_per_s"])
     worst = max((abs(r - 1) for r in lat.values() if r is not None), default=None)
+    served_all = client["errors"] == 0 and engine["requests"] == client["requests"]
     return {
+        "client_errors": client["errors"],
+        "all_served": served_all,  # every request answered (a refusal makes the figures meaningless)
         "client_over_engine": lat,
         "client_vs_engine_worst": worst,
-        "client_vs_engine_ok": worst is not None and worst <= TARGETS["client_vs_engine"],
+        "client_vs_engine_ok": served_all and worst is not None and worst <= TARGETS["client_vs_engine"],
         "trainer_served_over_inproc": trainer,
-        "trainer_ok": trainer is not None and abs(trainer - 1) <= TARGETS["trainer_served_vs_inproc"],
+        "trainer_ok": served_all
+        and trainer is not None
+        and abs(trainer - 1) <= TARGETS["trainer_served_vs_inproc"],
         "objective": {
             where: {k: src.get(k) for k in ("violations", "violation_rate", "tpot_attainment", "intervals")}
             for where, src in (
@@ -353,6 +358,10 @@ def report(result: dict[str, Any]) -> str:
         "trainer tok/s",
     ]
     lines = [common.table(rows, head), ""]
+    if not c["all_served"]:
+        lines.append(
+            f"NOT ALL SERVED: {c['client_errors']} of {s['client']['requests']} requests failed at the client"
+        )
     worst = c["client_vs_engine_worst"]
     lines.append(f"client / engine (TTFT, TPOT p50/p99/mean): worst {worst:.3f} off "
                  f"(target <= {TARGETS['client_vs_engine']}): {'ok' if c['client_vs_engine_ok'] else 'MISS'}")  # fmt: skip

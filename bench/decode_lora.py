@@ -3,8 +3,8 @@ LoRA delta kernels alone beside the projections they feed.
 
 Rows (4 random rank-16 adapters on all seven projections, batch 1-64): "lora_base" (every request on the
 base: must cost what "default" does), "lora_1" (every request on one adapter) and "lora_mix4" (requests
-spread over four adapters) on the default kernel ("fused"), then "lora_1_split" and "lora_mix4_split" on
-"split". Targets: TPOT within 10 % (lora_1*) and 15 % (lora_mix4*) of lora_base's, compared in this run
+spread over four adapters) on the default kernel ("split"), then "lora_1_fused" and "lora_mix4_fused" on
+"fused". Targets: TPOT within 10 % (lora_1*) and 15 % (lora_mix4*) of lora_base's, compared in this run
 (`lora.ratios`). `lora.kernel` times one layer's projections at batch 1, 8 and 64 inside CUDA graphs: the
 GEMV alone and with an fp32 addend (what the delta costs the projection's epilogue), and each delta kernel
 on one adapter and on four.
@@ -19,7 +19,7 @@ import traceback
 import common
 
 RANK, ADAPTERS = 16, 4
-TARGETS = {"lora_1": 1.10, "lora_mix4": 1.15, "lora_1_split": 1.10, "lora_mix4_split": 1.15}
+TARGETS = {"lora_1": 1.10, "lora_mix4": 1.15, "lora_1_fused": 1.10, "lora_mix4_fused": 1.15}
 
 
 def random_adapters(model, n: int, rank: int, seed: int = 0) -> list[dict]:
@@ -52,8 +52,8 @@ def lora_sections(bench, device) -> dict:
     adapters = random_adapters(model, ADAPTERS, RANK)
     mix = tuple(range(1, ADAPTERS + 1))
     plan = {
-        "fused": {"lora_base": (0,), "lora_1": (1,), "lora_mix4": mix},
-        "split": {"lora_1_split": (1,), "lora_mix4_split": mix},
+        "split": {"lora_base": (0,), "lora_1": (1,), "lora_mix4": mix},
+        "fused": {"lora_1_fused": (1,), "lora_mix4_fused": mix},
     }
     out: dict = {"rank": RANK, "adapters": ADAPTERS, "errors": {}}
     points = [(b, bench.ctx) for b in batches]

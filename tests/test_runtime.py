@@ -451,6 +451,39 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     assert warmed == [[ladder.full]] and len(again.trainer_rungs) == 3
 
 
+def test_the_kv_cache_the_load_wants_is_kept_clear_of_the_trainers_streams():
+    # The reserve: the batch limit of the load's mean request (the recipe's lengths without a load, as with
+    # HTTP clients alone); the trainer's room is the free pages less the groups that reserve still needs.
+    from types import SimpleNamespace
+
+    from harli_train.colocate.assembly import kv_reserve_blocks
+    from harli_train.colocate.pool_memory import PoolMemory
+
+    col = SimpleNamespace(max_batch=4, prompt_len=100, output_len=28)
+    assert kv_reserve_blocks([], col, 16) == 32  # 4 x 128 tokens
+    load = [TraceRequest(0.0, prompt_len=40, output_len=24), TraceRequest(0.1, prompt_len=8, output_len=24)]
+    assert kv_reserve_blocks(load, col, 16) == 12  # 4 x 48 tokens
+    kv = SimpleNamespace(max_blocks=640, blocks_per_page=64, pages_per_group=8, num_blocks=64)
+    mem = SimpleNamespace(kv=kv, pool=SimpleNamespace(free_pages=100, page_bytes=1), kv_reserve_blocks=None)
+    assert PoolMemory.trainer_room_bytes(mem) == 100 - 9 * 8  # the whole cache: 9 more groups
+    mem.kv_reserve_blocks = 200
+    assert PoolMemory.trainer_room_bytes(mem) == 100 - 3 * 8  # 4 groups wanted, 1 mapped
+    mem.kv_reserve_blocks = 10
+    assert PoolMemory.trainer_room_bytes(mem) == 100  # what is mapped holds it
+
+
+def test_a_served_engine_takes_requests_as_long_as_the_models_context():
+    # HTTP clients send prompts of any length: with --serve the engine is sized for the model's context,
+    # not for the recipe's synthetic load (which may be none).
+    model = load_model("tiny", torch.float32, "cpu")
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    short = [TraceRequest(0.0, prompt_len=8, output_len=8)]
+    tok = load_tokenizer("tiny", True)
+    assert build_engine(model, tok, ladder, short, 4).max_model_len == 256  # the floor
+    served = build_engine(model, tok, ladder, short, 4, whole_context=True)
+    assert served.max_model_len == model.config.max_position_embeddings > 256
+
+
 def test_grow_headroom_moves_the_trainer_off_the_next_share_while_decode_is_near_its_budget():
     # harli:grow=H (default 0.05): while decode's predicted step is within H of the budget, the trainer's next micro-steps go
     # to a rung clear of the share decode would grow to; the trailing window keeps decode's real shares only.

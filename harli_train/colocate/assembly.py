@@ -10,6 +10,7 @@ place this happens, for the command line and the co-location benchmark alike (``
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ def build_engine(
     lora_rank: int | None = None,
     base_id: str = "base",
     kv_storage: Callable[[KVCacheSpec, EngineConfig], Any] | None = None,
+    whole_context: bool = False,
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
     ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own). With
@@ -108,10 +110,13 @@ def build_engine(
     as far as the engine's batch limit and longest sequence can use); default: a fixed tensor, on a GPU sized
     for the batch limit within ``KV_MEMORY_FRACTION`` of the device.
 
-    Sized for the longest of ``requests`` but never past the model's context: a longer request is refused
-    (and recorded so) when it arrives, as is one that needs more than the whole KV cache.
+    Sized for the longest of ``requests`` (``whole_context``: for the model's whole context, as HTTP clients
+    send what they like) but never past the model's context: a longer request is refused (and recorded so)
+    when it arrives, as is one that needs more than the whole KV cache.
     """
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
+    if whole_context:
+        longest = model.config.max_position_embeddings
     # Steps are not overlapped: the controller sizes each step's partition from the step before it (its
     # measured latency and the batch it leaves), so every step completes before the next is planned.
     cfg = EngineConfig(
@@ -150,6 +155,14 @@ def plain_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) 
     else:
         cap = cfg.cpu_kv_bytes
     return max(cfg.max_blocks_per_seq, min(useful, cap // spec.bytes_per_block))
+
+
+def kv_reserve_blocks(requests: Sequence[TraceRequest], col: Any, block_size: int) -> int:
+    """The KV blocks the pool keeps clear of the trainer's cached working sets: the batch limit of requests
+    of the load's mean length (no load, as with HTTP clients alone: ``prompt_len + output_len``)."""
+    lengths = [(r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests]
+    mean = sum(lengths) / len(lengths) if lengths else col.prompt_len + col.output_len
+    return math.ceil(col.max_batch * mean / block_size)
 
 
 def open_pool(
@@ -357,6 +370,7 @@ def assemble(
     loads: Sequence[list[TraceRequest]] = (),
     spatial: bool | None = None,
     live_adapter: bool = False,
+    http: bool = False,
     parallel: Any = None,
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
@@ -364,7 +378,8 @@ def assemble(
     The trainer (resumed from ``resume`` when given) comes first: its output directory is checked before
     anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
     base. The engine is sized for the longest request of the recipe's load and of ``loads`` (further loads
-    the caller will serve on it). ``spatial=True`` gives a CPU the stand-in ladder with SM partitions
+    the caller will serve on it), or with ``http`` (``--serve``: clients send requests of any length) for
+    the model's whole context. ``spatial=True`` gives a CPU the stand-in ladder with SM partitions
     whatever the recipe's policy (default: as the policy needs; a GPU has its green contexts either way).
     The decode profile is ``colocation.profile`` when set (reused when it matches this machine, else measured
     and written there). The recipe's policy is ``Colocation.policy``, prepared (``Colocation.prepare``)
@@ -401,12 +416,14 @@ def assemble(
         lora_rank=cfg.lora.rank if live else None,
         base_id=served_id(serve_model),
         kv_storage=kv_storage,
+        whole_context=http,
     )
     if memory is not None and memory.kv is None:
         memory = None  # it could not be set up: a fixed cache instead (memory_info says why)
     if memory is not None:
         memory.bind(engine.engine)
         memory.attach(trainer)
+        memory.kv_reserve_blocks = kv_reserve_blocks(every_request, col, engine.engine.config.block_size)
         # The profile's synthetic steps read distinct blocks, as many as a fixed cache would have.
         memory.fit_blocks(plain_kv_blocks(engine.engine.config, engine.engine.storage.spec, device))
     live_adapter_ = None

@@ -64,6 +64,7 @@ def run_colocated(
     extra = {} if parallel is None else {"parallel": parallel}  # one GPU: assemble exactly as before
     if serve is not None:
         extra["live_adapter"] = True  # the trainer's adapter served live
+        extra["http"] = True  # clients' requests may be as long as the model's context
     col = assemble(cfg, serve_model, resume, **extra)
     records, part = records_dir(Path(cfg.output.dir), resumed=resume is not None)
     col.info["records"] = {"dir": str(records), "part": part}

@@ -85,6 +85,7 @@ class PoolMemory(CacheReleaseHook):
         self._placement: OptimizerPlacement | None = None
         self._acc: dict[str, Any] = {}  # the sample's statistics, the resizer thread's alone
         self._refusals0 = 0
+        self.kv_reserve_blocks: int | None = None  # the cache the load wants, kept clear of the trainer
 
     # ---- set-up ----------------------------------------------------------------------------------
     def open(self, spec: Any, max_blocks: int) -> PooledKVStorage:
@@ -209,10 +210,12 @@ class PoolMemory(CacheReleaseHook):
         return self.trainer_tenant.stats()["used_pages"] * self.pool.page_bytes
 
     def trainer_room_bytes(self) -> int:
-        """Free pages less those the KV cache would map to reach its largest size: what the trainer may take
-        and still leave decode its whole cache."""
+        """Free pages less those the KV cache would map to hold ``kv_reserve_blocks`` (default: its largest
+        size): what the trainer's cached working sets may take and still leave decode the cache its load
+        wants (those pages are no stashes: the pool cannot take them back)."""
         kv = self.kv
-        groups = -(-kv.max_blocks // kv.blocks_per_page) - kv.num_blocks // kv.blocks_per_page
+        want = kv.max_blocks if self.kv_reserve_blocks is None else min(self.kv_reserve_blocks, kv.max_blocks)
+        groups = max(-(-want // kv.blocks_per_page) - kv.num_blocks // kv.blocks_per_page, 0)
         return max(self.pool.free_pages - groups * kv.pages_per_group, 0) * self.pool.page_bytes
 
     def capacity_blocks(self) -> int:

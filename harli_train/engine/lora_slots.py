@@ -71,7 +71,7 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device,
         use_triton: bool,
-        kernel: str = "fused",
+        kernel: str = "split",
     ):
         assert kernel in LORA_KERNELS, f"LoRA kernel {kernel!r} is not one of {LORA_KERNELS}"
         self.num_slots, self.max_rank, self.use_triton = max_loras + 1, max_rank, use_triton

@@ -1,0 +1,41 @@
+"""bench/bench_serve.py's dry run: both runs of the command users run (behind HTTP with loadgen, and in-process),
+every request answered, the comparison's layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.slow
+def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_process(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", "8019"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench_serve.json").read_text())
+    served, inproc, comparison = result["served"], result["inproc"], result["comparison"]
+    n = result["config"]["requests"]
+    assert comparison["all_served"] and comparison["client_errors"] == 0
+    assert served["client"]["completed"] == served["engine"]["requests"] == inproc["engine"]["requests"] == n
+    assert served["exit_code"] == 0 and inproc["exit_code"] in (0, 130)
+    for run in (served, inproc):
+        window = run["trainer"]["window_s"]
+        assert 0 < window[0] < window[1] and run["trainer"]["tokens_per_s"] is not None
+    assert set(comparison["client_over_engine"]) == {
+        f"{m}_{s}" for m in ("ttft_ms", "tpot_ms") for s in ("p50", "p99", "mean")
+    }
+    assert set(comparison["objective"]) == {"client", "served_engine", "inproc_engine"}
+    assert (tmp_path / "bench_serve-runs.tar.gz").stat().st_size > 0
