@@ -70,7 +70,8 @@ class Colocation:
         self.info: dict[str, Any] = dict(info or {})
         self.memory = memory
         self.policy: Policy | None = None
-        self._stream_bytes: int | None = None  # what one trainer stream caches (measured at the first prepare)
+        # What one trainer stream caches (measured at the first prepare).
+        self._stream_bytes: int | None = None
 
     @property
     def tpot_s(self) -> float:
