@@ -423,14 +423,17 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     assert policy.limit_trainer_streams(0) is True and [p.train_sms for p in policy.trainer_rungs] == [4]
     assert StaticPolicy(ladder, 64, 0.02, 0.1).limit_trainer_streams(1) is False  # one stream already
 
-    class Hook:  # 19 GiB cached per warmed stream, 60 GiB left beside the KV cache after the first
+    class Hook:  # 19 GiB cached per warmed stream, 4 GiB more during a step, 64 GiB left after the first
         held = 0
 
         def trainer_bytes(self):
             return self.held
 
+        def trainer_peak_bytes(self):
+            return self.held + 4 * 2**30 if self.held else 0
+
         def trainer_room_bytes(self):
-            return 60 * 2**30
+            return 64 * 2**30
 
     hook, warmed = Hook(), []
 
@@ -442,10 +445,11 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     monkeypatch.setattr(colocation_mod, "warm_up_trainer", warm)
     col = Colocation.__new__(Colocation)
     col.ladder, col.memory, col._stream_bytes, col.trainer = ladder, hook, None, None
+    col._step_extra_bytes = 0
     fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(fresh, contextlib.nullcontext)
     assert warmed == [[ladder.full]] and col._stream_bytes == 19 * 2**30
-    assert len(fresh.trainer_rungs) == 3  # 60 // 19
+    assert col._step_extra_bytes == 4 * 2**30 and len(fresh.trainer_rungs) == 3  # (64 - 4) // 19
     again = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(again, contextlib.nullcontext)  # measured once: the next policy fits the same
     assert warmed == [[ladder.full]] and len(again.trainer_rungs) == 3

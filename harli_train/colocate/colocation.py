@@ -72,6 +72,7 @@ class Colocation:
         self.policy: Policy | None = None
         # What one trainer stream caches (measured at the first prepare).
         self._stream_bytes: int | None = None
+        self._step_extra_bytes = 0  # what a step holds beyond that (its saved tensors)
 
     @property
     def tpot_s(self) -> float:
@@ -131,27 +132,32 @@ class Colocation:
             policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
 
     def _fit_trainer_streams(self, policy: Policy, scope: Callable) -> None:
-        """Warm the whole GPU's trainer stream, measure the working set it caches, and have ``policy``
-        launch on no more streams than the memory left beside the KV cache's largest size holds: each
-        stream keeps its own copy (torch's cache, and the page pool's MemPool, never hand one stream's
-        freed blocks to another), and a stream warmed past the memory runs set-up out of it."""
+        """Warm the whole GPU's trainer stream, measure what it keeps cached and what a step holds beyond
+        that (the chunks' saved tensors, freed by backward), and have ``policy`` launch on no more streams
+        than the memory left beside the KV cache the load wants holds, less one step's extra: each stream
+        keeps its own copy (torch's cache, and the page pool's MemPool, never hand one stream's freed blocks
+        to another), and a stream warmed past the memory runs set-up or the run out of it."""
         hook = self.memory if self.memory is not None else CacheReleaseHook()
         if self._stream_bytes is None:  # the first warm-up of this trainer's shapes
-            before = hook.trainer_bytes()
+            before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
             full = [self.ladder.full]
             warm_up_trainer(self.trainer, full, self.ladder.total_sms, release=False, scope=scope)
-            self._stream_bytes = hook.trainer_bytes() - before
+            after, peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
+            self._stream_bytes = after - before
+            # A peak the step did not raise is an older one: it says nothing of the step.
+            self._step_extra_bytes = max(peak - after, 0) if peak > peak_before else 0
         per_stream = self._stream_bytes
         if per_stream <= 0:
             return
-        room = hook.trainer_room_bytes()
+        room = max(hook.trainer_room_bytes() - self._step_extra_bytes, 0)
         count = int(room // per_stream)
         wanted = len(policy.trainer_partitions()) - 1  # the whole GPU's stream is warmed already
         if policy.limit_trainer_streams(count):
             log.warning(
-                "the trainer's working set (%.1f GiB a stream) fits %d more streams in the %.1f GiB left "
-                "beside the KV cache: %s launches on %d of its %d trainer rungs",
+                "the trainer's working set (%.1f GiB a stream, %.1f GiB more during a step) fits %d more "
+                "streams in the %.1f GiB left beside the KV cache: %s launches on %d of its %d trainer rungs",
                 per_stream / 2**30,
+                self._step_extra_bytes / 2**30,
                 count,
                 room / 2**30,
                 policy.name,

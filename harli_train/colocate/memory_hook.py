@@ -7,8 +7,9 @@ spare). Neither may raise for the serving side's sake: a failure is logged and t
 
 A hook may also have ``begin_run()`` (a run starts), ``trainer_scope()`` (a context entered around each
 trainer micro-step: where its allocations go), ``step_row()`` (fields for each step record) and
-``summary()`` (the run summary's ``memory.pool``), ``trainer_bytes()`` and ``trainer_room_bytes()`` (what the
-trainer holds, and what more it may take, on a GPU: how many trainer streams fit); ``CacheReleaseHook`` gives
+``summary()`` (the run summary's ``memory.pool``), ``trainer_bytes()``, ``trainer_peak_bytes()`` and
+``trainer_room_bytes()`` (what the trainer holds, has held at most, and may still take, on a GPU: how many
+trainer streams fit); ``CacheReleaseHook`` gives
 the defaults, and the page pool's hook is ``harli_train.colocate.pool_memory.PoolMemory``.
 """
 
@@ -51,6 +52,10 @@ class CacheReleaseHook:
     def trainer_bytes(self) -> int:
         """GPU memory torch holds (the trainer's share of it is what grows as its streams are warmed)."""
         return torch.cuda.memory_reserved()
+
+    def trainer_peak_bytes(self) -> int:
+        """The most ``trainer_bytes`` has been (torch keeps a step's freed blocks cached: the same figure)."""
+        return torch.cuda.max_memory_reserved()
 
     def trainer_room_bytes(self) -> int:
         """GPU memory the trainer may still take: what the driver has free (the KV cache is allocated)."""

@@ -209,6 +209,10 @@ class PoolMemory(CacheReleaseHook):
         """The pool's pages the trainer tenant holds."""
         return self.trainer_tenant.stats()["used_pages"] * self.pool.page_bytes
 
+    def trainer_peak_bytes(self) -> int:
+        """The most pages the trainer tenant has held (its saved tensors' stashes included)."""
+        return self.trainer_tenant.stats()["peak_pages"] * self.pool.page_bytes
+
     def trainer_room_bytes(self) -> int:
         """Free pages less those the KV cache would map to hold ``kv_reserve_blocks`` (default: its largest
         size): what the trainer's cached working sets may take and still leave decode the cache its load
