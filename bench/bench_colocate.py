@@ -10,6 +10,9 @@ recipes/llama-8b-lora.yaml serving its own base model, one copy of the weights),
 its loads to size the engine for, SM partitions on a CPU, ``--profile`` as the recipe's profile file. Each
 window gets a fresh policy (``Colocation.new_policy``; the predictor's corrections start again), a fresh
 adapter and optimizer (``new_trainer``) and its trainer streams warmed (``prepare``), then serves its cell.
+The page pool is off unless ``--memory-pool on``: the windows' policies warm the trainer on most rungs'
+streams, and the pool's MemPool keeps every stream's cache for the process's life (torch's own cache is
+emptied between windows); ``bench/bench_pool.py`` measures the pool on one split.
 
 Cells (colocate_load.py): ``--trace`` at light, medium and heavy load (1x, 2x, 4x its rate), or the varying
 trace once, whole (cell ``varying/1x``). A GPU window lasts >= 15 s and holds >= 50 requests (the trace
@@ -199,6 +202,8 @@ def set_up(args: argparse.Namespace, scratch: Path, cells: list[Cell]) -> Coloca
         overrides.append(f"colocation.ladder_step={args.ladder_step}")
     if args.dry_run:
         overrides += ["train.device=cpu", "model.dtype=float32", "train.batch_size=2", "data.seq_len=64"]
+    if args.memory_pool == "off":
+        overrides.append("colocation.memory_pool=false")
     cfg = load_recipe(args.recipe, overrides)
     return assemble(cfg, cfg.model.name, loads=[list(c.requests) for c in cells], spatial=True)
 
@@ -290,6 +295,14 @@ def parse_args() -> argparse.Namespace:
         help="this share of the requests on the adapter being trained (served live, refreshed every step)",
     )
     add("--time-budget-s", type=float, default=570.0, help="no window starts that would end past this")
+    add(
+        "--memory-pool",
+        choices=("on", "off"),
+        default="off",
+        help="the page pool (the recipe's default) or torch's allocator with a fixed KV cache: a sweep warms "
+        "the trainer on most rungs' streams, and the pool's MemPool keeps each stream's cache for the "
+        "process's life (torch's cache is emptied between windows)",
+    )
     add("--ladder-step", type=int, default=None, help="SMs between splits (default: the recipe's)")
     add(
         "--trainer-thread",
