@@ -57,7 +57,7 @@ def test_mixed_model_fits_the_spline_and_holds_out():
     [(64, 4096, 1707, True), (16, 127, 255, True), (16, 96, 255, False)],
 )
 def test_every_engine_gets_a_mixed_grid_the_model_can_fit(max_batch, max_tokens, max_len, on_gpu):
-    from harli_train.colocate.assembly import mixed_grid
+    from harli_train.colocate.predictor_setup import mixed_grid
 
     grid = mixed_grid(max_batch, max_tokens, max_len, on_gpu)
     assert all(b < max_batch for b in grid.batches) and set(grid.corun_batches) <= set(grid.batches)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from harli_train import kernels
 from harli_train.cli import main
 from harli_train.colocate import report
-from harli_train.colocate.assembly import assemble, build_engine, check_objective
+from harli_train.colocate.assembly import assemble, build_engine
 from harli_train.colocate.commands import run_colocated
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.policy import (
@@ -33,6 +33,7 @@ from harli_train.colocate.policy import (
     make_policy,
 )
 from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.predictor_setup import check_objective
 from harli_train.colocate.runtime import ColocatedRuntime
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.shared_model import base_view, shares_weights

@@ -17,27 +17,16 @@ from typing import Any
 
 import torch
 
-from harli_train import kernels
 from harli_train.colocate.colocation import Colocation
 from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
 from harli_train.colocate.live_adapter import LiveAdapter
-from harli_train.colocate.policy import Policy, needs_partitions, profile_shares
+from harli_train.colocate.policy import needs_partitions, profile_shares
 from harli_train.colocate.pool_budget import pool_budget
 from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.pool_memory import disabled as pool_disabled
-from harli_train.colocate.predictor import LatencyPredictor
-from harli_train.colocate.profile import (
-    MixedGrid,
-    Profile,
-    ProfileKey,
-    build_profile,
-    default_profile_path,
-    fastest_step_s,
-    get_or_build_profile,
-    save_profile,
-)
+from harli_train.colocate.predictor_setup import build_predictor, check_objective, corun_workload
 from harli_train.colocate.shared_model import base_view
-from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder, make_ladder
+from harli_train.colocate.sm import SMLadder, TimeSliceLadder, make_ladder
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec, TensorKVStorage
@@ -52,8 +41,6 @@ from harli_train.train.trainer import Trainer, resolve_device
 log = logging.getLogger(__name__)
 
 DEFAULT_RATE = {"cuda": 4.0, "cpu": 0.5}  # requests/s when a recipe gives neither a trace nor a rate
-GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
-CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 KV_MEMORY_FRACTION = 0.2  # of the GPU, at most, for the KV cache beside the trainer
 
 
@@ -190,166 +177,6 @@ def open_pool(
         return TensorKVStorage(spec, plain_kv_blocks(engine_cfg, spec, device), device)
 
     return memory, kv_storage, info
-
-
-def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
-    """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad."""
-    device = model.lm_head.weight.device
-    gen = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=gen, device=device).to(dtype)
-    cos, sin = model.rope(torch.arange(seq_len, device=device)[None])
-    layers = min(layers, model.config.num_layers)
-
-    def corun(part: Partition) -> None:
-        with torch.cuda.stream(part.train_stream), kernels.sm_budget(max(part.train_sms, 1)), torch.no_grad():
-            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-                model.run_layers(0, layers, hidden, None, cos, sin)
-
-    return corun
-
-
-def mixed_grid(max_batch: int, max_tokens: int, max_len: int, on_gpu: bool) -> MixedGrid:
-    """The mixed steps to profile for an engine of ``max_batch`` sequences whose chunks reach ``max_tokens``
-    (and contexts ``max_len``): the default grid where it fits, else three chunk sizes and two contexts spread
-    over what does (a small model's engine), so each share has enough points for the model's terms."""
-    base = (
-        MixedGrid() if on_gpu else MixedGrid(batches=(2, 8), kv_len=64, tokens=(8, 32, 96), contexts=(0, 48))
-    )
-    batches = tuple(b for b in base.batches if b < max_batch) or (max(max_batch - 1, 1),)
-    top = max(min(max(base.tokens), max_tokens), 3)
-    tokens = tuple(sorted({max(1, min(n, top)) for n in base.tokens}))
-    if len(tokens) < 3:
-        tokens = (max(top // 8, 1), max(top // 3, 2), top)
-    contexts = tuple(sorted({min(c, max_len // 4) for c in base.contexts}))
-    kv_len = min(base.kv_len, max(max_len - 1, 1))
-    corun = tuple(b for b in base.corun_batches if b in batches) or batches[-1:]
-    return MixedGrid(batches, kv_len, tokens, contexts, corun, base.warmup, base.reps)
-
-
-def build_predictor(
-    engine: EngineAdapter,
-    ladder: SMLadder,
-    model_id: str,
-    corun: Any,
-    max_batch: int,
-    path: str | Path | None = None,
-    reps: int | None = None,
-    batches: tuple[int, ...] | None = None,
-    kv_lens: tuple[int, ...] | None = None,
-    shares: list[int] | None = None,
-) -> tuple[LatencyPredictor, Profile]:
-    """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it);
-    ``shares``: the decode shares to cover (default: every rung)."""
-    on_gpu = is_cuda_stream(ladder.full.infer_stream)
-    engine.register(ladder.partitions)
-    max_len = engine.engine.config.max_model_len - 1
-    batches = tuple(
-        sorted(
-            {b for b in batches or (GPU_BATCHES if on_gpu else CPU_BATCHES) if b <= max_batch}
-            | {max_batch if on_gpu else min(max_batch, 16)}
-        )
-    )
-    kv_lens = tuple(sorted({min(k, max_len) for k in kv_lens or (GPU_KV_LENS if on_gpu else CPU_KV_LENS)}))
-    if len(kv_lens) < 2:  # stage 1 of the predictor needs two KV sizes per share
-        kv_lens = (max(max_len // 4, 1), max_len)
-    key = ProfileKey.current(model_id, sm_count=ladder.total_sms)
-    cfg = engine.engine.config
-    shares = sorted(set(shares or ladder.shares))
-    mixed = mixed_grid(max_batch, min(cfg.max_num_batched_tokens, max_len // 2), max_len, on_gpu)
-    grid = dict(
-        batches=batches,
-        kv_lens=kv_lens,
-        shares=shares,
-        warmup=3 if on_gpu else 1,
-        reps=reps or (10 if on_gpu else 3),
-        mixed_step_fn=engine.synthetic_mixed,
-        mixed_grid=mixed,
-        # With adapter slots: what one adapter and each one more add to a decode step (LoRACost).
-        lora_slots=tuple(range(1, min(engine.engine.num_adapter_slots, 4) + 1)),
-    )
-
-    def build() -> Profile:
-        log.info(
-            "profiling decode on %d partitions (%s): batches %s, KV lengths %s",
-            len(grid["shares"]),
-            ladder.kind,
-            batches,
-            kv_lens,
-        )
-        return build_profile(
-            key, engine.synthetic_decode, corun if on_gpu else None, ladder, engine.kv_bytes_per_token, **grid
-        )
-
-    if path is None and not on_gpu:  # CPU timings depend on the machine's load: measure afresh
-        profile = build()
-    else:
-        stored = Path(path or default_profile_path(key))
-        profile = get_or_build_profile(stored, key, build, shares)
-        if grid["lora_slots"] and not any(s.get("lora_slots") for s in profile.samples):
-            log.warning("profile %s has no steps on adapters, which this engine serves: re-profiling", stored)
-            profile = build()
-            save_profile(stored, profile)
-    predictor = LatencyPredictor.fit(
-        profile.samples,
-        ladder.total_sms,
-        float(profile.meta.get("kv_bytes_per_token", engine.kv_bytes_per_token)),
-    )
-    return predictor, profile
-
-
-def fastest_decode_s(
-    policy: Policy,
-    engine: EngineAdapter,
-    tpot_s: float,
-    predictor: LatencyPredictor | None = None,
-    profile: Profile | None = None,
-    reps: int = 5,
-) -> tuple[float, int, str]:
-    """The shortest decode step ``policy`` can run: batch 1 over one cached token, on its largest decode
-    share, the trainer paused. Returns (seconds, that share's SMs, where the figure comes from).
-
-    With a predictor: the smaller of the uncorrected prediction and the profile's fastest step on that share
-    (a fit's error must not refuse an objective a step could meet). Without one (static, streams,
-    exclusive), or when that figure misses ``tpot_s``: also the least of ``reps`` such steps timed now on the
-    engine (a few milliseconds of work), as a busy host may have slowed the profile's few steps on a CPU.
-    """
-    share = max(p.infer_sms for p in policy.partitions())
-    best, source = float("inf"), "measured now"
-    if predictor is not None:
-        measured = [
-            float(r["latency_s"])
-            for r in (profile.samples if profile is not None else [])
-            if not r["corun"] and int(r["infer_sms"]) == share
-        ]
-        best, source = (
-            min([predictor.predict(1, 1, share, corun=False, raw=True), *measured]),
-            "per the profile",
-        )
-    if best > tpot_s:
-        part = next(p for p in policy.partitions() if p.infer_sms == share)
-        now = fastest_step_s(engine.synthetic_decode, part, reps=reps)
-        if now < best:
-            best, source = now, "measured now"
-    return best, share, source
-
-
-def check_objective(
-    cfg: RecipeConfig,
-    policy: Policy,
-    engine: EngineAdapter,
-    predictor: LatencyPredictor | None = None,
-    profile: Profile | None = None,
-) -> None:
-    """RecipeError on ``colocation.tpot_ms`` when not even the fastest decode step meets it: every step would
-    violate the objective, and a policy holding to it would keep the trainer paused for nothing."""
-    tpot_s = cfg.colocation.tpot_ms * 1e-3
-    seconds, share, source = fastest_decode_s(policy, engine, tpot_s, predictor, profile)
-    if seconds > tpot_s:
-        expected = (
-            f"an objective a decode step can meet: the fastest one (batch 1, decode on {share} of "
-            f"{policy.ladder.total_sms} SMs, the trainer paused) takes {seconds * 1e3:.3g} ms {source}"
-        )
-        raise RecipeError(cfg.source, "colocation.tpot_ms", expected, f"{cfg.colocation.tpot_ms:g}")
 
 
 def check_policy(name: str, where: str = "--policy") -> str:

@@ -14,13 +14,15 @@ from typing import Any
 
 from harli_train.colocate import report
 from harli_train.colocate.assembly import (
-    CPU_BATCHES,
-    GPU_BATCHES,
     assemble,
     build_engine,
     build_ladder,
-    build_predictor,
     check_policy,
+)
+from harli_train.colocate.predictor_setup import (
+    CPU_BATCHES,
+    GPU_BATCHES,
+    build_predictor,
     corun_workload,
 )
 from harli_train.colocate.profile import ProfileKey, default_profile_path
