@@ -2,96 +2,15 @@
 
 from __future__ import annotations
 
-import errno
-import functools
-import json
 import logging
-import math
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import click
 
 from harli_train import __version__
+from harli_train.cli_serve import loadgen, serve, serve_trace
+from harli_train.cli_support import friendly, strict_json, tensor_parallel_run
 from harli_train.config import HARLI_OPTIONS, LADDER_STEPS
-
-# Exit codes: 2 when the command line, the recipe or an input file is wrong (click's own usage errors use it
-# too), 1 when the run fails while it works (it diverged, a file could not be written).
-USAGE_ERROR, RUN_FAILURE = 2, 1
-
-
-@functools.cache
-def _exit_codes() -> tuple[tuple[type[BaseException], int], ...]:
-    """The errors that end a command with one line instead of a traceback, each with its exit code; the first
-    class an error is an instance of decides (subclasses come before their bases). Imported on first use, so
-    `--help` does not load torch."""
-    from harli_train.adapter import AdapterError
-    from harli_train.colocate.profile import ProfileError
-    from harli_train.config import RecipeError
-    from harli_train.data.example import DataError
-    from harli_train.engine.engine_config import EngineError
-    from harli_train.engine.load import TraceError
-    from harli_train.export import ExportError
-    from harli_train.model import ModelError
-    from harli_train.train.checkpoint import CheckpointError, SaveError
-    from harli_train.train.divergence import TrainingDiverged
-
-    return (
-        (RecipeError, USAGE_ERROR),
-        (ModelError, USAGE_ERROR),
-        (DataError, USAGE_ERROR),
-        (AdapterError, USAGE_ERROR),
-        (ExportError, USAGE_ERROR),
-        (CheckpointError, USAGE_ERROR),
-        (TraceError, USAGE_ERROR),  # an EngineError
-        (FileNotFoundError, USAGE_ERROR),  # an OSError: an input named on the command line or in the recipe
-        (TrainingDiverged, RUN_FAILURE),
-        (SaveError, RUN_FAILURE),  # a checkpoint or adapter could not be written (the last good one kept)
-        (EngineError, RUN_FAILURE),  # a request the engine refused, a cache too small for the load
-        (ProfileError, RUN_FAILURE),
-        (OSError, RUN_FAILURE),  # writing outputs: a full disk, a path that is a file, no permission
-    )
-
-
-def _message(err: BaseException) -> str:
-    if isinstance(err, FileNotFoundError):
-        return f"file not found: {err.filename}"
-    if isinstance(err, OSError) and err.filename is not None:
-        code = errno.errorcode.get(err.errno or 0)
-        return f"{err.filename}: {err.strerror}" + (f" ({code})" if code else "")
-    return str(err)
-
-
-def _friendly(fn: Callable) -> Callable:
-    """Run a command so that each error of `_exit_codes` prints one line and exits with its code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except tuple(cls for cls, _ in _exit_codes()) as err:
-            failure = click.ClickException(_message(err))
-            failure.exit_code = next(code for cls, code in _exit_codes() if isinstance(err, cls))
-            raise failure from None
-
-    return wrapper
-
-
-def _strict_json(obj: Any, indent: int) -> str:
-    """Valid JSON for the console: a non-finite float (the loss of a run that ran no step) prints as null,
-    anything else JSON has no type for as its str()."""
-
-    def finite(v: Any) -> Any:
-        if isinstance(v, float):
-            return v if math.isfinite(v) else None
-        if isinstance(v, dict):
-            return {k: finite(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [finite(x) for x in v]
-        return v
-
-    return json.dumps(finite(obj), indent=indent, default=str, allow_nan=False)
 
 
 class _RecipeGroup(click.Group):
@@ -167,7 +86,7 @@ def main(verbose: bool) -> None:
 )
 @click.option("--tensor-parallel", "tensor_parallel", type=int, default=1, show_default=True, metavar="N",
               help="Split the model over N ranks (GPUs; gloo processes on a CPU).")  # fmt: skip
-@_friendly
+@friendly
 def train(
     recipe: str,
     overrides: tuple[str, ...],
@@ -214,30 +133,9 @@ def train(
         trainer = Trainer(cfg, quiet=quiet)
         trainer.setup(resume=resume_path)
         summary = trainer.train()
-    click.echo(_strict_json(summary, indent=2))
+    click.echo(strict_json(summary, indent=2))
     if summary["interrupted"] and serve is None:  # a server stopped by SIGTERM/Ctrl-C ends as asked: 0
         sys.exit(130)
-
-
-def _tensor_parallel_run(job: str, n: int, models: list[str], device: str, args: dict) -> Any:
-    """Run a `--tensor-parallel N` job (harli_train.parallel.command) after checking N against each model;
-    a rank's error ends the command as that error would on one GPU."""
-    import torch
-
-    from harli_train.model import model_config
-    from harli_train.parallel.command import TensorParallelError, run_tensor_parallel
-    from harli_train.parallel.group import check_tensor_parallel
-
-    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    for source in dict.fromkeys(models):
-        check_tensor_parallel(model_config(source), n, source, on_gpu)
-    try:
-        return run_tensor_parallel(job, n, args, on_gpu)
-    except TensorParallelError as err:
-        codes = [code for cls, code in _exit_codes() if err.error_class and issubclass(err.error_class, cls)]
-        failure = click.ClickException(str(err))
-        failure.exit_code = codes[0] if codes else RUN_FAILURE
-        raise failure from None
 
 
 def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> dict:
@@ -249,9 +147,9 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
         raise click.UsageError("--tensor-parallel does not take --serve yet (use `harli-train serve`)")
     models = [cfg.model.name] + ([colocate_with] if colocate_with else [])
     if colocate_with is None:
-        return _tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})
+        return tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})
     args = {"cfg": cfg, "serve_model": colocate_with, "options": {"quiet": quiet}}
-    return _tensor_parallel_run("colocate", n, models, cfg.train.device, args)
+    return tensor_parallel_run("colocate", n, models, cfg.train.device, args)
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -276,7 +174,7 @@ def _host_port(text: str) -> tuple[str, int]:
     show_default=True,
     help="SMs between partitions (the recipe's colocation.ladder_step).",
 )
-@_friendly
+@friendly
 def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step: str) -> None:
     """Time MODEL's decode steps on every SM partition, solo and beside trainer micro-steps.
 
@@ -286,7 +184,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
     from harli_train.colocate.commands import run_profile
 
     report = run_profile(model, out, dtype=dtype, max_batch=max_batch, ladder_step=int(ladder_step))
-    click.echo(_strict_json(report, indent=2))
+    click.echo(strict_json(report, indent=2))
 
 
 @main.command()
@@ -309,7 +207,7 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
     is_flag=True,
     help="Send each PROMPT as a user message through the model's chat template; print only the answer.",
 )
-@_friendly
+@friendly
 def generate(
     model_source: str,
     prompts: tuple[str, ...],
@@ -355,150 +253,6 @@ def generate(
 
 
 @main.command()
-@click.option("--model", "model_source", required=True, help="Preset or local HF directory to serve.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option(
-    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port."
-)
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1/ requests.")
-@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="Records (default: runs/serve-<model name>).")  # fmt: skip
-@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Requests waiting at most; more get 429.")  # fmt: skip
-@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--adapter", "adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
-              help="A PEFT LoRA adapter directory (safetensors) to serve as model id <its folder name>; "
-              "repeat for more.")  # fmt: skip
-@click.option("--allow-runtime-lora", is_flag=True,
-              help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")  # fmt: skip
-@click.option("--max-loras", default=None, type=click.IntRange(min=1),
-              help="Adapter slots [default: one per --adapter, 4 more with --allow-runtime-lora].")  # fmt: skip
-@click.option("--max-lora-rank", default=None, type=click.IntRange(1, 256),
-              help="Largest adapter rank served [default: the largest --adapter's, at least 16].")  # fmt: skip
-@click.option("--tensor-parallel", "tensor_parallel", type=int, default=1, show_default=True, metavar="N",
-              help="Split the model over N ranks (GPUs; gloo processes on a CPU).")  # fmt: skip
-@_friendly
-def serve(
-    model_source: str,
-    host: str,
-    port: int,
-    api_key: str | None,
-    out_dir: str | None,
-    max_queue: int,
-    max_batch: int,
-    device: str,
-    adapters: tuple[str, ...],
-    allow_runtime_lora: bool,
-    max_loras: int | None,
-    max_lora_rank: int | None,
-    tensor_parallel: int,
-) -> None:
-    """Serve MODEL (and each --adapter, unmerged) behind an OpenAI-compatible API (/v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C; the records go under
-    --out."""
-    from harli_train.serve.command import run_server
-
-    if tensor_parallel != 1:
-        if adapters or allow_runtime_lora:
-            raise click.UsageError(
-                "--tensor-parallel does not serve adapters yet (--adapter, --allow-runtime-lora)"
-            )
-        args = dict(model=model_source, host=host, port=port, api_key=api_key, out_dir=out_dir)
-        args.update(max_queue=max_queue, max_batch=max_batch, device=device)
-        summary = _tensor_parallel_run("serve", tensor_parallel, [model_source], device, args)
-    else:
-        summary = run_server(
-            model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
-            adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-        )  # fmt: skip
-    click.echo(_strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
-
-
-@main.command()
-@click.option("--url", required=True, help="The server, e.g. http://127.0.0.1:8000 (its /v1 API).")
-@click.option("--trace", required=True, type=click.Path(exists=True, dir_okay=False), help="JSONL trace.")
-@click.option("--model", default=None, help="Model id to ask for (default: the server's first).")
-@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True))
-@click.option("--api-key", default=None)
-@click.option("--tpot-ms", default=None, type=click.FloatRange(min=0.0, min_open=True),
-              help="Judge every token interval against this objective.")  # fmt: skip
-@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="Write client_requests.jsonl and client_summary.json here.")  # fmt: skip
-@_friendly
-def loadgen(
-    url: str,
-    trace: str,
-    model: str | None,
-    time_scale: float,
-    api_key: str | None,
-    tpot_ms: float | None,
-    out_dir: str | None,
-) -> None:
-    """Replay TRACE against a server over HTTP, streaming; measure TTFT and TPOT at the client."""
-    from harli_train.serve.loadgen import run_loadgen
-
-    summary = run_loadgen(url, trace, model, time_scale, api_key, tpot_ms, out_dir)
-    click.echo(_strict_json(summary, 1))
-
-
-@main.command("serve-trace")
-@click.option(
-    "--model", "model_source", default="tiny", show_default=True, help="Preset or local HF directory."
-)
-@click.option(
-    "--trace", type=click.Path(exists=True, dir_okay=False), help="JSONL trace (see recipes/traces/)."
-)
-@click.option(
-    "--rate", type=click.FloatRange(min=0.0, min_open=True), help="Synthetic Poisson load, requests/s."
-)
-@click.option("--duration", default=30.0, show_default=True, help="Seconds of synthetic load.")
-@click.option(
-    "--prompt-len", default="512", show_default=True, help="N, uniform:LO:HI or lognormal:MEDIAN:SIGMA."
-)
-@click.option("--output-len", default="128", show_default=True, help="Same forms as --prompt-len.")
-@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--time-scale", default=1.0, show_default=True, help="Stretch (>1) or compress trace time.")
-@click.option("--out", "out_dir", default="runs/serve", show_default=True, type=click.Path(file_okay=False))
-@click.option("--seed", default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@_friendly
-def serve_trace(
-    model_source: str,
-    trace: str | None,
-    rate: float | None,
-    duration: float,
-    prompt_len: str,
-    output_len: str,
-    max_batch: int,
-    time_scale: float,
-    out_dir: str,
-    seed: int,
-    device: str,
-) -> None:
-    """Replay a trace (or a Poisson load) against the decode engine; write per-request/per-step metrics."""
-    from harli_train.engine.api import serve_trace as run
-
-    if (trace is None) == (rate is None):
-        raise click.UsageError("give exactly one of --trace and --rate")
-    summary = run(
-        model_source,
-        out_dir,
-        trace,
-        rate=rate,
-        duration_s=duration,
-        prompt_len=prompt_len,
-        output_len=output_len,
-        max_batch=max_batch,
-        time_scale=time_scale,
-        seed=seed,
-        device=device,
-    )
-    click.echo(_strict_json({k: summary[k] for k in summary if k != "setup"}, indent=1))
-
-
-@main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option(
     "--merged",
@@ -526,7 +280,7 @@ def serve_trace(
     show_default=True,
     help="Largest safetensors shard of the merged weights, in MB.",
 )
-@_friendly
+@friendly
 def export(
     run_dir: str, merged_dir: str | None, adapter_dir: str | None, dtype: str | None, max_shard_mb: float
 ) -> None:
@@ -544,7 +298,7 @@ def export(
         summary = export_adapter(run_dir, adapter_dir)
     else:
         summary = export_merged(run_dir, merged_dir, dtype=dtype, max_shard_bytes=int(max_shard_mb * 1e6))
-    click.echo(_strict_json(summary, indent=2))
+    click.echo(strict_json(summary, indent=2))
 
 
 @main.command("convert-gguf")
@@ -557,7 +311,7 @@ def export(
     show_default=True,
     help="dtype of the written weights (float32 keeps the dequantized values exactly).",
 )
-@_friendly
+@friendly
 def convert_gguf(source: str, out_dir: str, dtype: str) -> None:
     """Convert a GGUF model FILE into a Hugging Face directory OUT_DIR that harli-train trains on.
 
@@ -567,4 +321,8 @@ def convert_gguf(source: str, out_dir: str, dtype: str) -> None:
     """
     from harli_train.export.gguf import convert_gguf as convert
 
-    click.echo(_strict_json(convert(source, out_dir, dtype=dtype), indent=2))
+    click.echo(strict_json(convert(source, out_dir, dtype=dtype), indent=2))
+
+
+for _command in (serve, loadgen, serve_trace):
+    main.add_command(_command)
