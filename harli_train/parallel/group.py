@@ -13,10 +13,12 @@ MASTER_ADDR set) ``from_env`` joins the job torchrun made instead.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from harli_train.model.config import ModelConfig, ModelError
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that hangs this long in a collective fails the job
+REPEAT_S = 1.0  # a signal again within this long is the same one, sent to the command and to its group
 
 
 @dataclass(slots=True)
@@ -145,7 +148,8 @@ def spawn(fn: Callable[..., None], world: int, on_gpu: bool, args: tuple = ()) -
 
     The ranks run in a process group of their own; SIGINT and SIGTERM sent to this process (or to its
     group: a terminal's Ctrl-C) go to rank 0, which stops the job (a second Ctrl-C, as on one process, stops
-    it at once); rank 0 gets SIGTERM if this process dies. A rank that raises or dies makes
+    it at once; the same signal again within ``REPEAT_S``, as `timeout` sends it to the command and to its
+    group, is passed on once); rank 0 gets SIGTERM if this process dies. A rank that raises or dies makes
     the others be terminated (torch.multiprocessing's join), and this raises
     torch.multiprocessing.spawn.ProcessException naming the rank; ``fn`` reports its own errors through whatever
     its args give it (``parallel.command`` uses a result file per rank).
@@ -158,9 +162,20 @@ def spawn(fn: Callable[..., None], world: int, on_gpu: bool, args: tuple = ()) -
     )
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    last: dict[int, float] = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        # `timeout` and systemd signal the command and then its group: this process gets the signal twice at
+        # once, and rank 0 must get it once (a second one stops it at once, mid-shutdown). A repeat later on
+        # (a second Ctrl-C) is passed on.
+        now = time.monotonic()
+        if now - last.get(signum, -math.inf) >= REPEAT_S:
+            os.kill(ctx.processes[0].pid, signum)
+        last[signum] = now
+
     if in_main:
         for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, lambda signum, frame: os.kill(ctx.processes[0].pid, signum))
+            signal.signal(s, forward)
     try:
         while not ctx.join():
             pass
