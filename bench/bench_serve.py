@@ -81,6 +81,17 @@ def _gauge(text: str, name: str) -> float | None:
     return None
 
 
+def stop(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM ``proc``'s process group (as an operator stops a run), SIGKILL past ``timeout_s``; its exit code."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
 def wait_ready(url: str, proc: subprocess.Popen, warm_steps: int, timeout_s: float) -> float:
     """Seconds until ``/health`` answers and the trainer has taken ``warm_steps`` steps; RuntimeError when the
     server exits or the time runs out first."""
@@ -171,13 +182,7 @@ def served_run(args, recipe: str, load: Path, work: Path) -> dict[str, Any]:
             raise RuntimeError(f"loadgen exited with {client.returncode}: {client.stderr[-1500:]}")
         load_s = time.monotonic() - t_load
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=args.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc = stop(proc, args.stop_timeout_s)
         log.close()
     if rc != 0:
         raise RuntimeError(f"the served run exited with {rc}: {(work / 'served.log').read_text()[-1500:]}")
@@ -222,13 +227,7 @@ def inproc_run(args, recipe: str, load: Path, until_s: float, work: Path) -> dic
                 raise RuntimeError(f"the in-process run did not reach {until_s:.0f}s of run time in time")
             time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=args.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc = stop(proc, args.stop_timeout_s)
         log.close()
     if rc not in (0, 130):  # 130: a training run stopped by a signal (its checkpoint and summary written)
         raise RuntimeError(

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from harli_train.engine.lora_ops import _cdiv, _pow2
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 
@@ -37,14 +38,6 @@ class LoRAFusedConfig:
     n_sub: int
     num_warps: int
     num_stages: int
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache
