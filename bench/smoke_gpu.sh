@@ -92,7 +92,7 @@ q=recipes/quickstart.yaml
 b=recipes/llama-8b-lora.yaml
 # The GPU tests run beside the commands (their time is mostly Triton compiling on the host's cores): every
 # GPU-only test, and the training kernels' tests in bf16 natively (fp32/fp16 run in CI's interpreter).
-gpu_tests="cd '$repo' && python3 -m pytest -q -m 'gpu and not slow' -k 'not fp32 and not fp16' -p no:cacheprovider \
+gpu_tests="cd '$repo' && python3 -m pytest -q -m 'gpu and not slow' -k 'not fp32 and not fp16' -p no:cacheprovider --durations=12 \
   tests/test_gpu.py tests/test_engine.py tests/test_sm.py tests/test_kernels.py tests/test_lora_ops.py \
   tests/test_lora_serving.py tests/test_decode_linear.py"
 t_tests=$(date +%s)

@@ -386,9 +386,9 @@ class ColocationSection:
     # SMs between the ladder's rungs. 16 is what bench_colocate measured with no objective violations on the
     # H200; 8 gives finer shares (decode on 24 SMs at light load) but missed the objective in bursty load.
     ladder_step: int = key(16, "int", _LADDER_STEP)
-    # true: prefill chunks ride in decode steps (stall-free); false: prefill steps of their own stall decoding.
-    # Off by default until mixed steps replay CUDA graphs (run eagerly, they were host-bound on the H200).
-    mixed_prefill: bool = key(False, "bool")
+    # true: prefill chunks ride in decode steps (stall-free, replayed as CUDA graphs on a GPU); false: prefill
+    # steps of their own, which stall decoding (the A/B: docs/design.md has both on the H200).
+    mixed_prefill: bool = key(True, "bool")
     max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)
     # With --serve: the adapter being trained is served as model id <output dir name>, refreshed from the
     # trainer's masters every this many optimizer steps.

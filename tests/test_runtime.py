@@ -602,6 +602,7 @@ def test_harli_hands_shares_to_the_right_streams_and_pauses_on_a_spike(tmp_path,
         spy,
         None,
         "train.steps=200",
+        "colocation.mixed_prefill=false",  # the prefill modes act on prefill steps of their own
     )
     summary = rt.run()
     decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]

@@ -224,7 +224,9 @@ def warm_up_trainer(
     cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
     allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
     the H200). ``scope()`` is entered around each step, as the feeder enters it around each micro-step (the
-    page pool's, so that the caches warmed are those the run allocates from).
+    page pool's, so that the caches warmed are those the run allocates from); the chunks' saved tensors go
+    where the run's go (``trainer.stash_chunk``: the pool's stashes), so a stream's cache holds only what
+    the run allocates from it.
     """
     if trainer.device.type != "cuda":
         return set()
@@ -243,7 +245,10 @@ def warm_up_trainer(
 
     def step(sms: int) -> None:
         with torch.cuda.stream(places[sms]), kernels.sm_budget(sms), scope():
-            for _ in train_step(model, [batch], cfg.train.layers_per_microstep, trainer._autocast):
+            steps = train_step(
+                model, [batch], cfg.train.layers_per_microstep, trainer._autocast, stash=trainer.stash_chunk
+            )
+            for _ in steps:
                 pass
         torch.cuda.synchronize()
 

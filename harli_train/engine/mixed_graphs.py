@@ -62,8 +62,9 @@ class MixedGraphs:
         self.dev_i32 = torch.zeros((s_max, width + 2), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(s_max, dtype=torch.int32, device=device)  # the kernels want it dense
         self.cu_seqlens = torch.zeros(s_max + 1, dtype=torch.int32, device=device)
+        # A row has a token at least: a step samples at most min(rows, tokens) of them.
         self.logits = torch.empty(
-            (s_max, model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
+            (min(s_max, t_max), model.config.vocab_size), dtype=model.lm_head.weight.dtype, device=device
         )
         self.graphs: dict[tuple[str, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = pool
@@ -92,7 +93,6 @@ class MixedGraphs:
                 self.lora.meta = None
 
     def _forward_base(self, t: int, num_sms: int) -> None:
-        s = self.max_rows
         self.attn.meta = AttentionMetadata(
             True,
             self.dev_i64[2, :t],
@@ -104,7 +104,9 @@ class MixedGraphs:
         )
         hidden = self.model(self.dev_i64[0, :t][None], self.dev_i64[1, :t][None], self.attn)
         self.attn.meta = None
-        torch.mm(hidden[0, self.dev_i64[3, :s]], self.model.lm_head.weight.t(), out=self.logits)
+        torch.mm(
+            hidden[0, self.dev_i64[3, : len(self.logits)]], self.model.lm_head.weight.t(), out=self.logits
+        )
 
     @torch.inference_mode()
     def capture(self, key: str, stream: torch.cuda.Stream, num_sms: int) -> None:
