@@ -456,6 +456,27 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     assert warmed == [[ladder.full]] and len(again.trainer_rungs) == 3
 
 
+def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_they_were(tmp_path):
+    # The clip (infinite bound: a scale by 1) and a scratch AdamW update load the kernels that end a step on
+    # the stream current; the trainer's gradients, moments and step counts are untouched.
+    from harli_train.colocate.colocation import warm_step_end
+
+    trainer = Trainer(recipe(tmp_path / "run"), model=load_model("tiny", torch.float32, "cpu"), quiet=True)
+    trainer.setup()
+    gen = torch.Generator().manual_seed(0)
+    for p in trainer.params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    grads = [p.grad.clone() for p in trainer.params]
+    state = {id(p): {k: v.clone() for k, v in trainer.optimizer.state[p].items()} for p in trainer.params}
+    values = [p.detach().clone() for p in trainer.params]
+    warm_step_end(trainer)
+    for p, g, v in zip(trainer.params, grads, values, strict=True):
+        assert torch.equal(p.grad, g) and torch.equal(p.detach(), v)
+        for k, t in trainer.optimizer.state[p].items():
+            assert torch.equal(t, state[id(p)][k]), k
+    trainer.metrics.close()
+
+
 def test_the_kv_cache_the_load_wants_is_kept_clear_of_the_trainers_streams():
     # The reserve: the batch limit of the load's mean request (the recipe's lengths without a load, as with
     # HTTP clients alone); the trainer's room is the free pages less the groups that reserve still needs.
