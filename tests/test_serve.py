@@ -217,6 +217,56 @@ def test_a_full_queue_is_refused_and_an_aborted_request_frees_its_blocks():
     assert record.finish_reason == "aborted" and 0 < record.output_tokens < 50
 
 
+def test_a_step_wakes_each_event_loop_once_whatever_its_requests():
+    # publish() hands a step's events for every request of a loop over in one call_soon_threadsafe (each is
+    # a syscall on the engine's thread); each request still gets its tokens in order, then one final event.
+    import asyncio
+
+    import torch
+
+    from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
+    from harli_train.model import load_model
+    from harli_train.serve.engine_loop import RequestPort
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        wakeups = 0
+
+        def call_soon_threadsafe(self, *args, **kwargs):
+            self.wakeups += 1
+            return super().call_soon_threadsafe(*args, **kwargs)
+
+    model = load_model("tiny", torch.float32, "cpu")
+    engine = DecodeEngine(model, EngineConfig(num_kv_blocks=64, max_model_len=128, kernels="torch"))
+    port = RequestPort(engine)
+    aio = CountingLoop()
+    lengths = (3, 5, 8)
+    handles = [
+        port.submit([1, 2, 3 + i], SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}", aio)
+        for i, n in enumerate(lengths)
+    ]
+    port.drain()
+    publishes = 0
+    while port.serving:
+        engine.step()
+        port.publish()
+        publishes += 1
+    assert aio.wakeups == publishes  # one per step, not one per request and step
+
+    async def collect(handle):
+        tokens = []
+        while not (event := await handle.events.get()).done:
+            tokens += event.tokens
+        return tokens, event.finish_reason
+
+    async def collect_all():
+        return await asyncio.gather(*(collect(h) for h in handles))
+
+    got = aio.run_until_complete(collect_all())
+    aio.close()
+    for (tokens, reason), handle, n in zip(got, handles, lengths, strict=True):
+        assert tokens == handle.seq.completion_token_ids and len(tokens) == n and reason == "length"
+
+
 @pytest.mark.slow
 def test_a_colocated_run_serves_http_clients_while_it_trains(tmp_path):
     """`--colocate-with tiny --serve 0`: the openai client gets completions while training advances; SIGTERM

@@ -32,8 +32,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Stall-free steps are off by default: a mixed step runs the varlen path eagerly (no CUDA graph yet), which
-    # on the H200 made Llama-3-8B's steps host-bound at ~28 ms (bench/results/2026-12-01-smoke_gpu-2-*).
+    # Off for an engine of its own (prefill first, nano-vllm's order); the co-located assembly turns it on
+    # (`colocation.mixed_prefill`), where each mixed step's chunk is sized to the objective by the predictor.
     mixed_prefill: bool = False
     prefill_chunk_tokens: int = 512
     enforce_eager: bool = False

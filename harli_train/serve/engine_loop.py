@@ -179,31 +179,41 @@ class RequestPort:
         self._steps[seq.seq_id] = step
 
     def publish(self) -> None:
-        """Post every token drawn since the last call; end finished requests."""
+        """Post every token drawn since the last call; end finished requests. One wake-up of each event loop
+        carries the step's events for all its requests (a wake-up per request would be a syscall each on
+        the engine's thread and a turn of the loop each, host time the co-located trainer's launches lose)."""
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event]]] = {}
         for seq_id, handle in list(self._handles.items()):
             seq = handle.seq
             new = seq.completion_token_ids[self._sent[seq_id] :]
             if new:
                 self._sent[seq_id] += len(new)
-                handle.post(Event(new, prompt_tokens=seq.num_prompt_tokens, step=self._steps[seq_id]))
+                event = Event(new, prompt_tokens=seq.num_prompt_tokens, step=self._steps[seq_id])
+                posts.setdefault(handle._aio, []).append((handle, event))
             if seq.is_finished:
-                self._finish(seq)
+                done = self._finish(seq, post=False)
+                if done is not None:
+                    posts.setdefault(handle._aio, []).append(done)
+        for aio, events in posts.items():
+            aio.call_soon_threadsafe(_deliver, events)
         sched = self.engine.scheduler
         self._snapshot = {"waiting": len(sched.waiting), "running": len(sched.running)}
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, post: bool = True) -> tuple[RequestHandle, Event] | None:
+        """Forget ``seq``'s request and make its final event: posted now, or (``post=False``) returned
+        with its handle for the caller to post (None: the request had no handle)."""
         handle = self._handles.pop(seq.seq_id, None)
         self._sent.pop(seq.seq_id, None)
         step = self._steps.pop(seq.seq_id, None)
-        if handle is not None:
-            handle.post(
-                Event(
-                    done=True,
-                    finish_reason=seq.finish_reason,
-                    prompt_tokens=seq.num_prompt_tokens,
-                    step=step,
-                )
-            )
+        if handle is None:
+            return None
+        event = Event(
+            done=True, finish_reason=seq.finish_reason, prompt_tokens=seq.num_prompt_tokens, step=step
+        )
+        if not post:
+            return handle, event
+        handle.post(event)
+        return None
 
     def close(self) -> None:
         """Abort what the port admitted and still runs, and refuse what never reached the engine."""
@@ -221,6 +231,12 @@ class RequestPort:
             elif kind == "call":
                 _, future, aio = item
                 aio.call_soon_threadsafe(_settle, future, None, RuntimeError("the server is shutting down"))
+
+
+def _deliver(events: list[tuple[RequestHandle, Event]]) -> None:
+    """On a handler's event loop: put each event on its request's queue, in order."""
+    for handle, event in events:
+        handle.events.put_nowait(event)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
