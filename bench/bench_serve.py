@@ -1,10 +1,11 @@
 """Serving real clients beside training: the co-located run behind HTTP against the same load fed in-process.
 
-    python bench/bench_serve.py                 # H200: recipes/llama-8b-lora.yaml beside llama-8b, ~4 min
+    python bench/bench_serve.py                 # H200: recipes/llama-8b-lora.yaml beside llama-8b, ~7 min
     python bench/bench_serve.py --dry-run       # CPU: the quickstart's tiny model, a thinned trace, ~1 min
 
-Two runs of the command users run, one after the other, on the same recipe, policy and load (``--trace`` at
-``--load``: the shipped trace's arrivals divided by colocate_load's multiple, 2x for medium):
+Pairs of runs (``--repeats``, 2 by default) of the command users run, one after the other, on the same
+recipe, policy and load (``--trace`` at ``--load``: the shipped trace's arrivals divided by colocate_load's
+multiple, 2x for medium):
 
 - ``served``: ``harli-train RECIPE --colocate-with MODEL --serve HOST:PORT colocation.trace=null
   colocation.rate=0``; once ``/health`` answers and the trainer has taken ``--warm-steps`` optimizer steps
@@ -20,7 +21,10 @@ Compared (targets of the serving issue): the client's TTFT and TPOT (p50, p99, m
 own records of the same requests (within 10 %); the objective's figures (violations, violation rate, TPOT
 attainment) at the client, in the served engine and in-process; the trainer's tokens/s over the load window
 (first arrival to last finish, from each run's ``colocate/steps.jsonl``) served against in-process (within 5 %).
-One JSON ($OUT/bench_serve.json), both runs' records and logs ($OUT/bench_serve-runs.tar.gz), a table last.
+The trainer's ratio is the median of the pairs' (one pair is one sample: two runs of the same command on the
+H200 differed by 10 % in finetune tokens/s). One JSON ($OUT/bench_serve.json: each pair's runs and comparison
+under ``pairs``, the verdicts over all of them under ``comparison``), every run's records and logs
+($OUT/bench_serve-runs.tar.gz), a table last.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -268,6 +273,30 @@ def compare(served: dict[str, Any], inproc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def combine(comparisons: list[dict[str, Any]]) -> dict[str, Any]:
+    """The verdicts over every pair of runs: every request answered in each; the client against the engine at
+    its worst pair; the trainer's served / in-process ratio as the median of the pairs' (each pair is one
+    sample of a figure whose run-to-run spread is a few percent), with every pair's ratio beside it."""
+    ratios = [c["trainer_served_over_inproc"] for c in comparisons]
+    known = [r for r in ratios if r is not None]
+    median = statistics.median(known) if known else None
+    worsts = [c["client_vs_engine_worst"] for c in comparisons]
+    all_served = all(c["all_served"] for c in comparisons)
+    worst = None if None in worsts else max(worsts)
+    return {
+        "pairs": len(comparisons),
+        "all_served": all_served,
+        "client_errors": sum(c["client_errors"] for c in comparisons),
+        "client_vs_engine_worst": worst,
+        "client_vs_engine_ok": all(c["client_vs_engine_ok"] for c in comparisons),
+        "trainer_served_over_inproc": median,
+        "trainer_served_over_inproc_pairs": ratios,
+        "trainer_ok": all_served
+        and median is not None
+        and abs(median - 1) <= TARGETS["trainer_served_vs_inproc"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -287,6 +316,12 @@ def main() -> int:
     ap.add_argument("--stop-timeout-s", type=float, default=120.0)
     ap.add_argument("--drain-s", type=float, default=20.0, help="the in-process run lasts this past the load")
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides for both runs (key=value)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="pairs of runs, served then in-process (default 2; dry run 1)",
+    )
     args = ap.parse_args()
     from harli_train.config import load_recipe
 
@@ -294,6 +329,9 @@ def main() -> int:
         REPO / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml")
     )
     args.model = args.model or ("tiny" if args.dry_run else "llama-8b")
+    args.repeats = args.repeats or (1 if args.dry_run else 2)
+    if args.repeats < 1:
+        ap.error(f"--repeats: want 1 or more, got {args.repeats}")
     if args.dry_run:
         args.set = ["colocation.tpot_ms=200", "train.batch_size=2", *args.set]
         args.warm_steps = min(args.warm_steps, 1)
@@ -310,25 +348,29 @@ def main() -> int:
         try:
             n = write_load(src, work / "load.jsonl", scale, 0.0, limit, clip)
             result["config"]["requests"] = n
-            served = result["served"] = served_run(args, recipe, work / "load.jsonl", work)
-            last = write_load(src, work / "load-inproc.jsonl", scale, served["lead_in_s"], limit, clip)
-            assert last == n
-            end = max(r["arrival_s"] for r in _jsonl(work / "load-inproc.jsonl"))
-            inproc = result["inproc"] = inproc_run(
-                args, recipe, work / "load-inproc.jsonl", end + args.drain_s, work
-            )
-            result["comparison"] = compare(served, inproc)
+            result["config"]["repeats"] = args.repeats
+            pairs = result["pairs"] = []
+            for i in range(args.repeats):
+                pw = work / f"pair-{i + 1}"
+                pw.mkdir()
+                served = served_run(args, recipe, work / "load.jsonl", pw)
+                last = write_load(src, pw / "load-inproc.jsonl", scale, served["lead_in_s"], limit, clip)
+                assert last == n
+                end = max(r["arrival_s"] for r in _jsonl(pw / "load-inproc.jsonl"))
+                inproc = inproc_run(args, recipe, pw / "load-inproc.jsonl", end + args.drain_s, pw)
+                pairs.append({"served": served, "inproc": inproc, "comparison": compare(served, inproc)})
+            result["comparison"] = combine([p["comparison"] for p in pairs])
         except Exception as err:  # the JSON records what ran and why the rest did not
             result["error"] = f"{type(err).__name__}: {err}"
             traceback.print_exc()
-            for name in ("served.log", "inproc.log"):
-                if (work / name).exists():
-                    sys.stderr.write(f"--- {name} (tail)\n{(work / name).read_text()[-3000:]}\n")
+            for log in sorted(work.glob("pair-*/*.log")):
+                sys.stderr.write(f"--- {log.relative_to(work)} (tail)\n{log.read_text()[-3000:]}\n")
         with tarfile.open(common.out_dir() / "bench_serve-runs.tar.gz", "w:gz") as tar:
-            for name in ("served.log", "inproc.log", "client", "served/colocate", "inproc/colocate",
-                         "served/metrics.jsonl", "inproc/metrics.jsonl"):  # fmt: skip
-                if (work / name).exists():
-                    tar.add(work / name, arcname=name)
+            for pw in sorted(work.glob("pair-*")):
+                for name in ("served.log", "inproc.log", "client", "served/colocate", "inproc/colocate",
+                             "served/metrics.jsonl", "inproc/metrics.jsonl"):  # fmt: skip
+                    if (pw / name).exists():
+                        tar.add(pw / name, arcname=f"{pw.name}/{name}")
     path = common.write_json("bench_serve.json", result)
     print(f"\nwrote {path}")
     print(report(result))
@@ -339,13 +381,14 @@ def report(result: dict[str, Any]) -> str:
     """The table of a result: per source, TTFT/TPOT and the objective; the trainer's rates; the verdicts."""
     if "comparison" not in result:
         return f"no comparison: {result.get('error')}"
-    s, i, c = result["served"], result["inproc"], result["comparison"]
-    rows = []
-    for name, src, trainer in (("client", s["client"], s["trainer"]), ("served_engine", s["engine"], None),
-                               ("inproc_engine", i["engine"], i["trainer"])):  # fmt: skip
-        rows.append([name, src["ttft_ms"]["p50"], src["ttft_ms"]["p99"], src["tpot_ms"]["p50"],
-                     src["tpot_ms"]["p99"], src.get("violations"), src.get("tpot_attainment"),
-                     (trainer or s["trainer"])["tokens_per_s"] if name != "served_engine" else ""])  # fmt: skip
+    c, rows = result["comparison"], []
+    for k, pair in enumerate(result["pairs"], 1):
+        s, i = pair["served"], pair["inproc"]
+        for name, src, trainer in (("client", s["client"], s["trainer"]), ("served_engine", s["engine"], None),
+                                   ("inproc_engine", i["engine"], i["trainer"])):  # fmt: skip
+            rows.append([f"{k}: {name}", src["ttft_ms"]["p50"], src["ttft_ms"]["p99"], src["tpot_ms"]["p50"],
+                         src["tpot_ms"]["p99"], src.get("violations"), src.get("tpot_attainment"),
+                         trainer["tokens_per_s"] if trainer else ""])  # fmt: skip
     head = [
         "source",
         "TTFT p50",
@@ -358,14 +401,14 @@ def report(result: dict[str, Any]) -> str:
     ]
     lines = [common.table(rows, head), ""]
     if not c["all_served"]:
-        lines.append(
-            f"NOT ALL SERVED: {c['client_errors']} of {s['client']['requests']} requests failed at the client"
-        )
+        lines.append(f"NOT ALL SERVED: {c['client_errors']} requests failed at the client")
     worst = c["client_vs_engine_worst"]
     lines.append(f"client / engine (TTFT, TPOT p50/p99/mean): worst {worst:.3f} off "
                  f"(target <= {TARGETS['client_vs_engine']}): {'ok' if c['client_vs_engine_ok'] else 'MISS'}")  # fmt: skip
     tr = c["trainer_served_over_inproc"]
-    lines.append(f"trainer tokens/s served / in-process: {tr:.3f} "
+    tr_text = "-" if tr is None else f"{tr:.3f}"
+    each = ", ".join("-" if r is None else f"{r:.3f}" for r in c["trainer_served_over_inproc_pairs"])
+    lines.append(f"trainer tokens/s served / in-process: {tr_text}, the median of {c['pairs']} pair(s) ({each}) "
                  f"(target within {TARGETS['trainer_served_vs_inproc']}): {'ok' if c['trainer_ok'] else 'MISS'}")  # fmt: skip
     return "\n".join(lines)
 

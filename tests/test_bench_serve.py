@@ -18,7 +18,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_process(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", "8019"],
+        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", "8019", "--repeats", "2"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -26,16 +26,26 @@ def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_proce
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_serve.json").read_text())
-    served, inproc, comparison = result["served"], result["inproc"], result["comparison"]
-    n = result["config"]["requests"]
-    assert comparison["all_served"] and comparison["client_errors"] == 0
-    assert served["client"]["completed"] == served["engine"]["requests"] == inproc["engine"]["requests"] == n
-    assert served["exit_code"] == 0 and inproc["exit_code"] in (0, 130)
-    for run in (served, inproc):
-        window = run["trainer"]["window_s"]
-        assert 0 < window[0] < window[1] and run["trainer"]["tokens_per_s"] is not None
-    assert set(comparison["client_over_engine"]) == {
-        f"{m}_{s}" for m in ("ttft_ms", "tpot_ms") for s in ("p50", "p99", "mean")
-    }
-    assert set(comparison["objective"]) == {"client", "served_engine", "inproc_engine"}
+    n, pairs, combined = result["config"]["requests"], result["pairs"], result["comparison"]
+    assert len(pairs) == 2 and combined["pairs"] == 2
+    assert combined["all_served"] and combined["client_errors"] == 0
+    for pair in pairs:
+        served, inproc, comparison = pair["served"], pair["inproc"], pair["comparison"]
+        assert comparison["all_served"] and comparison["client_errors"] == 0
+        assert (
+            served["client"]["completed"] == served["engine"]["requests"] == inproc["engine"]["requests"] == n
+        )
+        assert served["exit_code"] == 0 and inproc["exit_code"] in (0, 130)
+        for run in (served, inproc):
+            window = run["trainer"]["window_s"]
+            assert 0 < window[0] < window[1] and run["trainer"]["tokens_per_s"] is not None
+        assert set(comparison["client_over_engine"]) == {
+            f"{m}_{s}" for m in ("ttft_ms", "tpot_ms") for s in ("p50", "p99", "mean")
+        }
+        assert set(comparison["objective"]) == {"client", "served_engine", "inproc_engine"}
+    # The verdict is the median of the pairs' ratios (two: their mean), each pair's beside it.
+    ratios = combined["trainer_served_over_inproc_pairs"]
+    assert ratios == [p["comparison"]["trainer_served_over_inproc"] for p in pairs]
+    assert combined["trainer_served_over_inproc"] == pytest.approx(sum(ratios) / 2)
+    assert combined["client_vs_engine_worst"] == max(p["comparison"]["client_vs_engine_worst"] for p in pairs)
     assert (tmp_path / "bench_serve-runs.tar.gz").stat().st_size > 0
