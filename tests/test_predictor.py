@@ -122,6 +122,31 @@ def test_residual_correction_tracks_measured_ratio(fitted):
     assert pred.predict(16, 16000, 64) == raw
 
 
+def test_mixed_steps_are_sized_by_an_upper_quantile_of_their_error(fitted):
+    """A mixed step's chunk fills the budget, so its spread overruns the objective, not its mean: the mixed
+    families' correction is at least the 95th percentile of their recent measured / raw ratios, GPU-wide,
+    once enough are in; decode's families keep their EWMA alone."""
+    pred = LatencyPredictor.from_dict(fitted.to_dict())
+    raw = 0.02
+    spread = [0.7 + 0.01 * (i % 60) for i in range(120)]  # 0.70-1.29, mean ~1.0: an EWMA sits near it
+    for r in spread[: pred.mixed_min_samples - 1]:
+        pred.observe(48, True, r * raw, raw, mixed=True)
+    ewma = pred.correction(48, True, mixed=True)
+    assert pred._mixed_bound[1] == 0.0  # too few to say: the EWMA alone
+    for r in spread[pred.mixed_min_samples - 1 :]:
+        pred.observe(48 if r < 1 else 64, True, r * raw, raw, mixed=True)
+    recent = sorted(spread[-pred.mixed_window :])
+    q95 = recent[int(0.95 * len(recent))]
+    assert q95 > 1.2 and pred._mixed_bound[1] == pytest.approx(q95)
+    for sms in (32, 48, 64, 96):  # every share, measured or not
+        assert pred.correction(sms, True, mixed=True) >= q95 - 1e-12
+    assert pred.correction(48, False, mixed=True) < q95  # mixed solo steps are their own family
+    assert pred.correction(48, True) == 1.0 and pred.correction(48, False) == 1.0  # decode untouched
+    assert ewma < q95
+    pred.reset_corrections()
+    assert pred.correction(48, True, mixed=True) == 1.0
+
+
 def test_a_miss_on_one_share_carries_to_the_next_and_decays(fitted):
     """A GPU-wide slowdown learnt on one share applies at once to the share decode grows to and to shares
     not yet measured; it decays as other shares run as modelled, while the share keeps its own."""
