@@ -71,10 +71,9 @@ class LatencyPredictor:
     mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled
     lora: LoRACost | None = None  # what adapters add to a decode step; None: not profiled (no adapter slots)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
-    # A mixed step's chunk is sized to fill the budget, so its prediction error is what overruns the objective:
-    # the mixed families' correction is at least this quantile of their last `mixed_window` measured / raw
-    # ratios (GPU-wide; from `mixed_min_samples` of them). On the H200 a mixed step beside the trainer ran
-    # 0.68-1.38x its corrected prediction (median 0.84) where a decode step ran 0.96 +- 0.03x.
+    # A mixed step's chunk is sized to fill the budget, so the spread of its prediction error (wide beside
+    # the trainer), not its mean, is what overruns the objective: the mixed families' correction is at least
+    # this quantile of their last `mixed_window` measured / raw ratios (GPU-wide; from `mixed_min_samples`).
     mixed_quantile: float = 0.95
     mixed_window: int = 64
     mixed_min_samples: int = 8

@@ -50,12 +50,12 @@ class RequestHandle:
     """A submitted request as its handler sees it: ``events`` (an asyncio queue) and ``abort()``."""
 
     def __init__(self, port: RequestPort, aio: asyncio.AbstractEventLoop) -> None:
-        self._owner, self._aio = port, aio
+        self._owner, self.aio = port, aio  # aio: the handler's event loop, where its events are put
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.seq: Sequence | None = None  # set by the engine thread
 
     def post(self, event: Event) -> None:  # engine thread
-        self._aio.call_soon_threadsafe(self.events.put_nowait, event)
+        self.aio.call_soon_threadsafe(self.events.put_nowait, event)
 
     def abort(self) -> None:
         """The client went away or a stop string matched: drop the request now (its blocks are freed)."""
@@ -189,11 +189,11 @@ class RequestPort:
             if new:
                 self._sent[seq_id] += len(new)
                 event = Event(new, prompt_tokens=seq.num_prompt_tokens, step=self._steps[seq_id])
-                posts.setdefault(handle._aio, []).append((handle, event))
+                posts.setdefault(handle.aio, []).append((handle, event))
             if seq.is_finished:
                 done = self._finish(seq, post=False)
                 if done is not None:
-                    posts.setdefault(handle._aio, []).append(done)
+                    posts.setdefault(handle.aio, []).append(done)
         for aio, events in posts.items():
             aio.call_soon_threadsafe(_deliver, events)
         sched = self.engine.scheduler
