@@ -410,8 +410,9 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
 
 
 def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeypatch):
-    # Each trainer stream caches its own working set: prepare measures one (the whole GPU's stream) and has
-    # harli keep as many rungs as the memory left beside the KV cache's largest size holds, evenly spread.
+    # Each trainer stream caches its own working set: prepare measures one (a rung's, after the whole GPU's)
+    # and has harli keep as many rungs as the memory left beside the KV cache the load wants holds, evenly
+    # spread.
     from harli_train.colocate import colocation as colocation_mod
     from harli_train.colocate.colocation import Colocation
 
@@ -424,36 +425,53 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     assert policy.limit_trainer_streams(0) is True and [p.train_sms for p in policy.trainer_rungs] == [4]
     assert StaticPolicy(ladder, 64, 0.02, 0.1).limit_trainer_streams(1) is False  # one stream already
 
-    class Hook:  # 19 GiB cached per warmed stream, 4 GiB more during a step, 64 GiB left after the first
-        held = 0
+    class Hook:
+        """The pool's trainer tenant: the first stream warmed maps 17 GiB every stream shares (stashes,
+        optimizer state) plus its own 4 GiB cache, each later stream 4 GiB; a step holds 2 GiB more; the room
+        left beside the KV cache is ``free`` less what the trainer holds."""
+
+        def __init__(self, free_gib):
+            self.held, self.free = 0, free_gib * 2**30
 
         def trainer_bytes(self):
             return self.held
 
         def trainer_peak_bytes(self):
-            return self.held + 4 * 2**30 if self.held else 0
+            return self.held + 2 * 2**30 if self.held else 0
 
         def trainer_room_bytes(self):
-            return 64 * 2**30
+            return self.free - self.held
 
-    hook, warmed = Hook(), []
+    def colocation(hook, warmed):
+        def warm(trainer, partitions, total_sms, release=True, scope=None):
+            for _ in partitions:
+                hook.held += (4 if hook.held else 21) * 2**30
+            warmed.append(partitions)
+            return set()
 
-    def warm(trainer, partitions, total_sms, release=True, scope=None):
-        warmed.append(partitions)
-        hook.held += 19 * 2**30 * len(partitions)
-        return set()
+        monkeypatch.setattr(colocation_mod, "warm_up_trainer", warm)
+        col = Colocation.__new__(Colocation)
+        col.ladder, col.memory, col._stream_bytes, col.trainer = ladder, hook, None, None
+        col._step_extra_bytes = 0
+        return col
 
-    monkeypatch.setattr(colocation_mod, "warm_up_trainer", warm)
-    col = Colocation.__new__(Colocation)
-    col.ladder, col.memory, col._stream_bytes, col.trainer = ladder, hook, None, None
-    col._step_extra_bytes = 0
+    # Roomy: the second stream is the one measured (4 GiB, not the first's 21), so every rung fits.
+    hook, warmed = Hook(90), []
+    col = colocation(hook, warmed)
     fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(fresh, contextlib.nullcontext)
-    assert warmed == [[ladder.full]] and col._stream_bytes == 19 * 2**30
-    assert col._step_extra_bytes == 4 * 2**30 and len(fresh.trainer_rungs) == 3  # (64 - 4) // 19
+    assert warmed == [[ladder.full], [fresh.trainer_rungs[0]]]
+    assert col._stream_bytes == 4 * 2**30 and col._step_extra_bytes == 2 * 2**30
+    assert len(fresh.trainer_rungs) == 4
+    # Tight: 36 GiB leave 11 after the two streams, 9 past a step's extra: two more streams, three rungs.
+    hook, warmed = Hook(36), []
+    col = colocation(hook, warmed)
+    fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    col._fit_trainer_streams(fresh, contextlib.nullcontext)
+    assert len(fresh.trainer_rungs) == 3 and len(warmed) == 2
     again = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(again, contextlib.nullcontext)  # measured once: the next policy fits the same
-    assert warmed == [[ladder.full]] and len(again.trainer_rungs) == 3
+    assert len(warmed) == 2 and len(again.trainer_rungs) == 2  # the room now left: 9 // 4
 
 
 def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_they_were(tmp_path):

@@ -132,16 +132,26 @@ class Colocation:
             policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
 
     def _fit_trainer_streams(self, policy: Policy, scope: Callable) -> None:
-        """Warm the whole GPU's trainer stream, measure what it keeps cached and what a step holds beyond
-        that (the chunks' saved tensors, freed by backward), and have ``policy`` launch on no more streams
-        than the memory left beside the KV cache the load wants holds, less one step's extra: each stream
-        keeps its own copy (torch's cache, and the page pool's MemPool, never hand one stream's freed blocks
-        to another), and a stream warmed past the memory runs set-up or the run out of it."""
+        """Warm the whole GPU's trainer stream and one of ``policy``'s rungs, measure what the rung's stream
+        added (its own cache) and what its step held beyond that (saved tensors freed by backward), and have
+        ``policy`` launch on no more rungs than the memory left beside the KV cache the load wants holds: each
+        stream keeps its own copy of the working set (torch's cache, and the page pool's MemPool, never hand
+        one stream's freed blocks to another), and a stream warmed past the memory runs set-up or the run out
+        of it. The second stream is the one measured: the first also maps what every stream shares (the
+        pool's stashes of saved tensors, the optimizer's state), which is not paid again per stream."""
         hook = self.memory if self.memory is not None else CacheReleaseHook()
+        full = self.ladder.full
+        rungs = [p for p in policy.trainer_partitions() if p.infer_sms < full.infer_sms]
+        warmed = 0
         if self._stream_bytes is None:  # the first warm-up of this trainer's shapes
+            first, first_peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
+            warm_up_trainer(self.trainer, [full], self.ladder.total_sms, release=False, scope=scope)
             before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
-            full = [self.ladder.full]
-            warm_up_trainer(self.trainer, full, self.ladder.total_sms, release=False, scope=scope)
+            if rungs:  # now that the shared state is in: what one more stream and its step take
+                warm_up_trainer(self.trainer, [rungs[0]], self.ladder.total_sms, release=False, scope=scope)
+                warmed = 1
+            else:
+                before, peak_before = first, first_peak
             after, peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
             self._stream_bytes = after - before
             # A peak the step did not raise is an older one: it says nothing of the step.
@@ -150,12 +160,13 @@ class Colocation:
         if per_stream <= 0:
             return
         room = max(hook.trainer_room_bytes() - self._step_extra_bytes, 0)
-        count = int(room // per_stream)
+        count = warmed + int(room // per_stream)
         wanted = len(policy.trainer_partitions()) - 1  # the whole GPU's stream is warmed already
         if policy.limit_trainer_streams(count):
             log.warning(
-                "the trainer's working set (%.1f GiB a stream, %.1f GiB more during a step) fits %d more "
-                "streams in the %.1f GiB left beside the KV cache: %s launches on %d of its %d trainer rungs",
+                "the trainer's working set (%.1f GiB a stream, %.1f GiB more during a step) fits %d "
+                "streams beside the whole GPU's in the memory left beside the KV cache (%.1f GiB): %s "
+                "launches on %d of its %d trainer rungs",
                 per_stream / 2**30,
                 self._step_extra_bytes / 2**30,
                 count,
@@ -163,6 +174,15 @@ class Colocation:
                 policy.name,
                 len(policy.trainer_partitions()) - 1,
                 wanted,
+            )
+        else:
+            log.info(
+                "the trainer's working set: %.1f GiB a stream, %.1f GiB more during a step; %d rungs fit "
+                "in the %.1f GiB left beside the KV cache",
+                per_stream / 2**30,
+                self._step_extra_bytes / 2**30,
+                count,
+                room / 2**30,
             )
 
     def runtime(
