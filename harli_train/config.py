@@ -29,10 +29,13 @@ DEFAULT_PREFILL_AHEAD = False
 # the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
 DEFAULT_SETTLE = False
 DEFAULT_LEARN_MARGIN = False
+# harli:stride=N: the trainer launches on every N-th rung (each rung's stream caches its own working set; the
+# set-up's stream fit widens the stride further when the memory holds fewer rungs).
+DEFAULT_TRAINER_STRIDE = 2
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    "margin=learn|fixed (default fixed)"
+    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE})"
 )
 OVERRIDE_SOURCE = "command line override"
 _UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
@@ -148,8 +151,8 @@ _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair)
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed`` (any of them, in any order; ""
-    for none) as HarliPolicy keyword arguments."""
+    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N`` (any of them, in any
+    order; "" for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -163,6 +166,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["settle"] = value == "on"
         elif key == "margin" and value in ("learn", "fixed"):
             out["learn_margin"] = value == "learn"
+        elif key == "stride" and re.fullmatch(r"[1-9]\d*", value):
+            out["trainer_stride"] = int(value)
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -174,6 +179,7 @@ def harli_name(
     prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
     settle: bool = DEFAULT_SETTLE,
     learn_margin: bool = DEFAULT_LEARN_MARGIN,
+    trainer_stride: int = DEFAULT_TRAINER_STRIDE,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -185,6 +191,8 @@ def harli_name(
         options.append(f"settle={'on' if settle else 'off'}")
     if learn_margin != DEFAULT_LEARN_MARGIN:
         options.append(f"margin={'learn' if learn_margin else 'fixed'}")
+    if trainer_stride != DEFAULT_TRAINER_STRIDE:
+        options.append(f"stride={trainer_stride}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -303,6 +303,7 @@ def test_override_of_unknown_key(tmp_path):
         "harli:",
         "harli:grow=0.9",
         "harli:ahead=1",
+        "harli:stride=0",
     ],
 )
 def test_bad_policy(tmp_path, policy):
@@ -318,6 +319,7 @@ def test_bad_policy(tmp_path, policy):
         "harli:grow=0.1,prefill=paused",
         "harli:ahead=on,grow=0",
         "harli:settle=on,margin=learn",
+        "harli:stride=1",
         "exclusive:48",
     ],
 )
@@ -336,3 +338,16 @@ def test_harli_settle_and_learnt_margin_reach_the_controller():
     assert policy.name == "harli:settle=on,margin=learn"  # canonical order
     assert policy.controller.settle and policy.controller.learned_margin is not None
     assert not make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05).controller.settle
+
+
+def test_harli_stride_picks_the_trainers_rungs():
+    from harli_train.colocate.policy import make_policy
+    from harli_train.colocate.sm import SMLadder
+
+    from .test_runtime import synthetic_predictor
+
+    ladder = SMLadder.cpu_standin(132, 16)
+    every = make_policy("harli:stride=1", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert every.name == "harli:stride=1" and every.trainer_rungs == ladder.spatial
+    default = make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert default.name == "harli" and len(default.trainer_rungs) == -(-len(ladder.spatial) // 2)

@@ -25,6 +25,7 @@ from harli_train.config import (
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
     DEFAULT_SETTLE,
+    DEFAULT_TRAINER_STRIDE,
     PREFILL_MODES,
     harli_name,
 )
@@ -46,7 +47,7 @@ class HarliPolicy(ControlledPolicy):
         trainer_window_s: float = 0.3,
         prefill_sms: int | None = None,
         prefill: str = PREFILL_MODES[0],
-        trainer_stride: int = 2,
+        trainer_stride: int = DEFAULT_TRAINER_STRIDE,
         grow_headroom: float = DEFAULT_GROW_HEADROOM,
         prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
         prefill_floor: int = 128,
@@ -56,7 +57,7 @@ class HarliPolicy(ControlledPolicy):
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
         super().__init__(ladder, tpot_s, margin, predictor)
-        self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin)
+        self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin, trainer_stride)
         self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
         self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
         self.controller = Controller(
