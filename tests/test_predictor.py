@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.predictor import LatencyPredictor, split_samples
 
 TOTAL = 132
@@ -144,7 +145,14 @@ def test_mixed_steps_are_sized_by_an_upper_quantile_of_their_error(fitted):
     assert pred.correction(48, True) == 1.0 and pred.correction(48, False) == 1.0  # decode untouched
     assert ewma < q95
     pred.reset_corrections()
-    assert pred.correction(48, True, mixed=True) == 1.0
+    assert pred.correction(48, True, mixed=True) == 1.0  # a predictor without a mixed fit: no prior
+    # Before enough mixed steps are measured, the mixed fit's worst error on its profile is the floor.
+    pred.mixed = MixedStepModel({48: [0.01] + [0.0] * 5}, {}, {"fit_mixed_corun_max_ape_pct": 17.0})
+    assert pred.correction(48, True, mixed=True) == pytest.approx(1.17)
+    assert pred.correction(48, False, mixed=True) == 1.0 and pred.correction(48, True) == 1.0
+    for _ in range(pred.mixed_min_samples):
+        pred.observe(48, True, 0.9 * raw, raw, mixed=True)
+    assert pred.correction(48, True, mixed=True) < 1.17  # measured: the quantile (and the EWMA) take over
 
 
 def test_a_miss_on_one_share_carries_to_the_next_and_decays(fitted):

@@ -73,7 +73,8 @@ class LatencyPredictor:
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
     # A mixed step's chunk is sized to fill the budget, so the spread of its prediction error (wide beside
     # the trainer), not its mean, is what overruns the objective: the mixed families' correction is at least
-    # this quantile of their last `mixed_window` measured / raw ratios (GPU-wide; from `mixed_min_samples`).
+    # this quantile of their last `mixed_window` measured / raw ratios (GPU-wide; from `mixed_min_samples`;
+    # before that, 1 + the mixed fit's largest relative error on the profile).
     mixed_quantile: float = 0.95
     mixed_window: int = 64
     mixed_min_samples: int = 8
@@ -320,7 +321,16 @@ class LatencyPredictor:
         family = int(corun) + 2 * mixed
         corr = self._corr.get(infer_sms)
         factor = max(1.0 if corr is None else corr[family], self._glob[family])
-        return max(factor, self._mixed_bound[int(corun)]) if mixed else factor
+        return max(factor, self._mixed_floor(int(corun))) if mixed else factor
+
+    def _mixed_floor(self, kind: int) -> float:
+        """The least correction of mixed steps (``kind`` 0: solo, 1: co-run): the quantile of the recent
+        ratios once there are enough, before that the mixed fit's largest error on its profile samples."""
+        if len(self._mixed_ratios[kind]) >= self.mixed_min_samples:
+            return self._mixed_bound[kind]
+        report = self.mixed.fit_report if self.mixed is not None else {}
+        worst = report.get(f"fit_mixed_{'corun' if kind else 'solo'}_max_ape_pct", 0.0)
+        return min(1.0 + worst / 100.0, RATIO_CLAMP[1])
 
     def reset_corrections(self) -> None:
         self._corr.clear()
