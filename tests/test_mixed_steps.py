@@ -122,6 +122,46 @@ def test_chunks_fit_the_budget_on_each_policys_share():
     )
 
 
+def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():
+    # A prompt that has waited the TTFT objective less the margin gets all of its pending prefill in the next
+    # step, on the whole GPU with the trainer held back, past the TPOT budget if need be; every policy alike.
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    pieces = (PrefillPiece(400, 0, 0), PrefillPiece(100, 0, 0))
+    budget = 0.0201 * 0.9
+    for name in ("harli", "static:32"):
+        policy = make_policy(name, ladder, pred, 0.0201, 0.1)
+        early = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.05)
+        assert policy.ttft_plan(early) is None  # no TTFT objective
+        policy.ttft_s = 0.2
+        assert policy.ttft_plan(early) is None and policy.plan(early).prefill_tokens < 400  # not yet due
+        due = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.2 * 0.9)
+        plan = policy.plan(due)
+        assert plan.reason.startswith("ttft") and plan.paused and plan.partition is ladder.full
+        assert plan.prefill_tokens == 400 and not plan.corun  # the whole first prompt, not what fits
+        assert plan.predicted_s > budget and plan.mixed_raw_s == pytest.approx(plan.predicted_s)
+        # A prompt whose first token came already, or a step with nothing pending: the policy's own plan.
+        assert policy.ttft_plan(StepPreview(2, 40, (), mixed=True, prefill_wait_s=None)) is None
+
+
+def test_a_preview_says_how_long_its_oldest_pending_prompt_has_waited():
+    import torch
+
+    from harli_train.engine import DecodeEngine, EngineConfig
+    from harli_train.model import load_model
+
+    clock = [10.0]
+    model = load_model("tiny", torch.float32, "cpu")
+    cfg = EngineConfig(num_kv_blocks=64, max_model_len=128, kernels="torch", mixed_prefill=True)
+    engine = DecodeEngine(model, cfg, clock=lambda: clock[0])
+    assert engine.peek().prefill_wait_s is None
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), arrival_time=9.5)
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=4), arrival_time=9.8)
+    assert engine.peek().prefill_wait_s == pytest.approx(0.5)  # the first in line
+    engine.step()
+    assert engine.peek().prefill_wait_s is None  # both prompts computed: nothing pending
+
+
 def _seq(i: int, times: list[float], arrival: float = 0.0) -> Sequence:
     seq = Sequence(i, [1, 2, 3], SamplingParams(max_tokens=len(times)), arrival)
     seq.token_ids += [5] * len(times)
@@ -175,3 +215,31 @@ def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     held = summary["trainer_sm_seconds"]
     assert sum(held.values()) == pytest.approx(summary["duration_s"], rel=0.05, abs=0.02)
     assert any(int(sms) > 0 for sms in held)
+
+
+def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
+    from harli_train.config import RecipeError, load_recipe
+
+    from .test_runtime import QUICKSTART
+
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+
+    def make(ladder):
+        policy = make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)
+        policy.ttft_s = 1e-3  # every pending prompt is due at once
+        return policy
+
+    load = requests([(0.0, 2, 60), (0.3, 3, 8)])
+    opts = RuntimeOptions(until="load", window_s=1.0, quiet=True, finish=False, plots=False)
+    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
+    summary = runtime(tmp_path, ladder, make, load, opts, None, None, *small).run()
+    due = [r for r in rows(tmp_path) if r["kind"] == "mixed" and r["reason"].startswith("ttft")]
+    assert due and all(r["paused"] and r["infer_sms"] == TOTAL for r in due)
+    assert summary["objective"]["ttft_ms"] == pytest.approx(1.0)
+    assert 0.0 <= summary["serving"]["ttft_attainment"] <= 1.0
+    assert summary["serving"]["objective_ttft_ms"] == pytest.approx(1.0)
+    # The recipe key: a positive number of milliseconds, or none.
+    assert load_recipe(QUICKSTART, ["colocation.ttft_ms=250"]).colocation.ttft_ms == 250.0
+    assert load_recipe(QUICKSTART, []).colocation.ttft_ms is None
+    with pytest.raises(RecipeError):
+        load_recipe(QUICKSTART, ["colocation.ttft_ms=-1"])

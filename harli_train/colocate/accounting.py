@@ -25,9 +25,10 @@ RATE_BAR = 0.001
 
 
 def objective_stats(
-    metrics: EngineMetrics, tpot_s: float, running: Iterable[Sequence] = ()
+    metrics: EngineMetrics, tpot_s: float, running: Iterable[Sequence] = (), ttft_s: float | None = None
 ) -> dict[str, Any]:
-    """Objective figures over every request ``metrics`` recorded and the ``running`` ones (so far)."""
+    """Objective figures over every request ``metrics`` recorded and the ``running`` ones (so far); with a
+    TTFT objective ``ttft_s``, the fraction of requests with a first token whose TTFT met it."""
     running = list(running)
     records = [r for r in metrics.requests if r.finish_reason != "refused"]
     records += [request_record(s, metrics.t0) for s in running]
@@ -40,6 +41,10 @@ def objective_stats(
     judged = [r.tpot_ms for r in records if r.output_tokens >= 2 and r.tpot_ms is not None]
     attainment = sum(t <= tpot_ms for t in judged) / len(judged) if judged else None
     rate = violations / intervals.size if intervals.size else None
+    ttfts = [r.ttft_ms for r in records if r.ttft_ms is not None]
+    ttft_met = None
+    if ttft_s is not None and ttfts:
+        ttft_met = sum(t <= ttft_s * 1e3 for t in ttfts) / len(ttfts)
     return {
         "objective_tpot_ms": tpot_ms,
         "intervals": int(intervals.size),
@@ -49,7 +54,8 @@ def objective_stats(
         "requests_judged": len(judged),
         "requests_missing_tpot": sum(t > tpot_ms for t in judged),
         "clean": attainment is not None and attainment >= ATTAINMENT_BAR and (rate or 0.0) <= RATE_BAR,
-        "ttft_ms": percentiles([r.ttft_ms for r in records if r.ttft_ms is not None]),
+        "ttft_ms": percentiles(ttfts),
+        **({} if ttft_s is None else {"objective_ttft_ms": ttft_s * 1e3, "ttft_attainment": ttft_met}),
         "tpot_ms": percentiles(judged),
         "token_interval_ms": percentiles(intervals * 1e3),
     }

@@ -90,6 +90,7 @@ class Colocation:
         policy = make_policy(
             name or col.policy, self.ladder, self.predictor, tpot_s or self.tpot_s, col.margin
         )
+        policy.ttft_s = None if col.ttft_ms is None else col.ttft_ms * 1e-3
         return policy if self.parallel is None else self.parallel.wrap_policy(policy)
 
     def new_trainer(self, out_dir: str | Path) -> Trainer:

@@ -92,13 +92,16 @@ def run_colocated(
         col.close()
     ft, sv = summary["finetune"], summary["serving"]
     attained = "-" if sv["tpot_attainment"] is None else f"{100 * sv['tpot_attainment']:.1f}%"
+    ttft = sv.get("ttft_attainment")
+    ttft_met = "" if ttft is None else f" ({100 * ttft:.1f}% within {sv['objective_ttft_ms']:g} ms)"
     log.info(
-        "%s: finetune %.0f tokens/s while serving; %s; TPOT met by %s of them, TTFT p99 %s ms; summary in %s",
+        "%s: finetune %.0f tokens/s while serving; %s; TPOT met by %s of them, TTFT p99 %s ms%s; summary in %s",
         summary["policy"],
         ft["tokens_per_s"],
         report.objective_text(summary["objective_stats"]),
         attained,
         _fmt(sv["ttft_ms"], "p99"),
+        ttft_met,
         records / "summary.json",
     )
     summary["interrupted"] = summary["stop_reason"] == "interrupted"

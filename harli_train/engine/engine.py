@@ -235,8 +235,8 @@ class DecodeEngine:
     def peek(self) -> StepPreview:
         """The step `step()` would run now, without running it (`StepPreview`: its decode rows and the
         prefill work that may ride with them): what a controller sizes the next step's partition and prefill
-        budget from."""
-        return self.scheduler.peek()
+        budget from; it says how long the oldest prompt with prefill pending has waited."""
+        return self.scheduler.peek(self.clock())
 
     def abort(self, seq: Sequence) -> bool:
         """Drop one request now (a client went away): its KV blocks are freed at once and it is recorded with

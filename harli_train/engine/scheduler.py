@@ -62,6 +62,7 @@ class StepPreview:
     pieces: tuple[PrefillPiece, ...] = ()
     mixed: bool = False
     lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
+    prefill_wait_s: float | None = None  # how long the first piece's request has waited (peek's `now` given)
 
     @property
     def prefill_tokens(self) -> int:
@@ -208,8 +209,9 @@ class Scheduler:
         batch.is_prefill = batch.is_prefill or bool(plan)
         return bool(plan)
 
-    def peek(self) -> StepPreview:
-        """The step `schedule()` would make now, changing nothing (see `StepPreview`)."""
+    def peek(self, now: float | None = None) -> StepPreview:
+        """The step `schedule()` would make now, changing nothing (see `StepPreview`); with `now` (the clock
+        of the sequences' arrival times), how long the oldest request with prefill pending has waited."""
         bm = self.block_manager
         decoding = self._decoding()
         mixed = self.config.mixed_prefill
@@ -218,7 +220,8 @@ class Scheduler:
         plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
         pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
         adapters = len({s.lora_slot for s in decoding} - {0})
-        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters)
+        wait = None if now is None or not plan else now - plan[0][0].arrival_time
+        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, wait)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,

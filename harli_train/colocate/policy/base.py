@@ -14,19 +14,31 @@ from harli_train.engine.scheduler import StepPreview
 MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
 
 
+def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: int, corun: bool) -> float:
+    """The uncorrected predicted seconds of ``preview``'s mixed step on ``sms`` with ``n`` prefill tokens."""
+    pairs = attention_pairs([(p.tokens, p.context) for p in preview.take(n)])
+    return predictor.predict_mixed(
+        preview.decode_seqs,
+        preview.decode_kv_tokens,
+        n,
+        pairs,
+        sms,
+        corun,
+        raw=True,
+        lora_slots=preview.lora_slots,
+    )
+
+
 def largest_chunk(
     predictor: LatencyPredictor, preview: StepPreview, sms: int, corun: bool, budget_s: float
 ) -> tuple[int, float, float]:
     """The most prefill tokens of ``preview`` whose mixed step on ``sms`` is predicted within ``budget_s``
     (at least ``MIN_CHUNK`` or all that is pending, whichever is less), with the step's corrected and raw
     prediction. The cost grows with the tokens, so a bisection finds it in ~log2(pending) predictions."""
-    b, kv = preview.decode_seqs, preview.decode_kv_tokens
     corr = predictor.correction(sms, corun, mixed=True)
 
     def raw(n: int) -> float:
-        pieces = preview.take(n)
-        pairs = attention_pairs([(p.tokens, p.context) for p in pieces])
-        return predictor.predict_mixed(b, kv, n, pairs, sms, corun, raw=True, lora_slots=preview.lora_slots)
+        return mixed_raw_s(predictor, preview, n, sms, corun)
 
     lo, hi = min(MIN_CHUNK, preview.prefill_tokens), preview.prefill_tokens
     if raw(hi) * corr <= budget_s:
@@ -57,6 +69,7 @@ class Policy:
     ) -> None:
         self.ladder, self.tpot_s, self.margin = ladder, tpot_s, margin
         self.budget_s = tpot_s * (1.0 - margin)
+        self.ttft_s: float | None = None  # the TTFT objective (colocation.ttft_ms), if any: see ttft_plan
         self.step_estimate = Ewma(self.budget_s / 2)
         self.predictor = predictor
 
@@ -74,8 +87,36 @@ class Policy:
         return False
 
     def plan(self, preview: StepPreview) -> StepPlan:
-        """Where the step ``preview`` describes runs, its prefill budget, and what the trainer does."""
+        """Where the step ``preview`` describes runs, its prefill budget, and what the trainer does: the
+        TTFT objective's plan when a prompt is due (``ttft_plan``), else the policy's own (``plan_step``)."""
+        return self.ttft_plan(preview) or self.plan_step(preview)
+
+    def plan_step(self, preview: StepPreview) -> StepPlan:
+        """The policy's own plan for the step ``preview`` describes."""
         raise NotImplementedError
+
+    def ttft_plan(self, preview: StepPreview) -> StepPlan | None:
+        """With a TTFT objective (``ttft_s``): a mixed step whose oldest pending prompt has waited past the
+        objective less the margin computes all of that prompt this step can take (and more, as far as the
+        whole GPU fits the TPOT budget), on the whole GPU with the trainer held back, so that the prompt's
+        first token comes now; the step may then run past the TPOT budget: the objective the user set
+        bounds how far the TPOT budget may throttle prefill. None otherwise (the policy plans the step)."""
+        wait = preview.prefill_wait_s
+        if self.ttft_s is None or preview.kind != "mixed" or wait is None:
+            return None
+        if wait < self.ttft_s * (1.0 - self.margin):
+            return None
+        full = self.ladder.full
+        n = preview.pieces[0].tokens
+        fit, _, _ = self.chunk(preview, full.infer_sms, False)
+        n = max(n, fit or 0)
+        raw = None
+        if self.predictor is not None and self.predictor.mixed is not None:
+            raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, False)
+        corr = None if raw is None else raw * self.predictor.correction(full.infer_sms, False, mixed=True)
+        plan = paused(full, f"ttft: a prompt waited {wait * 1e3:.0f} ms: {n} prefill tokens now", corr)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        return plan
 
     def idle_plan(self) -> StepPlan:
         """Where the trainer runs when there is nothing to decode: the whole GPU."""

@@ -46,7 +46,7 @@ class StaticPolicy(Policy):
     def partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, preview: StepPreview) -> StepPlan:
+    def plan_step(self, preview: StepPreview) -> StepPlan:
         return self.with_chunk(
             beside(self.part, self.part, self.step_estimate.value, None, "static"), preview
         )
@@ -79,7 +79,7 @@ class ExclusivePolicy(Policy):
     def trainer_partitions(self) -> list[Partition]:
         return self.partitions() if self.trainer_part is None else [self.trainer_part]
 
-    def plan(self, preview: StepPreview) -> StepPlan:
+    def plan_step(self, preview: StepPreview) -> StepPlan:
         return self.with_chunk(paused(self.ladder.full, "exclusive: decode alone"), preview)
 
     def idle_plan(self) -> StepPlan:

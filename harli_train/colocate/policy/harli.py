@@ -88,7 +88,7 @@ class HarliPolicy(ControlledPolicy):
     def limit_trainer_streams(self, count: int) -> bool:
         return self.rungs.limit(count)
 
-    def plan(self, preview: StepPreview) -> StepPlan:
+    def plan_step(self, preview: StepPreview) -> StepPlan:
         if preview.kind == "prefill":
             return self.prefill.plan(preview.decode_after())
         if preview.kind == "mixed" and self.predictor.mixed is not None:

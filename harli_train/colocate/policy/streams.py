@@ -37,7 +37,7 @@ class StreamsPolicy(Policy):
     def trainer_partitions(self) -> list[Partition]:
         return [self.part]
 
-    def plan(self, preview: StepPreview) -> StepPlan:
+    def plan_step(self, preview: StepPreview) -> StepPlan:
         plan = whole_gpu(self.part, self.ladder.total_sms, self.step_estimate.value, "streams")
         return self.with_chunk(plan, preview)
 

@@ -53,7 +53,7 @@ class TemporalPolicy(ControlledPolicy):
     def trainer_partitions(self) -> list[Partition]:
         return [self.slices.full]
 
-    def plan(self, preview: StepPreview) -> StepPlan:
+    def plan_step(self, preview: StepPreview) -> StepPlan:
         if preview.kind != "decode":  # prefill work: alone on the whole GPU
             return self.with_chunk(paused(self.slices.full, f"{preview.kind}: whole GPU"), preview)
         d = self.controller.decide(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
