@@ -206,3 +206,23 @@ def test_trainer_quota_is_the_trainer_tenants(tmp_path):
     with_quota.open(engine.engine.storage.spec, 64)
     assert with_quota.trainer_tenant.stats()["quota_pages"] == (GIB // 8) // with_quota.pool.page_bytes
     with_quota.close()
+
+
+def test_the_trainer_tenant_gives_its_input_buffers_back_when_detached():
+    # On a GPU the trainer's input buffers are made in TrainerMemory's scope: detached, the trainer drops
+    # them, so that none outlives the tenant (its close counts every live allocation made in scope).
+    from types import SimpleNamespace
+
+    from harli_train.train.batch_buffers import BatchBuffers
+
+    buffers = BatchBuffers("cpu")
+    buffers.load(
+        {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long)}
+    )
+    assert buffers.num_buffers == 2
+    trainer = SimpleNamespace(stash_chunk=object(), buffers=buffers)
+    memory = PoolMemory.__new__(PoolMemory)
+    memory._trainer, memory._placement = trainer, None
+    memory.detach()
+    assert buffers.num_buffers == 0 and trainer.stash_chunk is None and memory._trainer is None
+    memory.detach()  # idempotent

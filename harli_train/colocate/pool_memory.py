@@ -158,9 +158,12 @@ class PoolMemory(CacheReleaseHook):
         self._trainer = trainer
 
     def detach(self) -> None:
+        """The trainer stops being the tenant: its stashes and placed state go back, and its input buffers
+        (made in the tenant's scope on a GPU, so they would outlive TrainerMemory) are dropped."""
         if self._trainer is None:
             return
         self._trainer.stash_chunk = None
+        self._trainer.buffers.release()
         if self._placement is not None:
             self._placement.release()
             self._placement = None

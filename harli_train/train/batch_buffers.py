@@ -38,6 +38,10 @@ class BatchBuffers:
             out[key] = buf.copy_(src, non_blocking=True)
         return out
 
+    def release(self) -> None:
+        """Drop every buffer (the next `load` of a shape makes its buffers again)."""
+        self._buffers.clear()
+
     @property
     def num_buffers(self) -> int:
         return len(self._buffers)
