@@ -226,18 +226,19 @@ def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
 
     def make(ladder):
         policy = make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)
-        policy.ttft_s = 1e-3  # every pending prompt is due at once
+        policy.ttft_s = 1e-9  # every pending prompt is due at once
         return policy
 
-    load = requests([(0.0, 2, 60), (0.3, 3, 8)])
-    opts = RuntimeOptions(until="load", window_s=1.0, quiet=True, finish=False, plots=False)
+    # Prompts arriving while the first request decodes: some ride in mixed steps however slow the host.
+    load = requests([(0.0, 2, 120), (0.1, 3, 8), (0.3, 3, 8), (0.5, 3, 8)])
+    opts = RuntimeOptions(until="load", window_s=1.5, quiet=True, finish=False, plots=False)
     small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
     summary = runtime(tmp_path, ladder, make, load, opts, None, None, *small).run()
     due = [r for r in rows(tmp_path) if r["kind"] == "mixed" and r["reason"].startswith("ttft")]
     assert due and all(r["paused"] and r["infer_sms"] == TOTAL for r in due)
-    assert summary["objective"]["ttft_ms"] == pytest.approx(1.0)
-    assert 0.0 <= summary["serving"]["ttft_attainment"] <= 1.0
-    assert summary["serving"]["objective_ttft_ms"] == pytest.approx(1.0)
+    assert summary["objective"]["ttft_ms"] == pytest.approx(1e-6)
+    assert summary["serving"]["ttft_attainment"] == 0.0  # no first token comes within a nanosecond
+    assert summary["serving"]["objective_ttft_ms"] == pytest.approx(1e-6)
     # The recipe key: a positive number of milliseconds, or none.
     assert load_recipe(QUICKSTART, ["colocation.ttft_ms=250"]).colocation.ttft_ms == 250.0
     assert load_recipe(QUICKSTART, []).colocation.ttft_ms is None
