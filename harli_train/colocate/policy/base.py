@@ -110,11 +110,11 @@ class Policy:
         n = preview.pieces[0].tokens
         fit, _, _ = self.chunk(preview, full.infer_sms, False)
         n = max(n, fit or 0)
-        raw = None
-        if self.predictor is not None and self.predictor.mixed is not None:
+        raw = predicted = None
+        if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
             raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, False)
-        corr = None if raw is None else raw * self.predictor.correction(full.infer_sms, False, mixed=True)
-        plan = paused(full, f"ttft: a prompt waited {wait * 1e3:.0f} ms: {n} prefill tokens now", corr)
+            predicted = raw * self.predictor.correction(full.infer_sms, False, mixed=True)
+        plan = paused(full, f"ttft: a prompt waited {wait * 1e3:.0f} ms: {n} prefill tokens now", predicted)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
         return plan
 
