@@ -10,7 +10,8 @@ import click
 from harli_train import __version__
 from harli_train.cli_serve import loadgen, serve, serve_trace
 from harli_train.cli_support import friendly, strict_json, tensor_parallel_run
-from harli_train.config import HARLI_OPTIONS, LADDER_STEPS
+from harli_train.config import LADDER_STEPS
+from harli_train.policy_names import HARLI_OPTIONS
 
 
 class _RecipeGroup(click.Group):

@@ -1,217 +1,70 @@
 """Recipe configuration: a YAML recipe file (plus command-line overrides) turned into checked dataclasses.
 
-Every key is declared once, as a dataclass field whose metadata holds its rule (kind, limit, optional);
-`__post_init__` applies the rules, so a section built in code is checked exactly like one read from a file.
+Every key is declared once, as a dataclass field whose metadata holds its rule (kind, limit, optional:
+`recipe_rules`); `__post_init__` applies the rules, so a section built in code is checked exactly like one
+read from a file.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
-import re
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from harli_train.policy_names import (
+    HARLI_OPTIONS,
+    POLICIES,
+    is_policy,
+)
+from harli_train.recipe_rules import (
+    EXISTS,
+    NOT_EMPTY,
+    OVERRIDE_SOURCE,
+    UNPLACED,
+    Limit,
+    Mismatch,
+    RecipeError,
+    Rule,
+    above,
+    among,
+    at_least,
+    describe,
+    did_you_mean,
+    key,
+    register_kind,
+    validate,
+    within,
+)
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_GROUPS = {"all": PROJECTIONS, "attention": PROJECTIONS[:4], "mlp": PROJECTIONS[4:]}
-# and static:N, a fixed split at N SMs, and exclusive:N, exclusive's trainer alone on static:N's trainer SMs
-POLICIES = ("harli", "streams", "temporal", "exclusive")
-PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
-# harli:grow=H, harli's default: anticipate a grow while decode is within 5 % of its budget (0 turns it off).
-DEFAULT_GROW_HEADROOM = 0.05
-# harli:ahead=on: a prefill's trainer stays clear of the share the decode step after it will need.
-DEFAULT_PREFILL_AHEAD = False
-# harli:settle=on: a shrink must pay for the queued trainer work it strands; harli:margin=learn: the margin follows
-# the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
-DEFAULT_SETTLE = False
-DEFAULT_LEARN_MARGIN = False
-# harli:stride=N: the trainer launches on every N-th rung (each rung's stream caches its own working set; the
-# set-up's stream fit widens the stride further when the memory holds fewer rungs).
-DEFAULT_TRAINER_STRIDE = 2
-HARLI_OPTIONS = (
-    f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
-    f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE})"
-)
-OVERRIDE_SOURCE = "command line override"
-_UNPLACED = "config"  # where an error raised in code happened; load_recipe names the file or override instead
-
-
-class RecipeError(ValueError):
-    """A recipe the trainer cannot use; names the file (or command line), the key, expected and found."""
-
-    def __init__(self, where: str, key: str, expected: str, found: str):
-        self.where, self.key, self.expected, self.found = where, key, expected, found
-        super().__init__(f"{where}: {key + ': ' if key else ''}expected {expected}, got {found}")
-
-
-class _Mismatch(ValueError):
-    """A value of the wrong kind; its message, if any, says more than the kind's noun can."""
-
-
-def _did_you_mean(word: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _describe(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {value!r}"
-
-
-# Kinds: a noun for messages and a coercion that raises _Mismatch.
-def _as_float(v: Any) -> float:
-    # PyYAML reads `1e-4` (no dot) as a string, so numeric strings are numbers here.
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise _Mismatch()
-    try:
-        number = float(v)
-    except ValueError:
-        raise _Mismatch() from None
-    if not math.isfinite(number):  # `inf` and `nan` pass every `>` test, and poison training silently
-        raise _Mismatch("not a finite number")
-    return number
-
-
-def _exactly(kind: type) -> Callable[[Any], Any]:
-    def coerce(v: Any) -> Any:
-        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):  # `steps: true` is no int
-            raise _Mismatch()
-        return v
-
-    return coerce
-
-
-def _as_pair(v: Any) -> tuple[float, float]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2:
-        raise _Mismatch()
-    return (_as_float(v[0]), _as_float(v[1]))
 
 
 def _as_targets(v: Any) -> list[str]:
     names = [v] if isinstance(v, str) else v
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise _Mismatch()
+        raise Mismatch()
     chosen: set[str] = set()
     for name in names:
         if name not in PROJECTIONS and name not in TARGET_GROUPS:
-            raise _Mismatch(f"unknown {name!r}{_did_you_mean(name, [*PROJECTIONS, *TARGET_GROUPS])}")
+            raise Mismatch(f"unknown {name!r}{did_you_mean(name, [*PROJECTIONS, *TARGET_GROUPS])}")
         chosen.update(TARGET_GROUPS.get(name, (name,)))
     return [p for p in PROJECTIONS if p in chosen]  # canonical order, no duplicates
 
 
-def _as_path(v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise _Mismatch()
-    return str(Path(v).expanduser().resolve())
+register_kind(
+    "targets", f"a list of projections among {', '.join([*PROJECTIONS, *TARGET_GROUPS])}", _as_targets
+)
 
 
-_KINDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "int": ("an integer", _exactly(int)),
-    "float": ("a number", _as_float),
-    "bool": ("true or false", _exactly(bool)),
-    "str": ("a string", _exactly(str)),
-    "pair": ("a pair of numbers", _as_pair),
-    "targets": (f"a list of projections among {', '.join([*PROJECTIONS, *TARGET_GROUPS])}", _as_targets),
-    "path": ("a path", _as_path),  # in a recipe file, relative to the file's folder
-}
-
-
-# Limits: words that follow the kind's noun, and the test behind them.
-@dataclass(frozen=True, slots=True)
-class Limit:
-    text: str
-    test: Callable[[Any], bool]
-
-
-def above(lo: float) -> Limit:
-    return Limit(f"> {lo}", lambda v: v > lo)
-
-
-def at_least(lo: float) -> Limit:
-    return Limit(f">= {lo}", lambda v: v >= lo)
-
-
-def within(lo: float, hi: float, open_top: bool = False) -> Limit:
-    if open_top:
-        return Limit(f"in [{lo}, {hi})", lambda v: lo <= v < hi)
-    return Limit(f"in [{lo}, {hi}]", lambda v: lo <= v <= hi)
-
-
-def among(*choices: str) -> Limit:
-    return Limit(f"among {', '.join(choices)}", lambda v: v in choices)
-
-
-EXISTS = Limit("that exists", lambda path: Path(path).exists())
-NOT_EMPTY = Limit("that is not empty", lambda text: bool(text.strip()))
 _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair))
 
 
-def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N`` (any of them, in any
-    order; "" for none) as HarliPolicy keyword arguments."""
-    out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key == "prefill" and value in PREFILL_MODES:
-            out["prefill"] = value
-        elif key == "grow" and re.fullmatch(r"\d*\.?\d+", value) and float(value) < 0.5:
-            out["grow_headroom"] = float(value)
-        elif key == "ahead" and value in ("on", "off"):
-            out["prefill_ahead"] = value == "on"
-        elif key == "settle" and value in ("on", "off"):
-            out["settle"] = value == "on"
-        elif key == "margin" and value in ("learn", "fixed"):
-            out["learn_margin"] = value == "learn"
-        elif key == "stride" and re.fullmatch(r"[1-9]\d*", value):
-            out["trainer_stride"] = int(value)
-        else:
-            raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
-    return out
-
-
-def harli_name(
-    prefill: str = PREFILL_MODES[0],
-    grow_headroom: float = DEFAULT_GROW_HEADROOM,
-    prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
-    settle: bool = DEFAULT_SETTLE,
-    learn_margin: bool = DEFAULT_LEARN_MARGIN,
-    trainer_stride: int = DEFAULT_TRAINER_STRIDE,
-) -> str:
-    """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
-    options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
-    if grow_headroom != DEFAULT_GROW_HEADROOM:
-        options.append(f"grow={grow_headroom:g}")
-    if prefill_ahead != DEFAULT_PREFILL_AHEAD:
-        options.append(f"ahead={'on' if prefill_ahead else 'off'}")
-    if settle != DEFAULT_SETTLE:
-        options.append(f"settle={'on' if settle else 'off'}")
-    if learn_margin != DEFAULT_LEARN_MARGIN:
-        options.append(f"margin={'learn' if learn_margin else 'fixed'}")
-    if trainer_stride != DEFAULT_TRAINER_STRIDE:
-        options.append(f"stride={trainer_stride}")
-    return "harli" + (":" + ",".join(options) if options else "")
-
-
-def _is_policy(v: str) -> bool:
-    split = re.fullmatch(r"(?:static|exclusive):(\d+)", v)
-    if split:
-        return 1 <= int(split.group(1)) <= 1024
-    base, sep, options = v.partition(":")
-    if base == "harli" and sep:
-        try:
-            parse_harli_options(options)
-        except ValueError:
-            return False
-        return bool(options)
-    return v in POLICIES
-
-
 _POLICY = Limit(
-    f"among {', '.join(POLICIES)}, exclusive:N, static:N (N = 1..1024), {HARLI_OPTIONS}", _is_policy
+    f"among {', '.join(POLICIES)}, exclusive:N, static:N (N = 1..1024), {HARLI_OPTIONS}", is_policy
 )
 
 
@@ -219,43 +72,6 @@ LADDER_STEPS = tuple(range(8, 65, 8))  # green contexts come in 8-SM groups
 _LADDER_STEP = Limit(
     "that is a multiple of 8 in [8, 64] (green contexts come in 8-SM groups)", LADDER_STEPS.__contains__
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    kind: str
-    limit: Limit | None = None
-    optional: bool = False
-
-    def expectation(self) -> str:
-        text = _KINDS[self.kind][0] + (f" {self.limit.text}" if self.limit else "")
-        return text + (" or null" if self.optional else "")
-
-    def apply(self, dotted: str, value: Any) -> Any:
-        """The value coerced to the rule's kind; RecipeError naming `dotted` if it does not fit."""
-        if value is None and self.optional:
-            return None
-        try:
-            value = _KINDS[self.kind][1](value)
-        except _Mismatch as e:
-            detail = f" ({e})" if str(e) else ""
-            raise RecipeError(_UNPLACED, dotted, self.expectation(), _describe(value) + detail) from None
-        if self.limit and not self.limit.test(value):
-            raise RecipeError(_UNPLACED, dotted, self.expectation(), repr(value))
-        return value
-
-
-def key(default: Any, kind: str, limit: Limit | None = None, optional: bool = False) -> Any:
-    """A recipe key: a dataclass field carrying its Rule. `default=MISSING` makes the key required."""
-    meta = {"rule": Rule(kind, limit, optional)}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _validate(section: Any, name: str) -> None:
-    for f in fields(section):
-        setattr(section, f.name, f.metadata["rule"].apply(f"{name}.{f.name}", getattr(section, f.name)))
 
 
 @dataclass(slots=True)
@@ -268,7 +84,7 @@ class ModelSection:
     seed: int = key(0, "int", at_least(0))  # seed of a preset's random weights
 
     def __post_init__(self) -> None:
-        _validate(self, "model")
+        validate(self, "model")
 
 
 @dataclass(slots=True)
@@ -281,7 +97,7 @@ class LoraSection:
     targets: list[str] = key(list(PROJECTIONS), "targets")
 
     def __post_init__(self) -> None:
-        _validate(self, "lora")
+        validate(self, "lora")
 
 
 DATA_FORMATS = ("auto", "prompt_completion", "text", "chat", "alpaca", "sharegpt")
@@ -303,11 +119,11 @@ class DataSection:
     val_fraction: float | None = key(None, "float", Limit("in (0, 1)", lambda v: 0 < v < 1), optional=True)
 
     def __post_init__(self) -> None:
-        _validate(self, "data")
+        validate(self, "data")
         if self.val_path is not None and self.val_fraction is not None:
             found = f"both (val_path={self.val_path}, val_fraction={self.val_fraction})"
             raise RecipeError(
-                _UNPLACED, "data.val_fraction", "at most one of data.val_path and data.val_fraction", found
+                UNPLACED, "data.val_fraction", "at most one of data.val_path and data.val_fraction", found
             )
 
 
@@ -336,10 +152,10 @@ class TrainSection:
     eval_every: int = key(0, "int", at_least(0))  # 0: only at the end (with validation data)
 
     def __post_init__(self) -> None:
-        _validate(self, "train")
+        validate(self, "train")
         if (self.steps is None) == (self.epochs is None):
             found = "neither" if self.steps is None else f"both (steps={self.steps}, epochs={self.epochs})"
-            raise RecipeError(_UNPLACED, "train.steps", "exactly one of train.steps and train.epochs", found)
+            raise RecipeError(UNPLACED, "train.steps", "exactly one of train.steps and train.epochs", found)
         if self.clip_grad_norm == 0:
             self.clip_grad_norm = None
 
@@ -368,7 +184,7 @@ class OutputSection:
     wandb: str | None = key(None, "str", NOT_EMPTY, optional=True)  # a W&B project name
 
     def __post_init__(self) -> None:
-        _validate(self, "output")
+        validate(self, "output")
 
 
 # Fraction of the TPOT objective kept free of predicted decode time. On the H200 a decode step's token interval
@@ -412,14 +228,14 @@ class ColocationSection:
     trainer_memory_gib: float | None = key(None, "float", above(0), optional=True)
 
     def __post_init__(self) -> None:
-        _validate(self, "colocation")
+        validate(self, "colocation")
         if (
             self.memory_gib is not None
             and self.trainer_memory_gib is not None
             and self.trainer_memory_gib > self.memory_gib
         ):
             raise RecipeError(
-                _UNPLACED,
+                UNPLACED,
                 "colocation.trainer_memory_gib",
                 f"a quota within the pool's budget (colocation.memory_gib = {self.memory_gib:g})",
                 f"{self.trainer_memory_gib:g}",
@@ -459,11 +275,11 @@ class RecipeConfig:
 
 def _check_key(section: str, name: str | None, where: str) -> None:
     if section not in SECTIONS:
-        unknown = f"unknown {section!r}{_did_you_mean(section, list(SECTIONS))}"
+        unknown = f"unknown {section!r}{did_you_mean(section, list(SECTIONS))}"
         raise RecipeError(where, section, f"a section among {', '.join(SECTIONS)}", unknown)
     valid = [f.name for f in fields(SECTIONS[section])]
     if name is not None and name not in valid:
-        unknown = f"unknown {name!r}{_did_you_mean(name, valid)}"
+        unknown = f"unknown {name!r}{did_you_mean(name, valid)}"
         raise RecipeError(where, f"{section}.{name}", f"a key among {', '.join(valid)}", unknown)
 
 
@@ -497,11 +313,11 @@ def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
         raise RecipeError(where, line, "valid YAML", f"a syntax error: {problem}") from None
     tree = {} if tree is None else tree
     if not isinstance(tree, dict):
-        raise RecipeError(where, "", f"a mapping of sections ({', '.join(SECTIONS)})", _describe(tree))
+        raise RecipeError(where, "", f"a mapping of sections ({', '.join(SECTIONS)})", describe(tree))
     for section, body in tree.items():
         _check_key(str(section), None, where)
         if body is not None and not isinstance(body, dict):
-            raise RecipeError(where, str(section), "a mapping of keys", _describe(body))
+            raise RecipeError(where, str(section), "a mapping of keys", describe(body))
         for name in body or {}:
             _check_key(section, str(name), where)
     return {section: dict(body or {}) for section, body in tree.items()}
@@ -529,7 +345,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
                 dotted, value = f"{section}.{f.name}", values.get(f.name)
                 rule: Rule = f.metadata["rule"]
                 if f.default is MISSING and f.default_factory is MISSING and f.name not in values:
-                    raise RecipeError(_UNPLACED, dotted, rule.expectation(), "nothing (the key is required)")
+                    raise RecipeError(UNPLACED, dotted, rule.expectation(), "nothing (the key is required)")
                 if rule.kind == "path" and isinstance(value, str) and dotted not in origin:
                     values[f.name] = str(path.parent / Path(value).expanduser())  # absolute stays absolute
             sections[section] = cls(**values)

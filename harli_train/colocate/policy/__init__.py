@@ -24,7 +24,8 @@ from harli_train.colocate.policy.streams import StreamsPolicy
 from harli_train.colocate.policy.temporal import TemporalPolicy
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import SMLadder
-from harli_train.config import DEFAULT_MARGIN, parse_harli_options
+from harli_train.config import DEFAULT_MARGIN
+from harli_train.policy_names import parse_harli_options
 
 __all__ = [
     "AFTER",

@@ -20,7 +20,8 @@ from harli_train.colocate.policy.prefill_placement import PrefillPlacement
 from harli_train.colocate.policy.trainer_rungs import TrainerRungs
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.config import (
+from harli_train.engine.scheduler import StepPreview
+from harli_train.policy_names import (
     DEFAULT_GROW_HEADROOM,
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
@@ -29,7 +30,6 @@ from harli_train.config import (
     PREFILL_MODES,
     harli_name,
 )
-from harli_train.engine.scheduler import StepPreview
 
 
 class HarliPolicy(ControlledPolicy):

@@ -24,7 +24,7 @@ from harli_train.colocate.controller import Controller
 from harli_train.colocate.policy.plan import Ewma, StepPlan, beside, paused
 from harli_train.colocate.policy.trainer_rungs import TrainerRungs
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.config import PREFILL_MODES
+from harli_train.policy_names import PREFILL_MODES
 
 
 class PrefillPlacement:

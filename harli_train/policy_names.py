@@ -1,0 +1,88 @@
+"""The co-location policies' names: the policies a recipe or ``--policy`` may name, harli's option grammar
+(``harli:prefill=MODE,grow=H,...``) with its defaults, and the canonical name of a harli variant."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Named policies; besides them static:N (a fixed split at N SMs) and exclusive:N (exclusive's trainer alone on
+# static:N's trainer SMs).
+POLICIES = ("harli", "streams", "temporal", "exclusive")
+PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is harli's default)
+# harli:grow=H, harli's default: anticipate a grow while decode is within 5 % of its budget (0 turns it off).
+DEFAULT_GROW_HEADROOM = 0.05
+# harli:ahead=on: a prefill's trainer stays clear of the share the decode step after it will need.
+DEFAULT_PREFILL_AHEAD = False
+# harli:settle=on: a shrink must pay for the queued trainer work it strands; harli:margin=learn: the margin follows
+# the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
+DEFAULT_SETTLE = False
+DEFAULT_LEARN_MARGIN = False
+# harli:stride=N: the trainer launches on every N-th rung (each rung's stream caches its own working set; the
+# set-up's stream fit widens the stride further when the memory holds fewer rungs).
+DEFAULT_TRAINER_STRIDE = 2
+HARLI_OPTIONS = (
+    f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
+    f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
+    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE})"
+)
+
+
+def parse_harli_options(text: str) -> dict[str, Any]:
+    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N`` (any of them, in any
+    order; "" for none) as HarliPolicy keyword arguments."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key == "prefill" and value in PREFILL_MODES:
+            out["prefill"] = value
+        elif key == "grow" and re.fullmatch(r"\d*\.?\d+", value) and float(value) < 0.5:
+            out["grow_headroom"] = float(value)
+        elif key == "ahead" and value in ("on", "off"):
+            out["prefill_ahead"] = value == "on"
+        elif key == "settle" and value in ("on", "off"):
+            out["settle"] = value == "on"
+        elif key == "margin" and value in ("learn", "fixed"):
+            out["learn_margin"] = value == "learn"
+        elif key == "stride" and re.fullmatch(r"[1-9]\d*", value):
+            out["trainer_stride"] = int(value)
+        else:
+            raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
+    return out
+
+
+def harli_name(
+    prefill: str = PREFILL_MODES[0],
+    grow_headroom: float = DEFAULT_GROW_HEADROOM,
+    prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
+    settle: bool = DEFAULT_SETTLE,
+    learn_margin: bool = DEFAULT_LEARN_MARGIN,
+    trainer_stride: int = DEFAULT_TRAINER_STRIDE,
+) -> str:
+    """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
+    options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
+    if grow_headroom != DEFAULT_GROW_HEADROOM:
+        options.append(f"grow={grow_headroom:g}")
+    if prefill_ahead != DEFAULT_PREFILL_AHEAD:
+        options.append(f"ahead={'on' if prefill_ahead else 'off'}")
+    if settle != DEFAULT_SETTLE:
+        options.append(f"settle={'on' if settle else 'off'}")
+    if learn_margin != DEFAULT_LEARN_MARGIN:
+        options.append(f"margin={'learn' if learn_margin else 'fixed'}")
+    if trainer_stride != DEFAULT_TRAINER_STRIDE:
+        options.append(f"stride={trainer_stride}")
+    return "harli" + (":" + ",".join(options) if options else "")
+
+
+def is_policy(v: str) -> bool:
+    split = re.fullmatch(r"(?:static|exclusive):(\d+)", v)
+    if split:
+        return 1 <= int(split.group(1)) <= 1024
+    base, sep, options = v.partition(":")
+    if base == "harli" and sep:
+        try:
+            parse_harli_options(options)
+        except ValueError:
+            return False
+        return bool(options)
+    return v in POLICIES
