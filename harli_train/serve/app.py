@@ -29,6 +29,7 @@ from harli_train.engine.adapters import AdapterCatalog
 from harli_train.serve import protocol
 from harli_train.serve.engine_loop import QueueFull, RequestHandle, RequestPort
 from harli_train.serve.prometheus import ServerMetrics
+from harli_train.serve.text_reader import TextReader
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class Server:
                                      code="queue_full").body()  # fmt: skip
             return web.json_response(body, status=429, headers={"Retry-After": "1"})
         self.metrics.started(req.kind)
-        reader = _TextReader(self.tokenizer, req.stop)
+        reader = TextReader(self.tokenizer, req.stop)
         if not req.stream:
             try:
                 return await self._whole(req, handle, reader)
@@ -211,7 +212,7 @@ class Server:
                     handle.abort()  # the handler was cancelled: the client went away
         return await self._streamed(request, req, handle, reader)
 
-    async def _whole(self, req, handle: RequestHandle, reader: _TextReader) -> web.Response:
+    async def _whole(self, req, handle: RequestHandle, reader: TextReader) -> web.Response:
         t0, first, n_tokens, prompt_tokens = time.perf_counter(), None, 0, 0
         while True:
             event = await handle.events.get()
@@ -236,7 +237,7 @@ class Server:
             protocol.response(req, text, reason, protocol.usage(prompt_tokens, n_tokens), _fingerprint(event))
         )
 
-    async def _streamed(self, request, req, handle: RequestHandle, reader: _TextReader) -> web.StreamResponse:
+    async def _streamed(self, request, req, handle: RequestHandle, reader: TextReader) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         t0, first, n_tokens, prompt_tokens, sent_first = time.perf_counter(), None, 0, 0, False
         try:
@@ -298,44 +299,3 @@ def _fingerprint(event) -> str | None:
 
 async def _send(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-class _TextReader:
-    """The completion's text as tokens arrive: decoded whole each time and only what is new handed out; a
-    trailing U+FFFD (a multi-byte character not complete yet) and, with stop strings, the last few characters
-    (a stop string may be cut between tokens) are held back until ``finish``; cut at the first stop string."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.text, self.stopped = "", False  # text: what was handed out
-        self._hold = max((len(s) for s in stop), default=1) - 1
-
-    def _decoded(self) -> str:
-        full = self.tokenizer.decode(self.ids)
-        cuts = [at for at in (full.find(s) for s in self.stop) if at >= 0]
-        if cuts:
-            self.stopped = True
-            return full[: min(cuts)]
-        return full
-
-    def _hand_out(self, final: str) -> str:
-        if not final.startswith(self.text) or len(final) <= len(self.text):
-            return ""
-        piece, self.text = final[len(self.text) :], final
-        return piece
-
-    def feed(self, tokens: list[int]) -> str:
-        """Add tokens; returns the text that is final now (nothing more once a stop string matched)."""
-        if self.stopped:
-            return ""
-        self.ids.extend(tokens)
-        full = self._decoded()
-        if not self.stopped:
-            full = full.rstrip("\ufffd")
-            full = full[: len(full) - self._hold] if self._hold else full
-        return self._hand_out(full)
-
-    def finish(self) -> str:
-        """The rest of the text, at the end of the request."""
-        return self._hand_out(self._decoded())
