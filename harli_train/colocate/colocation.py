@@ -145,14 +145,12 @@ class Colocation:
         rungs = [p for p in policy.trainer_partitions() if p.infer_sms < full.infer_sms]
         warmed = 0
         if self._stream_bytes is None:  # the first warm-up of this trainer's shapes
-            first, first_peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
-            warm_up_trainer(self.trainer, [full], self.ladder.total_sms, release=False, scope=scope)
             before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
+            warm_up_trainer(self.trainer, [full], self.ladder.total_sms, release=False, scope=scope)
             if rungs:  # now that the shared state is in: what one more stream and its step take
+                before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
                 warm_up_trainer(self.trainer, [rungs[0]], self.ladder.total_sms, release=False, scope=scope)
                 warmed = 1
-            else:
-                before, peak_before = first, first_peak
             after, peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
             self._stream_bytes = after - before
             # A peak the step did not raise is an older one: it says nothing of the step.

@@ -191,7 +191,7 @@ class RequestPort:
                 event = Event(new, prompt_tokens=seq.num_prompt_tokens, step=self._steps[seq_id])
                 posts.setdefault(handle.aio, []).append((handle, event))
             if seq.is_finished:
-                done = self._finish(seq, post=False)
+                done = self._forget(seq)
                 if done is not None:
                     posts.setdefault(handle.aio, []).append(done)
         for aio, events in posts.items():
@@ -199,21 +199,22 @@ class RequestPort:
         sched = self.engine.scheduler
         self._snapshot = {"waiting": len(sched.waiting), "running": len(sched.running)}
 
-    def _finish(self, seq: Sequence, post: bool = True) -> tuple[RequestHandle, Event] | None:
-        """Forget ``seq``'s request and make its final event: posted now, or (``post=False``) returned
-        with its handle for the caller to post (None: the request had no handle)."""
+    def _finish(self, seq: Sequence) -> None:
+        """End ``seq``'s request now: its final event is posted to its handler."""
+        done = self._forget(seq)
+        if done is not None:
+            done[0].post(done[1])
+
+    def _forget(self, seq: Sequence) -> tuple[RequestHandle, Event] | None:
+        """Drop ``seq``'s request from the port; its handle and final event (None: it had no handle)."""
         handle = self._handles.pop(seq.seq_id, None)
         self._sent.pop(seq.seq_id, None)
         step = self._steps.pop(seq.seq_id, None)
         if handle is None:
             return None
-        event = Event(
+        return handle, Event(
             done=True, finish_reason=seq.finish_reason, prompt_tokens=seq.num_prompt_tokens, step=step
         )
-        if not post:
-            return handle, event
-        handle.post(event)
-        return None
 
     def close(self) -> None:
         """Abort what the port admitted and still runs, and refuse what never reached the engine."""
