@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-from harli_train.colocate.profile import _time_calls  # noqa: E402
+from harli_train.colocate.profile_grid import time_calls  # noqa: E402
 
 LLAMA_8B = dict(
     batch=4, seq=1024, hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, rank=16, head_dim=128
@@ -232,7 +232,7 @@ class GreenStream:
 def time_ms(fn: Callable[[], object], stream, reps: int, warmup: int) -> float:
     """Median milliseconds of fn() over `reps` runs after `warmup` runs, on `stream` (None: CPU clock);
     the decode profile's timer (CUDA events on the stream)."""
-    return 1e3 * common.median(_time_calls(fn, stream, warmup, reps))
+    return 1e3 * common.median(time_calls(fn, stream, warmup, reps))
 
 
 def time_graph_ms(fn: Callable[[], object], stream, reps: int) -> float:

@@ -34,7 +34,8 @@ import common  # noqa: E402
 
 from harli_train.colocate.controller import Controller  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor, split_samples  # noqa: E402
-from harli_train.colocate.profile import ProfileKey, build_profile, run_profile_grid, save_profile  # noqa: E402
+from harli_train.colocate.profile import ProfileKey, save_profile  # noqa: E402
+from harli_train.colocate.profile_grid import build_profile, run_profile_grid  # noqa: E402
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder  # noqa: E402
 
 BATCHES, KV_LENS = (1, 8, 32, 64, 128), (512, 1024, 2048)

@@ -14,7 +14,7 @@ import ctypes
 import common
 import torch
 
-from harli_train.colocate.profile import _time_calls
+from harli_train.colocate.profile_grid import time_calls
 from harli_train.colocate.sm import SMLadder
 
 TOKENS, HIDDEN, INTER = 4096, 4096, 14336
@@ -69,7 +69,7 @@ def main() -> None:
                 for target in (0, sms):
                     with cublas_sm_target(target):
                         out[target] = 1e3 * common.median(
-                            _time_calls(lambda x=x, w=w: x @ w.t(), stream, 5, 20)
+                            time_calls(lambda x=x, w=w: x @ w.t(), stream, 5, 20)
                         )
                         with torch.cuda.stream(stream):
                             res[target] = x @ w.t()

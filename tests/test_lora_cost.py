@@ -8,7 +8,7 @@ import pytest
 from harli_train.colocate.controller import Controller
 from harli_train.colocate.lora_cost import LoRACost
 from harli_train.colocate.predictor import LatencyPredictor
-from harli_train.colocate.profile import run_profile_grid
+from harli_train.colocate.profile_grid import run_profile_grid
 from harli_train.colocate.sm import SMLadder
 from harli_train.engine import SamplingParams
 

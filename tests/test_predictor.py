@@ -133,12 +133,12 @@ def test_mixed_steps_are_sized_by_an_upper_quantile_of_their_error(fitted):
     for r in spread[: pred.mixed_min_samples - 1]:
         pred.observe(48, True, r * raw, raw, mixed=True)
     ewma = pred.correction(48, True, mixed=True)
-    assert pred._mixed_bound[1] == 0.0  # too few to say: the EWMA alone
+    assert pred._mixed_q[1].value is None  # too few to say: the EWMA alone
     for r in spread[pred.mixed_min_samples - 1 :]:
         pred.observe(48 if r < 1 else 64, True, r * raw, raw, mixed=True)
     recent = sorted(spread[-pred.mixed_window :])
     q95 = recent[int(0.95 * len(recent))]
-    assert q95 > 1.2 and pred._mixed_bound[1] == pytest.approx(q95)
+    assert q95 > 1.2 and pred._mixed_q[1].value == pytest.approx(q95)
     for sms in (32, 48, 64, 96):  # every share, measured or not
         assert pred.correction(sms, True, mixed=True) >= q95 - 1e-12
     assert pred.correction(48, False, mixed=True) < q95  # mixed solo steps are their own family

@@ -11,13 +11,12 @@ from harli_train.colocate.profile import (
     Profile,
     ProfileError,
     ProfileKey,
-    build_profile,
     default_profile_path,
     get_or_build_profile,
     load_profile,
-    run_profile_grid,
     save_profile,
 )
+from harli_train.colocate.profile_grid import build_profile, run_profile_grid
 from harli_train.colocate.sm import SMLadder
 
 KEY = ProfileKey("NVIDIA H200", 132, "llama-8b", "2.11.0+cu130", "3.6.0", "13.0", "0.1.0")

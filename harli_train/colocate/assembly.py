@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from harli_train.colocate.colocation import Colocation
-from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
+from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import needs_partitions, profile_shares
 from harli_train.colocate.pool_budget import pool_budget
@@ -26,7 +26,7 @@ from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.pool_memory import disabled as pool_disabled
 from harli_train.colocate.predictor_setup import build_predictor, check_objective, corun_workload
 from harli_train.colocate.shared_model import base_view
-from harli_train.colocate.sm import SMLadder, TimeSliceLadder, make_ladder
+from harli_train.colocate.sm import SMLadder, TimeSliceLadder, is_cuda_stream, make_ladder
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine import DecodeEngine, EngineConfig, KVCacheSpec, TensorKVStorage
@@ -36,7 +36,8 @@ from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.memory import PoolError
 from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
-from harli_train.train.trainer import Trainer, resolve_device
+from harli_train.train.run_checks import resolve_device
+from harli_train.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import poisson_trace
 from harli_train.model import is_preset, load_model, resolve_dtype
-from harli_train.train.trainer import resolve_device
+from harli_train.train.run_checks import resolve_device
 
 log = logging.getLogger(__name__)
 

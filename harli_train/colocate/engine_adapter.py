@@ -11,11 +11,8 @@ import logging
 import time
 import zlib
 from collections.abc import Iterable
-from typing import Any
 
-import torch
-
-from harli_train.colocate.sm import Partition
+from harli_train.colocate.sm import Partition, is_cuda_stream
 from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, SamplingParams, StepResult
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest, synthetic_prompt
@@ -24,10 +21,6 @@ from harli_train.engine.scheduler import StepPreview
 from harli_train.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-def is_cuda_stream(stream: Any) -> bool:
-    return isinstance(stream, torch.cuda.Stream)
 
 
 class EngineAdapter:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ import numpy as np
 
 from harli_train.colocate.lora_cost import LoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
+from harli_train.colocate.recent_quantile import RecentQuantile
 from harli_train.colocate.regression import weighted_lstsq
 
 N_GLOBAL = 4  # b/s, b^2/s, b^3/s, b
@@ -81,14 +81,15 @@ class LatencyPredictor:
     # Correction factors by family: decode solo, decode co-run, mixed solo, mixed co-run.
     _glob: list[float] = field(default_factory=lambda: [1.0] * 4, repr=False)  # GPU-wide
     _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
-    _mixed_ratios: tuple[deque, deque] = field(default_factory=lambda: (deque(), deque()), repr=False)
-    _mixed_bound: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # solo, co-run
+    _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)  # solo, co-run
 
     def __post_init__(self) -> None:
         if not self.shares:
             raise ValueError("a predictor needs at least one profiled SM share")
         self.shares = sorted(self.shares)
         self._rows = {s: self._fold(s) for s in self.shares}
+        q = (self.mixed_quantile, self.mixed_window, self.mixed_min_samples)
+        self._mixed_q = (RecentQuantile(*q), RecentQuantile(*q))
 
     # --- fitting ---------------------------------------------------------------------------------------
 
@@ -284,20 +285,8 @@ class LatencyPredictor:
             factors[family] += alpha * (ratio - factors[family])
         self._relax_unused(infer_sms, family)
         if mixed:
-            self._track_mixed(int(corun), ratio)
+            self._mixed_q[int(corun)].add(ratio)
         return self.correction(infer_sms, corun, mixed)
-
-    def _track_mixed(self, kind: int, ratio: float) -> None:
-        """Keep the last ``mixed_window`` ratios of mixed steps (``kind`` 0: solo, 1: co-run) and their
-        ``mixed_quantile`` (0 until ``mixed_min_samples`` are in)."""
-        window = self._mixed_ratios[kind]
-        window.append(ratio)
-        while len(window) > self.mixed_window:
-            window.popleft()
-        if len(window) < self.mixed_min_samples:
-            return
-        ordered = sorted(window)
-        self._mixed_bound[kind] = ordered[min(int(self.mixed_quantile * len(ordered)), len(ordered) - 1)]
 
     def _relax_unused(self, infer_sms: int, family: int) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
@@ -326,8 +315,9 @@ class LatencyPredictor:
     def _mixed_floor(self, kind: int) -> float:
         """The least correction of mixed steps (``kind`` 0: solo, 1: co-run): the quantile of the recent
         ratios once there are enough, before that the mixed fit's largest error on its profile samples."""
-        if len(self._mixed_ratios[kind]) >= self.mixed_min_samples:
-            return self._mixed_bound[kind]
+        recent = self._mixed_q[kind].value
+        if recent is not None:
+            return recent
         report = self.mixed.fit_report if self.mixed is not None else {}
         worst = report.get(f"fit_mixed_{'corun' if kind else 'solo'}_max_ape_pct", 0.0)
         return min(1.0 + worst / 100.0, RATIO_CLAMP[1])
@@ -335,9 +325,8 @@ class LatencyPredictor:
     def reset_corrections(self) -> None:
         self._corr.clear()
         self._glob[:] = [1.0] * 4
-        for window in self._mixed_ratios:
-            window.clear()
-        self._mixed_bound[:] = [0.0, 0.0]
+        for recent in self._mixed_q:
+            recent.clear()
 
     # --- evaluation and persistence --------------------------------------------------------------------
 

@@ -11,20 +11,18 @@ from typing import Any
 import torch
 
 from harli_train import kernels
-from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
+from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.policy import Policy
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.profile import (
-    MixedGrid,
     Profile,
     ProfileKey,
-    build_profile,
     default_profile_path,
-    fastest_step_s,
     get_or_build_profile,
     save_profile,
 )
-from harli_train.colocate.sm import Partition, SMLadder
+from harli_train.colocate.profile_grid import MixedGrid, build_profile, fastest_step_s
+from harli_train.colocate.sm import Partition, SMLadder, is_cuda_stream
 from harli_train.config import RecipeConfig, RecipeError
 from harli_train.model import LlamaForCausalLM
 

@@ -14,44 +14,17 @@ import json
 import logging
 import math
 import os
-import statistics
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from harli_train.colocate.mixed_model import attention_pairs
-from harli_train.colocate.sm import Partition, SMLadder
-
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "harli-train-profile", 2  # 2: mixed-step samples
-DEFAULT_BATCHES = (1, 8, 32, 64, 128)
-DEFAULT_KV_LENS = (512, 1024, 2048)
 SAMPLE_FIELDS = {"batch": int, "kv_tokens": int, "infer_sms": int, "corun": bool, "latency_s": float}
 MIXED_FIELDS = {"prefill_tokens": int, "attn_pairs": int}  # and SAMPLE_FIELDS, in a mixed-step sample
-
-
-@dataclass(frozen=True, slots=True)
-class MixedGrid:
-    """Mixed steps to time per share: ``batches`` decode rows over ``kv_len`` tokens each, beside one prefill
-    chunk of each of ``tokens`` after each of ``contexts`` cached tokens; beside the trainer too for the
-    ``corun_batches`` (the slowdown is one factor per share: a few points pin it). Each point is timed
-    ``reps`` times after ``warmup`` (a mixed step is long and steady)."""
-
-    batches: tuple[int, ...] = (8, 32)
-    kv_len: int = 512
-    tokens: tuple[int, ...] = (64, 192, 512)
-    contexts: tuple[int, ...] = (0, 768)
-    corun_batches: tuple[int, ...] = (32,)
-    warmup: int = 2
-    reps: int = 5
-
-    def points(self) -> list[tuple[int, int, int]]:
-        return [(b, n, c) for b in self.batches for n in self.tokens for c in self.contexts]
 
 
 class ProfileError(RuntimeError):
@@ -245,200 +218,6 @@ def default_profile_path(key: ProfileKey, root: str | os.PathLike | None = None)
     base = Path(root or os.environ.get("HARLI_PROFILE_DIR") or Path.home() / ".cache/harli-train/profiles")
     slug = "".join(c if c.isalnum() or c in "-._" else "_" for c in f"{key.gpu_name}-{key.model_id}")
     return base / f"{slug}.json"
-
-
-# --- timing the grid -----------------------------------------------------------------------------------
-
-DecodeStepFn = Callable[[int, int, Partition], Any]  # (batch, kv_len, partition): enqueue one decode step
-# (batch, kv_len, prefill tokens, prefill context, partition): enqueue one mixed step
-MixedStepFn = Callable[[int, int, int, int, Partition], Any]
-CorunFn = Callable[[Partition], Any]  # (partition): enqueue one trainer micro-step on partition.train_stream
-
-
-def run_profile_grid(
-    decode_step_fn: DecodeStepFn,
-    corun_fn: CorunFn | None,
-    ladder: SMLadder,
-    batches: Sequence[int] = DEFAULT_BATCHES,
-    kv_lens: Sequence[int] = DEFAULT_KV_LENS,
-    shares: Iterable[int] | None = None,
-    warmup: int = 3,
-    reps: int = 10,
-    mixed_step_fn: MixedStepFn | None = None,
-    mixed_grid: MixedGrid | None = None,
-    lora_slots: Sequence[int] = (),
-) -> list[dict[str, Any]]:
-    """Median latency of decode steps per (partition, batch, kv_len), and of mixed steps per (partition,
-    ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer. With ``lora_slots``
-    (adapter counts, e.g. (1, 2)): decode steps of the middle batch at the shortest KV length whose rows run
-    on that many adapters, alone (``decode_step_fn(b, kv, partition, n)``), for ``LoRACost``.
-
-    ``decode_step_fn`` and ``mixed_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on
-    ``train_stream``
-    (GPU: both asynchronously; timed with CUDA events). On the CPU stand-in the calls run synchronously,
-    are timed with ``perf_counter`` and the trainer loops in a thread.
-    """
-    wanted = None if shares is None else set(shares)
-    parts = [p for p in ladder.partitions if wanted is None or p.infer_sms in wanted]
-    samples = []
-    for p in parts:
-        corun = corun_fn is not None and p.train_sms > 0 and not p.time_sliced
-        t_train = (
-            _median(_time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
-        )
-        # (batch, kv_len, chunk or None, timing reps, warm-up, beside the trainer too)
-        points: list[tuple] = [(b, kv, None, reps, warmup, corun) for b in batches for kv in kv_lens]
-        b_lora = list(batches)[len(batches) // 2]
-        points += [(b_lora, min(kv_lens), ("lora", n), reps, warmup, False) for n in lora_slots if n > 0]
-        if mixed_step_fn is not None:
-            g = mixed_grid or MixedGrid()
-            points += [
-                (b, g.kv_len, (n, c), g.reps, g.warmup, corun and b in g.corun_batches)
-                for b, n, c in g.points()
-            ]
-        for b, kv, chunk, n_reps, n_warm, beside in points:
-            base = {
-                "batch": b,
-                "kv_len": kv,
-                "kv_tokens": b * kv,
-                "infer_sms": p.infer_sms,
-                "train_sms": p.train_sms,
-            }
-            if chunk is None:
-                step = lambda b=b, kv=kv, p=p: decode_step_fn(b, kv, p)
-            elif chunk[0] == "lora":
-                step = lambda b=b, kv=kv, p=p, n=chunk[1]: decode_step_fn(b, kv, p, n)
-                base["lora_slots"] = chunk[1]
-            else:
-                n, c = chunk
-                step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
-                base.update(prefill_tokens=n, prefill_context=c, attn_pairs=attention_pairs([(n, c)]))
-            t_solo = _median(_time_calls(step, p.infer_stream, n_warm, n_reps))
-            samples.append({**base, "corun": False, "latency_s": t_solo})
-            if beside:
-                trainer = _Trainer(corun_fn, p, t_solo * (n_warm + n_reps), t_train)
-                t_co = _median(_time_calls(step, p.infer_stream, n_warm, n_reps, trainer))
-                samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
-        log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
-    return samples
-
-
-def build_profile(
-    key: ProfileKey,
-    decode_step_fn: DecodeStepFn,
-    corun_fn: CorunFn | None,
-    ladder: SMLadder,
-    kv_bytes_per_token: float,
-    **grid: Any,
-) -> Profile:
-    """Run the grid and wrap it with what the predictor needs (``kv_bytes_per_token``) and provenance."""
-    t0 = time.time()
-    samples = run_profile_grid(decode_step_fn, corun_fn, ladder, **grid)
-    meta = {
-        "kv_bytes_per_token": kv_bytes_per_token,
-        "ladder": ladder.describe(),
-        "ladder_kind": ladder.kind,
-        "created_unix": t0,
-        "profile_seconds": time.time() - t0,
-        "grid": {
-            k: asdict(v) if isinstance(v, MixedGrid) else list(v) if isinstance(v, (list, tuple)) else v
-            for k, v in grid.items()
-            if not callable(v)
-        },
-    }
-    return Profile(key, samples, meta)
-
-
-class _Trainer:
-    """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed."""
-
-    def __init__(self, corun_fn: CorunFn, part: Partition, seconds: float, t_step: float | None) -> None:
-        self.fn, self.part = corun_fn, part
-        self.n = min(int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, 5000)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, on_gpu: bool) -> None:
-        if on_gpu:  # queue enough micro-steps ahead of the decode steps to overlap all of them
-            import torch
-
-            with torch.cuda.stream(self.part.train_stream):
-                for _ in range(self.n):
-                    self.fn(self.part)
-            return
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.fn(self.part)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-def fastest_step_s(
-    decode_step_fn: DecodeStepFn, partition: Partition, batch: int = 1, kv_len: int = 1, reps: int = 5
-) -> float:
-    """The least latency of ``reps`` decode steps of ``batch`` x ``kv_len`` on ``partition`` alone, after a
-    warm-up of as many (the least, not the median: a busy host only ever slows a step down)."""
-    step = lambda: decode_step_fn(batch, kv_len, partition)
-    return min(_time_calls(step, partition.infer_stream, warmup=reps, reps=reps))
-
-
-def _time_calls(
-    call: Callable[[], Any], stream: Any, warmup: int, reps: int, trainer: _Trainer | None = None
-):
-    on_gpu = _is_cuda_stream(stream)
-    if trainer is not None:
-        trainer.start(on_gpu)
-    try:
-        if not on_gpu:
-            for _ in range(warmup):
-                call()
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            return times
-        import torch
-
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                call()
-            marks = []
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                call()
-                end.record(stream)
-                marks.append((start, end))
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) * 1e-3 for s, e in marks]
-    finally:
-        if trainer is not None:
-            trainer.stop()
-
-
-def median_step_s(call: Callable[[], Any], stream: Any, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of ``call`` (which launches one step on ``stream``) over ``reps`` runs after ``warmup``:
-    CUDA events on a GPU stream, the host clock on a CPU stand-in."""
-    return _median(_time_calls(call, stream, warmup, reps))
-
-
-def _is_cuda_stream(stream: Any) -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return isinstance(stream, torch.cuda.Stream)
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
 
 
 def _package_version(name: str) -> str:

@@ -16,18 +16,6 @@ import numpy as np
 MAX_PLOT_POINTS = 20_000
 
 
-def _phases(marks: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for (name, t0, tok0), (_, t1, tok1) in zip(marks, marks[1:], strict=False):
-        secs = t1 - t0
-        out[name] = {
-            "seconds": secs,
-            "finetune_tokens": tok1 - tok0,
-            "finetune_tokens_per_s": (tok1 - tok0) / secs if secs > 0 else 0.0,
-        }
-    return out
-
-
 def objective_text(stats: dict[str, Any]) -> str:
     """How the console shows ``accounting.objective_stats`` (the live line and the run's last line alike): the
     statistic, its window and the figures, e.g. "TPOT p50/p99 over 12 requests so far 10.2/18.9 ms, 3 of 940
@@ -44,15 +32,14 @@ def build_summary(
     rt: Any, serving: dict[str, Any], trained: dict[str, Any], aborted: int, end_tokens: float
 ) -> dict[str, Any]:
     """The run's summary from the runtime's streaming statistics and the engine's request records."""
-    marks = list(rt._phase_marks)
-    marks[-1] = (marks[-1][0], marks[-1][1], end_tokens)
-    phases = _phases(marks)
+    tally = rt.tally
+    phases = tally.phases(end_tokens)
     tpot_ms = rt.tpot_s * 1e3
     objective = rt.objective()  # every request recorded by now (those cut off at the end included)
-    duration = marks[-1][1] - marks[0][1]
+    duration = tally.duration_s
+    feed = rt.worker.stats()
     total_tokens = end_tokens - rt.start_tokens
     serve = phases.get("serve", {"seconds": 0.0, "finetune_tokens": 0.0, "finetune_tokens_per_s": 0.0})
-    steps = max(rt.decode_steps, 1)
     ladder = rt.policy.ladder
     memory = dict(rt.info.get("memory", {}))
     pool = rt.hook.summary() if rt.hook is not None and hasattr(rt.hook, "summary") else None
@@ -79,12 +66,12 @@ def build_summary(
             "solo_tokens_per_s": phases.get("solo", {}).get("finetune_tokens_per_s"),
             "tokens": total_tokens,
             "steps_run": trained.get("steps", 0) - rt.start_step,
-            "micro_steps": rt.worker.side.micro_steps,
-            "oom_recoveries": rt.worker.side.oom_recoveries,
-            "abandoned_steps": rt.worker.side.abandoned_steps,
-            "rebuilt_backward_chunks": rt.worker.side.rebuilt_chunks,
-            "micro_step_ms": rt.worker.side.ewma_s * 1e3,
-            "feed": rt.worker.stats(),
+            "micro_steps": feed["micro_steps"],
+            "oom_recoveries": feed["oom_recoveries"],
+            "abandoned_steps": feed["abandoned_steps"],
+            "rebuilt_backward_chunks": feed["rebuilt_chunks"],
+            "micro_step_ms": feed["ewma_micro_step_ms"],
+            "feed": feed,
         },
         "serving": {
             "requests": serving.get("requests"),
@@ -104,19 +91,12 @@ def build_summary(
             "mixed_step_ms": serving.get("mixed_step_ms"),
             "prefill_step_ms": serving.get("prefill_step_ms"),
             "decode_batch": serving.get("decode_batch"),
-            "decode_steps": rt.decode_steps,
-            "mixed_steps": rt.mixed_steps,
-            "prefill_steps": rt.prefill_steps,
+            **tally.step_counts(),
         },
         "memory": memory,
         "objective_stats": objective,
         "gc_pauses": rt.gc_pauses.summary(),  # Python's collector holds the GIL: it stalls decode steps
-        "trainer_paused_fraction": rt.paused_steps / steps,
-        "share_histogram": {str(k): v for k, v in sorted(rt.shares.items())},
-        "trainer_sm_seconds": {
-            str(k): round(v, 4) for k, v in sorted(rt.trainer_sm_seconds.items()) if v > 0
-        },
-        "mean_infer_sms": sum(k * v for k, v in rt.shares.items()) / steps,
+        **tally.share_figures(),
         "phases": phases,
         "policy_detail": rt.policy.summary(),
         "trainer": trained,

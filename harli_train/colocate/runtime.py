@@ -27,20 +27,20 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.engine_adapter import EngineAdapter
-from harli_train.colocate.gauges import RuntimeGauges
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
+from harli_train.colocate.progress import Progress, RunView
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition
+from harli_train.colocate.step_tally import StepTally, step_row
 from harli_train.colocate.trainer_side import OOM_ERRORS
 from harli_train.colocate.trainer_worker import TrainerWorker
 from harli_train.engine.load import TraceReplay, TraceRequest
@@ -86,15 +86,9 @@ class ColocatedRuntime:
         engine.warm_up([*policy.partitions(), policy.ladder.full])
         self.tpot_s = policy.tpot_s
         self.stop_reason = "trained"
-        # Streaming statistics (the per-step detail goes to steps.jsonl).
-        self.decode_steps = self.mixed_steps = self.prefill_steps = 0  # decode_steps: with decode rows
-        self.paused_steps = self.decode_ooms = 0
-        self.shares: Counter[int] = Counter()
+        self.tally = StepTally()  # streaming counts (the per-step detail goes to steps.jsonl)
+        self.decode_ooms = 0
         self.gc_pauses = GcPauses()
-        self._phase_marks: list[tuple[str, float, float]] = []  # (phase, start time, tokens at start)
-        # Seconds the trainer held each SM count (0: paused), plan to plan: what its shares were worth.
-        self.trainer_sm_seconds: Counter[int] = Counter()
-        self._held_sms, self._held_since = 0, 0.0
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -106,7 +100,8 @@ class ColocatedRuntime:
         if self.hook is not None and hasattr(self.hook, "begin_run"):
             self.hook.begin_run()
         self.t0 = time.perf_counter()
-        self._last_progress = self._last_gauges = self.t0
+        opts = self.opts
+        self.progress = Progress(self.policy.name, opts.progress_every_s, opts.quiet, opts.gauges, self.t0)
         self._prev: Partition | None = None
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.worker.progress_tokens()
@@ -150,7 +145,7 @@ class ColocatedRuntime:
         return time.perf_counter() - self.t0
 
     def _mark(self, phase: str) -> None:
-        self._phase_marks.append((phase, self._now(), self.worker.progress_tokens()))
+        self.tally.mark(phase, self._now(), self.worker.progress_tokens())
 
     def _serve(self) -> None:
         opts, engine, worker = self.opts, self.engine, self.worker
@@ -158,7 +153,7 @@ class ColocatedRuntime:
         window = opts.window_s if opts.until == "load" else None
         trained_at: float | None = None
         self._mark("serve")
-        self._held_since = self._now()
+        self.tally.start_holding(self._now())
         port = opts.port
         while not self._stop.is_set() or self._in_grace(port):
             now = self._now()
@@ -285,8 +280,6 @@ class ColocatedRuntime:
         if plan.train == AFTER:
             worker.drain()  # same stream: the step must not queue behind the trainer's work
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
-        trainer_launching, trainer_phase = snap.in_round, snap.launching_kind
-        queued = "+".join(snap.queue)  # the trainer's micro-steps on the GPU
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition, plan.prefill_tokens)
@@ -301,26 +294,7 @@ class ColocatedRuntime:
         if result.kind == "idle":
             return
         end = t_end - self.t0
-        row = {
-            "kind": result.kind,
-            "batch": result.num_decode,
-            "adapter_rows": result.adapter_rows,
-            "kv_tokens": result.kv_tokens,
-            "prefill_tokens": result.prefill_tokens,
-            "infer_sms": plan.partition.infer_sms,
-            "train_sms": 0 if plan.paused else plan.train_sms,
-            "train": plan.train,
-            "paused": plan.paused,
-            "predicted_s": plan.predicted_s,
-            "measured_s": measured,
-            "gpu_s": result.gpu_s,
-            "launch_s": result.launch_s,
-            "micro_steps": launched,
-            "trainer_launching": trainer_launching,
-            "trainer_phase": trainer_phase if trainer_launching else None,
-            "trainer_queue": queued,
-            "reason": plan.reason,
-        }
+        row = step_row(result, plan, measured, launched, snap)
         if result.num_decode:
             # The step's token interval for its decode rows (from the last step that drew their tokens),
             # which the policy learns from: it is what the objective judges, host time between steps
@@ -328,26 +302,19 @@ class ColocatedRuntime:
             interval = end - self._last_end if self._last_kind == "tokens" else None
             seen = interval if interval is not None else measured
             policy.observe(plan, max(measured, seen))
-            self.decode_steps += 1
-            self.mixed_steps += result.kind == "mixed"
-            self.paused_steps += plan.paused
-            self.shares[plan.partition.infer_sms] += 1
             row.update(interval_s=interval, violated=seen > self.tpot_s)
             self._last_kind = "tokens"
         else:
-            self.prefill_steps += 1
             if plan.transient:
                 policy.observe(plan, measured)
             self._last_kind = result.kind
+        self.tally.count(result.kind, result.num_decode, plan.partition.infer_sms, plan.paused)
         self._last_end = end
         self._record(row, t=end)
 
     def _hold(self, plan: StepPlan | None) -> None:
         """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""
-        now = self._now()
-        self.trainer_sm_seconds[self._held_sms] += now - self._held_since
-        sms = 0 if plan is None or plan.paused else plan.train_sms
-        self._held_sms, self._held_since = sms, now
+        self.tally.hold(self._now(), 0 if plan is None or plan.paused else plan.train_sms)
 
     def _decode_oom(self, err: BaseException) -> None:
         self.decode_ooms += 1
@@ -372,50 +339,23 @@ class ColocatedRuntime:
         self._steps_file.write(json.dumps(row) + "\n")
 
     def _progress(self, force: bool = False) -> None:
-        now = time.perf_counter()
-        board = self.opts.gauges
-        gauges_due = board is not None and (force or now - self._last_gauges >= board.every_s)
-        line_due = not self.opts.quiet and (force or now - self._last_progress >= self.opts.progress_every_s)
-        if not (gauges_due or line_due):
-            return
-        stats = self.objective()  # one pass over the requests for both
-        if gauges_due:
-            self._last_gauges = now
-            board.publish(self._gauges(now, stats))
-        if not line_due:
-            return
-        self._last_progress = now
-        elapsed = max(now - self.t0, 1e-9)
-        tr, eng = self.worker.snapshot, self.engine.engine
-        tok_s = (tr.tokens - self.start_tokens) / elapsed
-        objective = report.objective_text(stats)  # the statistic the run's last line gives
-        share = "-" if self._prev is None else f"{self._prev.infer_sms}/{self.policy.ladder.total_sms} SMs"
-        paused = self.paused_steps / max(self.decode_steps, 1)
-        line = (
-            f"[{self.policy.name}] train {tr.step}/{tr.total_steps} loss {tr.last_loss:.3f}"
-            f", {tok_s:,.0f} tok/s"
-            f" | serve {len(eng.scheduler.running)} seqs, {objective}"
-            f" | decode on {share}, trainer paused {100 * paused:.0f}% [{elapsed:,.0f}s]"
-        )
-        if sys.stderr.isatty():
-            print("\r" + line[:200] + "\x1b[K", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        self.progress.update(time.perf_counter(), self._view, force)
 
-    def _gauges(self, now: float, objective: dict[str, Any]) -> RuntimeGauges:
-        tr = self.worker.snapshot
-        return RuntimeGauges(
+    def _view(self) -> RunView:
+        tr, now = self.worker.snapshot, time.perf_counter()
+        elapsed = max(now - self.t0, 1e-9)
+        return RunView(
+            elapsed_s=elapsed,
             train_step=tr.step,
             train_total_steps=tr.total_steps,
             train_loss=tr.last_loss,
-            trainer_tokens_per_s=(tr.tokens - self.start_tokens) / max(now - self.t0, 1e-9),
-            decode_sms=0 if self._prev is None else self._prev.infer_sms,
-            trainer_sms=self._held_sms,
+            trainer_tokens_per_s=(tr.tokens - self.start_tokens) / elapsed,
+            running_requests=len(self.engine.running()),
+            decode_sms=None if self._prev is None else self._prev.infer_sms,
+            trainer_sms=self.tally.held_sms,
             total_sms=self.policy.ladder.total_sms,
-            token_intervals=objective["intervals"],
-            objective_violations=objective["violations"],
-            violation_rate=objective["violation_rate"] or 0.0,
-            trainer_paused_fraction=self.paused_steps / max(self.decode_steps, 1),
+            paused_fraction=self.tally.paused_fraction,
+            objective=self.objective(),  # one pass over the requests for both
         )
 
     # ---- signals and the end -------------------------------------------------------------------------
@@ -449,8 +389,7 @@ class ColocatedRuntime:
             self.stop_reason = "window"
         if not self.opts.quiet:
             self._progress(force=True)
-            if sys.stderr.isatty():
-                print(file=sys.stderr)
+            self.progress.end_line()
         worker.drain()
         end_tokens = worker.progress_tokens()
         if not self._hard_stop:

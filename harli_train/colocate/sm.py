@@ -93,6 +93,13 @@ class StandInStream:
         return f"StandInStream({self.name}, {len(self.sm_ids)} SMs)"
 
 
+def is_cuda_stream(stream: Any) -> bool:
+    """Whether ``stream`` is a CUDA stream (a partition's on a GPU) rather than a CPU ``StandInStream``."""
+    import torch
+
+    return isinstance(stream, torch.cuda.Stream)
+
+
 @dataclass(slots=True)
 class SMLadder:
     """Pre-created partitions, ascending in inference SMs, the full-GPU rung last."""

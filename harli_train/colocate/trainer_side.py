@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from harli_train import kernels
-from harli_train.colocate.engine_adapter import is_cuda_stream
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
-from harli_train.colocate.sm import StandInEvent
+from harli_train.colocate.sm import StandInEvent, is_cuda_stream
 
 log = logging.getLogger(__name__)
 OOM_ERRORS: tuple[type[BaseException], ...] = (
@@ -371,6 +370,8 @@ class TrainerSide:
         """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""
         return {
             "micro_steps": self.micro_steps,
+            "ewma_micro_step_ms": self.ewma_s * 1e3,
+            "oom_recoveries": self.oom_recoveries,
             "rounds": self.rounds,
             "round_stops": dict(sorted(self.stops.items())),
             "gpu_busy_s": self.gpu_s,

@@ -21,6 +21,7 @@ import torch
 
 from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.graph_capture import capture_buckets
 from harli_train.engine.lora_ops import lora_layout
 from harli_train.engine.lora_slots import LoRASlots, LoRAStepMeta
 from harli_train.model import LlamaForCausalLM
@@ -120,20 +121,8 @@ class MixedGraphs:
             self.dev_lora.zero_()  # every slot empty: the LoRA programs return at once
         torch.cuda.synchronize()
         variants = (False, True) if self.lora is not None else (False,)
-        for t in reversed(self.buckets):
-            for with_lora in variants:
-                with torch.cuda.stream(stream):
-                    self._forward(t, num_sms, with_lora)  # warm-up: compiles kernels, sets up cuBLAS
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self._forward(t, num_sms, with_lora)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                with torch.cuda.stream(stream):
-                    graph.replay()  # the first launch uploads the graph: no served step pays for it
-                self.graphs[(key, t, with_lora)] = graph
-        torch.cuda.synchronize()
+        forward = lambda n, with_lora: self._forward(n, num_sms, with_lora)  # noqa: E731
+        self.pool = capture_buckets(self.graphs, key, self.buckets, variants, forward, stream, self.pool)
 
     def replay(
         self,

@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from harli_train.engine import synthetic
 from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.decode_graphs import DecodeGraphs
-from harli_train.engine.engine_config import EngineConfig, EngineError
+from harli_train.engine.engine_config import EngineConfig
 from harli_train.engine.kv_cache import KVStorage
 from harli_train.engine.launched_step import LaunchedStep, Partition
 from harli_train.engine.lora_slots import LoRASlots, adapter_slots
@@ -331,66 +332,36 @@ class ModelRunner:
     def synthetic_decode(
         self, batch: int, kv_len: int, partition: str = DEFAULT_PARTITION, lora_slots: int = 0
     ) -> None:
-        """One decode step of `batch` sequences with `kv_len` tokens of context each, for timing: it reads
-        existing blocks, writes no K/V (slot -1) and draws nothing; with `lora_slots` its rows run on that
-        many adapter slots, in turn (needs the engine's adapter slots). On a GPU the graph is launched on the
-        partition's stream and not waited for."""
-        part, bm = self.partitions[partition], self.block_manager
-        if not (1 <= batch <= self.config.max_num_seqs and 1 <= kv_len <= self.config.max_model_len):
-            raise EngineError(
-                f"synthetic_decode: batch {batch} must be in 1..{self.config.max_num_seqs} and "
-                f"kv_len {kv_len} in 1..{self.config.max_model_len}"
-            )
-        width = bm.blocks_for(kv_len)
-        tables = (np.arange(batch * width).reshape(batch, width) % bm.num_blocks).astype(np.int32)
-        lens = np.full(batch, kv_len, dtype=np.int64)
-        slots = np.full(batch, -1, dtype=np.int64)
-        adapters = None
-        if lora_slots:
-            if self.lora is None or lora_slots >= self.lora.num_slots:
-                have = 0 if self.lora is None else self.lora.num_slots - 1
-                raise EngineError(
-                    f"synthetic_decode: {lora_slots} adapters asked of an engine with {have} slots"
-                )
-            adapters = (1 + np.arange(batch) % lora_slots).astype(np.int64)
+        """One decode step for timing (``synthetic.decode_step``: existing blocks, no K/V written, nothing
+        drawn); on a GPU the graph is launched on the partition's stream and not waited for."""
+        slots_have = 0 if self.lora is None else self.lora.num_slots
+        step = synthetic.decode_step(batch, kv_len, self.config, self.block_manager, lora_slots, slots_have)
+        part = self.partitions[partition]
         if self.publish is not None:
-            self.publish(StepInputs("decode", partition, [0] * batch, lens - 1, slots, lens, tables))
+            self.publish(StepInputs("decode", partition, step.ids, step.positions, step.slots,
+                                    step.context_lens, step.tables))  # fmt: skip
         with self._on(part):
             if self.graphs is not None:
-                self.graphs.replay(partition, [0] * batch, lens - 1, slots, lens, tables, None, adapters)
+                self.graphs.replay(partition, step.ids, step.positions, step.slots, step.context_lens,
+                                   step.tables, None, step.adapters)  # fmt: skip
                 return
-            ids_t = self._to_device([0] * batch, torch.int64)
-            with self._adapters(adapters):
-                self._eager_decode(ids_t, lens - 1, slots, lens, tables, part)
+            ids_t = self._to_device(step.ids, torch.int64)
+            with self._adapters(step.adapters):
+                self._eager_decode(ids_t, step.positions, step.slots, step.context_lens, step.tables, part)
 
     def synthetic_mixed(
         self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: str
     ) -> None:
-        """One mixed step for timing: `batch` decode rows over `kv_len` cached tokens each and one prefill
-        piece of `prefill_tokens` new tokens after `prefill_context` cached ones (the varlen path, as a served
-        mixed step runs). Reads existing blocks, writes no K/V (slot -1), draws nothing; launched on the
-        partition's stream and not waited for on a GPU."""
-        part, bm, cfg = self.partitions[partition], self.block_manager, self.config
-        total = prefill_context + prefill_tokens
-        if not (0 <= batch <= cfg.max_num_seqs - 1 and 1 <= prefill_tokens <= cfg.max_num_batched_tokens):
-            raise EngineError(
-                f"synthetic_mixed: batch {batch} must be in 0..{cfg.max_num_seqs - 1} and prefill_tokens "
-                f"{prefill_tokens} in 1..{cfg.max_num_batched_tokens}"
-            )
-        if not (1 <= kv_len <= cfg.max_model_len and total <= cfg.max_model_len):
-            raise EngineError(f"synthetic_mixed: kv_len {kv_len} and context {total} exceed max_model_len")
-        context_lens = [kv_len] * batch + [total]
-        num_tokens = [1] * batch + [prefill_tokens]
-        width = bm.blocks_for(max(context_lens))
-        tables = (np.arange((batch + 1) * width).reshape(batch + 1, width) % bm.num_blocks).astype(np.int32)
-        positions = np.concatenate([np.full(batch, kv_len - 1), np.arange(prefill_context, total)])
-        slots = np.full(batch + prefill_tokens, -1, dtype=np.int64)
-        ids = [0] * (batch + prefill_tokens)
+        """One mixed step for timing (``synthetic.mixed_step``) on the varlen path, as a served mixed step
+        runs, the LM head over every row; launched on the partition's stream and not waited for on a GPU."""
+        step = synthetic.mixed_step(
+            batch, kv_len, prefill_tokens, prefill_context, self.config, self.block_manager
+        )
+        part = self.partitions[partition]
         with self._on(part):
-            rows = list(range(batch + 1))  # the LM head over every row, as a served mixed step draws
-            self._varlen_forward(
-                ids, positions, slots, context_lens, num_tokens, tables, rows, partition, part
-            )
+            rows = list(range(batch + 1))
+            self._varlen_forward(step.ids, step.positions, step.slots, list(step.context_lens),
+                                 step.num_tokens, step.tables, rows, partition, part)  # fmt: skip
 
     def follow(self, inputs: StepInputs, stream: torch.cuda.Stream | None = None) -> None:
         """Run the forward rank 0 published (its logits unused: rank 0 samples); 'partition' registers

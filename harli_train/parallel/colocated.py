@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from harli_train.colocate.engine_adapter import EngineAdapter, is_cuda_stream
+from harli_train.colocate.engine_adapter import EngineAdapter
+from harli_train.colocate.sm import is_cuda_stream
 from harli_train.config import RecipeConfig
 from harli_train.model import resolve_dtype
 from harli_train.parallel.collectives import local_only

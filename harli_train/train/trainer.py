@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import time
 from collections.abc import Callable, Generator
@@ -15,13 +14,12 @@ import torch
 
 from harli_train import kernels
 from harli_train.adapter import save_adapter
-from harli_train.config import RecipeConfig, RecipeError, recipe_to_dict
+from harli_train.config import RecipeConfig, recipe_to_dict
 from harli_train.data.example import DataError
 from harli_train.data.loader import DataLoader
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.model import (
     LlamaForCausalLM,
-    ModelConfig,
     is_preset,
     load_model,
     model_config,
@@ -41,6 +39,7 @@ from harli_train.train.divergence import TrainingDiverged, check_step
 from harli_train.train.log_sinks import check_sinks, open_sinks
 from harli_train.train.loss_plot import LOSS_PLOT, plot_loss
 from harli_train.train.metrics import MetricsLogger, memory_gib
+from harli_train.train.run_checks import check_kernels, check_seq_len, resolve_device, run_length
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
@@ -49,19 +48,6 @@ from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str, source: str = "config") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(
-            source,
-            "train.device",
-            "a device this machine has ('auto' or 'cpu' here)",
-            "'cuda', but no CUDA GPU is available",
-        )
-    return torch.device(name)
 
 
 class Trainer:
@@ -99,12 +85,12 @@ class Trainer:
             # Recorded absolute (recipe.yaml, the adapter's base_model_name_or_path), so that `harli-train
             # export` and peft find the base from any working directory.
             cfg.model.name = str(Path(cfg.model.name).expanduser().resolve())
-        _check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
+        check_seq_len(cfg, self.model.config if self.model is not None else model_config(cfg.model.name))
         self.device = resolve_device(cfg.train.device, cfg.source)
         prepare_run_dir(
             self.out_dir, resuming=resume is not None, overwrite=cfg.output.overwrite, source=cfg.source
         )
-        _check_kernels(cfg, self.device)
+        check_kernels(cfg, self.device)
         check_sinks(cfg.output.tensorboard, cfg.output.wandb, cfg.source)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -123,20 +109,7 @@ class Trainer:
             shuffle=cfg.data.shuffle,
             seed=cfg.train.seed,
         )
-        if cfg.train.steps is not None:
-            self.total_steps = cfg.train.steps
-        else:
-            self.total_steps = max(
-                1, math.ceil(cfg.train.epochs * self.loader.batches_per_epoch / cfg.train.grad_accum)
-            )
-        if cfg.train.warmup_steps >= self.total_steps:
-            log.warning(
-                "train.warmup_steps (%d) is not below the run's %d steps: warming up for %d instead",
-                cfg.train.warmup_steps,
-                self.total_steps,
-                self.total_steps - 1,
-            )
-            cfg.train.warmup_steps = self.total_steps - 1  # before the recipe is written: it records this
+        self.total_steps = run_length(cfg, self.loader.batches_per_epoch)  # before the recipe is written
         model.add_lora(
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.targets), seed=cfg.train.seed
         )
@@ -416,25 +389,6 @@ class Trainer:
             self.cfg.model.name,
             self.cfg.output.keep_checkpoints,
         )
-
-
-def _check_seq_len(cfg: RecipeConfig, model: ModelConfig) -> None:
-    """data.seq_len within the model's context: positions past it were never trained (and its RoPE scaling
-    is defined up to it)."""
-    context = model.max_position_embeddings
-    if cfg.data.seq_len > context:
-        expected = f"an integer <= the context of model {cfg.model.name!r} ({context} tokens, its max_position_embeddings)"
-        raise RecipeError(cfg.source, "data.seq_len", expected, repr(cfg.data.seq_len))
-
-
-def _check_kernels(cfg: RecipeConfig, device: torch.device) -> None:
-    """train.kernels=triton only where Triton kernels can run on the training device."""
-    problem = kernels.triton_unavailable(device.type == "cuda") if cfg.train.kernels == "triton" else None
-    if problem is not None:
-        expected = (
-            "'auto' or 'torch' on this machine (Triton kernels need a GPU, or Triton's CPU interpreter)"
-        )
-        raise RecipeError(cfg.source, "train.kernels", expected, f"'triton', but {problem}")
 
 
 def _raise_interrupt(signum, frame):
