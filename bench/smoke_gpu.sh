@@ -20,6 +20,8 @@ OUT="${OUT:-$repo/bench_out}"
 mkdir -p "$OUT"
 log="$OUT/smoke_gpu.log"
 : >"$log"
+# The profiles the co-located runs measure come back with the log (the 8B one is a result of its own).
+export HARLI_PROFILE_DIR="${HARLI_PROFILE_DIR:-$OUT/profiles}"
 scratch=$(mktemp -d)
 ln -s "$repo/recipes" "$scratch/recipes"
 results=()

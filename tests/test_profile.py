@@ -177,3 +177,74 @@ def test_default_path_is_per_gpu_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("HARLI_PROFILE_DIR", str(tmp_path))
     path = default_profile_path(KEY)
     assert path.parent == tmp_path and path.name == "NVIDIA_H200-llama-8b.json"
+
+
+class _Timeline:
+    """A GPU stream's timeline for Corunner's queue: each micro-step ends ``t_step`` after the later of
+    now and the end of the one before; an event completes when the clock passes its micro-step's end."""
+
+    def __init__(self, t_step):
+        self.now, self.tail, self.t_step = 0.0, 0.0, t_step
+
+    def event(self):
+        line = self
+
+        class Event:
+            def record(self, stream):
+                line.tail = max(line.now, line.tail) + line.t_step
+                self.done_at = line.tail
+
+            def query(self):
+                return line.now >= self.done_at
+
+        return Event()
+
+
+def _run_calls(line, corunner, t_call, calls):
+    """Time ``calls`` decode calls of ``t_call`` each beside ``corunner``, as time_calls does on a GPU;
+    returns the trainer work still queued at each call's end."""
+    corunner.start(on_gpu=True)
+    left = []
+    for _ in range(calls):
+        corunner.top_up()
+        line.now += t_call
+        left.append(line.tail - line.now)
+    corunner.check()
+    return left
+
+
+def test_corun_keeps_trainer_work_queued_through_every_timed_call():
+    """Beside a long decode step the trainer's queue is topped up before each call to 1.5x its latency, so
+    no call outruns it, and about one call's worth is left behind after the last (not the whole point's)."""
+    from contextlib import nullcontext
+
+    from harli_train.colocate.profile_grid import CORUN_DEPTH, Corunner
+    from harli_train.colocate.sm import Partition
+
+    part = Partition(16, 116, None, "train", 1)
+    for t_call, t_step in ((0.111, 0.015), (0.008, 0.015), (0.030, 0.030)):
+        line = _Timeline(t_step)
+        run = Corunner(lambda p: None, part, CORUN_DEPTH * t_call, t_step, new_event=line.event,
+                       on_stream=lambda s: nullcontext())  # fmt: skip
+        left = _run_calls(line, run, t_call, calls=12)
+        assert min(left) > 0, (t_call, t_step, left)  # every call ended with trainer work still queued
+        assert run.covered is True
+        assert max(left) <= CORUN_DEPTH * t_call + 2 * t_step  # what the profiler waits for after the point
+        assert run.launched <= 12 * t_call / t_step + run.depth + 1
+    # A queue that cannot hold enough (at most one micro-step here) drains mid-call: the sample says so.
+    line = _Timeline(0.015)
+    run = Corunner(lambda p: None, part, 0.2, 0.015, max_queued=1, new_event=line.event,
+                   on_stream=lambda s: nullcontext())  # fmt: skip
+    _run_calls(line, run, 0.111, calls=3)
+    assert run.covered is False
+
+
+def test_uncovered_corun_samples_are_left_out_of_the_fit():
+    rows = samples()
+    bogus = dict(rows[1], latency_s=50 * rows[1]["latency_s"], corun_covered=False)
+    clean = LatencyPredictor.fit(rows, 132, 4096.0)
+    fitted = LatencyPredictor.fit([*rows, bogus], 132, 4096.0)
+    assert fitted.fit_report["n_uncovered_corun"] == 1 and clean.fit_report["n_uncovered_corun"] == 0
+    assert fitted.predict(8, 8 * 2048, 32, corun=True) == pytest.approx(
+        clean.predict(8, 8 * 2048, 32, corun=True)
+    )
