@@ -50,14 +50,25 @@ class RunView:
             trainer_paused_fraction=self.paused_fraction,
         )
 
-    def line(self, policy: str) -> str:
+    def line(self, policy: str, width: int | None = None) -> str:
+        """The whole line; past ``width`` columns a short form of the same figures (cut to ``width``)."""
         share = "-" if self.decode_sms is None else f"{self.decode_sms}/{self.total_sms} SMs"
-        return (
+        whole = (
             f"[{policy}] train {self.train_step}/{self.train_total_steps} loss {self.train_loss:.3f}"
             f", {self.trainer_tokens_per_s:,.0f} tok/s"
             f" | serve {self.running_requests} seqs, {report.objective_text(self.objective)}"
             f" | decode on {share}, trainer paused {100 * self.paused_fraction:.0f}% [{self.elapsed_s:,.0f}s]"
         )
+        if width is None or len(whole) <= width:
+            return whole
+        obj = self.objective
+        p99 = "-" if not obj["requests_judged"] else f"{obj['tpot_ms']['p99']:.1f}"
+        short = (
+            f"{self.train_step}/{self.train_total_steps} loss {self.train_loss:.3f} "
+            f"{self.trainer_tokens_per_s / 1e3:.1f}k tok/s | {self.running_requests} seqs, TPOT p99 {p99} ms, "
+            f"{obj['violations']}/{obj['intervals']} over | {share}"
+        )
+        return short[:width]
 
 
 class Progress:
@@ -82,15 +93,11 @@ class Progress:
             board.publish(snap.gauges())
         if line_due:
             self._last_line = now
-            self._print(snap.line(self.policy))
-
-    @staticmethod
-    def _print(line: str) -> None:
-        if sys.stderr.isatty():
-            width = shutil.get_terminal_size((200, 24)).columns - 1
-            print("\r" + line[:width] + "\x1b[K", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+            if sys.stderr.isatty():  # one line rewritten in place: it must fit the terminal
+                width = shutil.get_terminal_size((200, 24)).columns - 1
+                print("\r" + snap.line(self.policy, width) + "\x1b[K", end="", file=sys.stderr, flush=True)
+            else:
+                print(snap.line(self.policy), file=sys.stderr, flush=True)
 
     def end_line(self) -> None:
         """Ends the line rewritten in place (a terminal), before what the run prints after it."""
