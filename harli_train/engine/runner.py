@@ -360,7 +360,7 @@ class ModelRunner:
         part = self.partitions[partition]
         with self._on(part):
             rows = list(range(batch + 1))
-            self._varlen_forward(step.ids, step.positions, step.slots, list(step.context_lens),
+            self._varlen_forward(step.ids, step.positions, step.slots, step.context_lens.tolist(),
                                  step.num_tokens, step.tables, rows, partition, part)  # fmt: skip
 
     def follow(self, inputs: StepInputs, stream: torch.cuda.Stream | None = None) -> None:
