@@ -15,7 +15,9 @@ multiple, 2x for medium):
 - ``inproc``: the same command with the load as its trace (``colocation.trace``), its arrivals shifted by the
   served run's lead-in (when its first request arrived after the run's start), so both loads meet a trainer
   equally warm; stopped by SIGTERM ``--drain-s`` after its last arrival (a co-located run otherwise lasts
-  until training is done).
+  until training is done). It listens too (on ``--port`` + 1; no client connects), so both runs are the
+  one assembly ``--serve`` makes (an engine sized for the model's whole context, the live adapter served
+  beside the base) and differ only in where requests come from: HTTP clients or the trace.
 
 Compared (targets of the serving issue): the client's TTFT and TPOT (p50, p99, mean) against the served engine's
 own records of the same requests (within 10 %); the objective's figures (violations, violation rate, TPOT
@@ -216,12 +218,12 @@ def _run_seconds(log: Path) -> float:
 
 
 def inproc_run(args, recipe: str, load: Path, until_s: float, work: Path) -> dict[str, Any]:
-    """The same command with ``load`` as its trace, stopped (SIGTERM, as an operator stops it) once its
-    progress line passes ``until_s`` seconds of run time: a co-located run otherwise lasts until training is
-    done (past its load, the trainer alone)."""
+    """The same command, listening but with ``load`` as its trace, stopped (SIGTERM, as an operator stops it)
+    once its progress line passes ``until_s`` seconds of run time: a served run otherwise lasts until it is
+    stopped."""
     out = work / "inproc"
-    cmd = _cli(recipe, "--colocate-with", args.model, f"colocation.trace={load}", "train.steps=1000000",
-               f"output.dir={out}", *args.set)  # fmt: skip
+    cmd = _cli(recipe, "--colocate-with", args.model, "--serve", f"127.0.0.1:{args.port + 1}",
+               f"colocation.trace={load}", "train.steps=1000000", f"output.dir={out}", *args.set)  # fmt: skip
     print("inproc:", " ".join(cmd[2:]), flush=True)
     log = open(work / "inproc.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)

@@ -36,6 +36,8 @@ def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_proce
             served["client"]["completed"] == served["engine"]["requests"] == inproc["engine"]["requests"] == n
         )
         assert served["exit_code"] == 0 and inproc["exit_code"] in (0, 130)
+        # One assembly: the in-process run listens too, so both engines and live adapters are alike.
+        assert "--serve" in served["command"] and "--serve" in inproc["command"]
         for run in (served, inproc):
             window = run["trainer"]["window_s"]
             assert 0 < window[0] < window[1] and run["trainer"]["tokens_per_s"] is not None
