@@ -296,3 +296,25 @@ def test_a_controller_with_a_learned_margin_resizes_its_budget(ladder, pred):
         ctl.observe(d, d.predicted_s * 1.005)  # the model is good: the margin shrinks
     assert ctl.margin < 0.05 and ctl.budget_s > 4e-3 * 0.95
     assert ctl.summary()["margin"] == ctl.margin
+
+
+def test_the_trainer_trails_decodes_recent_shares_but_not_a_mixed_steps_detour():
+    """TrainerRungs: after decode grows, the trainer keeps clear of that share for the window; a mixed step's
+    larger share moves it for that step only (``beside``), and the next decode step has it back."""
+    from harli_train.colocate.policy.trainer_rungs import TrainerRungs
+
+    now = [0.0]
+    ladder = SMLadder.cpu_standin(132, 16)
+    rungs = TrainerRungs(ladder, stride=1, window_s=0.3, clock=lambda: now[0])
+    assert rungs.trail(16).infer_sms == 16  # the trainer on the other 116 SMs
+    now[0] += 0.02
+    assert rungs.beside(48).infer_sms == 48  # the mixed step's share: the trainer clear of it
+    now[0] += 0.02
+    assert rungs.trail(16).infer_sms == 16  # one step later: back beside decode's own share
+    now[0] += 0.02
+    assert rungs.trail(48).infer_sms == 48  # decode itself grew: the window remembers it
+    now[0] += 0.02
+    assert rungs.trail(16).infer_sms == 48
+    assert rungs.beside(32).infer_sms == 48  # a detour never brings the trainer inside the window's share
+    now[0] += 0.31
+    assert rungs.trail(16).infer_sms == 16  # the grow has left the window

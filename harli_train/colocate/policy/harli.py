@@ -119,7 +119,7 @@ class HarliPolicy(ControlledPolicy):
                     continue
                 n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s)
                 if n >= floor and t <= self.budget_s:
-                    trainer = self.rungs.trail(part.infer_sms)
+                    trainer = self.rungs.beside(part.infer_sms)
                     if trainer is None or trainer.exclusive:
                         break
                     plan = beside(

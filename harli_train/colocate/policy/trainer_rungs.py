@@ -18,7 +18,8 @@ class TrainerRungs:
     autograd runs a chunk's backward on the stream its forward ran on, so a forward launched on SMs decode
     takes back a few steps later strands its backward; the complement of the recent peak keeps the usual ups
     and downs of the share from doing that. The trainer gives up the SMs between its rung and decode's share
-    (fewer than ``stride`` ladder steps)."""
+    (fewer than ``stride`` ladder steps). A mixed step's share stays out of the window (``beside``): a one-step
+    detour moves the trainer for that step only (bench/results/README.md has the H200 steps behind it)."""
 
     def __init__(
         self,
@@ -67,6 +68,13 @@ class TrainerRungs:
         if not self.recent:
             return None
         return self.select(max(sms for _, sms in self.recent))
+
+    def beside(self, decode_sms: int) -> Partition:
+        """The rung clear of ``decode_sms`` and of every decode share of the window, without recording
+        ``decode_sms``: a transient step's share (a mixed step, a one-step detour) moves the trainer for that
+        step only."""
+        recent = self.trail(None)
+        return self.select(decode_sms if recent is None else max(decode_sms, recent.infer_sms))
 
     def clear_of(self, trainer: Partition, share: int | None) -> Partition:
         """``trainer``, or the rung clear of decode ``share`` too when ``trainer`` is not and some rung is."""
