@@ -89,6 +89,7 @@ class LoRASlots:
         self.ranks = [0] * s  # 0: the slot holds nothing (slot 0: the base)
         self.meta: LoRAStepMeta | None = None
         self._waits: list[torch.cuda.Event] = []
+        self._views: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -120,15 +121,32 @@ class LoRASlots:
         self.ranks[slot] = rank
 
     @torch.no_grad()
+    @torch.no_grad()
     def copy_from(self, slot: int, modules: Mapping[str, LoRALinear]) -> None:
         """Copy the adapters attached to `modules` (module path -> a projection carrying A and B, e.g. the
         trainer's fp32 masters) into `slot`, device to device on the current stream. The slot must have been
-        `write`-n with the same rank and projections before (their other entries stay zero)."""
+        `write`-n with the same rank and projections before (their other entries stay zero).
+
+        One foreach copy over views made once per (slot, projection, rank): the live adapter's refresh runs
+        on the trainer's launching thread after every optimizer step, where 2 x 224 Python-indexed copies
+        (Llama-3-8B, seven targets) cost milliseconds of host time."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for path, m in modules.items():
             if m.has_lora:
-                layer, t = module_key(path)
-                self.a[t][layer, slot, : m.rank].copy_(m.lora_A)
-                self.b[t][layer, slot, :, : m.rank].copy_(m.lora_B)
+                dsts.extend(self._slot_views(slot, path, m.rank))
+                srcs += (m.lora_A, m.lora_B)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def _slot_views(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [rank, in], B [out, rank]) of projection `path` in `slot`: views into the stacked buffers."""
+        key = (slot, path, rank)
+        views = self._views.get(key)
+        if views is None:
+            layer, t = module_key(path)
+            views = self._views[key] = (self.a[t][layer, slot, :rank], self.b[t][layer, slot, :, :rank])
+        return views
 
     def clear(self, slot: int) -> None:
         """Mark `slot` empty (its buffers are overwritten by the next `write`)."""
