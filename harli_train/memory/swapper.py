@@ -27,6 +27,7 @@ class _Stash:
 
     region: Region
     flat: torch.Tensor | None = None  # uint8 view of the range, made once page 0 is mapped
+    typed: dict = None  # dtype -> `flat` viewed as that dtype (one as_strided then makes a saved tensor)
     used: int = 0  # bytes filled
     mapped: int = 0  # pages mapped: [0, mapped)
     live: int = 0  # saved tensors autograd still holds
@@ -137,14 +138,21 @@ class ActivationSwapper:
 
     # -- autograd hooks ---------------------------------------------------------------------------------
     def _pack(self, layer: int, t: torch.Tensor) -> Any:
-        nbytes = t.numel() * t.element_size()
+        # Cheapest checks first: this runs for every tensor autograd saves (hundreds per trainer micro-step,
+        # on the thread that launches it). Parameters are leaves that require grad or, frozen, in `exclude`;
+        # the isinstance checks (a Python __instancecheck__) only matter for a tensor of another class.
+        nbytes = t.nbytes
         if (
             nbytes < max(self.min_bytes, 1)
-            or t.device != self.pool.device
             or (t.requires_grad and t.is_leaf)
-            or isinstance(t, torch.nn.Parameter)
-            or isinstance(t._base, torch.nn.Parameter)
+            or t.device != self.pool.device
             or t.untyped_storage().data_ptr() in self._exclude
+            or (type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter))
+            or (
+                t._base is not None
+                and type(t._base) is not torch.Tensor
+                and isinstance(t._base, torch.nn.Parameter)
+            )
         ):
             # Parameters (and views of them, like a frozen weight's transpose) stay where they are; detached,
             # since autograd must not get back a tensor that refers to its own graph (a reference cycle).
@@ -161,8 +169,11 @@ class ActivationSwapper:
             if offset + span > stash.region.nbytes:
                 self.stats["passthrough_bytes"] += nbytes
                 return t.detach()
-            self._ensure_resident(layer)
-            self._ensure_mapped(stash, layer, -(-(offset + span) // self.pool.page_bytes))
+            if stash.host is not None or stash.ready is not None:
+                self._ensure_resident(layer)
+            pages = -(-(offset + span) // self.pool.page_bytes)
+            if pages > stash.mapped:
+                self._ensure_mapped(stash, layer, pages)
             if self._cuda:
                 self._stream = torch.cuda.current_stream(self.pool.device)
             self._view(stash, offset, span, t.dtype, t.shape, stride).copy_(t)
@@ -199,7 +210,14 @@ class ActivationSwapper:
     def _view(
         stash: _Stash, offset: int, span: int, dtype: torch.dtype, shape: Any, stride: Any
     ) -> torch.Tensor:
-        return stash.flat[offset : offset + span].view(dtype).as_strided(shape, stride)
+        """The bytes [offset, offset + span) of the stash as a tensor of `shape`/`stride` (offset is
+        _STASH_ALIGN-aligned, so a whole number of elements)."""
+        typed = stash.typed.get(dtype) if stash.typed is not None else None
+        if typed is None:
+            if stash.typed is None:
+                stash.typed = {}
+            typed = stash.typed[dtype] = stash.flat.view(dtype)
+        return typed.as_strided(shape, stride, typed.storage_offset() + offset // dtype.itemsize)
 
     def _stash(self, layer: int) -> _Stash:
         if layer not in self._stashes:
