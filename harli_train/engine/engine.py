@@ -19,12 +19,10 @@ from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.scheduler import Scheduler, StepPreview
 from harli_train.engine.sequence import Sequence, SequenceStatus
 from harli_train.engine.step_result import RequestRefused, StepResult
+from harli_train.engine.warm_up import WARMUP_PROMPT_LENS, warm_up_prefill
 from harli_train.model import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-# Prefill lengths a warm-up runs: every integer specialisation Triton makes (1, multiples of 16, others),
-# short and long, alone and packed.
-WARMUP_PROMPT_LENS = (1, 5, 16, 17, 100, 512, 1000)
 
 
 def _eos_ids(model: LlamaForCausalLM) -> set[int]:
@@ -364,32 +362,10 @@ class DecodeEngine:
     def warm_up(
         self, prompt_lens: tuple[int, ...] = WARMUP_PROMPT_LENS, partition: str = DEFAULT_PARTITION
     ) -> int:
-        """Compile what prefill steps launch for the shapes traffic brings, before it does: Triton compiles
-        a kernel per specialisation of its integer arguments (1, multiples of 16, others) and per SM budget,
-        and a compile inside a served request's prefill stalls every running sequence for a second or
-        more. Runs prompts of `prompt_lens` tokens (capped by the engine's limits) alone and then packed
-        into one step, each with one decode step after it; then forgets them (blocks freed, metrics reset).
-        With adapters loaded, the packed group runs once more on the first of them (the LoRA kernels of the
-        prefill path). Returns how many requests ran. The engine must be idle."""
-        if self.has_unfinished():
-            raise EngineError("warm_up needs an idle engine (requests are queued or running)")
-        cfg = self.config
-        limit = min(cfg.max_model_len - 2, cfg.max_num_batched_tokens)
-        lens = sorted({max(1, min(int(n), limit)) for n in prompt_lens})
-        params = SamplingParams(max_tokens=2, ignore_eos=True)
-        ran = 0
-        loaded = [s for s, r in enumerate(self.lora.ranks) if r] if self.lora is not None else []
-        groups = [([n], 0) for n in lens] + [(lens, 0)] + [(lens, s) for s in loaded[:1]]
-        for group, slot in groups:
-            for n in group:
-                try:
-                    self.add_request([3 + (7 * i) % 97 for i in range(n)], params, lora_slot=slot)
-                    ran += 1
-                except RequestRefused:
-                    continue  # too big for this cache: not a shape it will ever prefill
-            self.run_until_done(partition)
-        self.reset_metrics()
-        return ran
+        """Compile what prefill steps launch for the shapes traffic brings, before it does
+        (`engine.warm_up.warm_up_prefill` has the contract); returns how many requests ran. Needs an idle
+        engine."""
+        return warm_up_prefill(self, prompt_lens, partition)
 
     def run_until_done(self, partition: str = DEFAULT_PARTITION) -> list[Sequence]:
         """Step until every queued request has finished; returns them in finishing order."""
