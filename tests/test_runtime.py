@@ -1048,3 +1048,20 @@ def test_colocation_closes_the_engine_before_the_ladder():
     ladder = SimpleNamespace(close=lambda: order.append("ladder"))
     Colocation(None, trainer=None, engine=engine, ladder=ladder, requests=[]).close()
     assert order == ["engine", "ladder"]
+
+
+def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monkeypatch):
+    # $HARLI_HOST_PROFILE: where the co-located threads' Python host time goes (the trainer is host-bound on
+    # the GPU), written per thread as pstats and as a table; without it nothing is profiled.
+    where = tmp_path / "profiles"
+    monkeypatch.setenv("HARLI_HOST_PROFILE", str(where))
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    load = requests([(0.0, 2, 20)])
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=True)
+    assert runtime(tmp_path / "run", ladder, make, load, opts).run()["stop_reason"] == "trained"
+    for name in ("trainer-thread", "decode-loop"):
+        assert (where / f"{name}.prof").stat().st_size > 0
+    trainer = (where / "trainer-thread.txt").read_text()
+    assert trainer.startswith("trainer-thread: ") and "launch_round" in trainer and "by cumulative" in trainer
+    assert "launch_round" not in (where / "decode-loop.txt").read_text().split("=== by cumulative")[1]

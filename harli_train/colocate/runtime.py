@@ -35,6 +35,7 @@ from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
 from harli_train.colocate.progress import Progress, RunView
@@ -118,9 +119,10 @@ class ColocatedRuntime:
                     if self.opts.host_priority:
                         self._prioritise(True)
                     self.worker.start()
-                self._serve()
-                if self._solo_wanted():
-                    self._solo()
+                with host_profile("decode-loop"):  # with the trainer inline (no thread), its launches too
+                    self._serve()
+                    if self._solo_wanted():
+                        self._solo()
             except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
                 self.stop_reason, self._hard_stop = "interrupted", True
             finally:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
 from harli_train.colocate.policy import BESIDE, StepPlan
 from harli_train.colocate.trainer_side import TrainerSide
@@ -251,6 +252,10 @@ class TrainerWorker:
         self._awaiting_hook = False
 
     def _run(self, device: int | None) -> None:
+        with host_profile("trainer-thread"):
+            self._loop(device)
+
+    def _loop(self, device: int | None) -> None:
         if device is not None:
             torch.cuda.set_device(device)  # the current device is per thread
         mailbox, side = self._mailbox, self.side
