@@ -47,6 +47,10 @@ def test_mixed_model_fits_the_spline_and_holds_out():
     errors = model.evaluate(held)
     assert errors["mixed_solo_mape_pct"] < 3 and errors["mixed_corun_mape_pct"] < 3
     assert model.slowdown[64] == pytest.approx(0.2, abs=0.03)
+    # The fit reports its own leave-one-point-out error: each grid point by its share's fit without it.
+    report = MixedStepModel.fit(samples).fit_report
+    assert 0 < report["heldout_mixed_solo_mape_pct"] < 3 and 0 < report["heldout_mixed_corun_mape_pct"] < 3
+    assert report["heldout_mixed_solo_max_ape_pct"] >= report["heldout_mixed_solo_mape_pct"]
     assert MixedStepModel.from_dict(json.loads(json.dumps(model.to_dict()))).coef == model.coef
     # A share the profile lacks: the nearest one, slower in proportion to the SMs it has fewer.
     assert model.predict(8, 4096, 128, 0, 16, False) > model.predict(8, 4096, 128, 0, 32, False)

@@ -46,7 +46,14 @@ class MixedStepModel:
 
     @classmethod
     def fit(cls, samples: Sequence[dict]) -> MixedStepModel:
-        """Fit every share with at least as many solo samples as the terms they pin down (the rest stay 0)."""
+        """Fit every share with at least as many solo samples as the terms they pin down (the rest stay 0);
+        ``fit_report`` has the error on the samples and the leave-one-point-out error (``held_out_errors``)."""
+        model = cls._fit_shares(samples)
+        model.fit_report = {**model.evaluate(samples, prefix="fit_"), **held_out_errors(samples)}
+        return model
+
+    @classmethod
+    def _fit_shares(cls, samples: Sequence[dict]) -> MixedStepModel:
         solo = [r for r in samples if not r["corun"]]
         by_share: dict[int, list[dict]] = {}
         for r in solo:
@@ -70,7 +77,6 @@ class MixedStepModel:
             if r["corun"] and _point(r) in measured:
                 ratios.setdefault(int(r["infer_sms"]), []).append(float(r["latency_s"]) / measured[_point(r)])
         model.slowdown = {s: max(float(np.median(v)) - 1.0, 0.0) for s, v in ratios.items()}
-        model.fit_report = model.evaluate(samples, prefix="fit_")
         return model
 
     def _share(self, sms: int) -> tuple[list[float], float]:
@@ -126,6 +132,37 @@ class MixedStepModel:
             {int(s): float(x) for s, x in d.get("slowdown", {}).items()},
             dict(d.get("fit_report", {})),
         )
+
+
+def held_out_errors(samples: Sequence[dict]) -> dict[str, float]:
+    """Leave-one-point-out error of the mixed model on its own profile: each grid point (its solo and co-run
+    samples) predicted by the model of its share fitted without it. ``heldout_mixed_{solo,corun}_{mape,
+    max_ape}_pct``; a point whose share cannot be fitted without it is not counted."""
+    by_share: dict[int, list[dict]] = {}
+    for r in samples:
+        by_share.setdefault(int(r["infer_sms"]), []).append(r)
+    errs: dict[bool, list[float]] = {False: [], True: []}
+    for rows in by_share.values():
+        for point in {_point(r) for r in rows}:
+            rest = [r for r in rows if _point(r) != point]
+            try:
+                model = MixedStepModel._fit_shares(rest)
+            except ValueError:
+                continue
+            for r in rows:
+                if _point(r) == point and int(r["infer_sms"]) in model.coef:
+                    got = model.predict(
+                        r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], r["infer_sms"],
+                        bool(r["corun"]),
+                    )  # fmt: skip
+                    errs[bool(r["corun"])].append(abs(got / float(r["latency_s"]) - 1.0))
+    out: dict[str, float] = {}
+    for corun, e in errs.items():
+        if e:
+            name = "corun" if corun else "solo"
+            out[f"heldout_mixed_{name}_mape_pct"] = 100.0 * sum(e) / len(e)
+            out[f"heldout_mixed_{name}_max_ape_pct"] = 100.0 * max(e)
+    return out
 
 
 def _pinned(X: np.ndarray) -> np.ndarray:
