@@ -9,10 +9,10 @@ from harli_train.colocate.step_tally import StepTally
 
 
 def test_tally_counts_steps_shares_and_the_trainers_sm_seconds():
-    tally = StepTally()
+    tally = StepTally(total_sms=132)
     tally.mark("serve", 0.0, 0.0)
     tally.start_holding(0.0)
-    tally.hold(1.0, 100)  # 0-1 s: the trainer held nothing; then 100 SMs
+    tally.hold(1.0, 100, decode_sms=16)  # 0-1 s: the trainer held nothing; then 100 SMs beside decode's 16
     tally.count("decode", 4, 32, paused=False)
     tally.count("mixed", 4, 32, paused=False)
     tally.count("prefill", 0, 132, paused=True)  # no decode rows: no share counted
@@ -26,6 +26,8 @@ def test_tally_counts_steps_shares_and_the_trainers_sm_seconds():
     assert figures["trainer_sm_seconds"] == {"0": 1.0, "100": 2.0}
     assert figures["trainer_paused_fraction"] == pytest.approx(1 / 3)
     assert figures["mean_infer_sms"] == pytest.approx((32 * 2 + 132) / 3)
+    # 1-3 s: 16 SMs neither side held (the trainer's rung below what decode's share left it).
+    assert figures["unused_sm_fraction"] == pytest.approx(16 * 2.0 / (132 * 5.0))
     phases = tally.phases(end_tokens=1000.0)  # the last mark is closed with the tokens at the very end
     assert phases["serve"] == {"seconds": 4.0, "finetune_tokens": 800.0, "finetune_tokens_per_s": 200.0}
     assert phases["drain"]["finetune_tokens"] == 200.0 and tally.duration_s == 5.0

@@ -87,7 +87,7 @@ class ColocatedRuntime:
         engine.warm_up([*policy.partitions(), policy.ladder.full])
         self.tpot_s = policy.tpot_s
         self.stop_reason = "trained"
-        self.tally = StepTally()  # streaming counts (the per-step detail goes to steps.jsonl)
+        self.tally = StepTally(policy.ladder.total_sms)  # streaming counts (the detail goes to steps.jsonl)
         self.decode_ooms = 0
         self.gc_pauses = GcPauses()
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
@@ -316,7 +316,10 @@ class ColocatedRuntime:
 
     def _hold(self, plan: StepPlan | None) -> None:
         """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""
-        self.tally.hold(self._now(), 0 if plan is None or plan.paused else plan.train_sms)
+        if plan is None or plan.paused:
+            self.tally.hold(self._now(), 0)
+        else:
+            self.tally.hold(self._now(), plan.train_sms, plan.partition.infer_sms)
 
     def _decode_oom(self, err: BaseException) -> None:
         self.decode_ooms += 1

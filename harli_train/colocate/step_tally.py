@@ -14,21 +14,28 @@ from typing import Any
 class StepTally:
     """Streaming counts of a run's engine steps and trainer shares (the per-step detail is steps.jsonl)."""
 
-    def __init__(self) -> None:
+    def __init__(self, total_sms: int = 0) -> None:
+        self.total_sms = total_sms
         self.decode_steps = self.mixed_steps = self.prefill_steps = self.paused_steps = 0
         self.shares: Counter[int] = Counter()  # decode's SMs -> steps with decode rows on them
         self.trainer_sm_seconds: Counter[int] = Counter()  # the trainer's SMs (0: paused) -> seconds held
-        self.held_sms, self._held_since = 0, 0.0
+        # SM-seconds neither side held while the trainer ran: its rung below what decode's share left it.
+        self.unused_sm_seconds = 0.0
+        self.held_sms, self._held_since, self._held_unused = 0, 0.0, 0
         self.marks: list[tuple[str, float, float]] = []  # (phase, start time, finetune tokens at start)
 
     def mark(self, phase: str, t: float, tokens: float) -> None:
         """A phase of the run starts at ``t`` with ``tokens`` finetune tokens done."""
         self.marks.append((phase, t, tokens))
 
-    def hold(self, t: float, sms: int) -> None:
-        """From ``t`` the trainer holds ``sms`` SMs (0: none); closes the interval before."""
-        self.trainer_sm_seconds[self.held_sms] += t - self._held_since
-        self.held_sms, self._held_since = sms, t
+    def hold(self, t: float, sms: int, decode_sms: int | None = None) -> None:
+        """From ``t`` the trainer holds ``sms`` SMs (0: none) beside decode's ``decode_sms`` (None: all the
+        rest); closes the interval before."""
+        dt = t - self._held_since
+        self.trainer_sm_seconds[self.held_sms] += dt
+        self.unused_sm_seconds += self._held_unused * dt
+        unused = 0 if not sms or decode_sms is None else max(self.total_sms - decode_sms - sms, 0)
+        self.held_sms, self._held_since, self._held_unused = sms, t, unused
 
     def start_holding(self, t: float) -> None:
         """The intervals are counted from ``t`` (the serving loop's start)."""
@@ -84,6 +91,13 @@ class StepTally:
                 str(k): round(v, 4) for k, v in sorted(self.trainer_sm_seconds.items()) if v > 0
             },
             "mean_infer_sms": sum(k * v for k, v in self.shares.items()) / steps,
+            # The SMs decode's share left the trainer that its rung did not take (every other rung, the
+            # trailing window), as a fraction of the GPU over the run.
+            "unused_sm_fraction": (
+                self.unused_sm_seconds / (self.total_sms * self.duration_s)
+                if self.total_sms and self.duration_s > 0
+                else 0.0
+            ),
         }
 
 
