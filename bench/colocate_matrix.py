@@ -14,7 +14,8 @@ A cell also holds its ``window`` (length, time scale, requests) and ``sweep_star
 splits' sweep started from); a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
 row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``,
 ``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
-``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds`` and ``share_histogram``;
+``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds``, ``share_histogram`` and
+``unused_sm_fraction``;
 the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
 that failed is a row with ``error``. Every policy is judged by the same bar (``clean``: every token interval
 counted). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
@@ -91,6 +92,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "peak_decode_batch": (sv.get("decode_batch") or {}).get("max"),
         "trainer_sm_seconds": summary["trainer_sm_seconds"],
         "share_histogram": summary["share_histogram"],
+        "unused_sm_fraction": summary.get("unused_sm_fraction"),
         "paused_fraction": summary["trainer_paused_fraction"],
         "mean_infer_sms": summary["mean_infer_sms"],
         "micro_steps": ft["micro_steps"],
