@@ -196,7 +196,9 @@ def test_objective_counts_every_interval_and_requests_still_running():
 def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)
-    load = requests([(0.0, 2, 60), (0.4, 3, 8), (0.6, 2, 8)])
+    # The later prompts arrive while the first two still decode, on a fast host too (400 tokens: the window
+    # cuts them on a slow one, and they count with the tokens they drew).
+    load = requests([(0.0, 2, 400), (0.4, 3, 8), (0.6, 2, 8)])
     opts = RuntimeOptions(until="load", window_s=1.5, quiet=True, finish=False, plots=False)
     # Short micro-steps (the CPU runs them between engine steps), so the requests are served as they arrive.
     small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
