@@ -98,10 +98,7 @@ class LatencyPredictor:
         cls, samples: Sequence[dict], total_sms: int, kv_bytes_per_token: float, alpha: float = 0.1
     ) -> LatencyPredictor:
         """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
-        model to mixed samples (those with ``prefill_tokens``) when the profile has them. A co-run sample whose
-        trainer work drained before its timed calls ended (``corun_covered`` false) is left out."""
-        uncovered = sum(r.get("corun_covered") is False for r in samples)
-        samples = [r for r in samples if r.get("corun_covered") is not False]
+        model to mixed samples (those with ``prefill_tokens``) when the profile has them."""
         mixed = [r for r in samples if "prefill_tokens" in r]
         lora = LoRACost.fit(samples)
         samples = [r for r in samples if "prefill_tokens" not in r and not r.get("lora_slots")]
@@ -152,7 +149,6 @@ class LatencyPredictor:
             "n_solo": len(solo),
             "n_corun": len(corun),
             "n_mixed": len(mixed),
-            "n_uncovered_corun": uncovered,
             **pred.evaluate(samples, prefix="fit_"),
             **(pred.mixed.fit_report if pred.mixed else {}),
         }

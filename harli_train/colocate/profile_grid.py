@@ -9,11 +9,9 @@ over a ``MixedGrid``; ``build_profile`` wraps the samples as a ``Profile`` with 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,9 +24,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
 DEFAULT_KV_LENS = (512, 1024, 2048)
-# Trainer work kept queued beside a timed call, in units of the call's latency alone: it runs up to ~1.3x
-# slower beside the trainer, and the queue must not drain before it ends.
-CORUN_DEPTH = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +76,7 @@ def run_profile_grid(
     """
     wanted = None if shares is None else set(shares)
     parts = [p for p in ladder.partitions if wanted is None or p.infer_sms in wanted]
-    samples, uncovered = [], 0
+    samples = []
     for p in parts:
         corun = corun_fn is not None and p.train_sms > 0 and not p.time_sliced
         t_train = median(time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
@@ -115,23 +110,10 @@ def run_profile_grid(
             t_solo = median(time_calls(step, p.infer_stream, n_warm, n_reps))
             samples.append({**base, "corun": False, "latency_s": t_solo})
             if beside:
-                trainer = Corunner(corun_fn, p, CORUN_DEPTH * t_solo, t_train)
+                trainer = Corunner(corun_fn, p, t_solo * (n_warm + n_reps), t_train)
                 t_co = median(time_calls(step, p.infer_stream, n_warm, n_reps, trainer))
-                uncovered += trainer.covered is False
-                samples.append(
-                    {
-                        **base,
-                        "corun": True,
-                        "latency_s": t_co,
-                        "train_step_s": t_train,
-                        "corun_covered": trainer.covered,
-                    }
-                )
+                samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
-    if uncovered:
-        log.warning(
-            "%d co-run samples outlasted the trainer work queued beside them (corun_covered false)", uncovered
-        )
     return samples
 
 
@@ -162,71 +144,28 @@ def build_profile(
 
 
 class Corunner:
-    """Keeps trainer work running beside the decode steps being timed.
+    """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed."""
 
-    On a GPU, before every timed call (``top_up``) the trainer's stream gets micro-steps until at least
-    ``depth_s`` of its work is queued (a micro-step takes ``t_step`` alone), at most ``max_queued``; an event
-    after each tells what has drained without waiting for it. So every call runs beside the trainer however
-    long it is, and little trainer work is left to wait for after the last one (a queue made once, up front,
-    must outlast every call of the point and leaves as much behind). After the last call ``check`` records
-    ``covered``: whether trainer work was still queued when that call ended (False: the sample is no co-run).
-    On the CPU stand-in a thread runs the trainer in a loop until ``stop``.
-    """
-
-    def __init__(
-        self,
-        corun_fn: CorunFn,
-        part: Partition,
-        depth_s: float,
-        t_step: float | None,
-        max_queued: int = 32,
-        new_event: Callable[[], Any] | None = None,
-        on_stream: Callable[[Any], Any] | None = None,
-    ) -> None:
+    def __init__(self, corun_fn: CorunFn, part: Partition, seconds: float, t_step: float | None) -> None:
         self.fn, self.part = corun_fn, part
-        step = max(t_step or depth_s, 1e-6)
-        self.depth = min(int(math.ceil(depth_s / step)) + 1, max_queued)
-        self._new_event, self._on_stream = new_event, on_stream  # torch.cuda's unless given (tests)
-        self._queued: deque[Any] = deque()  # an event after each queued micro-step, oldest first
-        self.launched = 0
-        self.covered: bool | None = None
+        self.n = min(int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, 5000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self, on_gpu: bool) -> None:
-        if on_gpu:
-            if self._new_event is None:
-                import torch
+        if on_gpu:  # queue enough micro-steps ahead of the decode steps to overlap all of them
+            import torch
 
-                self._new_event = lambda: torch.cuda.Event()
-                self._on_stream = torch.cuda.stream
+            with torch.cuda.stream(self.part.train_stream):
+                for _ in range(self.n):
+                    self.fn(self.part)
             return
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def top_up(self) -> None:
-        """Queue micro-steps until ``depth`` of them are still to run (GPU)."""
-        while self._queued and self._queued[0].query():
-            self._queued.popleft()
-        if len(self._queued) >= self.depth:
-            return
-        with self._on_stream(self.part.train_stream):
-            while len(self._queued) < self.depth:
-                self.fn(self.part)
-                event = self._new_event()
-                event.record(self.part.train_stream)
-                self._queued.append(event)
-                self.launched += 1
-
-    def check(self) -> None:
-        """Call once the last timed call has ended: was trainer work still queued then?"""
-        self.covered = bool(self._queued) and not self._queued[-1].query()
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.fn(self.part)
-            self.launched += 1
-        self.covered = True
 
     def stop(self) -> None:
         self._stop.set()
@@ -259,22 +198,16 @@ def time_calls(call: Callable[[], Any], stream: Any, warmup: int, reps: int, tra
             return times
         import torch
 
-        top_up = trainer.top_up if trainer is not None else lambda: None
         with torch.cuda.stream(stream):
             for _ in range(warmup):
-                top_up()
                 call()
             marks = []
             for _ in range(reps):
-                top_up()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
                 call()
                 end.record(stream)
                 marks.append((start, end))
-        if trainer is not None and marks:
-            marks[-1][1].synchronize()
-            trainer.check()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) * 1e-3 for s, e in marks]
     finally:
