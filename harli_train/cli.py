@@ -135,6 +135,8 @@ def train(
         trainer.setup(resume=resume_path)
         summary = trainer.train()
     click.echo(strict_json(summary, indent=2))
+    if summary.get("error"):  # stopped by what the recipe asks for (the summary and checkpoint are written)
+        raise click.ClickException(summary["error"])
     if summary["interrupted"] and serve is None:  # a server stopped by SIGTERM/Ctrl-C ends as asked: 0
         sys.exit(130)
 

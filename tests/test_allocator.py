@@ -432,6 +432,28 @@ def test_swapping_activations_under_reclaim_leaves_training_bit_identical():
         pool.check()
 
 
+def test_release_idle_gives_back_only_empty_stashes_and_training_stays_identical():
+    losses, params = _train(3)
+    with host_pool(150) as pool:
+        trainer = pool.add_tenant("trainer")
+        swapper = ActivationSwapper(pool, trainer, layer_bytes=32 * PAGE, window=1, lookahead=1)
+        seen = []
+
+        def mid_forward() -> None:  # stashes hold saved tensors: nothing is given back
+            seen.append(("held", swapper.release_idle(), trainer.stats()["used_pages"]))
+
+        got_losses, got_params = _train(3, swapper, after_forward=mid_forward)
+        held = trainer.stats()["used_pages"]
+        assert held > 0 and all(freed == 0 for _, freed, _ in seen)
+        assert swapper.release_idle() == held and trainer.stats()["used_pages"] == 0  # after backward: all
+        assert got_losses == losses
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params, strict=True))
+        again, _ = _train(3, swapper)  # the stashes map their pages again
+        assert again == losses and trainer.stats()["used_pages"] == held
+        assert swapper.stats["swap_out_bytes"] == 0  # empty stashes are unmapped, never copied
+        pool.check()
+
+
 def test_swapper_leaves_parameters_and_their_views_in_place():
     torch.manual_seed(0)
     frozen = torch.nn.Linear(64, 256).requires_grad_(False)  # a LoRA base weight: saved as weight.t()

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from harli_train import kernels
 from harli_train.cli import main
 from harli_train.colocate import report
 from harli_train.colocate.assembly import assemble, build_engine
-from harli_train.colocate.commands import run_colocated
+from harli_train.colocate.commands import out_of_memory_message, run_colocated
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.policy import (
     BESIDE,
@@ -968,6 +969,43 @@ def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standal
     assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "trainer-thread"])
+def test_a_trainer_that_cannot_fit_with_decode_idle_stops_with_its_steps_checkpointed(tmp_path, threaded):
+    def spy(trainer, gen):  # from step 3 on, every micro-step runs out of memory
+        for ms in gen:
+            if trainer.step >= 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            yield ms
+
+    hook = CountingHook()
+    ladder = TimeSliceLadder.cpu_standin(TOTAL)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=threaded)
+    t0 = time.monotonic()
+    summary = runtime(tmp_path, ladder, make, requests([(0.0, 1, 8)]), opts, spy, hook).run()
+    assert time.monotonic() - t0 < 60  # it ends: no endless retries
+    assert summary["stop_reason"] == "out_of_memory" and summary["trainer"]["steps"] == 2
+    assert hook.ooms >= opts.max_solo_ooms  # the hook freed what it could after every one
+    assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+    message = out_of_memory_message(summary)
+    assert "does not fit in the GPU memory left beside" in message and "steps 1-2 are checkpointed" in message
+    pooled = summary | {
+        "memory": {
+            "pool": {
+                "enabled": True,
+                "page_bytes": 2 << 20,
+                "budget_pages": 97,
+                "budget_source": "colocation.memory_gib",
+                "tenants": {"kv": {"now": 8}},
+            }
+        }
+    }
+    message = out_of_memory_message(pooled)
+    assert (
+        "page pool's 0.19 GiB (colocation.memory_gib)" in message and "raise colocation.memory_gib" in message
+    )
 
 
 def test_ctrl_c_checkpoints_and_a_resumed_run_continues(tmp_path, standalone):

@@ -106,7 +106,33 @@ def run_colocated(
     )
     summary["interrupted"] = summary["stop_reason"] == "interrupted"
     summary["adapter"] = summary["trainer"].get("adapter")
+    if summary["stop_reason"] == "out_of_memory":
+        summary["error"] = out_of_memory_message(summary)
     return summary
+
+
+def out_of_memory_message(summary: dict[str, Any]) -> str:
+    """Why a run stopped as ``out_of_memory`` (the trainer failed again and again with decode idle), the
+    memory it had, what to change, and where its completed steps are."""
+    pool = summary.get("memory", {}).get("pool", {})
+    if pool.get("enabled"):
+        page = pool["page_bytes"]
+        kv_gib = pool["tenants"]["kv"]["now"] * page / 2**30
+        where = (
+            f"the page pool's {pool['budget_pages'] * page / 2**30:.2f} GiB ({pool['budget_source']}), "
+            f"{kv_gib:.2f} GiB of it the idle KV cache's smallest size"
+        )
+        fix = "raise colocation.memory_gib, or lower train.batch_size or data.seq_len"
+    else:
+        where = "the GPU memory left beside the decode engine's KV cache"
+        fix = "lower train.batch_size or data.seq_len, or serve a smaller colocation.max_batch"
+    trainer = summary.get("trainer", {})
+    kept = (
+        f"; steps 1-{trainer['steps']} are checkpointed in {trainer['checkpoint']} (--resume continues)"
+        if trainer.get("checkpoint")
+        else ""
+    )
+    return f"the trainer does not fit in {where}: it ran out of memory with nothing else running; {fix}{kept}"
 
 
 def _with_server(col, serve_model: str, serve, api_key, exit_after_training: bool, options: RuntimeOptions):

@@ -251,9 +251,10 @@ class PoolMemory(CacheReleaseHook):
                 self._shrink_order = self.resizer.shrink(keep)
 
     def on_trainer_oom(self) -> int:
-        """The trainer could not get memory: give it the cache's idle page groups now (a recovery, never a
-        step's path: it waits for the unmap)."""
+        """The trainer could not get memory: give it its own empty stashes' pages and the cache's idle page
+        groups now (a recovery, never a step's path: it waits for the unmaps)."""
         freed = super().on_trainer_oom()
+        freed += self.swapper.release_idle() * self.pool.page_bytes
         eng = self.engine
         if eng is None:
             return freed

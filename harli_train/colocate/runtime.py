@@ -226,11 +226,26 @@ class ColocatedRuntime:
         end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
         plan = self.policy.idle_plan()
         self._hold(plan)
+        snap = self.worker.snapshot
+        step0, ooms0 = snap.step, snap.oom_recoveries
         while not self._stop.is_set() and not self.worker.done and self._now() < end:
             self.worker.tick()
             if not self.worker.feed(plan) or self.worker.threaded:
                 time.sleep(1e-3 if self.worker.threaded else 2e-4)
             self._progress()
+            snap = self.worker.snapshot
+            if snap.step != step0:
+                step0, ooms0 = snap.step, snap.oom_recoveries
+            elif snap.oom_recoveries - ooms0 >= self.opts.max_solo_ooms:
+                # Decode holds nothing it could give up and the hook freed what it could after each OOM.
+                self.stop_reason = "out_of_memory"
+                log.error(
+                    "trainer ran out of memory %d times in a row at step %d with nothing else running: "
+                    "it does not fit; stopping",
+                    snap.oom_recoveries - ooms0,
+                    snap.step + 1,
+                )
+                return
         if self._stop.is_set():
             self.stop_reason = "interrupted"
 

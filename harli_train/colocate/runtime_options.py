@@ -22,6 +22,9 @@ class RuntimeOptions:
     finish: bool = True  # checkpoint and adapter at the end (benchmarks skip them)
     plots: bool = True
     max_decode_ooms: int = 3  # consecutive decode-side OOMs before giving up
+    # Trainer OOMs in a row with decode idle (the memory hook freeing what it can after each) before the
+    # run stops as "out_of_memory": nothing left to wait for, the trainer cannot fit.
+    max_solo_ooms: int = 6
     # Launch the trainer's micro-steps from a thread of their own, so their host time does not delay decode
     # steps (None: on a GPU). Off, the decode thread launches them between its steps (time-sliced host).
     trainer_thread: bool | None = None

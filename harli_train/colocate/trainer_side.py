@@ -186,10 +186,13 @@ class TrainerSide:
                 why = "step_boundary"
                 break  # the next call host-syncs on the loss: make it once the queue is empty
             tracker.arm_rebuild(stale)
-            t0 = time.perf_counter()
+            t0, ooms = time.perf_counter(), self.oom_recoveries
             seconds = self._launch(plan.train_stream, plan.train_sms, first_sm, kind)
             host = time.perf_counter() - t0
             self.launch_host_s += host
+            if self.oom_recoveries != ooms:  # the step was abandoned: the next try waits for a decision
+                why = "oom"
+                break
             if not sync:
                 self._host_recent.append(host)
                 # Its kernels start once the queue ahead is done, and none ends before its launch has.

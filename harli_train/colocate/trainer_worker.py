@@ -53,6 +53,7 @@ class TrainerSnapshot:
     launching_kind: str | None  # the micro-step being launched now (None: between launches)
     in_round: bool  # inside a launch round (its host work competes with decode's)
     launched_total: int
+    oom_recoveries: int  # steps abandoned because the trainer ran out of memory, so far
 
 
 class TrainerWorker:
@@ -116,6 +117,7 @@ class TrainerWorker:
             launching_kind=side.launching_kind,
             in_round=self._in_round,
             launched_total=side.launched_total,
+            oom_recoveries=side.oom_recoveries,
         )
 
     def _publish(self) -> None:

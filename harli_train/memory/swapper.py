@@ -299,6 +299,14 @@ class ActivationSwapper:
                 st["reclaim_copy_seconds"] += st["reclaim_seconds"] - before[1]
             return pages
 
+    def release_idle(self) -> int:
+        """Unmap every stash that holds nothing (after an abandoned step, all of them), so the trainer's
+        other allocations can have its pages; a stash maps pages again when its layer next saves. Ordered
+        after the trainer's queued work; returns the pages freed."""
+        with self._lock:
+            holding = {i for i, s in self._stashes.items() if s.used > 0}
+            return self._spill(self.tenant.stats()["used_pages"], protect=holding)
+
     def stats_snapshot(self) -> dict[str, Any]:
         """A copy of ``stats``, consistent (taken under the lock the spills hold)."""
         with self._lock:
