@@ -1090,7 +1090,7 @@ def test_colocation_closes_the_engine_before_the_ladder():
 
 def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monkeypatch):
     # $HARLI_HOST_PROFILE: where the co-located threads' Python host time goes (the trainer is host-bound on
-    # the GPU), written per thread as pstats and as a table; without it nothing is profiled.
+    # the GPU), sampled per thread, written as a table and as folded stacks; without it nothing is sampled.
     where = tmp_path / "profiles"
     monkeypatch.setenv("HARLI_HOST_PROFILE", str(where))
     ladder = SMLadder.cpu_standin(TOTAL, 8)
@@ -1099,7 +1099,10 @@ def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monke
     opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=True)
     assert runtime(tmp_path / "run", ladder, make, load, opts).run()["stop_reason"] == "trained"
     for name in ("trainer-thread", "decode-loop"):
-        assert (where / f"{name}.prof").stat().st_size > 0
+        folded = (where / f"{name}.folded").read_text().splitlines()
+        assert folded and all(line.rsplit(" ", 1)[1].isdigit() for line in folded)
     trainer = (where / "trainer-thread.txt").read_text()
-    assert trainer.startswith("trainer-thread: ") and "launch_round" in trainer and "by cumulative" in trainer
-    assert "launch_round" not in (where / "decode-loop.txt").read_text().split("=== by cumulative")[1]
+    assert trainer.startswith("trainer-thread: ") and "by inclusive" in trainer
+    assert "launch_round (trainer_side.py" in trainer.split("=== by inclusive")[1]
+    decode = (where / "decode-loop.txt").read_text().split("=== by inclusive")[1]
+    assert "_serve (runtime.py" in decode and "launch_round" not in decode  # each thread its own stacks

@@ -1,60 +1,143 @@
-"""A profile of one thread's Python host time (cProfile), written where ``$HARLI_HOST_PROFILE`` points.
+"""Where named threads' Python host time goes, sampled, written where ``$HARLI_HOST_PROFILE`` points.
 
 The co-located trainer is host-bound on the GPU (its launching thread is busy about as long as its kernels
-run), and where that time goes is only visible on the GPU machine: with the variable set to a directory,
-the trainer's thread and the decode loop each write ``<name>.prof`` (pstats) and ``<name>.txt`` (the top
-functions by own time and by cumulative time). cProfile slows the profiled thread, so such a run measures
-where host time goes, not how fast the run is. Autograd's backward runs on its own device threads: their
-Python (the page pool's unpack hooks) is not in the trainer thread's profile; ``run_backward`` is.
+run), and where that time goes is only visible on the GPU machine. With the variable set to a directory,
+every block run under ``host_profile(name)`` has its thread's Python stack sampled (``SAMPLE_S`` apart, by
+one sampler thread for all of them) until the block ends; then ``<name>.txt`` lists the functions by the
+samples they were running in (own: the innermost frame; inclusive: anywhere on the stack) and
+``<name>.folded`` holds the stacks one per line with their counts (the collapsed format flame-graph tools
+read). A sample of a thread blocked in C (a CUDA call, a lock, a sleep) lands on the Python frame that
+called it, so waits show as the call that waits.
+
+Sampling rather than cProfile: cProfile is one process-wide profiler on Python 3.12 (a second thread's
+cannot start), and its per-call cost would inflate the very launch paths measured. The sampler takes the GIL
+about every ``SAMPLE_S``, so a profiled run is slightly slower; it measures where host time goes, not
+throughput. Autograd's backward runs on its own device threads: their Python (the page pool's unpack hooks)
+is not in the trainer thread's samples; ``run_backward`` is.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import cProfile
-import io
 import logging
 import os
-import pstats
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 log = logging.getLogger(__name__)
 ENV = "HARLI_HOST_PROFILE"
+SAMPLE_S = 1e-3
 TOP = 60
+MAX_DEPTH = 64
+
+
+class _Thread:
+    """One profiled block's samples."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()  # outermost first
+        self.samples = 0
+        self.t0 = time.perf_counter()
+
+
+def _where(frame: FrameType) -> str:
+    code = frame.f_code
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+class Sampler:
+    """One thread that samples the stacks of the threads registered with it."""
+
+    def __init__(self, interval_s: float = SAMPLE_S):
+        self.interval_s = interval_s
+        self._threads: dict[int, _Thread] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, ident: int, name: str) -> _Thread:
+        with self._lock:
+            entry = self._threads[ident] = _Thread(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="harli-host-sampler", daemon=True)
+                self._thread.start()
+        return entry
+
+    def remove(self, ident: int) -> None:
+        with self._lock:
+            self._threads.pop(ident, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                watched = dict(self._threads)
+            if not watched:
+                continue
+            frames = sys._current_frames()
+            for ident, entry in watched.items():
+                frame = frames.get(ident)
+                if frame is None:
+                    continue
+                stack = []
+                while frame is not None and len(stack) < MAX_DEPTH:
+                    stack.append(_where(frame))
+                    frame = frame.f_back
+                entry.stacks[tuple(reversed(stack))] += 1
+                entry.samples += 1
+            del frames
+
+
+_SAMPLER = Sampler()
 
 
 @contextlib.contextmanager
 def host_profile(name: str) -> Iterator[None]:
-    """Profile the block on this thread when ``$HARLI_HOST_PROFILE`` names a directory (else do nothing)."""
+    """Sample this thread's stack for the block when ``$HARLI_HOST_PROFILE`` names a directory (else do
+    nothing); the block's report is written when it ends."""
     where = os.environ.get(ENV)
     if not where:
         yield
         return
-    profile = cProfile.Profile()
-    profile.enable()
+    ident = threading.get_ident()
+    entry = _SAMPLER.add(ident, name)
     try:
         yield
     finally:
-        profile.disable()
+        _SAMPLER.remove(ident)
         try:
-            write_profile(profile, Path(where), name)
+            write_profile(entry, Path(where), time.perf_counter() - entry.t0)
         except OSError as err:  # a diagnostic must not fail the run
             log.warning("could not write the host profile %s to %s: %s", name, where, err)
 
 
-def write_profile(profile: cProfile.Profile, directory: Path, name: str) -> Path:
-    """``<directory>/<name>.prof`` and ``.txt``; returns the text file's path."""
+def write_profile(entry: _Thread, directory: Path, seconds: float) -> Path:
+    """``<directory>/<name>.txt`` (the tables) and ``<name>.folded`` (the stacks); returns the table's path."""
     directory.mkdir(parents=True, exist_ok=True)
-    profile.dump_stats(str(directory / f"{name}.prof"))
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    total = sum(row[2] for row in stats.stats.values())  # own time of every function: the thread's busy time
-    text.write(f"{name}: {total:.3f} s of Python-visible host time (own time summed)\n")
-    for order in ("tottime", "cumulative"):
-        text.write(f"\n=== by {order} ===\n")
-        stats.sort_stats(order).print_stats(TOP)
-    path = directory / f"{name}.txt"
-    path.write_text(text.getvalue())
-    log.info("host profile of the %s written to %s", name, path)
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    for stack, n in entry.stacks.items():
+        own[stack[-1]] += n
+        for fn in set(stack):
+            inclusive[fn] += n
+    total = max(entry.samples, 1)
+    per_sample_ms = 1e3 * seconds / total
+    lines = [
+        f"{entry.name}: {entry.samples} samples over {seconds:.2f} s "
+        f"(one per {per_sample_ms:.2f} ms); share of the samples each function was running in",
+    ]
+    for title, counts in (("own (innermost frame)", own), ("inclusive (anywhere on the stack)", inclusive)):
+        lines += ["", f"=== by {title} ===", f"{'share':>7} {'samples':>8}  function"]
+        for fn, n in counts.most_common(TOP):
+            lines.append(f"{100 * n / total:6.1f}% {n:8d}  {fn}")
+    path = directory / f"{entry.name}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    folded = (f"{';'.join(stack)} {n}" for stack, n in entry.stacks.most_common())
+    (directory / f"{entry.name}.folded").write_text("\n".join(folded) + "\n")
+    log.info("host profile of the %s written to %s", entry.name, path)
     return path
