@@ -95,7 +95,7 @@ def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]
     """A co-located quickstart on the CUDA page pool under static:64 (the same SM budgets every run, so the
     kernels take the same configurations); its memory.pool and its losses. The load keeps about 50 requests
     of 1280 tokens running (tiny's KV page group holds 1024 blocks of 16 tokens: the cache needs 4-5 of them
-    at its peak, 1 when idle)."""
+    at its peak, 1-2 when idle)."""
     run = tmp_path / name
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     overrides = ["train.steps=12", "train.log_every=1", "colocation.rate=64", "colocation.duration_s=4"]
