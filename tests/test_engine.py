@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 import copy  # noqa: E402
 import json  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
@@ -29,8 +30,9 @@ from harli_train.engine import (  # noqa: E402
     read_trace,
     serve_trace,
 )
+from harli_train.engine.kv_cache import KVCacheSpec, kv_cache_blocks  # noqa: E402
 from harli_train.engine.scheduler import PrefillPiece, StepPreview  # noqa: E402
-from harli_train.model import load_model  # noqa: E402
+from harli_train.model import load_model, model_config  # noqa: E402
 
 from .hf_models import save_tiny_llama  # noqa: E402
 
@@ -562,6 +564,32 @@ def test_serve_trace_and_generate_text_on_tiny(tmp_path):
         config=EngineConfig(num_kv_blocks=16, max_model_len=128, kernels="torch"),
     )
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
+def test_kv_cache_gib_sizes_the_cache_of_serve_trace(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_len": 8, "output_len": 3}\n')
+    out = tmp_path / "out"
+    args = ["serve-trace", "--model", "tiny", "--device", "cpu", "--trace", str(trace), "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--kv-cache-gib", "0.0005"])
+    assert result.exit_code == 0, result.output
+    spec = KVCacheSpec.for_model(model_config("tiny"), 16, torch.float32)
+    setup = json.loads((out / "summary.json").read_text())["setup"]
+    assert setup["kv_blocks"] == int(0.0005 * 2**30) // spec.bytes_per_block
+    result = CliRunner().invoke(main, [*args, "--kv-cache-gib", "0"])
+    assert result.exit_code == 2 and "--kv-cache-gib" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_fixed_kv_cache_size_is_honoured_and_one_past_free_memory_is_refused():
+    model = load_model("tiny", torch.bfloat16, "cuda")
+    spec = KVCacheSpec.for_model(model.config, 16, torch.bfloat16)
+    cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, kv_cache_bytes=200 * spec.bytes_per_block)
+    assert kv_cache_blocks(model, cfg, spec) == 200  # not the 90 % of the GPU the default rule gives
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(EngineError, match=r"a KV cache of [0-9.]+ GiB does not fit: [0-9.]+ GiB are free"):
+        kv_cache_blocks(model, replace(cfg, kv_cache_bytes=free + (1 << 30)), spec)
 
 
 @pytest.mark.gpu

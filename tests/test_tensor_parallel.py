@@ -127,6 +127,8 @@ def test_colocated_tensor_parallel_run_completes(tmp_path):
     out = tmp_path / "colo"
     args = [str(QUICKSTART), "--colocate-with", "tiny", "--tensor-parallel", "2", "--quiet"]
     over = ["train.steps=3", "train.warmup_steps=1", "colocation.duration_s=3", "train.device=cpu"]
+    # 3 steps train in about a second: at the recipe's 1 request/s none may have arrived by then.
+    over.append("colocation.rate=20")
     result = CliRunner().invoke(main, [*args, *over, f"output.dir={out}"])
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "colocate" / "summary.json").read_text())

@@ -142,6 +142,7 @@ def serve_trace(
     burst_rate: float | None = None,
     max_batch: int = 64,
     time_scale: float = 1.0,
+    kv_cache_bytes: int | None = None,
     ignore_eos: bool = True,
     seed: int = 0,
     device: str = "auto",
@@ -161,7 +162,9 @@ def serve_trace(
             f"({model_id(model_source)!r}); the co-located run serves its adapter by the run's name"
         )
     need_len = max((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests)
-    cfg = config or EngineConfig(max_num_seqs=max_batch, max_model_len=max(need_len, 256), seed=seed)
+    cfg = config or EngineConfig(
+        max_num_seqs=max_batch, max_model_len=max(need_len, 256), seed=seed, kv_cache_bytes=kv_cache_bytes
+    )
     engine = build_engine(model_source, device, dtype, seed, cfg)
     vocab = engine.model.config.vocab_size
 

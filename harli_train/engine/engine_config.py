@@ -16,9 +16,11 @@ class EngineError(ValueError):
 class EngineConfig:
     """Settings of one `DecodeEngine`.
 
-    The KV cache holds `num_kv_blocks` blocks of `block_size` tokens; when `num_kv_blocks` is None it is sized
-    from the memory left after the weights and a warm-up (GPU: `gpu_memory_utilization` of the device;
-    CPU: `cpu_kv_bytes`). A step computes at most `max_num_batched_tokens` tokens; longer prompts are
+    The KV cache holds `num_kv_blocks` blocks of `block_size` tokens; when `num_kv_blocks` is None it gets
+    `kv_cache_bytes` if set (refused past the memory free for it), else it is sized from the memory left
+    after the weights and a warm-up (GPU: `gpu_memory_utilization` of the device, less what every process
+    already holds there; CPU: `cpu_kv_bytes`). Either way never more than `max_num_seqs` sequences of
+    `max_model_len` tokens can use. A step computes at most `max_num_batched_tokens` tokens; longer prompts are
     prefilled in chunks. With `mixed_prefill` (stall-free) prefill chunks ride in decode steps, at most
     `prefill_chunk_tokens` of them per step unless the caller of `step()` names another budget; a step with
     nothing to decode is a pure prefill step. Without it a step is either prefill or decode (prefill first).
@@ -28,6 +30,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    # The KV cache's own size (vLLM's kv_cache_memory_bytes): a fixed figure for engines that share a GPU.
+    kv_cache_bytes: int | None = None
     cpu_kv_bytes: int = 256 << 20
     max_model_len: int = 4096
     max_num_seqs: int = 256
@@ -74,6 +78,8 @@ class EngineConfig:
             raise EngineError(f"engine config: block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise EngineError(f"engine config: num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise EngineError(f"engine config: kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineError(
                 f"engine config: gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -109,3 +115,8 @@ def capped_to_context(config: EngineConfig, context: int) -> EngineConfig:
     if config.max_model_len <= context:
         return config
     return replace(config, max_model_len=context)
+
+
+def gib_bytes(gib: float | None) -> int | None:
+    """A size given in GiB (a command-line option) as bytes; None stays None."""
+    return None if gib is None else int(gib * (1 << 30))

@@ -10,6 +10,8 @@ import torch
 from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.model import LlamaForCausalLM, ModelConfig
 
+GIB = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -90,23 +92,35 @@ def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 
 def kv_cache_blocks(model: LlamaForCausalLM, config: EngineConfig, spec: KVCacheSpec) -> int:
-    """How many blocks the cache gets: `num_kv_blocks` if set; on a GPU what `gpu_memory_utilization` of the
-    device leaves after the weights and a measured warm-up (nano-vllm's rule); on the CPU `cpu_kv_bytes`.
-    Never more than `max_num_seqs` full-length sequences can use."""
+    """How many blocks the cache gets: `num_kv_blocks` if set; else `kv_cache_bytes` if set (on a GPU refused
+    past what is free after the weights and a measured warm-up); else on a GPU what `gpu_memory_utilization`
+    of the device leaves after everything allocated there, the weights and the warm-up (nano-vllm's rule),
+    on the CPU `cpu_kv_bytes`. Never more than `max_num_seqs` full-length sequences can use."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     useful = config.max_num_seqs * config.max_blocks_per_seq
     device = model.lm_head.weight.device
     if device.type != "cuda":
-        return max(1, min(useful, blocks_for_budget(spec, config.cpu_kv_bytes)))
+        return max(1, min(useful, blocks_for_budget(spec, config.kv_cache_bytes or config.cpu_kv_bytes)))
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * config.gpu_memory_utilization) - (total - free) - _activation_peak(model, config)
+    peak = _activation_peak(model, config)
+    if config.kv_cache_bytes is not None:
+        if config.kv_cache_bytes > free - peak:
+            raise EngineError(
+                f"engine: a KV cache of {config.kv_cache_bytes / GIB:.2f} GiB does not fit: "
+                f"{max(0, free - peak) / GIB:.2f} GiB are free on the GPU after the weights and a prefill's "
+                "activations; give a smaller KV cache size"
+            )
+        budget, what = config.kv_cache_bytes, f"a KV cache of {config.kv_cache_bytes / GIB:.2f} GiB"
+    else:
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - peak
+        what = f"gpu_memory_utilization={config.gpu_memory_utilization}"
     blocks = min(useful, blocks_for_budget(spec, budget))
     if blocks < config.max_blocks_per_seq:
         raise EngineError(
-            f"engine: only {blocks} KV blocks fit in gpu_memory_utilization={config.gpu_memory_utilization} "
+            f"engine: only {blocks} KV blocks fit in {what} "
             f"(one max_model_len={config.max_model_len} sequence needs {config.max_blocks_per_seq}); raise "
-            "the utilization, lower max_model_len or max_num_batched_tokens, or set num_kv_blocks"
+            "the memory, lower max_model_len or max_num_batched_tokens, or set num_kv_blocks"
         )
     return blocks
 

@@ -103,6 +103,7 @@ def _colocate(tp: TPGroups, args: dict[str, Any]) -> dict[str, Any] | None:
 
 def _serve(tp: TPGroups, args: dict[str, Any]) -> dict[str, Any] | None:
     from harli_train.engine import EngineConfig
+    from harli_train.engine.engine_config import gib_bytes
     from harli_train.model import model_config
     from harli_train.parallel.tp_engine import follow_engine, lead_engine, stop_followers
     from harli_train.serve.command import run_server
@@ -110,7 +111,11 @@ def _serve(tp: TPGroups, args: dict[str, Any]) -> dict[str, Any] | None:
     model = args["model"]
     if not tp.is_leader:
         context = model_config(model).max_position_embeddings
-        cfg = EngineConfig(max_num_seqs=args["max_batch"], max_model_len=context)
+        cfg = EngineConfig(
+            max_num_seqs=args["max_batch"],
+            max_model_len=context,
+            kv_cache_bytes=gib_bytes(args["kv_cache_gib"]),
+        )
         engine = serving_engine(model, cfg, tp, tokenizer=False)
         follow_engine(engine, tp)
         engine.close()

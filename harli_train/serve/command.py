@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harli_train.engine.api import model_id
-from harli_train.engine.engine_config import EngineConfig, capped_to_context
+from harli_train.engine.engine_config import EngineConfig, capped_to_context, gib_bytes
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def run_server(
     allow_runtime_lora: bool = False,
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
+    kv_cache_gib: float | None = None,
     build: Callable[[EngineConfig], Any] | None = None,
 ) -> dict[str, Any]:
     """Serve ``model`` and each PEFT directory of ``adapters`` (under its folder's name) on ``host:port``
@@ -43,7 +44,8 @@ def run_server(
 
     ``allow_runtime_lora`` adds the routes that load and unload adapters while serving. ``max_loras`` adapter
     slots (default: one per adapter, and 4 more with ``allow_runtime_lora``) of rank ``max_lora_rank``
-    (default: the largest given, at least 16). ``build(config)``: the engine to serve with instead, the base
+    (default: the largest given, at least 16); ``kv_cache_gib``: the KV cache's size (default: the engine's
+    rule, `EngineConfig`). ``build(config)``: the engine to serve with instead, the base
     only (tensor parallelism passes rank 0's)."""
     from harli_train.adapter import AdapterError
     from harli_train.engine.adapters import AdapterCatalog
@@ -56,7 +58,8 @@ def run_server(
     out = Path(out_dir or f"runs/serve-{name}")
     out.mkdir(parents=True, exist_ok=True)
     context = model_config(model).max_position_embeddings
-    cfg = capped_to_context(EngineConfig(max_num_seqs=max_batch, max_model_len=context), context)
+    cfg = EngineConfig(max_num_seqs=max_batch, max_model_len=context, kv_cache_bytes=gib_bytes(kv_cache_gib))
+    cfg = capped_to_context(cfg, context)
     if build is not None:
         engine = build(cfg)
         catalog = AdapterCatalog(engine, name)
