@@ -19,10 +19,6 @@ from .native import PagePool, PoolExhausted, Region, Tenant
 # torch's allocator aligns blocks to 512 bytes; stashed tensors get the same alignment, so kernels that pick
 # code paths by pointer alignment (cuBLAS, MKL) take the same ones and results stay bit-identical.
 _STASH_ALIGN = 512
-# Saved tensors are copied into their stash in batches (one foreach copy, not a launch each): at most this
-# many tensors, or bytes, wait; the tensors waiting stay alive until their copy is launched.
-_BATCH_TENSORS = 64
-_BATCH_BYTES = 128 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -79,9 +75,7 @@ class ActivationSwapper:
     i its pages are mapped again at the same addresses and the bytes copied back; the `lookahead` layers
     below are prefetched on the side stream. Results are bit-identical to running without the swapper.
     A stash is reused once autograd has dropped all its tensors. `layer_bytes` bounds one layer's saved
-    bytes; what does not fit stays an ordinary tensor. The copies into a stash are launched in batches (at
-    the latest when the layer's block ends, before anything reads or spills the stash); a saved tensor
-    modified in place before its copy is launched is refused (RuntimeError), as autograd would refuse it. The trainer may move between streams when each
+    bytes; what does not fit stays an ordinary tensor. The trainer may move between streams when each
     new one waits for the one before (as the co-location feeder hands work over): spills are ordered after
     the stream of the latest pack or unpack, which is after all the trainer's earlier work.
     """
@@ -109,9 +103,6 @@ class ActivationSwapper:
         self._lock = threading.RLock()
         self._stream: Any = None  # torch's (id, device, type) of the stream of the latest pack or unpack
         self._side: Any = None
-        # (layer, stash view, saved tensor, its version): copies not launched yet, and their bytes.
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []
-        self._pending_bytes = 0
         # The current stream as torch's raw (id, device, type): a Stream object costs microseconds a call.
         self._stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) if self._cuda else None
         self._device_index = (pool.device.index or 0) if self._cuda else 0
@@ -136,14 +127,7 @@ class ActivationSwapper:
     def layer(self, index: int) -> Iterator[None]:
         """Stash what layer `index` saves for backward."""
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index), self._unpack):
-            try:
-                yield
-            except BaseException:
-                with self._lock:  # what the failed forward saved is garbage; nothing will read it
-                    self._pending, self._pending_bytes = [], 0
-                raise
-        with self._lock:
-            self._flush()
+            yield
 
     @property
     def resident_pages(self) -> int:
@@ -197,12 +181,7 @@ class ActivationSwapper:
             if pages > stash.mapped:
                 self._ensure_mapped(stash, layer, pages)
             self._note_stream()
-            self._pending.append(
-                (layer, self._view(stash, offset, span, t.dtype, t.shape, stride), t, t._version)
-            )
-            self._pending_bytes += span
-            if len(self._pending) >= _BATCH_TENSORS or self._pending_bytes >= _BATCH_BYTES:
-                self._flush()
+            self._view(stash, offset, span, t.dtype, t.shape, stride).copy_(t)
             stash.used, stash.live = offset + span, stash.live + 1
             saved = _Saved(self, layer, offset, span, t, stride)
             self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
@@ -214,7 +193,6 @@ class ActivationSwapper:
             return saved
         with self._lock:
             self._current, self._backward = saved.layer, True
-            self._flush()
             self._note_stream()
             self._ensure_resident(saved.layer)
             for lower in range(saved.layer - 1, saved.layer - 1 - self.lookahead, -1):
@@ -228,10 +206,6 @@ class ActivationSwapper:
             stash = self._stashes[layer]
             stash.live -= 1
             if stash.live == 0:  # nothing refers to the bytes any more: refill from the start
-                if self._pending:  # copies of dead tensors must not land on the stash's next ones
-                    kept = [p for p in self._pending if p[0] != layer]
-                    self._pending_bytes -= sum(p[1].nbytes for p in self._pending if p[0] == layer)
-                    self._pending = kept
                 stash.used, stash.host = 0, None
                 self._seen = {k: v for k, v in self._seen.items() if v[2]() is not None}
 
@@ -250,21 +224,6 @@ class ActivationSwapper:
             sid, dev, kind = self._stream
             return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
         return self._stream
-
-    def _flush(self) -> None:
-        """Launch the waiting copies into their stashes (one foreach copy) on the current stream, which
-        must be the trainer's (the saved tensors' memory goes back to torch's cache on it)."""
-        if not self._pending:
-            return
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        for layer, _, t, version in pending:
-            if t._version != version:
-                raise RuntimeError(
-                    f"a tensor layer {layer} saved for backward (shape {tuple(t.shape)}, {t.dtype}) was "
-                    "modified in place before it was stashed"
-                )
-        with torch.no_grad():  # the views were made in the hook, where grad mode is off
-            torch._foreach_copy_([p[1] for p in pending], [p[2] for p in pending])
 
     # -- stash management -------------------------------------------------------------------------------
     @staticmethod
@@ -386,9 +345,6 @@ class ActivationSwapper:
         if not chosen:
             return 0
         t0 = time.perf_counter()
-        if self._pending:  # a reclaim may come from another thread: the copies go on the trainer's stream
-            with torch.cuda.stream(self._last_stream()) if self._cuda else contextlib.nullcontext():
-                self._flush()
         copies = [s for s in chosen if s.used > 0]
         if self._cuda:
             side = self._side_stream()
