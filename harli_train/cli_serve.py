@@ -8,6 +8,15 @@ import click
 from harli_train.cli_support import friendly, strict_json, tensor_parallel_run
 from harli_train.engine.engine_config import gib_bytes
 
+# The engine's KV cache size, for `serve` and `serve-trace` alike.
+kv_cache_option = click.option(
+    "--kv-cache-gib",
+    default=None,
+    type=click.FloatRange(min=0.0, min_open=True),
+    help="The KV cache's size [default: 90% of the GPU less what is in use there; on a CPU 256 MiB]; fixed "
+    "sizes let engines share a GPU.",
+)
+
 
 @click.command()
 @click.option("--model", "model_source", required=True, help="Preset or local HF directory to serve.")
@@ -21,9 +30,7 @@ from harli_train.engine.engine_config import gib_bytes
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=1),
               help="Requests waiting at most; more get 429.")  # fmt: skip
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--kv-cache-gib", default=None, type=click.FloatRange(min=0.0, min_open=True),
-              help="The KV cache's size [default: 90% of the GPU less what is in use there; on a CPU "
-              "256 MiB]; fixed sizes let engines share a GPU.")  # fmt: skip
+@kv_cache_option
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--adapter", "adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="A PEFT LoRA adapter directory (safetensors) to serve as model id <its folder name>; "
@@ -119,9 +126,7 @@ def loadgen(
 @click.option("--output-len", default="128", show_default=True, help="Same forms as --prompt-len.")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--time-scale", default=1.0, show_default=True, help="Stretch (>1) or compress trace time.")
-@click.option("--kv-cache-gib", default=None, type=click.FloatRange(min=0.0, min_open=True),
-              help="The KV cache's size [default: 90% of the GPU less what is in use there; on a CPU "
-              "256 MiB]; fixed sizes let engines share a GPU.")  # fmt: skip
+@kv_cache_option
 @click.option("--out", "out_dir", default="runs/serve", show_default=True, type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+GIB = 1 << 30
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 LORA_KERNELS = ("fused", "split")
 
@@ -119,4 +120,4 @@ def capped_to_context(config: EngineConfig, context: int) -> EngineConfig:
 
 def gib_bytes(gib: float | None) -> int | None:
     """A size given in GiB (a command-line option) as bytes; None stays None."""
-    return None if gib is None else int(gib * (1 << 30))
+    return None if gib is None else int(gib * GIB)

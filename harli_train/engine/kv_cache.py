@@ -7,10 +7,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from harli_train.engine.engine_config import EngineConfig, EngineError
+from harli_train.engine.engine_config import GIB, EngineConfig, EngineError
 from harli_train.model import LlamaForCausalLM, ModelConfig
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)

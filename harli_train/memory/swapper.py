@@ -101,11 +101,11 @@ class ActivationSwapper:
         self._current: int | None = None
         self._backward = False
         self._lock = threading.RLock()
-        self._stream: Any = None  # torch's (id, device, type) of the stream of the latest pack or unpack
+        # torch's raw (id, device, type) of the stream of the latest pack or unpack: reading it costs far
+        # less than making a torch.cuda.Stream each call (the hooks run for every saved tensor).
+        self._stream: tuple[int, int, int] | None = None
         self._side: Any = None
-        # The current stream as torch's raw (id, device, type): a Stream object costs microseconds a call.
-        self._stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) if self._cuda else None
-        self._device_index = (pool.device.index or 0) if self._cuda else 0
+        self._device_index = pool.device.index or 0
         self.stats = {
             "stashed_bytes": 0,
             "passthrough_bytes": 0,
@@ -211,19 +211,15 @@ class ActivationSwapper:
 
     def _note_stream(self) -> None:
         """Remember the stream the trainer launches on now (spills are ordered after it)."""
-        if self._stream_of is not None:
-            self._stream = self._stream_of(self._device_index)
-        elif self._cuda:
-            self._stream = torch.cuda.current_stream(self.pool.device)
+        if self._cuda:
+            self._stream = torch._C._cuda_getCurrentStream(self._device_index)  # what current_stream reads
 
     def _last_stream(self) -> Any:
         """The stream of the latest pack or unpack as a torch Stream (the current one if none)."""
         if self._stream is None:
             return torch.cuda.current_stream(self.pool.device)
-        if isinstance(self._stream, tuple):
-            sid, dev, kind = self._stream
-            return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
-        return self._stream
+        sid, dev, kind = self._stream
+        return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
 
     # -- stash management -------------------------------------------------------------------------------
     @staticmethod
