@@ -1008,6 +1008,27 @@ def test_a_trainer_that_cannot_fit_with_decode_idle_stops_with_its_steps_checkpo
     )
 
 
+def test_the_memory_hook_sizes_the_idle_cache_once_before_the_trainer_is_alone(tmp_path):
+    class IdleSeen(CountingHook):
+        def __init__(self):
+            super().__init__()
+            self.idle = []  # per call: the engine had nothing to run
+
+        def before_decode(self, engine):
+            super().before_decode(engine)
+            self.idle.append(not engine.engine.has_unfinished())
+
+    hook = IdleSeen()
+    ladder = TimeSliceLadder.cpu_standin(TOTAL)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=False)
+    summary = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), opts, None, hook).run()
+    assert summary["stop_reason"] == "trained" and summary["phases"]["solo"]["seconds"] > 0
+    # The load's last decision ran its last step; the solo phase's one saw the engine idle (a page pool's
+    # cache then gives back the groups it holds idle, rather than keep them while the trainer runs alone).
+    assert hook.idle[-1] and not hook.idle[-2]
+
+
 def test_ctrl_c_checkpoints_and_a_resumed_run_continues(tmp_path, standalone):
     def spy(trainer, gen):
         for ms in gen:

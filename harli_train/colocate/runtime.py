@@ -223,6 +223,7 @@ class ColocatedRuntime:
     def _solo(self) -> None:
         """The trainer alone on the whole GPU (after the load, or exclusive's second half)."""
         self._mark("solo")
+        self._memory_hook()  # one decision for the idle engine: its cache gives back the groups it holds idle
         end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
         plan = self.policy.idle_plan()
         self._hold(plan)
