@@ -30,16 +30,8 @@ from .test_runtime import adapter, assert_same_adapter, losses, recipe, rows
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 # A pool of 98 pages of 64 KiB: the trainer's stashes and optimizer state take ~67 of them at a step's
-# peak, and a few hundred-token requests want more than the rest (2 KiB of K/V a token).
-PRESSURE = [
-    "colocation.memory_gib=0.006",
-    "colocation.rate=6",
-    "colocation.duration_s=3",
-    "colocation.prompt_len=300",
-    "colocation.output_len=30",
-    "train.steps=12",
-    "train.layers_per_microstep=1",
-]
+# peak, and a few 300-token requests want more than the rest (2 KiB of K/V a token; the test's trace).
+PRESSURE = ["colocation.memory_gib=0.006", "train.steps=12", "train.layers_per_microstep=1"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,8 +83,14 @@ def test_without_the_pool_the_same_run_trains_the_same_adapter(tmp_path):
 
 @pytest.mark.slow
 def test_kv_demand_beyond_the_free_pages_takes_pages_from_the_trainer_and_changes_nothing(tmp_path):
-    alone = trained_alone(tmp_path / "alone", *PRESSURE)
-    summary = run_colocated(recipe(tmp_path / "pressed", *PRESSURE), "tiny", policy="harli", quiet=True)
+    # One burst at once, so the cache must grow at the start whatever the host's speed, and one request of
+    # 8x the others' output: once the others finish, their page groups lie idle while it runs (a shrink).
+    trace = tmp_path / "burst.jsonl"
+    lengths = [30] * 6 + [240]
+    trace.write_text("".join(f'{{"arrival_s": 0, "prompt_len": 300, "output_len": {n}}}\n' for n in lengths))
+    pressure = [*PRESSURE, f"colocation.trace={trace}"]
+    alone = trained_alone(tmp_path / "alone", *pressure)
+    summary = run_colocated(recipe(tmp_path / "pressed", *pressure), "tiny", policy="harli", quiet=True)
     pool = summary["memory"]["pool"]
     assert pool["budget_pages"] == int(0.006 * GIB) // pool["page_bytes"]
     # The KV cache wanted more than the pages free: it took pages from the trainer's stashes, mid-training.
