@@ -1022,7 +1022,9 @@ def test_the_memory_hook_sizes_the_idle_cache_once_before_the_trainer_is_alone(t
     ladder = TimeSliceLadder.cpu_standin(TOTAL)
     make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
     opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=False)
-    summary = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), opts, None, hook).run()
+    # 40 steps outlast one request of 4 tokens on any host: the trainer then runs alone.
+    load = requests([(0.0, 1, 4)])
+    summary = runtime(tmp_path, ladder, make, load, opts, None, hook, "train.steps=40").run()
     assert summary["stop_reason"] == "trained" and summary["phases"]["solo"]["seconds"] > 0
     # The load's last decision ran its last step; the solo phase's one saw the engine idle (a page pool's
     # cache then gives back the groups it holds idle, rather than keep them while the trainer runs alone).
