@@ -1,6 +1,7 @@
 """Mixed steps in co-location: the mixed-step model, the prefill chunk each policy sizes with it, the
 objective accounting over every token interval, and a co-located run that rides prefill in decode steps."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -113,10 +114,20 @@ def test_chunks_fit_the_budget_on_each_policys_share():
     plan = harli.plan(preview)
     assert plan.partition.infer_sms == 64 and plan.prefill_tokens == 158 and not plan.paused
     assert plan.train_from_sm >= 64 and plan.transient
-    # Nothing fits beside the trainer: the whole GPU, the trainer paused.
+    # Nothing fits beside the trainer: the whole GPU, the trainer paused, but only once the trainer has
+    # nothing on the GPU. First decode alone on its share without prefill: the trainer is told to stop.
     tight = make_policy("harli", ladder, pred, 0.004, 0.1)
     plan = tight.plan(preview)
+    assert plan.paused and plan.prefill_tokens == 0 and plan.mixed_raw_s is None
+    assert plan.decision is not None and "trainer stops launching" in plan.reason
+    busy = [True]
+    tight.trainer_busy = lambda: busy[0]
+    plan = tight.plan(preview)  # paused, but its queued micro-steps still run: decode alone again
+    assert plan.paused and plan.prefill_tokens == 0 and "queued work ends" in plan.reason
+    busy[0] = False
+    plan = tight.plan(preview)
     assert plan.paused and plan.partition.infer_sms == TOTAL and plan.prefill_tokens >= MIN_CHUNK
+    assert plan.mixed_raw_s is not None and not plan.corun
     # Without a mixed model a policy leaves the engine's default budget.
     assert (
         make_policy("static:32", ladder, synthetic_predictor(ladder.shares), 0.02)
@@ -250,3 +261,28 @@ def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
     assert load_recipe(QUICKSTART, []).colocation.ttft_ms is None
     with pytest.raises(RecipeError):
         load_recipe(QUICKSTART, ["colocation.ttft_ms=-1"])
+
+
+def test_the_trainer_counts_as_busy_until_its_last_queued_micro_step_has_ended():
+    # What harli asks before a mixed step takes the whole GPU: a launch under way, or a queued micro-step
+    # whose end event has not been reached (queried at the time of asking).
+    from types import SimpleNamespace
+
+    from harli_train.colocate.trainer_worker import TrainerSnapshot, TrainerWorker
+
+    class End:
+        done = False
+
+        def query(self):
+            return self.done
+
+    end = End()
+    idle = TrainerSnapshot(False, 3, 10, 1.0, 0.0, (), None, None, False, 5, 0)
+    busy = lambda snap: TrainerWorker.gpu_busy(SimpleNamespace(snapshot=snap))
+    assert not busy(idle)
+    assert busy(dataclasses.replace(idle, in_round=True))
+    assert busy(dataclasses.replace(idle, launching_kind="fwd"))
+    queued = dataclasses.replace(idle, queue=("fwd", "bwd"), queue_end=end)
+    assert busy(queued)
+    end.done = True
+    assert not busy(queued)

@@ -82,6 +82,7 @@ class ColocatedRuntime:
             max_in_flight=self.opts.max_in_flight,
             on_optimizer_step=live.after_optimizer_step if live is not None else None,
         )
+        policy.trainer_busy = self.worker.gpu_busy
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
         engine.warm_up([*policy.partitions(), policy.ladder.full])

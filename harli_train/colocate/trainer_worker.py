@@ -50,6 +50,7 @@ class TrainerSnapshot:
     last_loss: float
     tokens: float  # tokens trained, the launched part of the step in flight pro rata
     queue: tuple[str, ...]  # kinds of the micro-steps queued on the GPU, oldest first
+    queue_end: Any  # the CUDA event the last of them records when it ends (None: nothing queued)
     launching_kind: str | None  # the micro-step being launched now (None: between launches)
     in_round: bool  # inside a launch round (its host work competes with decode's)
     launched_total: int
@@ -114,6 +115,7 @@ class TrainerWorker:
             last_loss=float(tr.last_loss),
             tokens=side.progress_tokens(),
             queue=tuple(k for *_, k in side.in_flight),
+            queue_end=side.in_flight[-1][1] if side.in_flight else None,
             launching_kind=side.launching_kind,
             in_round=self._in_round,
             launched_total=side.launched_total,
@@ -122,6 +124,15 @@ class TrainerWorker:
 
     def _publish(self) -> None:
         self.snapshot = self._take_snapshot()  # one reference swap: readers see the old or the new one
+
+    def gpu_busy(self) -> bool:
+        """Whether the trainer may have work on the GPU now: a launch or launch round under way, or a
+        launched micro-step whose end event has not yet been reached (queried now, not as of the last
+        launch). On a CPU, where a micro-step runs while it launches, that is a round under way."""
+        snap = self.snapshot
+        if snap.in_round or snap.launching_kind is not None:
+            return True
+        return snap.queue_end is not None and not snap.queue_end.query()
 
     # ---- the decode thread's side --------------------------------------------------------------------
     def tick(self) -> None:

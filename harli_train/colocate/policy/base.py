@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from harli_train.colocate.controller import Controller, Decision
@@ -70,6 +71,9 @@ class Policy:
         self.ladder, self.tpot_s, self.margin = ladder, tpot_s, margin
         self.budget_s = tpot_s * (1.0 - margin)
         self.ttft_s: float | None = None  # the TTFT objective (colocation.ttft_ms), if any: see ttft_plan
+        # Whether the trainer may have work on the GPU now (the runtime's TrainerWorker.gpu_busy): a plan
+        # that pauses the trainer launches nothing new, but what it queued runs on.
+        self.trainer_busy: Callable[[], bool] = lambda: False
         self.step_estimate = Ewma(self.budget_s / 2)
         self.predictor = predictor
 

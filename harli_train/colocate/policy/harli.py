@@ -4,7 +4,11 @@ Composed of three parts: the ``Controller`` (decode's share, with hysteresis, se
 ``TrainerRungs`` (which rung the trainer launches on: the complement of decode's recent peak share) and
 ``PrefillPlacement`` (pure prefill steps). A mixed step (decode plus prefill chunks) takes the smallest share,
 at least decode's own, that fits ``prefill_floor`` prefill tokens within the budget, filled with as many as fit;
-the whole GPU with the trainer paused when none does.
+the whole GPU with the trainer paused when none does. The whole GPU is the mixed step's only once the trainer
+has nothing left on it: a pause launches nothing new, but the micro-steps it queued run on (up to
+``max_in_flight`` of them, tens of milliseconds) on SMs the step counts as its own, so until they have ended
+decode steps alone on its share, the trainer paused, and the prefill waits (docs/design.md has the
+measurement).
 
 ``grow_headroom`` (``harli:grow=H``, ``grow=0`` off) anticipates a grow: while decode's predicted step on its
 share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger share
@@ -59,6 +63,7 @@ class HarliPolicy(ControlledPolicy):
         super().__init__(ladder, tpot_s, margin, predictor)
         self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin, trainer_stride)
         self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
+        self._held = False  # the last plan paused the trainer
         self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
         self.controller = Controller(
             predictor, ladder, tpot_s, margin, hysteresis_steps, settle=settle, learn_margin=learn_margin
@@ -132,10 +137,31 @@ class HarliPolicy(ControlledPolicy):
                     )
                     plan.prefill_tokens, plan.mixed_raw_s = n, raw
                     return plan
+        if not self.ladder.time_sliced and (not self._held or self.trainer_busy()):
+            return self._clear_gpu(preview)
         full = self.ladder.full
         n, t, raw = largest_chunk(self.predictor, preview, full.infer_sms, False, self.budget_s)
         plan = paused(full, f"mixed: whole GPU for {n} prefill tokens (trainer paused)", t)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        return plan
+
+    def _clear_gpu(self, preview: StepPreview) -> StepPlan:
+        """Decode alone on its own share with the trainer paused and no prefill, while the trainer's queued
+        micro-steps leave the GPU (the step before it may still have launched some)."""
+        d = self.controller.decide(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
+        waiting = "the trainer's queued work ends" if self._held else "the trainer stops launching"
+        plan = paused(
+            d.partition,
+            f"mixed: decode alone on {d.partition.infer_sms} SMs, its prefill waits until {waiting}",
+            d.predicted_s,
+            d,
+        )
+        plan.prefill_tokens = 0
+        return plan
+
+    def plan(self, preview: StepPreview) -> StepPlan:
+        plan = super().plan(preview)
+        self._held = plan.paused  # the trainer has been told to launch nothing more
         return plan
 
     def _share_after(self, batch: int, kv_tokens: int) -> int:
