@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the project, run every command the README shows (short: few steps, small
 # models, one llama-8b co-located run), check each one's exit code and outputs, run the GPU tests, and print
-# one PASS/FAIL line per command last. About 4 minutes on the H200 (201-262 s on 2026-12-02): the GPU tests (three pytest processes)
+# one PASS/FAIL line per command last. About 3-4 minutes on the H200 (162-262 s on 2026-12-02): the GPU tests (three pytest processes)
 # and the short commands (six chains of dependent commands) share the GPU at once, every engine with a KV
 # cache or page pool of a fixed size; the co-located llama-8b run, whose figures are a result, runs alone last.
 #
