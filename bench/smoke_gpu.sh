@@ -146,7 +146,7 @@ tests_serving() {
 tests_kernels() {
   run gpu-tests-kernels 300 "tests_ok gpu-tests-kernels" -- bash -c "cd '$repo' && $pytest_gpu \
     -k '$not_here and not cuda_pool_gives_pages_back' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
-    tests/test_lora_ops.py tests/test_decode_linear.py"
+    tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py"
 }
 if [ "$part" != commands ]; then chain tests-pool tests_pool; chain tests-serving tests_serving; chain tests-kernels tests_kernels; fi
 

@@ -329,7 +329,7 @@ def test_peek_abort_and_synthetic_decode(hf_pair):
     assert engine.block_manager.num_free == 32 and engine.peek().kind == "idle"
 
 
-def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair):
+def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair, kernels="torch"):
     """Prefill chunks ride in decode steps: while a long prompt is prefilled over many steps (within each
     step's budget), every decoding request still gets a token per step, and every request draws exactly the
     tokens of a prefill-first engine (greedy and seeded) and of transformers (greedy)."""
@@ -351,9 +351,10 @@ def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair)
             max_num_batched_tokens=32,
             prefill_chunk_tokens=5,
             mixed_prefill=mixed,
-            kernels="torch",
+            kernels=kernels,
         )
         engine, seqs, kinds = DecodeEngine(ours, cfg), [], []
+        assert (engine.runner.decode_forward is not None) == (kernels == "triton")
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             seqs.append(engine.add_request(prompt, p))
             for _ in range(2 if i == 0 else 1):  # the first request decodes before the others arrive
@@ -382,10 +383,14 @@ def test_mixed_steps_are_stall_free_and_compute_what_prefill_first_does(hf_pair)
         assert seqs[i].completion_token_ids == _hf_greedy(hf, prompts[i], params[i].max_tokens)
 
 
-def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_do(hf_pair):
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_do(hf_pair, kernels):
     """The padded static buffers mixed-step graphs read (tokens padded to a bucket, rows to max_num_seqs):
     run eagerly over them on the CPU, every step draws the tokens of the plain varlen path (greedy and
-    seeded), including steps past the largest bucket, which stay eager."""
+    seeded), including steps past the largest bucket, which stay eager. With the Triton kernels (as a
+    GPU's graphs run) a mixed step runs the decode GEMV projections over every packed token and splits
+    attention between the decode kernel (one-token rows) and the prefill kernel (chunks); the tokens then
+    equal a prefill-first engine's too."""
     from harli_train.engine.mixed_graphs import MixedGraphs
 
     _, ours = hf_pair
@@ -407,11 +412,14 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
             max_num_batched_tokens=80,
             prefill_chunk_tokens=9,
             mixed_prefill=True,
-            kernels="torch",
+            kernels=kernels,
         )
         engine = DecodeEngine(ours, cfg)
         if static:
-            graphs = MixedGraphs(ours, engine.runner.attn, cfg, torch.device("cpu"))
+            runner = engine.runner
+            graphs = MixedGraphs(
+                ours, runner.attn, cfg, torch.device("cpu"), decode_forward=runner.decode_forward
+            )
             assert graphs.buckets == (64,) and graphs.max_rows == 6
             engine.runner.mixed_graphs = graphs
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -423,6 +431,13 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
     assert static == plain
     assert engine.runner.mixed_graphs.num_replays > 0  # the mixed steps went through the static buffers
     assert any(s.kind == "mixed" for s in engine.metrics.steps)
+    assert (engine.runner.decode_forward is not None) == (kernels == "triton")
+    if kernels == "triton":
+        first = DecodeEngine(ours, EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=6,
+                                                max_model_len=64, kernels=kernels))  # fmt: skip
+        seqs = [first.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        first.run_until_done()
+        assert [s.token_ids for s in seqs] == static
 
 
 def test_close_releases_buffers_and_later_steps_are_refused(hf_pair):

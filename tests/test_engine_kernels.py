@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from harli_train.engine.kv_store import kv_store  # noqa: E402
-from harli_train.engine.paged_decode import paged_decode  # noqa: E402
+from harli_train.engine.paged_decode import paged_decode, paged_decode_varlen  # noqa: E402
 from harli_train.engine.paged_prefill import paged_prefill  # noqa: E402
 from harli_train.engine.reference import (  # noqa: E402
     kv_store_reference,
@@ -167,6 +167,42 @@ def test_paged_prefill_matches_sdpa(impl, dtype, hq, hkv, d, block_size, q_lens,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,block_size,q_lens,contexts",
+    [
+        # decode rows (one token, long and short contexts) beside chunks, a one-token chunk, an empty row
+        (8, 2, 64, 16, [1, 5, 1, 1, 17, 0, 1], [300, 5, 1, 700, 40, 0, 64]),
+        (4, 4, 48, 8, [1, 40, 1], [129, 40, 3]),  # MHA, odd head_dim
+        (6, 1, 32, 16, [2, 1, 29], [2, 2100, 29]),  # MQA, a context past the split cap (16 x 128 in fp32)
+    ],
+)
+def test_mixed_step_attention_splits_decode_rows_from_chunks(dtype, hq, hkv, d, block_size, q_lens, contexts):
+    """A varlen step's one-token rows through the split decode kernel and its other rows through the
+    prefill kernel (skip_single) write disjoint rows that together equal SDPA: each kernel leaves the
+    other's rows alone (the output is poisoned first)."""
+    k_cache, v_cache, tables, ks, vs = _paged(contexts, 256, block_size, hkv, d, dtype, seed=3)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), hq, d, device=DEVICE).to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    single = torch.zeros(sum(q_lens), dtype=torch.bool)
+    for i, nq in enumerate(q_lens):
+        single[int(cu[i]) : int(cu[i]) + nq] = nq == 1
+    single = single.to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out, skip_single=True)
+    assert torch.isnan(out[single]).all() and not torch.isnan(out[~single]).any()
+    alone = torch.full_like(q, float("nan"))
+    paged_decode_varlen(q, k_cache, v_cache, tables, cu, lens, d**-0.5, alone)
+    assert torch.isnan(alone[~single]).all() and not torch.isnan(alone[single]).any()
+    paged_decode_varlen(q, k_cache, v_cache, tables, cu, lens, d**-0.5, out, num_rows=len(q_lens))
+    for i, (nq, n) in enumerate(zip(q_lens, contexts, strict=True)):
+        lo = int(cu[i])
+        if nq:
+            ref = _sdpa(q[lo : lo + nq], ks[i], vs[i], d**-0.5, causal_offset=n - nq)
+            torch.testing.assert_close(out[lo : lo + nq].float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_store_matches_reference(dtype):
     hkv, d, nb, bs = 2, 48, 12, 8
     k = torch.randn(9, hkv, d, device=DEVICE).to(dtype)
@@ -190,7 +226,7 @@ _COMPILE_CHECK = """
 import torch
 from harli_train.kernels import compile_check as c
 from harli_train.engine.kv_store import kv_store
-from harli_train.engine.paged_decode import paged_decode
+from harli_train.engine.paged_decode import paged_decode, paged_decode_varlen
 from harli_train.engine.paged_prefill import paged_prefill
 
 def llama8b(dtype=torch.bfloat16, hq=32, hkv=8, d=128, bs=16):
@@ -209,6 +245,10 @@ def llama8b(dtype=torch.bfloat16, hq=32, hkv=8, d=128, bs=16):
     kv_store(k, k.clone(), kc, vc, torch.empty(1000, device="meta", dtype=torch.int64))
     paged_prefill(q, kc, vc, torch.empty(4, 131, **i32), torch.empty(5, **i32), torch.empty(4, **i32), 400,
                   d ** -0.5)
+    # a mixed step: one-token rows split, the chunks' rows skipping them
+    bt, cu, cl = torch.empty(64, 131, **i32), torch.empty(65, **i32), torch.empty(64, **i32)
+    paged_prefill(q, kc, vc, bt, cu, cl, 576, d ** -0.5, skip_single=True)
+    paged_decode_varlen(q, kc, vc, bt, cu, cl, d ** -0.5, torch.empty_like(q), num_rows=64)
 
 rows = c.compile_all(90, [llama8b, lambda: llama8b(torch.float32, 8, 2, 64, 16)])
 bad = [r for r in rows if c.spills(r)]

@@ -26,6 +26,10 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] int32, prefill only
     max_q_len: int = 0  # prefill only: the longest chunk (sizes the grid)
     num_sms: int = 132  # SMs of the partition the step runs on (sizes the decode grid)
+    # Prefill only: rows of one new token (a mixed step's decode rows) go to the split decode kernel, the
+    # rest to the prefill kernel; `decode_rows` bounds the rows it looks at (None: all of them).
+    split_decode_rows: bool = False
+    decode_rows: int | None = None
 
 
 class PagedAttention:
@@ -39,13 +43,15 @@ class PagedAttention:
         if use_triton:
             # Imported here: a kernel is decorated (compiled or interpreted) when its module is imported.
             from harli_train.engine.kv_store import kv_store
-            from harli_train.engine.paged_decode import paged_decode
+            from harli_train.engine.paged_decode import paged_decode, paged_decode_varlen
             from harli_train.engine.paged_prefill import paged_prefill
 
             self._store, self._prefill, self._decode = kv_store, paged_prefill, paged_decode
+            self._decode_varlen = paged_decode_varlen
         else:
             self._store, self._prefill = reference.kv_store_reference, reference.paged_prefill_reference
             self._decode = reference.paged_decode_reference
+            self._decode_varlen = None  # the reference prefill attends every row
 
     def attend(
         self,
@@ -67,8 +73,11 @@ class PagedAttention:
         k, v = k.reshape(b * t, -1, d), v.reshape(b * t, -1, d)
         if meta.is_prefill:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+            q = q.reshape(b * t, hq, d)
+            split = meta.split_decode_rows and self._decode_varlen is not None
+            skip = {"skip_single": True} if split else {}  # the reference attends every row
             o = self._prefill(
-                q.reshape(b * t, hq, d),
+                q,
                 k_cache,
                 v_cache,
                 meta.block_tables,
@@ -76,7 +85,20 @@ class PagedAttention:
                 meta.context_lens,
                 meta.max_q_len,
                 self.scale,
+                **skip,
             )
+            if split:
+                self._decode_varlen(
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.cu_seqlens_q,
+                    meta.context_lens,
+                    self.scale,
+                    o,
+                    meta.decode_rows,
+                )
         else:
             assert t == 1, "decode steps carry one token per sequence"
             # The decode kernel stores the new token's K/V itself (one launch less per layer).

@@ -47,6 +47,10 @@ class EngineConfig:
     # Decode steps run the projections through the engine's bandwidth-shaped GEMV kernels (DecodeForward)
     # whenever Triton kernels are on; False keeps the model's own forward (cuBLAS) for comparison.
     decode_gemv: bool = True
+    # Varlen (mixed and prefill) steps run the decode step's kernels over their packed tokens: the GEMV
+    # projections (with decode_gemv) and, for one-token rows, the split decode attention. False runs them
+    # through the model's own forward and the prefill attention kernel alone, for comparison (bench_mixed).
+    varlen_decode_kernels: bool = True
     seed: int = 0  # seeds sampling of requests that bring no seed of their own
     # Overlap the host's work with the GPU's: while decode step N runs, step N+1 (the same sequences, fed
     # N's tokens on the device) is launched before N's tokens are read back. None: on with CUDA graphs.

@@ -10,6 +10,12 @@ the device). Without graphs (a CPU, or a partition not captured) `replay` runs t
 buffers eagerly, which is how the padding is tested off the GPU. With adapter slots, each bucket has a second
 graph with the LoRA adds over static rows-by-slot buffers (padding tokens run on the base), replayed only by
 steps with adapter tokens (see `DecodeGraphs`).
+
+The dense layers treat every packed token as a decode step treats its rows, so with a `DecodeForward` they
+run its kernels (the bandwidth-shaped GEMV up to MAX_GEMV_ROWS tokens, fused SwiGLU and add + norm
+epilogues): a mixed step of a few prefill tokens streams the weights as the decode step does. In attention
+the one-token rows go to the split decode kernel and the chunks' rows to the prefill kernel
+(`AttentionMetadata.split_decode_rows`).
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ class MixedGraphs:
         device,
         pool=None,
         lora: LoRASlots | None = None,
+        decode_forward=None,
+        split_decode_rows: bool = True,
     ):
         self.model, self.attn, self.lora = model, attn, lora
+        self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
+        self.split_decode_rows = split_decode_rows
         self.buckets = token_buckets(config)
         t_max, s_max, width = self.buckets[-1], config.max_num_seqs, config.max_blocks_per_seq
         self.max_tokens, self.max_rows = t_max, s_max
@@ -102,12 +112,18 @@ class MixedGraphs:
             self.cu_seqlens,
             max_q_len=t,
             num_sms=num_sms,
+            split_decode_rows=self.split_decode_rows,
+            decode_rows=min(t, self.max_rows),  # a row with a token has one of the bucket's t
         )
-        hidden = self.model(self.dev_i64[0, :t][None], self.dev_i64[1, :t][None], self.attn)
+        ids, positions, last = self.dev_i64[0, :t], self.dev_i64[1, :t], self.dev_i64[3, : len(self.logits)]
+        if self.decode_forward is not None:
+            hidden = self.decode_forward(ids[:, None], positions[:, None], self.attn)
+            self.attn.meta = None
+            self.decode_forward.logits(hidden[last], out=self.logits)
+            return
+        hidden = self.model(ids[None], positions[None], self.attn)
         self.attn.meta = None
-        torch.mm(
-            hidden[0, self.dev_i64[3, : len(self.logits)]], self.model.lm_head.weight.t(), out=self.logits
-        )
+        torch.mm(hidden[0, last], self.model.lm_head.weight.t(), out=self.logits)
 
     @torch.inference_mode()
     def capture(self, key: str, stream: torch.cuda.Stream, num_sms: int) -> None:

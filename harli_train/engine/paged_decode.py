@@ -11,6 +11,11 @@ from registers and writes it to its cache slot, which saves the separate KV-stor
 program reads that slot in the same step, so the write races with nothing. With `rope` = (cos, sin) the
 kernel also rotates q and the new k itself (half-split layout, fp32 math, cast back as the rope op does),
 which saves the rope launch per layer.
+
+In a varlen step (decode rows beside prefill chunks, packed as the prefill kernel takes them), the rows of
+one new token come here too (`paged_decode_varlen`): row b's query is packed token cu_seqlens[b], rows of
+more tokens are left to the prefill kernel, and a row's split count follows its own context (one split per
+`SPLIT_TOKENS` cached tokens, at most `MAX_VARLEN_SPLITS`), since one graph serves every mix of rows there.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import triton.language as tl
 from harli_train.engine.reference import NewKV
 
 MAX_SPLITS = 32
+MAX_VARLEN_SPLITS = 16
 
 
 @triton.jit
@@ -42,6 +48,7 @@ def _paged_decode_kernel(
     out_ptr,  # [B, Hq, D] (written when NUM_SPLITS == 1)
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, each split's normalised output
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, each split's log2-sum-exp2 of scores
+    cu_seqlens_ptr,  # [B + 1] int32 (VARLEN): row b owns packed tokens cu[b]:cu[b + 1] of q and out
     scale_log2,  # softmax scale * log2(e)
     stride_qb,
     stride_qh,
@@ -67,6 +74,8 @@ def _paged_decode_kernel(
     NEW_KV: tl.constexpr,
     ROPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr = False,  # rows of a varlen step: one-token rows only, splits by context
+    SPLIT_TOKENS: tl.constexpr = 256,  # VARLEN: cached tokens per split
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -75,7 +84,15 @@ def _paged_decode_kernel(
     cached = ctx  # tokens read from the cache
     if NEW_KV:
         cached = tl.maximum(ctx - 1, 0)
-    tiles_per_split = tl.cdiv(tl.cdiv(cached, BLOCK_N), NUM_SPLITS)
+    token = b  # the row's query and output in q and out
+    splits = NUM_SPLITS
+    if VARLEN:
+        token = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        q_len = tl.load(cu_seqlens_ptr + b + 1) - token
+        splits = tl.minimum(tl.maximum(tl.cdiv(cached, SPLIT_TOKENS), 1), NUM_SPLITS)
+        if (q_len != 1) | (split >= splits):
+            return
+    tiles_per_split = tl.cdiv(tl.cdiv(cached, BLOCK_N), splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, cached)
 
@@ -83,7 +100,7 @@ def _paged_decode_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     hd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_row = q_ptr + token * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_row + d[None, :], mask=hd_mask, other=0.0)
     if ROPE:
         # x * cos + rotate_half(x) * sin, rotate_half(x)[d] = -x[d + D/2] (d < D/2), x[d - D/2] (after).
@@ -139,8 +156,8 @@ def _paged_decode_kernel(
                     tl.store(v_cache_ptr + dst + d, v_new, mask=d < HEAD_DIM)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # an empty split (or context) leaves zeros
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if splits == 1:
+        o_ptrs = out_ptr + token * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
         row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
@@ -154,6 +171,8 @@ def _paged_decode_reduce_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
     out_ptr,  # [B, Hq, D]
+    cu_seqlens_ptr,  # [B + 1] int32 (VARLEN)
+    context_lens_ptr,  # [B] int32 (VARLEN)
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -161,12 +180,23 @@ def _paged_decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr = False,
+    SPLIT_TOKENS: tl.constexpr = 256,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
+    token = b
+    splits = NUM_SPLITS
+    if VARLEN:  # the same row choice and split count as the attention kernel's
+        token = tl.load(cu_seqlens_ptr + b).to(tl.int64)
+        q_len = tl.load(cu_seqlens_ptr + b + 1) - token
+        ctx = tl.load(context_lens_ptr + b)
+        splits = tl.minimum(tl.maximum(tl.cdiv(ctx, SPLIT_TOKENS), 1), NUM_SPLITS)
+        if (q_len != 1) | (splits == 1):
+            return
+    s_mask = s < splits
     row = (b * NUM_HEADS + h) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -179,7 +209,8 @@ def _paged_decode_reduce_kernel(
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    o_ptrs = out_ptr + token * stride_ob + h * stride_oh + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @functools.cache
@@ -259,6 +290,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        context_lens,  # no cu_seqlens: unused
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
@@ -290,6 +322,8 @@ def paged_decode(
             part_out,
             part_lse,
             out,
+            context_lens,  # unused
+            context_lens,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=hq,
@@ -299,4 +333,110 @@ def paged_decode(
             BLOCK_D=max(16, triton.next_power_of_2(d)),
             num_warps=4,
         )
+    return out
+
+
+def varlen_split_tokens(head_dim: int, dtype: torch.dtype) -> int:
+    """Cached tokens per split of a varlen step's one-token rows: four of the kernel's tiles, so that a
+    program's serial walk stays short on any context while the grid grows with the step's total context."""
+    block_n = decode_config(1, 1, head_dim, 1, dtype)["BLOCK_N"]
+    return 4 * block_n
+
+
+def paged_decode_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_rows: int | None = None,
+) -> torch.Tensor:
+    """Attention of the one-token rows of a packed varlen step, written into their rows of `out`; rows of
+    more (or no) tokens are not touched (the prefill kernel's, with ``skip_single``). Every token is read
+    from the cache (the step's kv-store has written the new ones). Returns `out`.
+
+    q, out [T, Hq, D] packed as the prefill kernel takes them; k_cache, v_cache [num_blocks, block_size,
+    Hkv, D]; block_tables [S, max_blocks] int32; cu_seqlens [S + 1] int32; context_lens [S] int32, the new
+    tokens included. `num_rows` (default S) bounds the rows looked at: a graph passes the most rows a step
+    of its token bucket can have. Launches depend on shapes only, so one CUDA graph serves every mix of rows.
+    """
+    t, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    rows = context_lens.shape[0] if num_rows is None else min(num_rows, context_lens.shape[0])
+    assert hq % hkv == 0 and k_cache.shape[-1] == d and v_cache.shape == k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    assert out.shape == q.shape and out.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] == context_lens.shape[0] + 1
+    block_n = decode_config(1, hkv, d, 1, q.dtype)["BLOCK_N"]
+    splits = MAX_VARLEN_SPLITS
+    split_tokens = varlen_split_tokens(d, q.dtype)
+    part_out = torch.empty((rows, hq, splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((rows, hq, splits), dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    _paged_decode_kernel[(rows, hkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        q,  # no new K/V: unused
+        q,
+        q,
+        q,  # no rope: unused
+        q,
+        out,
+        part_out,
+        part_lse,
+        cu_seqlens,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        0,
+        0,
+        0,
+        0,
+        0,
+        NUM_HEADS=hq,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        NEW_KV=False,
+        ROPE=False,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        VARLEN=True,
+        SPLIT_TOKENS=split_tokens,
+        num_warps=4,
+        num_stages=2,
+    )
+    _paged_decode_reduce_kernel[(rows, hq)](
+        part_out,
+        part_lse,
+        out,
+        cu_seqlens,
+        context_lens,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=hq,
+        NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        VARLEN=True,
+        SPLIT_TOKENS=split_tokens,
+        num_warps=4,
+    )
     return out

@@ -3,6 +3,8 @@
 Each sequence contributes `q_len` new tokens (its whole prompt, or one chunk of it) whose K/V the KV-store
 kernel has already written; they attend causally to the sequence's `context_len` cached tokens, the last
 `q_len` of which are themselves. So one kernel serves plain, chunked and recomputed (preempted) prefills.
+With `skip_single`, rows of one new token are left alone: in a mixed step they are decode rows, which the
+split decode kernel (`paged_decode_varlen`) attends faster than a query tile of which one row is used.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr = False,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -47,6 +50,9 @@ def _paged_prefill_kernel(
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
         return
+    if SKIP_SINGLE:
+        if q_len == 1:
+            return
     ctx = tl.load(context_lens_ptr + seq)
     prefix = ctx - q_len
     kvh = h // GROUP
@@ -104,9 +110,11 @@ def paged_prefill(
     max_q_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens q [T, Hq, D] over each sequence's cache. block_tables
-    [S, max_blocks] int32, cu_seqlens [S + 1] int32, context_lens [S] int32. Returns [T, Hq, D]."""
+    [S, max_blocks] int32, cu_seqlens [S + 1] int32, context_lens [S] int32. Returns [T, Hq, D]; with
+    `skip_single` the rows of one token are not written."""
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -139,6 +147,7 @@ def paged_prefill(
         BLOCK_D=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SKIP_SINGLE=skip_single,
         **cfg,  # fp32 caches: no tf32 rounding
     )
     return out

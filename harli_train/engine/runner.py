@@ -84,6 +84,9 @@ class ModelRunner:
 
             if DecodeForward.supports(model):
                 self.decode_forward = DecodeForward(model, self.lora)
+        # What varlen steps run: the decode kernels (see EngineConfig.varlen_decode_kernels), or the model's.
+        self.varlen_forward = self.decode_forward if config.varlen_decode_kernels else None
+        self.split_decode_rows = config.varlen_decode_kernels
         self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
         self.graphs = (
             DecodeGraphs(model, self.attn, config, self.device, self.decode_forward, self.lora)
@@ -93,7 +96,15 @@ class ModelRunner:
         # Varlen steps replay graphs too where they are frequent (mixed steps, which ride every decode step
         # while prefill work waits); prefill-first steps stay eager.
         self.mixed_graphs = (
-            MixedGraphs(model, self.attn, config, self.device, lora=self.lora)
+            MixedGraphs(
+                model,
+                self.attn,
+                config,
+                self.device,
+                lora=self.lora,
+                decode_forward=self.varlen_forward,
+                split_decode_rows=self.split_decode_rows,
+            )
             if self.use_graphs and config.mixed_prefill
             else None
         )
@@ -256,13 +267,18 @@ class ModelRunner:
             self._to_device(cu, torch.int32),
             max_q_len=max(num_tokens),
             num_sms=part.num_sms,
+            split_decode_rows=self.split_decode_rows and 1 in num_tokens,
         )
-        input_ids = self._to_device(ids, torch.int64)[None]
-        positions_t = self._to_device(positions, torch.int64)[None]
-        with self._adapters(adapters):
-            hidden = self.model(input_ids, positions_t, self.attn)
-        self.attn.meta = None
+        input_ids = self._to_device(ids, torch.int64)
+        positions_t = self._to_device(positions, torch.int64)
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
+        with self._adapters(adapters):
+            if self.varlen_forward is not None:  # the decode kernels over every packed token
+                hidden = self.varlen_forward(input_ids[:, None], positions_t[:, None], self.attn)
+                self.attn.meta = None
+                return self.varlen_forward.logits(hidden[last_rows])
+            hidden = self.model(input_ids[None], positions_t[None], self.attn)
+        self.attn.meta = None
         return self.model.logits(hidden[0, last_rows])
 
     def _decode(
