@@ -420,7 +420,7 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
             graphs = MixedGraphs(
                 ours, runner.attn, cfg, torch.device("cpu"), decode_forward=runner.decode_forward
             )
-            assert graphs.buckets == (64,) and graphs.max_rows == 6
+            assert graphs.buckets == (16,) and graphs.max_rows == 6
             engine.runner.mixed_graphs = graphs
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         engine.run_until_done()

@@ -160,10 +160,39 @@ def test_paged_prefill_matches_sdpa(impl, dtype, hq, hkv, d, block_size, q_lens,
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     got = PREFILL_IMPLS[impl](q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out)
+    _check_prefill(got, q, cu, q_lens, contexts, ks, vs, d, dtype)
+
+
+def _check_prefill(got, q, cu, q_lens, contexts, ks, vs, d, dtype):
     for i, (nq, n) in enumerate(zip(q_lens, contexts, strict=True)):
         lo = int(cu[i])
         ref = _sdpa(q[lo : lo + nq], ks[i], vs[i], d**-0.5, causal_offset=n - nq)
         torch.testing.assert_close(got[lo : lo + nq].float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "q_lens,contexts",
+    [
+        ([3, 20, 1, 9], [3, 900, 300, 2100]),  # one-tile rows over short and long contexts (split 1..8)
+        ([0, 40, 2], [0, 600, 1300]),  # an empty row first; a row of two tiles (fp32 tiles are 32) unsplit
+    ],
+)
+def test_paged_prefill_splits_a_short_rows_keys_and_merges_them(dtype, q_lens, contexts):
+    """split_context: rows of one query tile over a long context split their keys between programs and
+    a second kernel merges the splits; every row still equals SDPA; padding tokens past the rows are not
+    written. A step past SPLIT_MAX_TOKENS does not split (and is checked the same)."""
+    hq, hkv, d, block_size = 8, 2, 64, 16
+    k_cache, v_cache, tables, ks, vs = _paged(contexts, 320, block_size, hkv, d, dtype, seed=4)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens) + 5, hq, d, device=DEVICE).to(dtype)  # 5 padding tokens after the rows
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    got = paged_prefill(
+        q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out, split_context=True
+    )
+    _check_prefill(got, q, cu, q_lens, contexts, ks, vs, d, dtype)
+    assert torch.isnan(got[sum(q_lens) :]).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,7 +218,8 @@ def test_mixed_step_attention_splits_decode_rows_from_chunks(dtype, hq, hkv, d, 
         single[int(cu[i]) : int(cu[i]) + nq] = nq == 1
     single = single.to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    paged_prefill(q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out, skip_single=True)
+    paged_prefill(q, k_cache, v_cache, tables, cu, lens, max(q_lens), d**-0.5, out=out, skip_single=True,
+                  split_context=True)  # fmt: skip
     assert torch.isnan(out[single]).all() and not torch.isnan(out[~single]).any()
     alone = torch.full_like(q, float("nan"))
     paged_decode_varlen(q, k_cache, v_cache, tables, cu, lens, d**-0.5, alone)
@@ -248,6 +278,7 @@ def llama8b(dtype=torch.bfloat16, hq=32, hkv=8, d=128, bs=16):
     # a mixed step: one-token rows split, the chunks' rows skipping them
     bt, cu, cl = torch.empty(64, 131, **i32), torch.empty(65, **i32), torch.empty(64, **i32)
     paged_prefill(q, kc, vc, bt, cu, cl, 576, d ** -0.5, skip_single=True)
+    paged_prefill(q[:128], kc, vc, bt, cu, cl, 128, d ** -0.5, skip_single=True, split_context=True)
     paged_decode_varlen(q, kc, vc, bt, cu, cl, d ** -0.5, torch.empty_like(q), num_rows=64)
 
 rows = c.compile_all(90, [llama8b, lambda: llama8b(torch.float32, 8, 2, 64, 16)])

@@ -26,9 +26,10 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # [seqs + 1] int32, prefill only
     max_q_len: int = 0  # prefill only: the longest chunk (sizes the grid)
     num_sms: int = 132  # SMs of the partition the step runs on (sizes the decode grid)
-    # Prefill only: rows of one new token (a mixed step's decode rows) go to the split decode kernel, the
-    # rest to the prefill kernel; `decode_rows` bounds the rows it looks at (None: all of them).
-    split_decode_rows: bool = False
+    # Prefill only, Triton kernels: short rows' work is split. Rows of one new token (a mixed step's decode
+    # rows) go to the split decode kernel, which looks at the first `decode_rows` rows (None: all); the
+    # prefill kernel takes the rest and, in a small step, splits a one-tile row's keys.
+    split_rows: bool = False
     decode_rows: int | None = None
 
 
@@ -74,8 +75,8 @@ class PagedAttention:
         if meta.is_prefill:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping)
             q = q.reshape(b * t, hq, d)
-            split = meta.split_decode_rows and self._decode_varlen is not None
-            skip = {"skip_single": True} if split else {}  # the reference attends every row
+            split = meta.split_rows and self.use_triton  # the reference attends every row, whole
+            options = {"skip_single": True, "split_context": True} if split else {}
             o = self._prefill(
                 q,
                 k_cache,
@@ -85,7 +86,7 @@ class PagedAttention:
                 meta.context_lens,
                 meta.max_q_len,
                 self.scale,
-                **skip,
+                **options,
             )
             if split:
                 self._decode_varlen(

@@ -15,7 +15,7 @@ The dense layers treat every packed token as a decode step treats its rows, so w
 run its kernels (the bandwidth-shaped GEMV up to MAX_GEMV_ROWS tokens, fused SwiGLU and add + norm
 epilogues): a mixed step of a few prefill tokens streams the weights as the decode step does. In attention
 the one-token rows go to the split decode kernel and the chunks' rows to the prefill kernel
-(`AttentionMetadata.split_decode_rows`).
+(`AttentionMetadata.split_rows`); a small step also splits a short chunk's keys between programs.
 """
 
 from __future__ import annotations
@@ -32,15 +32,21 @@ from harli_train.engine.lora_ops import lora_layout
 from harli_train.engine.lora_slots import LoRASlots, LoRAStepMeta
 from harli_train.model import LlamaForCausalLM
 
-BUCKET_STEP = 64  # tokens between buckets: a step pads at most 63 tokens
+BUCKET_STEP = 64  # tokens between buckets past the small ones: a step pads at most 63 tokens
+SMALL_BUCKETS = (16, 32)  # the GEMV's row tiles below 64: a small step streams the weights as decode does
 
 
 def token_buckets(config: EngineConfig) -> tuple[int, ...]:
-    """Token counts a graph is captured for: multiples of BUCKET_STEP up to the most a mixed step carries
-    (every decoding row plus the default chunk), capped by max_num_batched_tokens."""
+    """Token counts a graph is captured for: the small buckets, then multiples of BUCKET_STEP, up to the
+    first that holds the most a mixed step carries (every decoding row plus the default chunk, capped by
+    max_num_batched_tokens)."""
     top = min(config.max_num_batched_tokens, config.max_num_seqs + config.prefill_chunk_tokens)
-    top = -(-top // BUCKET_STEP) * BUCKET_STEP
-    return tuple(range(BUCKET_STEP, top + 1, BUCKET_STEP))
+    buckets = []
+    for size in (*SMALL_BUCKETS, *range(BUCKET_STEP, top + BUCKET_STEP, BUCKET_STEP)):
+        buckets.append(size)
+        if size >= top:
+            break
+    return tuple(buckets)
 
 
 class MixedGraphs:
@@ -55,11 +61,11 @@ class MixedGraphs:
         pool=None,
         lora: LoRASlots | None = None,
         decode_forward=None,
-        split_decode_rows: bool = True,
+        split_rows: bool = True,
     ):
         self.model, self.attn, self.lora = model, attn, lora
         self.decode_forward = decode_forward  # a DecodeForward, or None: the model's own forward
-        self.split_decode_rows = split_decode_rows
+        self.split_rows = split_rows
         self.buckets = token_buckets(config)
         t_max, s_max, width = self.buckets[-1], config.max_num_seqs, config.max_blocks_per_seq
         self.max_tokens, self.max_rows = t_max, s_max
@@ -112,7 +118,7 @@ class MixedGraphs:
             self.cu_seqlens,
             max_q_len=t,
             num_sms=num_sms,
-            split_decode_rows=self.split_decode_rows,
+            split_rows=self.split_rows,
             decode_rows=min(t, self.max_rows),  # a row with a token has one of the bucket's t
         )
         ids, positions, last = self.dev_i64[0, :t], self.dev_i64[1, :t], self.dev_i64[3, : len(self.logits)]

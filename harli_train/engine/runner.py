@@ -86,7 +86,7 @@ class ModelRunner:
                 self.decode_forward = DecodeForward(model, self.lora)
         # What varlen steps run: the decode kernels (see EngineConfig.varlen_decode_kernels), or the model's.
         self.varlen_forward = self.decode_forward if config.varlen_decode_kernels else None
-        self.split_decode_rows = config.varlen_decode_kernels
+        self.split_rows = config.varlen_decode_kernels
         self.use_graphs = self.device.type == "cuda" and use_triton and not config.enforce_eager
         self.graphs = (
             DecodeGraphs(model, self.attn, config, self.device, self.decode_forward, self.lora)
@@ -103,7 +103,7 @@ class ModelRunner:
                 self.device,
                 lora=self.lora,
                 decode_forward=self.varlen_forward,
-                split_decode_rows=self.split_decode_rows,
+                split_rows=self.split_rows,
             )
             if self.use_graphs and config.mixed_prefill
             else None
@@ -267,7 +267,7 @@ class ModelRunner:
             self._to_device(cu, torch.int32),
             max_q_len=max(num_tokens),
             num_sms=part.num_sms,
-            split_decode_rows=self.split_decode_rows and 1 in num_tokens,
+            split_rows=self.split_rows,
         )
         input_ids = self._to_device(ids, torch.int64)
         positions_t = self._to_device(positions, torch.int64)
