@@ -1129,3 +1129,21 @@ def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monke
     assert "launch_round (trainer_side.py" in trainer.split("=== by inclusive")[1]
     decode = (where / "decode-loop.txt").read_text().split("=== by inclusive")[1]
     assert "_serve (runtime.py" in decode and "launch_round" not in decode  # each thread its own stacks
+
+
+def test_prepared_synthetic_prompts_are_the_ones_submit_would_make():
+    """The runtime makes a load's synthetic prompts before serving (EngineAdapter.prepare); a prepared
+    request and an unprepared one get the same token ids, and a prepared prompt is used once."""
+    model = load_model("tiny", torch.float32, "cpu")
+    ladder = TimeSliceLadder.cpu_standin(132)
+    load = [TraceRequest(0.0, 4, prompt_len=n, request_id=f"r{i}") for i, n in enumerate((17, 300, 5))]
+    prompts = {}
+    for prepared in (False, True):
+        engine = build_engine(model, load_tokenizer("tiny", True), ladder, load, 8)
+        if prepared:
+            engine.prepare(load)
+        for r in load:
+            assert engine.submit(r, 0.0)
+        prompts[prepared] = [s.token_ids for s in engine.engine.scheduler.waiting]
+        assert not engine._prompts  # each prepared prompt went to its request
+    assert prompts[True] == prompts[False] and [len(p) for p in prompts[True]] == [17, 300, 5]

@@ -86,6 +86,7 @@ class ColocatedRuntime:
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
         engine.warm_up([*policy.partitions(), policy.ladder.full])
+        engine.prepare(requests)
         self.tpot_s = policy.tpot_s
         self.stop_reason = "trained"
         self.tally = StepTally(policy.ladder.total_sms)  # streaming counts (the detail goes to steps.jsonl)
