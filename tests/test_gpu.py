@@ -93,19 +93,20 @@ def test_profile_command_exits_cleanly(tmp_path):
 
 def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]]:
     """A co-located quickstart on the CUDA page pool under static:64 (the same SM budgets every run, so the
-    kernels take the same configurations); its memory.pool and its losses. The load is one burst at the
-    start, of 4x more 1280-token requests than the 64 the engine runs at once: the cache holds its peak of
-    64 running requests (tiny's KV page group holds 1024 blocks of 16 tokens: 5 groups) from the start until
-    the queue drains, long after the 12 training steps, whatever the host's speed (a Poisson load's peak
-    came at a time that depended on the host, and on one H200 host it missed the trainer's). The pool's
-    budget is 16 GiB unless ``extra`` names one: far above both tenants' peaks, and a fixed size, since the
-    GPU may be shared (bench/smoke_gpu.sh runs commands beside the tests) and a pool claims its pages when it
-    starts."""
+    kernels take the same configurations); its memory.pool and its losses. The load is 8 bursts, 0.25 s
+    apart, each of 64 requests of 1024 + 64 tokens (what the engine runs at once; tiny's KV page group holds
+    1024 blocks of 16 tokens: a burst wants 5 groups, the idle cache 1-2): the cache grows at every burst and
+    shrinks between them, so a pressed budget meets the trainer's stashes at several grows, not at the one
+    a single load's peak gives, whose timing against the trainer's steps depends on the host (one burst or a
+    Poisson load's peak missed the trainer's on some H200 hosts). The pool's budget is 16 GiB unless
+    ``extra`` names one: far above both tenants' peaks, and a fixed size, since the GPU may be shared
+    (bench/smoke_gpu.sh runs commands beside the tests) and a pool claims its pages when it starts."""
     run = tmp_path / name
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
-    trace = tmp_path / "burst.jsonl"
+    trace = tmp_path / "bursts.jsonl"
     if not trace.exists():
-        trace.write_text('{"arrival_s": 0, "prompt_len": 1024, "output_len": 256}\n' * 256)
+        burst = '{{"arrival_s": {t}, "prompt_len": 1024, "output_len": 64}}\n' * 64
+        trace.write_text("".join(burst.format(t=0.25 * i) for i in range(8)))
     overrides = ["train.steps=12", "train.log_every=1", f"colocation.trace={trace}"]
     overrides += ["colocation.max_batch=64"]
     if not any(x.startswith("colocation.memory_gib=") for x in extra):
