@@ -137,6 +137,29 @@ def test_chunks_fit_the_budget_on_each_policys_share():
     )
 
 
+def test_harli_bisects_the_chunk_only_on_the_share_it_takes(monkeypatch):
+    """A mixed step's planning is host time inside its token interval: a share where even the floor does
+    not fit costs one prediction, and the bisection runs once, on the share the plan takes (the same plan
+    as bisecting every share)."""
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    calls = []
+    predict = LatencyPredictor.predict_mixed
+    monkeypatch.setattr(
+        LatencyPredictor, "predict_mixed", lambda self, *a, **k: calls.append(a[4]) or predict(self, *a, **k)
+    )
+    preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
+    harli = make_policy("harli", ladder, pred, 0.0201, 0.1)
+    plan = harli.plan(preview)
+    chosen = plan.partition.infer_sms
+    assert chosen == 64 and plan.prefill_tokens == 158  # 128 tokens fit from 48 SMs up, 48 fits only 116
+    below = [s for s in ladder.shares if s < chosen]
+    own = harli.controller.target(2, 40)[0].infer_sms
+    assert all(calls.count(s) == 1 for s in below if s >= own)  # the floor ruled each out
+    assert calls.count(chosen) <= 1 + 2 + int(np.log2(2000)) + 1  # the floor, then one bisection
+    assert set(calls) <= {s for s in ladder.shares if s <= chosen}  # larger shares never looked at
+
+
 def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():
     # A prompt that has waited the TTFT objective less the margin gets all of its pending prefill in the next
     # step, on the whole GPU with the trainer held back, past the TPOT budget if need be; every policy alike.

@@ -30,6 +30,15 @@ def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: 
     )
 
 
+def chunk_fits(
+    predictor: LatencyPredictor, preview: StepPreview, n: int, sms: int, corun: bool, budget_s: float
+) -> bool:
+    """Whether the mixed step of ``preview`` with ``n`` prefill tokens on ``sms`` is predicted within
+    ``budget_s`` (corrected as ``largest_chunk`` corrects it): one prediction."""
+    corr = predictor.correction(sms, corun, mixed=True)
+    return mixed_raw_s(predictor, preview, n, sms, corun) * corr <= budget_s
+
+
 def largest_chunk(
     predictor: LatencyPredictor, preview: StepPreview, sms: int, corun: bool, budget_s: float
 ) -> tuple[int, float, float]:

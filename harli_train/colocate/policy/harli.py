@@ -18,7 +18,7 @@ too, since a grow would otherwise land on SMs where the trainer's queued work st
 from __future__ import annotations
 
 from harli_train.colocate.controller import Controller
-from harli_train.colocate.policy.base import ControlledPolicy, Policy, largest_chunk
+from harli_train.colocate.policy.base import ControlledPolicy, Policy, chunk_fits, largest_chunk
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, beside, paused
 from harli_train.colocate.policy.prefill_placement import PrefillPlacement
 from harli_train.colocate.policy.trainer_rungs import TrainerRungs
@@ -120,7 +120,11 @@ class HarliPolicy(ControlledPolicy):
         start = own.infer_sms if own is not None else self.ladder.total_sms
         if not self.ladder.time_sliced:
             for part in self.ladder.spatial:
-                if part.infer_sms < start:
+                # One prediction rules out a share where even the floor does not fit; the bisection runs on
+                # the share chosen (a mixed step's planning is host time inside its token interval).
+                if part.infer_sms < start or not chunk_fits(
+                    self.predictor, preview, floor, part.infer_sms, True, self.budget_s
+                ):
                     continue
                 n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s)
                 if n >= floor and t <= self.budget_s:
