@@ -167,6 +167,23 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def merge_splits(part_out_ptr, part_lse_ptr, row, s_mask, d, HEAD_DIM: tl.constexpr):
+    """One output row from its splits' normalised outputs (rows `row` of part_out [*, HEAD_DIM] fp32, those
+    in `s_mask`) weighted by their log2-sum-exp2 (part_lse): zeros when every split is empty."""
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    return tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
 def _paged_decode_reduce_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
@@ -196,19 +213,9 @@ def _paged_decode_reduce_kernel(
         splits = tl.minimum(tl.maximum(tl.cdiv(ctx, SPLIT_TOKENS), 1), NUM_SPLITS)
         if (q_len != 1) | (splits == 1):
             return
-    s_mask = s < splits
-    row = (b * NUM_HEADS + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row: every split empty
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
+    out = merge_splits(
+        part_out_ptr, part_lse_ptr, (b * NUM_HEADS + h) * NUM_SPLITS + s, s < splits, d, HEAD_DIM
     )
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + token * stride_ob + h * stride_oh + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -244,29 +251,17 @@ def paged_decode(
     (the new one already stored); with it, the new token's K/V come from `new_kv` and are stored here.
     `rope` = (cos, sin) [B, D] fp32: q and the new k arrive unrotated and are rotated here (needs `new_kv`).
     """
-    b, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    assert hq % hkv == 0 and k_cache.shape[-1] == d and v_cache.shape == k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    b, _, d = q.shape
+    hkv = k_cache.shape[2]
     assert block_tables.shape[0] >= b and context_lens.shape[0] >= b
     cfg = dict(decode_config(b, hkv, d, num_sms, q.dtype))
     if num_splits is not None:
         cfg["NUM_SPLITS"] = num_splits
-    splits = cfg.pop("NUM_SPLITS")
     out = torch.empty_like(q) if out is None else out
-    group = hq // hkv
-    if splits > 1:
-        part_out = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
     if new_kv is not None:
         k_new, v_new, slots = new_kv
         assert k_new.shape == (b, hkv, d) and v_new.shape == k_new.shape and slots.shape[0] >= b
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and k_new.dtype == k_cache.dtype
-    else:
-        k_new = v_new = slots = q  # unused
     if rope is not None:
         assert new_kv is not None, "rope rotates the new k: pass new_kv too"
         cos, sin = rope
@@ -274,66 +269,7 @@ def paged_decode(
             cos.shape[0] >= b and cos.shape[-1] == d and sin.stride() == cos.stride() and cos.stride(-1) == 1
         )
         assert cos.dtype == sin.dtype == torch.float32 and d % 2 == 0
-    else:
-        cos = sin = q  # unused
-    _paged_decode_kernel[(b, hkv, splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        k_new,
-        v_new,
-        slots,
-        cos,
-        sin,
-        out,
-        part_out,
-        part_lse,
-        context_lens,  # no cu_seqlens: unused
-        scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        k_new.stride(0),
-        k_new.stride(1),
-        v_new.stride(0),
-        v_new.stride(1),
-        cos.stride(0),
-        NUM_HEADS=hq,
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),  # tl.dot needs K >= 16
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=splits,
-        NEW_KV=new_kv is not None,
-        ROPE=rope is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **cfg,
-    )
-    if splits > 1:
-        _paged_decode_reduce_kernel[(b, hq)](
-            part_out,
-            part_lse,
-            out,
-            context_lens,  # unused
-            context_lens,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=hq,
-            NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
-            HEAD_DIM=d,
-            BLOCK_D=max(16, triton.next_power_of_2(d)),
-            num_warps=4,
-        )
-    return out
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, b, cfg, new_kv, rope)
 
 
 def varlen_split_tokens(head_dim: int, dtype: torch.dtype) -> int:
@@ -363,31 +299,58 @@ def paged_decode_varlen(
     tokens included. `num_rows` (default S) bounds the rows looked at: a graph passes the most rows a step
     of its token bucket can have. Launches depend on shapes only, so one CUDA graph serves every mix of rows.
     """
-    t, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
+    d = q.shape[-1]
     rows = context_lens.shape[0] if num_rows is None else min(num_rows, context_lens.shape[0])
+    assert out.shape == q.shape and out.stride(-1) == 1
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] == context_lens.shape[0] + 1
+    cfg = dict(decode_config(1, k_cache.shape[2], d, 1, q.dtype), NUM_SPLITS=MAX_VARLEN_SPLITS)
+    varlen = (cu_seqlens, varlen_split_tokens(d, q.dtype))
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, out, rows, cfg, varlen=varlen)
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    rows: int,
+    cfg: dict,
+    new_kv: NewKV | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    varlen: tuple[torch.Tensor, int] | None = None,  # (cu_seqlens, cached tokens a split)
+) -> torch.Tensor:
+    # The attention kernel over (rows, KV heads, splits) and, with splits, the merge over (rows, heads).
+    _, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape[-1] == d and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
-    assert out.shape == q.shape and out.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
-    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape[0] == context_lens.shape[0] + 1
-    block_n = decode_config(1, hkv, d, 1, q.dtype)["BLOCK_N"]
-    splits = MAX_VARLEN_SPLITS
-    split_tokens = varlen_split_tokens(d, q.dtype)
-    part_out = torch.empty((rows, hq, splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((rows, hq, splits), dtype=torch.float32, device=q.device)
+    cfg = dict(cfg)
+    splits = cfg.pop("NUM_SPLITS")
+    if splits > 1:
+        part_out = torch.empty((rows, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q)  # q: unused
+    cos, sin = rope if rope is not None else (q, q)
+    cu_seqlens, split_tokens = varlen if varlen is not None else (context_lens, 0)
     group = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     _paged_decode_kernel[(rows, hkv, splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
-        q,  # no new K/V: unused
-        q,
-        q,
-        q,  # no rope: unused
-        q,
+        k_new,
+        v_new,
+        slots,
+        cos,
+        sin,
         out,
         part_out,
         part_lse,
@@ -401,42 +364,41 @@ def paged_decode_varlen(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        0,
-        0,
-        0,
-        0,
-        0,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
         NUM_HEADS=hq,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
         NUM_SPLITS=splits,
-        NEW_KV=False,
-        ROPE=False,
+        NEW_KV=new_kv is not None,
+        ROPE=rope is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        VARLEN=True,
-        SPLIT_TOKENS=split_tokens,
-        num_warps=4,
-        num_stages=2,
+        VARLEN=varlen is not None,
+        SPLIT_TOKENS=max(split_tokens, 1),
+        **cfg,
     )
-    _paged_decode_reduce_kernel[(rows, hq)](
-        part_out,
-        part_lse,
-        out,
-        cu_seqlens,
-        context_lens,
-        out.stride(0),
-        out.stride(1),
-        NUM_HEADS=hq,
-        NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
-        HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        VARLEN=True,
-        SPLIT_TOKENS=split_tokens,
-        num_warps=4,
-    )
+    if splits > 1:
+        _paged_decode_reduce_kernel[(rows, hq)](
+            part_out,
+            part_lse,
+            out,
+            cu_seqlens,
+            context_lens,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=hq,
+            NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            VARLEN=varlen is not None,
+            SPLIT_TOKENS=max(split_tokens, 1),
+            num_warps=4,
+        )
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from harli_train.engine.paged_decode import merge_splits
+
 MAX_SPLITS = 8
 SPLIT_TOKENS = 256  # keys a split of a one-tile row walks, at least
 SPLIT_MAX_TOKENS = (
@@ -172,19 +174,8 @@ def _paged_prefill_merge_kernel(
         return
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < splits
     row = (token.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
-        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = merge_splits(part_out_ptr, part_lse_ptr, row, s < splits, d, HEAD_DIM)
     o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + h * stride_oh + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
