@@ -89,7 +89,7 @@ def _paged_decode_kernel(
     if VARLEN:
         token = tl.load(cu_seqlens_ptr + b).to(tl.int64)
         q_len = tl.load(cu_seqlens_ptr + b + 1) - token
-        splits = tl.minimum(tl.maximum(tl.cdiv(cached, SPLIT_TOKENS), 1), NUM_SPLITS)
+        splits = context_splits(cached, SPLIT_TOKENS, NUM_SPLITS)
         if (q_len != 1) | (split >= splits):
             return
     tiles_per_split = tl.cdiv(tl.cdiv(cached, BLOCK_N), splits)
@@ -167,6 +167,13 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def context_splits(keys, SPLIT_TOKENS: tl.constexpr, MAX: tl.constexpr):
+    """How many programs split `keys` cached tokens: one per SPLIT_TOKENS, at least 1, at most MAX (the
+    attention and merge kernels of a split must agree on it)."""
+    return tl.minimum(tl.maximum(tl.cdiv(keys, SPLIT_TOKENS), 1), MAX)
+
+
+@triton.jit
 def merge_splits(part_out_ptr, part_lse_ptr, row, s_mask, d, HEAD_DIM: tl.constexpr):
     """One output row from its splits' normalised outputs (rows `row` of part_out [*, HEAD_DIM] fp32, those
     in `s_mask`) weighted by their log2-sum-exp2 (part_lse): zeros when every split is empty."""
@@ -210,7 +217,7 @@ def _paged_decode_reduce_kernel(
         token = tl.load(cu_seqlens_ptr + b).to(tl.int64)
         q_len = tl.load(cu_seqlens_ptr + b + 1) - token
         ctx = tl.load(context_lens_ptr + b)
-        splits = tl.minimum(tl.maximum(tl.cdiv(ctx, SPLIT_TOKENS), 1), NUM_SPLITS)
+        splits = context_splits(ctx, SPLIT_TOKENS, NUM_SPLITS)
         if (q_len != 1) | (splits == 1):
             return
     out = merge_splits(

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from harli_train.engine.paged_decode import merge_splits
+from harli_train.engine.paged_decode import context_splits, merge_splits
 
 MAX_SPLITS = 8
 SPLIT_TOKENS = 256  # keys a split of a one-tile row walks, at least
@@ -129,8 +129,7 @@ def _paged_prefill_kernel(
 @triton.jit
 def _row_splits(q_len, ctx, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
     # A row of one query tile splits its keys, one split per SPLIT_TOKENS; longer rows do not split.
-    n = tl.minimum(tl.maximum(tl.cdiv(ctx, SPLIT_TOKENS), 1), NUM_SPLITS)
-    return tl.where(q_len <= BLOCK_M, n, 1)
+    return tl.where(q_len <= BLOCK_M, context_splits(ctx, SPLIT_TOKENS, NUM_SPLITS), 1)
 
 
 @triton.jit
