@@ -52,7 +52,6 @@ class PagedAttention:
         else:
             self._store, self._prefill = reference.kv_store_reference, reference.paged_prefill_reference
             self._decode = reference.paged_decode_reference
-            self._decode_varlen = None  # the reference prefill attends every row
 
     def attend(
         self,
