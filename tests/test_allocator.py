@@ -383,15 +383,23 @@ def test_concurrent_use_from_threads_keeps_data_and_books():
         pool.check()
 
 
-def _train(steps: int, swapper: ActivationSwapper | None = None, after_forward=None, mid_backward=None):
-    """A residual MLP stack trained with SGD; returns losses and final parameters."""
+def _train(
+    steps: int,
+    swapper: ActivationSwapper | None = None,
+    after_forward=None,
+    mid_backward=None,
+    *,
+    rows: int = 32,
+    device: str = "cpu",
+):
+    """A residual MLP stack trained with SGD on ``rows`` rows; returns losses and final parameters."""
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(
         torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
         for _ in range(6)
-    )
+    ).to(device)
     opt = torch.optim.SGD(blocks.parameters(), lr=0.05)
-    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    x, y = torch.randn(rows, 64).to(device), torch.randn(rows, 64).to(device)
     losses = []
     for _ in range(steps):
         h = x

@@ -91,30 +91,67 @@ def test_profile_command_exits_cleanly(tmp_path):
     assert report["samples"] > 0 and (tmp_path / "p.json").is_file()
 
 
+def test_the_cuda_pool_takes_stash_pages_back_mid_step_and_training_stays_bit_identical():
+    """The reclaim protocol on the driver's pages, each time at a known point: a KV grow past the free pages
+    after each forward (every layer's stash held) and in the middle of each backward takes 20 pages from the
+    trainer's stashes (spilled to pinned host memory, brought back before backward reads them), and the
+    losses and parameters equal those of the same training without a pool."""
+    from harli_train.memory import ActivationSwapper, PagePool, PooledKVStorage
+
+    from .test_allocator import Spec, _train
+
+    page, rows = 2 << 20, 16384  # 16384 rows: each block's saved tensors fill ~18 pages of 2 MiB
+    losses, params = _train(3, rows=rows, device="cuda")
+    with PagePool(150 * page, backend="cuda") as pool:
+        trainer = pool.add_tenant("trainer")
+        swapper = ActivationSwapper(pool, trainer, layer_bytes=32 * page, window=1, lookahead=1)
+        kv = PooledKVStorage(pool, Spec(1, (page // 4,), torch.float32), max_blocks=60)  # 2 pages a block
+        taken = []
+
+        def decode_burst() -> None:
+            before = trainer.stats()["used_pages"]
+            kv.grow(kv.num_blocks + (pool.free_pages + 20) // 2)
+            taken.append(before - trainer.stats()["used_pages"])
+            kv.shrink(1)
+
+        got_losses, got_params = _train(
+            3, swapper, after_forward=decode_burst, mid_backward=decode_burst, rows=rows, device="cuda"
+        )
+        torch.cuda.synchronize()
+        assert got_losses == losses
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params, strict=True))
+        assert len(taken) == 6 and min(taken) >= 20, taken
+        assert swapper.stats["swap_out_bytes"] > 0 and swapper.stats["swap_in_bytes"] > 0
+        assert pool.reclaim_stats["calls"] == 6
+        pool.check()
+
+
 def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]]:
     """A co-located quickstart on the CUDA page pool under static:64 (the same SM budgets every run, so the
-    kernels take the same configurations); its memory.pool and its losses. The load is 8 bursts, 0.25 s
-    apart, each of 64 requests of 1024 + 64 tokens (what the engine runs at once; tiny's KV page group holds
-    1024 blocks of 16 tokens: a burst wants 5 groups, the idle cache 1-2): the cache grows at every burst and
-    shrinks between them, so a pressed budget meets the trainer's stashes at several grows, not at the one
-    a single load's peak gives, whose timing against the trainer's steps depends on the host (one burst or a
-    Poisson load's peak missed the trainer's on some H200 hosts). The pool's budget is 16 GiB unless
-    ``extra`` names one: far above both tenants' peaks, and a fixed size, since the GPU may be shared
-    (bench/smoke_gpu.sh runs commands beside the tests) and a pool claims its pages when it starts."""
+    kernels take the same configurations); its memory.pool (with the trainer's OOM recoveries) and its
+    losses. The load is 8 bursts, 0.25 s apart, each of 64 requests of 1024 + 64 tokens (what the engine runs
+    at once; tiny's KV page group holds 1024 blocks of 16 tokens: a burst wants 5 groups, the idle cache
+    1-2): the cache grows at every burst and shrinks between them, and 24 steps (~50 ms each on the H200)
+    keep the trainer stepping through all of them, so both tenants near their peaks meet several times, not
+    once at a single load's peak, whose timing against the trainer's steps depends on the host. The pool's
+    budget is 16 GiB unless ``extra`` names one: far above both tenants' peaks, and a fixed size, since the
+    GPU may be shared (bench/smoke_gpu.sh runs commands beside the tests) and a pool claims its pages when it
+    starts."""
     run = tmp_path / name
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     trace = tmp_path / "bursts.jsonl"
     if not trace.exists():
         burst = '{{"arrival_s": {t}, "prompt_len": 1024, "output_len": 64}}\n' * 64
         trace.write_text("".join(burst.format(t=0.25 * i) for i in range(8)))
-    overrides = ["train.steps=12", "train.log_every=1", f"colocation.trace={trace}"]
+    overrides = ["train.steps=24", "train.log_every=1", f"colocation.trace={trace}"]
     overrides += ["colocation.max_batch=64"]
     if not any(x.startswith("colocation.memory_gib=") for x in extra):
         overrides.append("colocation.memory_gib=16")
     overrides += [f"output.dir={run}", *extra]
     args = [recipe, "--colocate-with", "tiny", "--policy", "static:64", "--quiet", *overrides]
     _assert_clean_exit(_run(args, tmp_path))
-    pool = json.loads((run / "colocate" / "summary.json").read_text())["memory"]["pool"]
+    summary = json.loads((run / "colocate" / "summary.json").read_text())
+    pool = {**summary["memory"]["pool"], "trainer_oom_recoveries": summary["finetune"]["oom_recoveries"]}
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     return pool, losses
 
@@ -133,11 +170,16 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     assert trainer > 0  # the trainer's torch allocations and stashes are pool pages
     # The cache grows to 3 page groups or more at the load's peak and can shrink to 2 when idle.
     assert kv >= 3 * group, pool
-    # One page group short of both peaks together: at its peak the KV cache must take a group of pages
-    # from the trainer's stashes; idle, it leaves the trainer all it held.
+    # One page group short of both peaks together. Whichever side asks second when both near their peaks
+    # resolves the pressure: a KV grow while the trainer holds its stashes takes pages back from them (a
+    # reclaim); a trainer step that finds the pages taken by the cache is abandoned, the cache's idle groups
+    # are unmapped and the step runs again (a recovery). Which comes first depends on the host's timing;
+    # test_the_cuda_pool_takes_stash_pages_back_mid_step_... drives the reclaim at known points. Either way no request is
+    # refused and training is bit-identical.
     budget_gib = (trainer + kv - group) * (2 << 20) / 2**30
     pressed, pressed_losses = _pool_run(tmp_path, "pressed", f"colocation.memory_gib={budget_gib}")
-    assert pressed["budget_pages"] == trainer + kv - group, pressed
-    assert pressed["reclaims"]["count"] > 0 and pressed["reclaims"]["bytes_spilled"] >= 0, pressed
-    assert pressed["refusals"] == 0
+    report = json.dumps(pressed, indent=1)
+    assert pressed["budget_pages"] == trainer + kv - group, report
+    assert pressed["reclaims"]["count"] + pressed["trainer_oom_recoveries"] > 0, report
+    assert pressed["refusals"] == 0, report
     assert pressed_losses == losses
