@@ -18,7 +18,8 @@ row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``vio
 ``unused_sm_fraction``;
 the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
 that failed is a row with ``error``. Every policy is judged by the same bar (``clean``: every token interval
-counted). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
+counted, and with the objective's ``ttft_ms`` every request's TTFT or its wait so far; ``tpot_clean`` is the
+TPOT part alone). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
 ``by_train_sms`` includes the whole GPU's SM count. ``finish`` fills in the derived fields: share
 efficiencies, fractions of the ideal, ``best_static``, ``best_single_static`` and the ``verdict``.
 """
@@ -85,6 +86,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "finetune_tokens_per_s": ft["tokens_per_s"],
         "solo_tokens_per_s": ft["solo_tokens_per_s"],
         **{k: sv[k] for k in ("tpot_attainment", "violation_rate", "violations", "clean")},
+        **{k: sv.get(k) for k in ("tpot_clean", "ttft_attainment", "requests_without_first_token")},
         **{k: sv[k] for k in ("ttft_ms", "tpot_ms", "token_interval_ms", "requests", "aborted_at_end")},
         "requests_judged": sv["requests_judged"],
         "decode_steps": sv["decode_steps"],
@@ -292,7 +294,7 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def table(matrix: dict[str, Any]) -> str:
     """harli against best_static, best_single_static and the ideal, per objective and cell."""
     head = [
-        "objective", "cell", "harli tok/s", "clean", "attain", "viol. rate", "best static", "tok/s",
+        "objective", "cell", "harli tok/s", "clean", "attain", "viol. rate", "ttft p99", "best static", "tok/s",
         "harli/best", "single", "harli/single", "ideal", "harli/ideal", "eff harli", "eff best", "pass",
     ]  # fmt: skip
     rows = []
@@ -312,6 +314,7 @@ def table(matrix: dict[str, Any]) -> str:
                     "yes" if h.get("clean") else "no",
                     _f(h.get("tpot_attainment"), 3),
                     _f(h.get("violation_rate"), 4),
+                    _f((h.get("ttft_ms") or {}).get("p99"), 0),
                     best or "none clean",
                     _f(b.get("finetune_tokens_per_s"), 0),
                     _f(v.get("vs_best_static"), 2),

@@ -121,7 +121,7 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
     assert list(steady["objectives"]) == ["auto:1.5", "auto:2"] and list(varying["objectives"]) == ["auto:2"]
     for result, keys in ((steady, ["steady/light", "steady/heavy"]), (varying, ["varying/1x"])):
         for name, obj in result["objectives"].items():
-            assert list(obj["cells"]) == keys and obj["tpot_ms"] > 0, name
+            assert list(obj["cells"]) == keys and obj["tpot_ms"] > 0 and obj["ttft_ms"] == 1000, name
             assert "best_single_static" in obj["traces"][result["setup"]["trace"]]
             for key, cell in obj["cells"].items():
                 rows = cell["policies"]
@@ -130,6 +130,8 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
                 for row in rows.values():
                     assert "error" not in row, row.get("trace")
                     assert {"tpot_attainment", "violation_rate", "clean", "share_efficiency"} <= set(row)
+                    assert {"tpot_clean", "ttft_attainment", "requests_without_first_token"} <= set(row)
+                    assert not row["clean"] or (row["tpot_clean"] and row["ttft_attainment"] >= 0.99)
                     assert row["decode_steps"] > 0 and row["trainer_sm_seconds"]
     assert {"streams", "temporal"} <= set(steady["objectives"]["auto:2"]["cells"]["steady/light"]["policies"])
     harli = steady["objectives"]["auto:2"]["cells"]["steady/heavy"]["policies"]["harli"]

@@ -227,6 +227,23 @@ def test_objective_counts_every_interval_and_requests_still_running():
     assert objective_stats(clean, 0.015)["clean"]
 
 
+def test_requests_without_a_first_token_count_their_wait_in_ttft_and_a_ttft_objective_judges_clean():
+    metrics = EngineMetrics(0.0)
+    for i in range(3):  # served at once: TTFT 100 ms each
+        metrics.add_finished(_seq(i, [0.1, 0.11, 0.12]))
+    starved = Sequence(3, [1, 2, 3], SamplingParams(max_tokens=4), 0.0)  # cut off at 2.0 s, no token
+    starved.finish_time, starved.finish_reason = 2.0, "aborted"
+    metrics.add_finished(starved)
+    queued = Sequence(4, [1, 2, 3], SamplingParams(max_tokens=4), 0.5)  # still waiting at 3.0 s
+    stats = objective_stats(metrics, 0.015, [], None, [queued], now=3.0)
+    assert stats["requests_without_first_token"] == 2 and stats["ttft_ms"]["count"] == 5
+    assert stats["ttft_ms"]["max"] == pytest.approx(2500) and stats["tpot_clean"] and stats["clean"]
+    held = objective_stats(metrics, 0.015, [], 1.0, [queued], now=3.0)
+    assert held["ttft_attainment"] == pytest.approx(3 / 5) and held["tpot_clean"] and not held["clean"]
+    # Without the engine's clock a queued request has no wait to count.
+    assert objective_stats(metrics, 0.015, [], 1.0, [queued])["ttft_ms"]["count"] == 4
+
+
 def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)

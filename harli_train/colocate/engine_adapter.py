@@ -140,6 +140,14 @@ class EngineAdapter:
         """The requests admitted and not finished (decoding or mid-prefill)."""
         return list(self.engine.scheduler.running)
 
+    def waiting(self) -> list[Sequence]:
+        """The requests queued, not yet admitted."""
+        return list(self.engine.scheduler.waiting)
+
+    def now(self) -> float:
+        """The engine's clock (arrival and token times are on it)."""
+        return self.engine.clock()
+
     def step(self, partition: Partition, prefill_tokens: int | None = None) -> StepResult:
         """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along."""
         return self.engine.step(self.key(partition), prefill_tokens)

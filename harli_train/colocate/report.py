@@ -79,11 +79,15 @@ def build_summary(
             "aborted_at_end": aborted,
             "output_tokens": serving.get("output_tokens"),
             "output_tokens_per_s": serving.get("output_tokens_per_s"),
-            **{k: objective[k] for k in ("violations", "violation_rate", "tpot_attainment", "clean")},
+            **{
+                k: objective[k]
+                for k in ("violations", "violation_rate", "tpot_attainment", "tpot_clean", "clean")
+            },
             "intervals": objective["intervals"],
             "requests_judged": objective["requests_judged"],
             "requests_missing_tpot": objective["requests_missing_tpot"],
             "ttft_ms": objective["ttft_ms"],
+            "requests_without_first_token": objective["requests_without_first_token"],
             **{k: objective[k] for k in ("objective_ttft_ms", "ttft_attainment") if k in objective},
             "tpot_ms": objective["tpot_ms"],
             "token_interval_ms": objective["token_interval_ms"],

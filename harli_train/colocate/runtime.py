@@ -398,7 +398,10 @@ class ColocatedRuntime:
     def objective(self) -> dict[str, Any]:
         """The objective figures over every request so far (recorded and running): what the console shows
         and, at the end, the summary (``accounting.objective_stats``)."""
-        return objective_stats(self.engine.metrics, self.tpot_s, self.engine.running(), self.policy.ttft_s)
+        eng = self.engine
+        return objective_stats(
+            eng.metrics, self.tpot_s, eng.running(), self.policy.ttft_s, eng.waiting(), eng.now()
+        )
 
     def request_stop(self) -> None:
         """Stop at the next step boundary, as Ctrl-C does."""

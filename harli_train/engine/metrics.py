@@ -57,10 +57,12 @@ def percentiles(values: Any) -> dict[str, float | None]:
     }
 
 
-def request_record(seq: Sequence, t0: float) -> RequestRecord:
-    """A request's record: TTFT from arrival, TPOT and the longest wait over the tokens drawn so far."""
+def request_record(seq: Sequence, t0: float, now: float | None = None) -> RequestRecord:
+    """A request's record: TTFT from arrival, TPOT and the longest wait over the tokens drawn so far; its
+    latency to its finish, or for one not finished to ``now`` (None without it)."""
     first, n_out, times = seq.first_token_time, seq.num_completion_tokens, seq.token_times
     last = times[-1] if times else None
+    end = seq.finish_time if seq.finish_time is not None else now
     ms = lambda a, b: None if a is None or b is None else (b - a) * 1e3
     tpot = ms(first, last) / (n_out - 1) if n_out > 1 and first is not None else None
     longest = max((b - a for a, b in zip(times, times[1:], strict=False)), default=None)
@@ -71,7 +73,7 @@ def request_record(seq: Sequence, t0: float) -> RequestRecord:
         n_out,
         ms(seq.arrival_time, first),
         tpot,
-        ms(seq.arrival_time, seq.finish_time),
+        ms(seq.arrival_time, end),
         seq.finish_reason or "",
         seq.num_preemptions,
         seq.error,
