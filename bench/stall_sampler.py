@@ -30,7 +30,7 @@ def top_frames(frame: Any, depth: int) -> list[str]:
 
 
 class StallSampler:
-    def __init__(self, period_s: float = 2e-3, depth: int = 6, keep: int = 5000) -> None:
+    def __init__(self, period_s: float = 1e-3, depth: int = 8, keep: int = 20000) -> None:
         self.period_s, self.depth = period_s, depth
         self.samples: deque[tuple[float, float, dict[str, list[str]]]] = deque(maxlen=keep)
         self._stop = threading.Event()
@@ -75,7 +75,7 @@ class StallSampler:
         return out
 
 
-def stall_spans(rows: list[dict[str, Any]], min_gap_s: float = 5e-3) -> list[tuple[float, float]]:
+def stall_spans(rows: list[dict[str, Any]], min_gap_s: float = 2.5e-3) -> list[tuple[float, float]]:
     """Host stalls of the decode loop in a window's step rows: between steps (token interval less the step's
     latency) and inside a step (its latency less its GPU span), as (start, end) on the runtime clock."""
     spans = []

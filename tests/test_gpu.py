@@ -55,6 +55,24 @@ def test_green_context_rungs_confine_kernels_to_disjoint_sms():
         ladder.close()
 
 
+def test_the_trainer_thread_runs_its_cpu_ops_on_itself_alone():
+    """On a GPU the trainer thread's torch CPU ops (its data) bring no OpenMP team of their own."""
+    import threading
+
+    from harli_train.colocate.trainer_worker import gpu_thread_setup
+
+    seen = []
+
+    def body() -> None:
+        gpu_thread_setup(torch.cuda.current_device())
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [1] and (torch.get_num_threads() > 1 or (os.cpu_count() or 1) == 1)
+
+
 def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(

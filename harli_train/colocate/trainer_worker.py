@@ -34,6 +34,7 @@ from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
 from harli_train.colocate.policy import BESIDE, StepPlan
 from harli_train.colocate.trainer_side import TrainerSide
+from harli_train.host_threads import single_threaded_ops
 from harli_train.train.divergence import TrainingDiverged
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class TrainerWorker:
 
     def _loop(self, device: int | None) -> None:
         if device is not None:
-            torch.cuda.set_device(device)  # the current device is per thread
+            gpu_thread_setup(device)
         mailbox, side = self._mailbox, self.side
         try:
             while True:
@@ -315,3 +316,12 @@ class TrainerWorker:
                 return
             if kind == _CALL:
                 payload[1].set_exception(err)
+
+
+def gpu_thread_setup(device: int) -> None:
+    """The trainer thread's set-up on a GPU: ``device`` current (it is per thread), and torch's CPU ops run on
+    this thread alone. Its CPU tensor work there is its data (a batch's layout, an epoch's packing at its
+    boundary); an OpenMP team of its own would spin its idle workers on the cores the decode thread launches
+    from (``host_threads``)."""
+    torch.cuda.set_device(device)
+    single_threaded_ops()
