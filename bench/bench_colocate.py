@@ -18,7 +18,8 @@ Cells (colocate_load.py): ``--trace`` at light, medium and heavy load (1x, 2x, 4
 trace once, whole (cell ``varying/1x``). A GPU window lasts >= 15 s and holds >= 50 requests (the trace
 lengthened by its generator where it runs out). Per objective (``--objectives``, default auto:1.5,auto:2:
 K x the whole GPU's predicted step at the engine's peak batch) and cell: ``harli`` (keyed ``harli`` whatever
-its ``--harli-options``), then ``static:N`` swept from the split predicted for harli's observed peak until the
+its ``--harli-options``), then ``static:N`` swept from the split predicted for harli's observed peak (its
+largest decode batch, each step also computing the prompt tokens per step the cell's arrivals bring) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
 trace's one cell). First, the trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the
@@ -70,6 +71,7 @@ import tarfile
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +85,7 @@ import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 import torch  # noqa: E402
 from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
-from colocate_sweep import start_share, sweep, top_up  # noqa: E402
+from colocate_sweep import prefill_per_step, start_share, sweep, top_up  # noqa: E402
 from colocate_windows import OutOfTime, Windows  # noqa: E402
 
 from harli_train.colocate.assembly import assemble  # noqa: E402
@@ -110,23 +112,30 @@ def objective_tpot_s(text: str, col: Colocation) -> float:
 
 
 def least_share(col: Colocation, tpot_s: float):
-    """The least decode share whose predicted step (beside the trainer, from the profile) for a step record
-    meets ``tpot_s``; a mixed step's prefill tokens counted as one chunk without context (a low estimate: the
-    ideal stays an upper bound)."""
-    pred, shares = col.predictor, [p.infer_sms for p in col.ladder.spatial]
+    """The least decode share whose predicted step (beside the trainer, from the profile; ``step_predictor``)
+    for a step record meets ``tpot_s`` (a low estimate: the ideal stays an upper bound)."""
+    predict, shares = step_predictor(col), [p.infer_sms for p in col.ladder.spatial]
 
     def share(row: dict[str, Any]) -> int | None:
         b, kv, n = row["batch"], row.get("kv_tokens") or 0, row.get("prefill_tokens") or 0
-        for s in shares:
-            if n and pred.mixed is not None:
-                t = pred.predict_mixed(b, kv, n, attention_pairs([(n, 0)]), s, True, raw=True)
-            else:
-                t = pred.predict(b, kv, s, True, raw=True)
-            if t <= tpot_s:
-                return s
-        return None
+        return next((s for s in shares if predict(b, kv, s, n) <= tpot_s), None)
 
     return share
+
+
+def step_predictor(col: Colocation) -> Callable[[int, int, int, int], float]:
+    """``predict(batch, kv_tokens, share, prefill_tokens)``: the profile's step beside the trainer, a mixed
+    step when it carries prefill tokens (one chunk without context: a low estimate) and the profile has
+    mixed steps."""
+    pred = col.predictor
+
+    def predict(batch: int, kv_tokens: int, sms: int, prefill_tokens: int) -> float:
+        if prefill_tokens and pred.mixed is not None:
+            pairs = attention_pairs([(prefill_tokens, 0)])
+            return pred.predict_mixed(batch, kv_tokens, prefill_tokens, pairs, sms, True, raw=True)
+        return pred.predict(batch, kv_tokens, sms, True, raw=True)
+
+    return predict
 
 
 def run_objective(
@@ -167,8 +176,10 @@ def run_objective(
                 entry["ideal_tokens_per_s"] = colocate_matrix.ideal_tokens_per_s(
                     spans, row["serve_s"], by_sms, standalone.get("whole_gpu_tokens_per_s") or 0.0
                 )
-                predict = lambda b, kv, s: col.predictor.predict(b, kv, s, True, raw=True)
-                start = start_share(steps, shares, predict, tpot_s * (1 - col.cfg.colocation.margin))
+                budget_s = tpot_s * (1 - col.cfg.colocation.margin)
+                prompts = [r.prompt_len or 0 for r in cell.requests]
+                n = prefill_per_step(prompts, cell.window_s, budget_s)
+                start = start_share(steps, shares, step_predictor(col), budget_s, n)
         if "static" in args.policies and start is not None:
             entry["sweep_start"] = f"static:{start}"
             static[cell.key] = sweep(

@@ -25,18 +25,29 @@ def peak_step(rows: list[Row]) -> Row | None:
 
 
 def start_share(
-    rows: list[Row], shares: list[int], predict: Callable[[int, int, int], float], budget_s: float
+    rows: list[Row],
+    shares: list[int],
+    predict: Callable[[int, int, int, int], float],
+    budget_s: float,
+    prefill_tokens: int = 0,
 ) -> int:
     """The split the profile predicts for a window's observed peak: the least share whose predicted step beside
-    the trainer (``predict(batch, kv_tokens, share)``) at the peak step of ``rows`` is within ``budget_s``; the
-    largest share when none is, the middle one when ``rows`` hold no decode step."""
+    the trainer (``predict(batch, kv_tokens, share, prefill_tokens)``) at the peak step of ``rows``, carrying
+    ``prefill_tokens`` (what a step must compute for prefill to keep up with the load's prompts), is within
+    ``budget_s``; the largest share when none is, the middle one when ``rows`` hold no decode step."""
     peak = peak_step(rows)
     if peak is None:
         return shares[len(shares) // 2]
     for share in shares:
-        if predict(peak["batch"], peak.get("kv_tokens") or 0, share) <= budget_s:
+        if predict(peak["batch"], peak.get("kv_tokens") or 0, share, prefill_tokens) <= budget_s:
             return share
     return shares[-1]
+
+
+def prefill_per_step(prompt_tokens: list[int], window_s: float, step_s: float) -> int:
+    """The prompt tokens a step of ``step_s`` must compute for prefill to keep up with ``prompt_tokens``
+    arriving over ``window_s`` (0 without a window)."""
+    return round(sum(prompt_tokens) / window_s * step_s) if window_s > 0 else 0
 
 
 def sweep(

@@ -65,11 +65,17 @@ def test_the_start_is_the_least_split_predicted_to_fit_the_peak():
         {"kind": "decode", "batch": 6, "kv_tokens": 2000},  # the peak: the largest batch, then KV
     ]
     seen = []
-    predict = lambda b, kv, s: seen.append((b, kv)) or 0.1 * b * 64 / s
+    predict = lambda b, kv, s, n: seen.append((b, kv, n)) or 0.1 * (b + n / 10) * 64 / s
     assert cs.start_share(rows, SHARES, predict, budget_s=0.5) == 80  # 0.48 s on 80 SMs, 0.6 on 64
-    assert set(seen) == {(6, 2000)}
+    assert set(seen) == {(6, 2000, 0)}
+    # A step that must also compute 20 prompt tokens to keep up: 0.8 s on 64, 0.53 on 96, 0.46 on 112.
+    assert cs.start_share(rows, SHARES, predict, budget_s=0.5, prefill_tokens=20) == 112
     assert cs.start_share(rows, SHARES, predict, budget_s=0.01) == 112  # none fits: the largest
     assert cs.start_share([], SHARES, predict, 0.5) == 64  # no decode step: the middle
+    # 3000 prompt tokens over 15 s is 200 a second: 2 in a 10 ms step.
+    assert (
+        cs.prefill_per_step([1000, 1500, 500], 15.0, 0.01) == 2 and cs.prefill_per_step([5], 0.0, 0.01) == 0
+    )
 
 
 def test_top_ups_run_the_single_split_wherever_it_is_missing():
