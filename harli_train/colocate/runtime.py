@@ -396,8 +396,8 @@ class ColocatedRuntime:
         return lambda: [signal.signal(s, h) for s, h in previous.items()]
 
     def objective(self) -> dict[str, Any]:
-        """The objective figures over every request so far (recorded and running): what the console shows
-        and, at the end, the summary (``accounting.objective_stats``)."""
+        """The objective figures over every request so far (recorded, running and queued): what the console
+        shows and, at the end, the summary (``accounting.objective_stats``)."""
         eng = self.engine
         return objective_stats(
             eng.metrics, self.tpot_s, eng.running(), self.policy.ttft_s, eng.waiting(), eng.now()
