@@ -268,6 +268,10 @@ def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     sv = summary["serving"]
     assert sv["intervals"] == served and sv["tpot_attainment"] is not None
     assert set(sv) >= {"violations", "violation_rate", "tpot_attainment", "clean", "ttft_ms", "tpot_ms"}
+    assert sv["tpot_clean"] == sv["clean"]  # no TTFT objective: clean is the TPOT bars alone
+    # Every request of the load counts in TTFT, a first token or not (cut off at the window's end).
+    assert sv["ttft_ms"]["count"] == len(requests_out)
+    assert sv["requests_without_first_token"] == sum(r["output_tokens"] == 0 for r in requests_out)
     # The trainer's SMs over the whole run, plan to plan (what its shares were worth).
     held = summary["trainer_sm_seconds"]
     assert sum(held.values()) == pytest.approx(summary["duration_s"], rel=0.05, abs=0.02)
