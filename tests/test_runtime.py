@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -788,6 +789,32 @@ def test_a_stranded_backward_is_rebuilt_on_the_new_split_and_the_result_is_uncha
     # Every backward ran on the rung of its time: the stranded ones on the trainer's 36 SMs beside decode's 96.
     bwd = [sms for phase, _, sms in rt.worker.side.launches if phase == "bwd"]
     assert TOTAL - 96 in bwd and TOTAL - 16 in bwd
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_every_micro_step_kind_runs_on_any_rung_and_the_result_equals_standalone(tmp_path, standalone):
+    # Decode's share jumps to a random rung at every decision, so the trainer's forwards, losses, backwards
+    # (rebuilt where their forward's SMs were taken) and optimizer steps each run on several rungs, switched
+    # at any micro-step boundary: the result is bit-identical to training alone.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    rng = random.Random(0)
+    shares = [p.infer_sms for p in ladder.spatial]
+    load = requests([(0.0, 4, 400)])
+    rt = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, lambda: rng.choice(shares)),
+        load,
+        RuntimeOptions(quiet=True, plots=False),
+    )
+    summary = rt.run()
+    rungs: dict[str, set[int]] = {}
+    for phase, _, sms in rt.worker.side.launches:
+        rungs.setdefault(phase, set()).add(sms)
+    assert set(rungs) == {"fwd", "loss", "bwd", "optim"}
+    assert all(len(sms) >= 2 for sms in rungs.values()), rungs
+    assert summary["finetune"]["rebuilt_backward_chunks"] > 0 and summary["finetune"]["abandoned_steps"] == 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
