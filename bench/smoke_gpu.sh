@@ -124,7 +124,7 @@ if "${3:-}":
 PY
 }
 
-note "smoke_gpu: $(date -u +%FT%TZ) $(git -C "$repo" rev-parse --short HEAD 2>/dev/null)"
+note "smoke_gpu: $(date -u +%FT%TZ) $(git -C "$repo" rev-parse --short HEAD 2>/dev/null) tree $(bash "$repo/bench/tree_hash.sh")"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$log"
 run install 240 "true" -- python3 -m pip install -q --no-deps --no-build-isolation -e "$repo"
 q=recipes/quickstart.yaml

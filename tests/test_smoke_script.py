@@ -36,3 +36,24 @@ def test_smoke_script_runs_every_readme_command():
 
 def test_smoke_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "smoke_gpu.sh")], check=True)
+
+
+def test_the_smoke_logs_a_hash_of_the_code_that_ran(tmp_path):
+    """The smoke's first line names the tree by its files (bench/tree_hash.sh), the same in a copy of the
+    checkout without git, and different once one code file changes."""
+    import shutil
+
+    def tree_hash(root: Path) -> str:
+        out = subprocess.run(["bash", str(root / "bench" / "tree_hash.sh")], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    skip = shutil.ignore_patterns("__pycache__", "results", "profiles", "*.so")
+    for part in ("harli_train", "allocator", "bench", "tests"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=skip)
+    here = tree_hash(ROOT)
+    assert len(here) == 12 and tree_hash(tmp_path) == here
+    with open(tmp_path / "harli_train" / "__init__.py", "a") as f:
+        f.write("\n")
+    assert tree_hash(tmp_path) != here
+    assert "tree_hash.sh" in (ROOT / "bench" / "smoke_gpu.sh").read_text()
