@@ -19,7 +19,8 @@ trace once, whole (cell ``varying/1x``). A GPU window lasts >= 15 s and holds >=
 lengthened by its generator where it runs out). Per objective (``--objectives``, default auto:1.5,auto:2:
 K x the whole GPU's predicted step at the engine's peak batch) and cell: ``harli`` (keyed ``harli`` whatever
 its ``--harli-options``), then ``static:N`` swept from the split predicted for harli's observed peak (its
-largest decode batch, each step also computing the prompt tokens per step the cell's arrivals bring) until the
+largest decode batch, each step also computing the prompt tokens per step the busiest 10 s of the cell's
+arrivals bring) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
 trace's one cell). First, the trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the
@@ -177,8 +178,8 @@ def run_objective(
                     spans, row["serve_s"], by_sms, standalone.get("whole_gpu_tokens_per_s") or 0.0
                 )
                 budget_s = tpot_s * (1 - col.cfg.colocation.margin)
-                prompts = [r.prompt_len or 0 for r in cell.requests]
-                n = prefill_per_step(prompts, cell.window_s, budget_s)
+                arrivals = [(r.arrival_s * cell.time_scale, r.prompt_len or 0) for r in cell.requests]
+                n = prefill_per_step(arrivals, budget_s)
                 start = start_share(steps, shares, step_predictor(col), budget_s, n)
         if "static" in args.policies and start is not None:
             entry["sweep_start"] = f"static:{start}"

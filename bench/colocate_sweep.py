@@ -44,10 +44,22 @@ def start_share(
     return shares[-1]
 
 
-def prefill_per_step(prompt_tokens: list[int], window_s: float, step_s: float) -> int:
-    """The prompt tokens a step of ``step_s`` must compute for prefill to keep up with ``prompt_tokens``
-    arriving over ``window_s`` (0 without a window)."""
-    return round(sum(prompt_tokens) / window_s * step_s) if window_s > 0 else 0
+def prefill_per_step(arrivals: list[tuple[float, int]], step_s: float, span_s: float = 10.0) -> int:
+    """The prompt tokens a step of ``step_s`` must compute for prefill to keep up with the busiest ``span_s``
+    of ``arrivals`` ((seconds, prompt tokens) each; the whole of them when they span less): a fixed split
+    must keep up with a load's peak, not its mean. 0 without arrivals."""
+    if not arrivals:
+        return 0
+    times = sorted(arrivals)
+    span = max(min(span_s, times[-1][0] - times[0][0]), step_s)
+    busiest, lo, tokens = 0, 0, 0
+    for t, n in times:
+        tokens += n
+        while times[lo][0] < t - span:
+            tokens -= times[lo][1]
+            lo += 1
+        busiest = max(busiest, tokens)
+    return round(busiest / span * step_s)
 
 
 def sweep(

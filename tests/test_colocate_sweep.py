@@ -73,9 +73,11 @@ def test_the_start_is_the_least_split_predicted_to_fit_the_peak():
     assert cs.start_share(rows, SHARES, predict, budget_s=0.01) == 112  # none fits: the largest
     assert cs.start_share([], SHARES, predict, 0.5) == 64  # no decode step: the middle
     # 3000 prompt tokens over 15 s is 200 a second: 2 in a 10 ms step.
-    assert (
-        cs.prefill_per_step([1000, 1500, 500], 15.0, 0.01) == 2 and cs.prefill_per_step([5], 0.0, 0.01) == 0
-    )
+    assert cs.prefill_per_step([(0.0, 1000), (7.0, 1500), (15.0, 500)], 0.01, span_s=20.0) == 2
+    # The busiest 10 s of a load that ramps: 4000 tokens from 20 s to 30 s, 4 in a 10 ms step.
+    ramp = [(float(t), 100) for t in range(20)] + [(20 + 0.25 * i, 100) for i in range(40)]
+    assert cs.prefill_per_step(ramp, 0.01) == 4
+    assert cs.prefill_per_step([], 0.01) == 0
 
 
 def test_top_ups_run_the_single_split_wherever_it_is_missing():
