@@ -361,6 +361,7 @@ def main() -> int:
                 end = max(r["arrival_s"] for r in _jsonl(pw / "load-inproc.jsonl"))
                 inproc = inproc_run(args, recipe, pw / "load-inproc.jsonl", end + args.drain_s, pw)
                 pairs.append({"served": served, "inproc": inproc, "comparison": compare(served, inproc)})
+                common.write_json("bench_serve.json", result)  # each pair kept if a later one is cut short
             result["comparison"] = combine([p["comparison"] for p in pairs])
         except Exception as err:  # the JSON records what ran and why the rest did not
             result["error"] = f"{type(err).__name__}: {err}"
