@@ -182,6 +182,55 @@ def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():
         assert policy.ttft_plan(StepPreview(2, 40, (), mixed=True, prefill_wait_s=None)) is None
 
 
+def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_before_any_prompt_is_due(
+    monkeypatch,
+):
+    # Four prompts of 300 tokens, each waited 100 ms of a 180 ms deadline (0.2 s less the 10 % margin). The
+    # whole GPU computes `fit` tokens a step within the TPOT budget, so the fourth needs 4 such steps: one
+    # step more on the policy's own share would be too late. The step goes to the whole GPU, the trainer
+    # held back, with `fit` tokens and within the TPOT budget, although no prompt is due yet.
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    tpot, margin = 0.0201, 0.1
+    budget = tpot * (1 - margin)
+    pieces = tuple(PrefillPiece(300, 0, 0) for _ in range(4))
+    for name in ("harli", "static:32"):
+        policy = make_policy(name, ladder, pred, tpot, margin)
+        policy.ttft_s = 0.2
+        burst = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.1, prefill_waits=(0.1,) * 4)
+        fit, period, _ = largest_chunk(pred, burst, ladder.full.infer_sms, False, budget)
+        assert 300 < fit < 1200 and 3 * period < 0.08 < 5 * period  # the case the comment describes
+        plan = policy.plan(burst)
+        assert plan.reason.startswith("ttft") and plan.paused and plan.partition is ladder.full
+        assert plan.prefill_tokens == fit and plan.predicted_s <= budget and not plan.corun
+        # The same burst just arrived: every prompt in time on the policy's own share.
+        fresh = dataclasses.replace(burst, prefill_wait_s=0.0, prefill_waits=(0.0,) * 4)
+        calls: list[tuple] = []
+
+        def counted(self, *a, _calls=calls, _predict=LatencyPredictor.predict_mixed, **k):
+            _calls.append(a)
+            return _predict(self, *a, **k)
+
+        monkeypatch.setattr(LatencyPredictor, "predict_mixed", counted)
+        assert policy.ttft_plan(fresh) is None
+        assert calls == []  # far from every deadline, known from the last step: no bisection
+        monkeypatch.undo()
+
+
+def test_a_ttft_objective_reaches_a_prompt_due_further_down_the_line_past_the_budget():
+    # Two prompts of 400 tokens, both within 10 ms of their deadline: no whole-GPU step ends in time, so the
+    # step computes both, past the TPOT budget.
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    policy = make_policy("static:32", ladder, pred, 0.0201, 0.1)
+    policy.ttft_s = 0.2
+    pieces = (PrefillPiece(400, 0, 0), PrefillPiece(400, 0, 0), PrefillPiece(400, 0, 0))
+    preview = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.175, prefill_waits=(0.175, 0.17, 0.0))
+    plan = policy.plan(preview)
+    assert plan.reason.startswith("ttft") and plan.prefill_tokens == 800  # the third prompt can wait
+    assert plan.predicted_s > 0.0201 * 0.9
+
+
 def test_a_preview_says_how_long_its_oldest_pending_prompt_has_waited():
     import torch
 
@@ -196,6 +245,7 @@ def test_a_preview_says_how_long_its_oldest_pending_prompt_has_waited():
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), arrival_time=9.5)
     engine.add_request([4, 5, 6], SamplingParams(max_tokens=4), arrival_time=9.8)
     assert engine.peek().prefill_wait_s == pytest.approx(0.5)  # the first in line
+    assert engine.peek().prefill_waits == pytest.approx((0.5, 0.2))  # and each one's
     engine.step()
     assert engine.peek().prefill_wait_s is None  # both prompts computed: nothing pending
 

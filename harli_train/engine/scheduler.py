@@ -63,6 +63,7 @@ class StepPreview:
     mixed: bool = False
     lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
     prefill_wait_s: float | None = None  # how long the first piece's request has waited (peek's `now` given)
+    prefill_waits: tuple[float, ...] = ()  # how long each piece's request has waited (peek's `now` given)
 
     @property
     def prefill_tokens(self) -> int:
@@ -211,7 +212,7 @@ class Scheduler:
 
     def peek(self, now: float | None = None) -> StepPreview:
         """The step `schedule()` would make now, changing nothing (see `StepPreview`); with `now` (the clock
-        of the sequences' arrival times), how long the oldest request with prefill pending has waited."""
+        of the sequences' arrival times), how long each request with prefill pending has waited."""
         bm = self.block_manager
         decoding = self._decoding()
         mixed = self.config.mixed_prefill
@@ -220,8 +221,10 @@ class Scheduler:
         plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
         pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
         adapters = len({s.lora_slot for s in decoding} - {0})
-        wait = None if now is None or not plan else now - plan[0][0].arrival_time
-        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, wait)
+        waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
+        wait = waits[0] if waits else None
+        kv = sum(len(s) for s in decoding)
+        return StepPreview(len(decoding), kv, pieces, mixed, adapters, wait, waits)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,

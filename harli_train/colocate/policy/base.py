@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 from harli_train.colocate.controller import Controller, Decision
@@ -85,6 +86,7 @@ class Policy:
         self.trainer_busy: Callable[[], bool] = lambda: False
         self.step_estimate = Ewma(self.budget_s / 2)
         self.predictor = predictor
+        self._full_prefill_rate: float | None = None  # see ttft_plan
 
     def partitions(self) -> list[Partition]:
         """Every partition a step may run on (the engine prepares each one's decode graphs)."""
@@ -109,25 +111,52 @@ class Policy:
         raise NotImplementedError
 
     def ttft_plan(self, preview: StepPreview) -> StepPlan | None:
-        """With a TTFT objective (``ttft_s``): a mixed step whose oldest pending prompt has waited past the
-        objective less the margin computes all of that prompt this step can take (and more, as far as the
-        whole GPU fits the TPOT budget), on the whole GPU with the trainer held back, so that the prompt's
-        first token comes now; the step may then run past the TPOT budget: the objective the user set
-        bounds how far the TPOT budget may throttle prefill. None otherwise (the policy plans the step)."""
-        wait = preview.prefill_wait_s
-        if self.ttft_s is None or preview.kind != "mixed" or wait is None:
+        """With a TTFT objective (``ttft_s``): the step that keeps every pending prompt's first token within
+        the objective less the margin (its deadline), when the policy's own plan might not; None otherwise.
+
+        Prompts are computed in line (``preview.pieces``, their waits in ``prefill_waits``). The whole GPU,
+        the trainer held back, computes ``fit`` prefill tokens a step within the TPOT budget (``chunk``), a
+        step lasting ``period`` (its prediction). A prompt with ``c`` tokens up to its end needs
+        ``ceil(c / fit)`` such steps: once it would not get them if this step computed none of it, this step
+        is the whole GPU's with ``fit`` tokens, so a burst is drained at the TPOT budget before any prompt is
+        due. Where even that comes too late, the step takes enough to reach each prompt by its deadline in
+        the steps left (all of it when none is left), past the TPOT budget: the objective the user set bounds
+        how far the TPOT budget may throttle prefill. Without a mixed model: the first prompt, all of it,
+        once it is due."""
+        waits = preview.prefill_waits or (() if preview.prefill_wait_s is None else (preview.prefill_wait_s,))
+        if self.ttft_s is None or preview.kind != "mixed" or not waits:
             return None
-        if wait < self.ttft_s * (1.0 - self.margin):
-            return None
+        deadline = self.ttft_s * (1.0 - self.margin)
+        slack = [deadline - w for w in waits]
+        reach = list(accumulate(p.tokens for p in preview.pieces[: len(waits)]))
+        rate = self._full_prefill_rate  # tokens/s of the whole GPU at the budget, when last computed
+        if rate and all(s > 2.0 * (c / rate + self.budget_s) for s, c in zip(slack, reach, strict=True)):
+            return None  # far from every deadline: no bisection (it is host time in the token interval)
         full = self.ladder.full
-        n = preview.pieces[0].tokens
-        fit, _, _ = self.chunk(preview, full.infer_sms, False)
-        n = max(n, fit or 0)
+        fit, period, _ = self.chunk(preview, full.infer_sms, False)
+        if fit is None or period is None:
+            if slack[0] > 0:
+                return None
+            n = preview.pieces[0].tokens
+        else:
+            period = max(period, 1e-4)
+            self._full_prefill_rate = fit / period
+            n = 0
+            for s, c in zip(slack, reach, strict=True):
+                steps = -(-c // fit)
+                if s >= (steps + 1) * period:
+                    continue  # in time even if this step computed none of it
+                left = int(s // period)  # whole-GPU steps that end before its deadline, this one included
+                n = max(n, fit if left >= steps else -(-c // max(left, 1)))
+            if n == 0:
+                return None
+        n = min(n, preview.prefill_tokens)
         raw = predicted = None
         if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
             raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, False)
             predicted = raw * self.predictor.correction(full.infer_sms, False, mixed=True)
-        plan = paused(full, f"ttft: a prompt waited {wait * 1e3:.0f} ms: {n} prefill tokens now", predicted)
+        due = min(slack) + self.ttft_s * self.margin
+        plan = paused(full, f"ttft: a prompt due in {due * 1e3:.0f} ms: {n} prefill tokens now", predicted)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
         return plan
 
