@@ -205,10 +205,38 @@ def best_single_static(cells: dict[str, dict[str, Any]]) -> str | None:
     return max(sorted(candidates), key=mean_tokens)
 
 
+def top_split(matrix: dict[str, Any]) -> str | None:
+    """``static:N`` of the largest decode share that leaves the trainer SMs (the ladder's last rung with a
+    trainer), from the run's set-up or, in a merged matrix, its calls'; None when no set-up says."""
+    setups = [matrix.get("setup") or {}, *((c or {}).get("setup") or {} for c in matrix.get("calls", []))]
+    for setup in setups:
+        rungs = (setup.get("ladder") or {}).get("rungs") or []
+        shares = [r["infer_sms"] for r in rungs if r.get("train_sms", 0) > 0]
+        if shares:
+            return f"static:{max(shares)}"
+    return None
+
+
+def best_other_baseline(cell: dict[str, Any]) -> str | None:
+    """The clean policy other than harli and the fixed splits (``temporal``: training only while the engine
+    is idle; ``streams``) with the most finetune tokens/s; None when none is clean."""
+    clean = [
+        (name, row)
+        for name, row in cell["policies"].items()
+        if name != "harli" and not name.startswith("static:") and "error" not in row and row.get("clean")
+    ]
+    return max(clean, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=(None, None))[0]
+
+
 def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
-    """Each bar of the co-location issues, per cell and overall. A cell fails when no fixed split is clean
-    (there is nothing honest to compare against) or harli is not clean."""
+    """Each bar of the co-location issues, per cell and overall. harli must be clean and beat the best clean
+    fixed split. Where none is clean, the cell passes only if the sweep ran the largest decode share that
+    leaves the trainer SMs (``top_split``) and it was not clean either: no fixed split keeps this objective
+    while training, and harli is judged against the best other clean baseline (``best_baseline``, e.g.
+    training only while the engine is idle, which must have run; none clean: training not at all).
+    Otherwise a cell without a clean fixed split fails: the sweep did not show that none exists."""
     cells_out, ok = {}, True
+    top = top_split(matrix)
     for obj_name, obj in matrix.get("objectives", {}).items():
         for key, cell in obj.get("cells", {}).items():
             trace, load_name = key.split("/", 1)
@@ -217,6 +245,17 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
             base = cell["policies"].get(best) if best else None
             v: dict[str, Any] = {"harli_clean": bool(harli.get("clean")), "best_static": best}
             tok = harli.get("finetune_tokens_per_s")
+            top_row = cell["policies"].get(top) if top else None
+            v["no_fixed_split_clean"] = bool(
+                base is None and top_row is not None and "error" not in top_row and not top_row.get("clean")
+            )
+            temporal = cell["policies"].get("temporal")
+            if v["no_fixed_split_clean"] and tok is not None and temporal and "error" not in temporal:
+                other = best_other_baseline(cell)
+                other_tok = cell["policies"][other]["finetune_tokens_per_s"] if other else 0.0
+                v["best_baseline"] = other
+                v["vs_best_baseline"] = tok / other_tok if other_tok else None  # None: only harli trains
+                v["beats_best_baseline"] = not other_tok or tok / other_tok >= 1 - NOISE
             if base is not None and tok is not None:
                 v["vs_best_static"] = (
                     tok / base["finetune_tokens_per_s"] if base["finetune_tokens_per_s"] else None
@@ -234,11 +273,14 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
             solo = matrix.get("standalone", {}).get("whole_gpu_tokens_per_s")
             if load_name == "light" and solo and tok is not None:
                 v["fraction_of_standalone"] = tok / solo
+            beats = (
+                bool(v.get("beats_best_static") and v.get("share_efficiency_ok"))
+                if base is not None
+                else bool(v.get("beats_best_baseline"))
+            )
             v["pass"] = bool(
                 v["harli_clean"]
-                and base is not None
-                and v.get("beats_best_static")
-                and v.get("share_efficiency_ok")
+                and beats
                 and (trace != "varying" or (v.get("vs_best_single_static") or 0) >= VARYING_BAR)
                 and (load_name != "light" or (v.get("fraction_of_standalone") or 0) >= LIGHT_FRACTION_BAR)
             )
@@ -306,6 +348,7 @@ def table(matrix: dict[str, Any]) -> str:
             b = cell["policies"].get(best, {}) if best else {}
             single = obj.get("traces", {}).get(key.split("/")[0], {}).get("best_single_static")
             v = verdicts.get(f"{obj_name} {key}", {})
+            other = cell["policies"].get(v.get("best_baseline") or "", {})
             rows.append(
                 [
                     obj_name,
@@ -315,9 +358,9 @@ def table(matrix: dict[str, Any]) -> str:
                     _f(h.get("tpot_attainment"), 3),
                     _f(h.get("violation_rate"), 4),
                     _f((h.get("ttft_ms") or {}).get("p99"), 0),
-                    best or "none clean",
-                    _f(b.get("finetune_tokens_per_s"), 0),
-                    _f(v.get("vs_best_static"), 2),
+                    best or _no_split(v, cell),
+                    _f((b or other).get("finetune_tokens_per_s"), 0),
+                    _f(v.get("vs_best_static", v.get("vs_best_baseline")), 2),
                     single or "-",
                     _f(v.get("vs_best_single_static"), 2),
                     _f(cell.get("ideal_tokens_per_s"), 0),
@@ -330,6 +373,15 @@ def table(matrix: dict[str, Any]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
     fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
     return "\n".join([fmt(head), *map(fmt, rows)])
+
+
+def _no_split(v: dict[str, Any], cell: dict[str, Any]) -> str:
+    """The best-static column of a cell without a clean fixed split: the baseline judged instead, if any."""
+    if not v.get("no_fixed_split_clean"):
+        return "none clean"
+    if "best_baseline" not in v:
+        return "none clean; temporal not run"
+    return f"none clean; {v['best_baseline'] or 'no training'}"
 
 
 def _f(v: float | None, digits: int) -> str:

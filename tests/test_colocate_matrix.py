@@ -127,3 +127,45 @@ def test_a_cell_run_over_two_calls_keeps_both_calls_rows(tmp_path):
     assert sorted(only["policies"]) == ["harli", "streams"] and only["ideal_tokens_per_s"] == 14000.0
     path = cm.write(tmp_path / "m.json.gz", merged)
     assert path.read_bytes()[:2] == b"\x1f\x8b" and cm.load(path) == json.loads(json.dumps(merged))
+
+
+def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_best_other_baseline():
+    # The sweep ran up to static:112, the largest decode share that leaves the trainer SMs (the ladder's
+    # last rung with a trainer), and none was clean: harli is judged against the best clean other baseline.
+    rungs = [{"infer_sms": s, "train_sms": 132 - s} for s in (16, 80, 96, 112, 132)]
+    statics = {"static:96": row(5000.0, clean=False), "static:112": row(3000.0, clean=False)}
+    exhausted = cell(harli=row(8000.0), temporal=row(3500.0), streams=row(11000.0, clean=False), **statics)
+    beaten = cell(harli=row(3000.0), temporal=row(3500.0), **statics)
+    no_temporal = cell(harli=row(8000.0), **statics)  # the alternative was not measured: nothing to judge by
+    short = cell(harli=row(8000.0), temporal=row(3500.0), **{"static:96": row(5000.0, clean=False)})
+    nothing_trains = cell(harli=row(8000.0), temporal=row(3500.0, clean=False), **statics)
+    matrix = {
+        "setup": {"ladder": {"rungs": rungs}},
+        "objectives": {
+            "auto:2": {
+                "cells": {
+                    "bursty/medium": exhausted,
+                    "bursty/heavy": beaten,
+                    "steady/medium": no_temporal,
+                    "steady/heavy": short,
+                    "varying/1x": nothing_trains,
+                }
+            }
+        },  # fmt: skip
+        "standalone": {"by_train_sms": {str(k): v for k, v in RATES.items()}},
+    }
+    assert cm.top_split(matrix) == "static:112"
+    v = cm.finish(matrix)["verdict"]["cells"]
+    medium = v["auto:2 bursty/medium"]
+    assert medium["no_fixed_split_clean"] and medium["best_baseline"] == "temporal"  # streams is not clean
+    assert medium["vs_best_baseline"] == pytest.approx(8000 / 3500) and medium["pass"]
+    assert not v["auto:2 bursty/heavy"]["pass"]  # harli trains less than training while idle
+    assert not v["auto:2 steady/medium"]["pass"] and "best_baseline" not in v["auto:2 steady/medium"]
+    assert not v["auto:2 steady/heavy"]["no_fixed_split_clean"] and not v["auto:2 steady/heavy"]["pass"]
+    assert v["auto:2 varying/1x"]["best_baseline"] is None  # only harli trains within the objective
+    assert v["auto:2 varying/1x"]["vs_best_baseline"] is None
+    text = cm.table(matrix)
+    assert "none clean; temporal" in text and "none clean; temporal not run" in text
+    assert "none clean; no training" in text
+    # A merged matrix finds the ladder in its calls' set-ups.
+    assert cm.top_split({"calls": [{"setup": None}, {"setup": {"ladder": {"rungs": rungs}}}]}) == "static:112"
