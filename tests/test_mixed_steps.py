@@ -9,7 +9,7 @@ import pytest
 
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.mixed_model import MixedStepModel, attention_pairs
-from harli_train.colocate.policy import MIN_CHUNK, largest_chunk, make_policy
+from harli_train.colocate.policy import DRAIN_HEADROOM, MIN_CHUNK, largest_chunk, make_policy
 from harli_train.colocate.predictor import LatencyPredictor, split_samples
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder
@@ -186,25 +186,30 @@ def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_befo
     monkeypatch,
 ):
     # Four prompts of 300 tokens, each waited 100 ms of a 180 ms deadline (0.2 s less the 10 % margin). The
-    # whole GPU computes `fit` tokens a step within the TPOT budget, so the fourth needs 4 such steps: one
-    # step more on the policy's own share would be too late. The step goes to the whole GPU, the trainer
-    # held back, with `fit` tokens and within the TPOT budget, although no prompt is due yet.
+    # whole GPU computes `fit` tokens a step within the TPOT budget, so the fourth needs 4 such steps, and
+    # twice their time (DRAIN_HEADROOM) plus this step is more than is left. The step goes to the whole GPU,
+    # the trainer held back, with `fit` tokens and within the TPOT budget, although no prompt is due yet.
     ladder = SMLadder.cpu_standin(TOTAL, 16)
     pred = mixed_predictor(ladder.shares)
     tpot, margin = 0.0201, 0.1
     budget = tpot * (1 - margin)
     pieces = tuple(PrefillPiece(300, 0, 0) for _ in range(4))
+    assert DRAIN_HEADROOM == 2.0
     for name in ("harli", "static:32"):
         policy = make_policy(name, ladder, pred, tpot, margin)
         policy.ttft_s = 0.2
         burst = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.1, prefill_waits=(0.1,) * 4)
         fit, period, _ = largest_chunk(pred, burst, ladder.full.infer_sms, False, budget)
-        assert 300 < fit < 1200 and 3 * period < 0.08 < 5 * period  # the case the comment describes
+        assert 300 < fit < 600 and (2 * 4 + 1) * period > 0.08 > 4 * period  # the case the comment describes
         plan = policy.plan(burst)
         assert plan.reason.startswith("ttft") and plan.paused and plan.partition is ladder.full
         assert plan.prefill_tokens == fit and plan.predicted_s <= budget and not plan.corun
-        # The same burst just arrived: every prompt in time on the policy's own share.
-        fresh = dataclasses.replace(burst, prefill_wait_s=0.0, prefill_waits=(0.0,) * 4)
+        # The trainer's queued work still runs on the whole GPU: the step is predicted (and sized) co-run.
+        policy.trainer_busy = lambda: True
+        assert policy.plan(burst).corun
+        policy.trainer_busy = lambda: False
+        # Two of them just arrived under a 0.5 s objective: in time on the policy's own share.
+        fresh = StepPreview(2, 40, pieces[:2], mixed=True, prefill_wait_s=0.0, prefill_waits=(0.0, 0.0))
         calls: list[tuple] = []
 
         def counted(self, *a, _calls=calls, _predict=LatencyPredictor.predict_mixed, **k):
@@ -212,8 +217,11 @@ def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_befo
             return _predict(self, *a, **k)
 
         monkeypatch.setattr(LatencyPredictor, "predict_mixed", counted)
+        policy.ttft_s = 0.5
         assert policy.ttft_plan(fresh) is None
         assert calls == []  # far from every deadline, known from the last step: no bisection
+        policy.ttft_s = 0.2
+        assert policy.ttft_plan(fresh) is None and calls  # 2 steps fit twice over in 180 ms, but not far
         monkeypatch.undo()
 
 

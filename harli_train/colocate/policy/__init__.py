@@ -16,7 +16,13 @@ Every policy answers one question per engine step with a ``StepPlan`` (``plan.py
 
 from __future__ import annotations
 
-from harli_train.colocate.policy.base import MIN_CHUNK, ControlledPolicy, Policy, largest_chunk
+from harli_train.colocate.policy.base import (
+    DRAIN_HEADROOM,
+    MIN_CHUNK,
+    ControlledPolicy,
+    Policy,
+    largest_chunk,
+)
 from harli_train.colocate.policy.fixed import ExclusivePolicy, StaticPolicy, split_rung
 from harli_train.colocate.policy.harli import HarliPolicy
 from harli_train.colocate.policy.plan import AFTER, BESIDE, IDLE_HORIZON_S, NONE, StepPlan
@@ -31,6 +37,7 @@ __all__ = [
     "AFTER",
     "BESIDE",
     "IDLE_HORIZON_S",
+    "DRAIN_HEADROOM",
     "MIN_CHUNK",
     "NONE",
     "ControlledPolicy",

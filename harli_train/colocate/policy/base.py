@@ -14,6 +14,11 @@ from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.engine.scheduler import StepPreview
 
 MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
+# A backlog of prompts is drained on the whole GPU once this many times the time it needs there is all that
+# is left before a prompt's deadline (ttft_plan). The time is predicted: on the H200 whole-GPU mixed steps
+# ran at 0.69x their prediction at the median, and 1.5x beside the trainer's queued work; a drain started
+# at the last moment had to go past the TPOT budget in most of its steps.
+DRAIN_HEADROOM = 2.0
 
 
 def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: int, corun: bool) -> float:
@@ -115,14 +120,15 @@ class Policy:
         the objective less the margin (its deadline), when the policy's own plan might not; None otherwise.
 
         Prompts are computed in line (``preview.pieces``, their waits in ``prefill_waits``). The whole GPU,
-        the trainer held back, computes ``fit`` prefill tokens a step within the TPOT budget (``chunk``), a
-        step lasting ``period`` (its prediction). A prompt with ``c`` tokens up to its end needs
-        ``ceil(c / fit)`` such steps: once it would not get them if this step computed none of it, this step
-        is the whole GPU's with ``fit`` tokens, so a burst is drained at the TPOT budget before any prompt is
-        due. Where even that comes too late, the step takes enough to reach each prompt by its deadline in
-        the steps left (all of it when none is left), past the TPOT budget: the objective the user set bounds
-        how far the TPOT budget may throttle prefill. Without a mixed model: the first prompt, all of it,
-        once it is due."""
+        the trainer launching nothing new (what it queued runs on: the step is predicted as co-run while
+        ``trainer_busy``), computes ``fit`` prefill tokens a step within the TPOT budget (``chunk``), a step
+        lasting ``period`` (its prediction). A prompt with ``c`` tokens up to its end needs
+        ``ceil(c / fit)`` such steps: once ``DRAIN_HEADROOM`` times the time they take, plus this step, is all
+        that is left before its deadline, this step is the whole GPU's with ``fit`` tokens, so a burst is
+        drained at the TPOT budget before any prompt is due. Where the steps left before a deadline are
+        fewer than it needs, the step takes enough to reach that prompt in them (all of it when none is
+        left), past the TPOT budget: the objective the user set bounds how far the TPOT budget may throttle
+        prefill. Without a mixed model: the first prompt, all of it, once it is due."""
         waits = preview.prefill_waits or (() if preview.prefill_wait_s is None else (preview.prefill_wait_s,))
         if self.ttft_s is None or preview.kind != "mixed" or not waits:
             return None
@@ -130,10 +136,11 @@ class Policy:
         slack = [deadline - w for w in waits]
         reach = list(accumulate(p.tokens for p in preview.pieces[: len(waits)]))
         rate = self._full_prefill_rate  # tokens/s of the whole GPU at the budget, when last computed
-        if rate and all(s > 2.0 * (c / rate + self.budget_s) for s, c in zip(slack, reach, strict=True)):
+        far = 2.0 * DRAIN_HEADROOM
+        if rate and all(s > far * (c / rate + self.budget_s) for s, c in zip(slack, reach, strict=True)):
             return None  # far from every deadline: no bisection (it is host time in the token interval)
-        full = self.ladder.full
-        fit, period, _ = self.chunk(preview, full.infer_sms, False)
+        full, corun = self.ladder.full, self.trainer_busy()
+        fit, period, _ = self.chunk(preview, full.infer_sms, corun)
         if fit is None or period is None:
             if slack[0] > 0:
                 return None
@@ -144,7 +151,7 @@ class Policy:
             n = 0
             for s, c in zip(slack, reach, strict=True):
                 steps = -(-c // fit)
-                if s >= (steps + 1) * period:
+                if s >= (DRAIN_HEADROOM * steps + 1) * period:
                     continue  # in time even if this step computed none of it
                 left = int(s // period)  # whole-GPU steps that end before its deadline, this one included
                 n = max(n, fit if left >= steps else -(-c // max(left, 1)))
@@ -153,11 +160,11 @@ class Policy:
         n = min(n, preview.prefill_tokens)
         raw = predicted = None
         if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
-            raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, False)
-            predicted = raw * self.predictor.correction(full.infer_sms, False, mixed=True)
+            raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, corun)
+            predicted = raw * self.predictor.correction(full.infer_sms, corun, mixed=True)
         due = min(slack) + self.ttft_s * self.margin
         plan = paused(full, f"ttft: a prompt due in {due * 1e3:.0f} ms: {n} prefill tokens now", predicted)
-        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, corun
         return plan
 
     def idle_plan(self) -> StepPlan:
