@@ -1174,3 +1174,26 @@ def test_prepared_synthetic_prompts_are_the_ones_submit_would_make():
         prompts[prepared] = [s.token_ids for s in engine.engine.scheduler.waiting]
         assert not engine._prompts  # each prepared prompt went to its request
     assert prompts[True] == prompts[False] and [len(p) for p in prompts[True]] == [17, 300, 5]
+
+
+def test_a_step_row_lists_only_the_trainer_micro_steps_still_on_the_gpu_as_the_step_started():
+    # The snapshot is as of the trainer's last launch: while it launches nothing (a paused step) its queue
+    # still names micro-steps that have ended since. A step row names those whose end event is not reached.
+    from harli_train.colocate.trainer_worker import TrainerSnapshot
+
+    class End:
+        def __init__(self, reached: bool) -> None:
+            self.reached = reached
+
+        def query(self) -> bool:
+            return self.reached
+
+    queue = ("fwd", "bwd", "bwd")
+    snap = TrainerSnapshot(
+        False, 3, 10, 1.0, 0.0, queue, None, None, False, 5, 0, (End(True), End(False), End(False))
+    )
+    assert snap.on_gpu() == ("bwd", "bwd")
+    snap.queue_ends[1].reached = snap.queue_ends[2].reached = True
+    assert snap.on_gpu() == ()
+    # A CPU stand-in records no events (its micro-steps run as they launch): the queue as it was.
+    assert TrainerSnapshot(False, 3, 10, 1.0, 0.0, ("fwd",), None, None, False, 5, 0).on_gpu() == ("fwd",)

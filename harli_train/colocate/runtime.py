@@ -300,6 +300,7 @@ class ColocatedRuntime:
         if plan.train == AFTER:
             worker.drain()  # same stream: the step must not queue behind the trainer's work
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
+        on_gpu = snap.on_gpu()  # its micro-steps still on the GPU as the step starts
         t_start = time.perf_counter()
         try:
             result = self.engine.step(plan.partition, plan.prefill_tokens)
@@ -314,7 +315,7 @@ class ColocatedRuntime:
         if result.kind == "idle":
             return
         end = t_end - self.t0
-        row = step_row(result, plan, measured, launched, snap)
+        row = step_row(result, plan, measured, launched, snap, on_gpu)
         if result.num_decode:
             # The step's token interval for its decode rows (from the last step that drew their tokens),
             # which the policy learns from: it is what the objective judges, host time between steps

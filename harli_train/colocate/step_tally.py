@@ -101,9 +101,12 @@ class StepTally:
         }
 
 
-def step_row(result: Any, plan: Any, measured_s: float, launched: int, trainer: Any) -> dict[str, Any]:
+def step_row(
+    result: Any, plan: Any, measured_s: float, launched: int, trainer: Any, on_gpu: tuple[str, ...]
+) -> dict[str, Any]:
     """An engine step's line of steps.jsonl: the engine's ``StepResult``, the ``StepPlan`` it ran under, its
-    measured latency, the micro-steps launched beside it and the ``TrainerSnapshot`` taken before it ran."""
+    measured latency, the micro-steps launched beside it, the ``TrainerSnapshot`` taken before it ran and
+    the kinds of the trainer's micro-steps still on the GPU as it started (``TrainerSnapshot.on_gpu``)."""
     return {
         "kind": result.kind,
         "batch": result.num_decode,
@@ -121,6 +124,6 @@ def step_row(result: Any, plan: Any, measured_s: float, launched: int, trainer: 
         "micro_steps": launched,
         "trainer_launching": trainer.in_round,
         "trainer_phase": trainer.launching_kind if trainer.in_round else None,
-        "trainer_queue": "+".join(trainer.queue),  # the trainer's micro-steps on the GPU
+        "trainer_queue": "+".join(on_gpu),
         "reason": plan.reason,
     }

@@ -56,6 +56,14 @@ class TrainerSnapshot:
     in_round: bool  # inside a launch round (its host work competes with decode's)
     launched_total: int
     oom_recoveries: int  # steps abandoned because the trainer ran out of memory, so far
+    queue_ends: tuple[Any, ...] = ()  # the end event of each micro-step in ``queue``
+
+    def on_gpu(self) -> tuple[str, ...]:
+        """The kinds in ``queue`` whose end event has not been reached now (queried): ``queue`` is as of the
+        last launch, so while the trainer launches nothing it still lists micro-steps that have ended."""
+        if len(self.queue_ends) != len(self.queue):
+            return self.queue
+        return tuple(k for k, end in zip(self.queue, self.queue_ends, strict=True) if not end.query())
 
 
 class TrainerWorker:
@@ -121,6 +129,7 @@ class TrainerWorker:
             in_round=self._in_round,
             launched_total=side.launched_total,
             oom_recoveries=side.oom_recoveries,
+            queue_ends=tuple(end for _, end, _ in side.in_flight),
         )
 
     def _publish(self) -> None:
