@@ -23,7 +23,8 @@ largest decode batch, each step also computing the prompt tokens per step the bu
 arrivals bring) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
-trace's one cell). First, the trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the
+trace's one cell), and ``temporal`` also in any cell where the sweep ran up to the largest split with a
+trainer and none was clean (the verdict then judges harli against it: colocate_matrix.verdict). First, the trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the
 standalone rates on the whole GPU and on every split's trainer SMs (or ``--standalone`` gives them back),
 from which colocate_matrix.py rates each policy (share efficiency) and each cell's ideal.
 
@@ -86,7 +87,7 @@ import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 import torch  # noqa: E402
 from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
-from colocate_sweep import prefill_per_step, start_share, sweep, top_up  # noqa: E402
+from colocate_sweep import no_split_clean, prefill_per_step, start_share, sweep, top_up  # noqa: E402
 from colocate_windows import OutOfTime, Windows  # noqa: E402
 
 from harli_train.colocate.assembly import assemble  # noqa: E402
@@ -190,6 +191,10 @@ def run_objective(
             for name in ("streams", "temporal"):
                 if name in args.policies:
                     window(name, cell)
+        elif "temporal" in args.policies and no_split_clean(static.get(cell.key), shares):
+            window(
+                "temporal", cell
+            )  # the baseline the verdict judges harli by where no split keeps the objective
     if static:
         by_key = {c.key: c for c in cells}
         out["single_split_top_ups"] = top_up(

@@ -233,8 +233,8 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
     fixed split. Where none is clean, the cell passes only if the sweep ran the largest decode share that
     leaves the trainer SMs (``top_split``) and it was not clean either: no fixed split keeps this objective
     while training, and harli is judged against the best other clean baseline (``best_baseline``, e.g.
-    training only while the engine is idle, which must have run; none clean: training not at all).
-    Otherwise a cell without a clean fixed split fails: the sweep did not show that none exists."""
+    training only while the engine is idle, which must have run). A cell with no clean baseline at all
+    fails, as does one without a clean fixed split where the sweep did not show that none exists."""
     cells_out, ok = {}, True
     top = top_split(matrix)
     for obj_name, obj in matrix.get("objectives", {}).items():
@@ -254,8 +254,8 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
                 other = best_other_baseline(cell)
                 other_tok = cell["policies"][other]["finetune_tokens_per_s"] if other else 0.0
                 v["best_baseline"] = other
-                v["vs_best_baseline"] = tok / other_tok if other_tok else None  # None: only harli trains
-                v["beats_best_baseline"] = not other_tok or tok / other_tok >= 1 - NOISE
+                v["vs_best_baseline"] = tok / other_tok if other_tok else None
+                v["beats_best_baseline"] = bool(other_tok) and tok / other_tok >= 1 - NOISE
             if base is not None and tok is not None:
                 v["vs_best_static"] = (
                     tok / base["finetune_tokens_per_s"] if base["finetune_tokens_per_s"] else None

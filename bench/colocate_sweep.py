@@ -101,6 +101,12 @@ def sweep(
     return ran
 
 
+def no_split_clean(ran: dict[int, Row] | None, shares: list[int]) -> bool:
+    """Whether a cell's sweep (``ran``: its rows by share) ran the largest split that leaves the trainer SMs
+    (the last of ``shares``, the spatial splits) and found no clean split at all."""
+    return bool(ran) and shares[-1] in ran and not any(clean(r) for r in ran.values())
+
+
 def single_split(ran: dict[str, dict[int, Row]], shares: list[int]) -> int | None:
     """The split to run in every cell of a trace (``ran``: each cell's rows by share) for its best single
     split: the least share above the largest one that was not clean in any cell. None when that is past the

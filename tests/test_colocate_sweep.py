@@ -126,3 +126,13 @@ def test_a_dry_run_cell_thins_and_speeds_up_the_same_load():
     assert all(r.prompt_len <= 48 and r.output_len <= 24 for r in dry.requests)
     assert max(r.arrival_s * dry.time_scale for r in dry.requests) == pytest.approx(0.8)
     assert dry.requests[-1].arrival_s > 40  # spread over the whole 60 s of trace, not its first burst
+
+
+def test_no_split_clean_needs_the_largest_split_run_and_every_split_unclean():
+    shares = [16, 32, 48, 64, 80, 96, 112]
+    bad, good = {"clean": False, "finetune_tokens_per_s": 1.0}, {"clean": True, "finetune_tokens_per_s": 1.0}
+    assert cs.no_split_clean({80: bad, 96: bad, 112: bad}, shares)
+    assert not cs.no_split_clean({80: bad, 96: bad}, shares)  # the sweep stopped short of the largest
+    assert not cs.no_split_clean({80: bad, 96: good, 112: bad}, shares)
+    assert not cs.no_split_clean({112: {"error": "out of memory"}, 96: good}, shares)
+    assert not cs.no_split_clean({}, shares) and not cs.no_split_clean(None, shares)
