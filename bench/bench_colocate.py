@@ -29,8 +29,8 @@ standalone rates on the whole GPU and on every split's trainer SMs (or ``--stand
 from which colocate_matrix.py rates each policy (share efficiency) and each cell's ideal.
 
 Every policy is held to the same TTFT objective, ``--ttft-ms`` (default 1000 ms; the recipe key
-``colocation.ttft_ms``): a prompt that has waited that long less the margin is computed at once on the whole
-GPU, and ``clean`` needs 99 % of the window's requests to have their first token within it, a request
+``colocation.ttft_ms``): every policy computes a backlog of prompts on the whole GPU in time for each to
+wait at most that long less the margin (``Policy.ttft_plan``), and ``clean`` needs 99 % of the window's requests to have their first token within it, a request
 without one counting its wait so far. Without it a fixed split too small for the load's prefill "meets" the
 TPOT objective by letting prompts queue: on the H200 at auto:2, steady/heavy, static:64 kept every token
 interval within 13.7 ms while 34 of 115 requests never got a first token and the rest waited 2.5 s at the
@@ -295,8 +295,8 @@ def parse_args() -> argparse.Namespace:
     add(
         "--ttft-ms",
         default="1000",
-        help="the TTFT objective every policy is held to (colocation.ttft_ms: a prompt waiting that long is "
-        "computed at once) and judged by (clean needs 99%% of requests' TTFT, or wait so far, within it); "
+        help="the TTFT objective every policy is held to (colocation.ttft_ms: backlogs of prompts drained on "
+        "the whole GPU in time) and judged by (clean needs 99%% of requests' TTFT, or wait so far, within it); "
         "'none': TPOT alone",
     )
     add(

@@ -199,8 +199,9 @@ class ColocationSection:
 
     policy: str = key("harli", "str", _POLICY)
     tpot_ms: float = key(50.0, "float", above(0))
-    # A time-to-first-token objective: a prompt that has waited this long less the margin has its prefill run
-    # whole in the next step, past the TPOT budget if need be (None: the TPOT budget alone sizes prefill).
+    # A time-to-first-token objective: a backlog of prompts is computed on the whole GPU at the TPOT budget in
+    # time for each to have waited at most this long less the margin, past the budget only for a prompt that
+    # cannot be reached in time (Policy.ttft_plan; None: the TPOT budget alone sizes prefill).
     ttft_ms: float | None = key(None, "float", above(0), optional=True)
     margin: float = key(DEFAULT_MARGIN, "float", within(0, 0.9))
     trace: str | None = key(None, "path", EXISTS, optional=True)

@@ -21,10 +21,14 @@ DEFAULT_LEARN_MARGIN = False
 # harli:stride=N: the trainer launches on every N-th rung (each rung's stream caches its own working set; the
 # set-up's stream fit widens the stride further when the memory holds fewer rungs).
 DEFAULT_TRAINER_STRIDE = 2
+# harli:backward=on: a mixed step planned with a trainer backward on the GPU is sized by the quantile of the
+# recent ones (LatencyPredictor.correction). Off until an A/B on the GPU says otherwise.
+DEFAULT_BACKWARD_AWARE = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE})"
+    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
+    f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'})"
 )
 
 
@@ -46,6 +50,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["learn_margin"] = value == "learn"
         elif key == "stride" and re.fullmatch(r"[1-9]\d*", value):
             out["trainer_stride"] = int(value)
+        elif key == "backward" and value in ("on", "off"):
+            out["backward_aware"] = value == "on"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -58,6 +64,7 @@ def harli_name(
     settle: bool = DEFAULT_SETTLE,
     learn_margin: bool = DEFAULT_LEARN_MARGIN,
     trainer_stride: int = DEFAULT_TRAINER_STRIDE,
+    backward_aware: bool = DEFAULT_BACKWARD_AWARE,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -71,6 +78,8 @@ def harli_name(
         options.append(f"margin={'learn' if learn_margin else 'fixed'}")
     if trainer_stride != DEFAULT_TRAINER_STRIDE:
         options.append(f"stride={trainer_stride}")
+    if backward_aware != DEFAULT_BACKWARD_AWARE:
+        options.append(f"backward={'on' if backward_aware else 'off'}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

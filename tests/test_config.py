@@ -320,6 +320,7 @@ def test_bad_policy(tmp_path, policy):
         "harli:ahead=on,grow=0",
         "harli:settle=on,margin=learn",
         "harli:stride=1",
+        "harli:backward=on",
         "exclusive:48",
     ],
 )

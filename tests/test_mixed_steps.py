@@ -388,3 +388,47 @@ def test_the_trainer_counts_as_busy_until_its_last_queued_micro_step_has_ended()
     assert busy(queued)
     end.done = True
     assert not busy(queued)
+
+
+def test_harli_backward_on_sizes_a_mixed_step_beside_a_trainer_backward_by_the_steps_seen_beside_one():
+    # `harli:backward=on`: mixed steps planned with a trainer backward on the GPU keep a quantile of their own
+    # (on the H200 they ran to 1.28x their prediction at the 98th percentile, those beside a forward 0.99x).
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    pred.alpha = 0.1  # the corrections decay, as in a run
+    harli = make_policy("harli:backward=on", ladder, pred, 0.0201, 0.1)
+    assert (
+        harli.name == "harli:backward=on" and make_policy("harli", ladder, pred, 0.0201, 0.1).name == "harli"
+    )
+    on_gpu: list[tuple[str, ...]] = [("bwd",)]
+    harli.trainer_on_gpu = lambda: on_gpu[0]
+    preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
+    before = harli.plan(preview)
+    assert before.beside_backward and not before.paused
+    # Eight steps beside a backward ran 1.3x their raw prediction, then 64 beside a forward 0.9x: only the
+    # backward's quantile remembers the slow ones.
+    for _ in range(8):
+        harli.observe(before, before.mixed_raw_s * 1.3)
+    assert len(pred._mixed_q[2]) == 8
+    on_gpu[0] = ("fwd",)
+    plain = harli.plan(preview)
+    assert not plain.beside_backward
+    for _ in range(64):
+        harli.observe(plain, plain.mixed_raw_s * 0.9)
+    assert len(pred._mixed_q[2]) == 8  # a step beside a forward feeds only the co-run quantile
+    sms = before.partition.infer_sms
+    slow = pred.correction(sms, True, mixed=True, beside_backward=True)
+    assert slow >= 1.3 > pred.correction(sms, True, mixed=True) + 0.1
+    beside_fwd = harli.plan(preview)
+    on_gpu[0] = ("fwd", "bwd")
+    beside_bwd = harli.plan(preview)
+    assert beside_bwd.beside_backward and beside_bwd.predicted_s <= harli.budget_s
+    # The slow quantile buys a smaller chunk, or a larger share for the same chunk.
+    assert (beside_bwd.prefill_tokens, -beside_bwd.partition.infer_sms) < (
+        beside_fwd.prefill_tokens,
+        -beside_fwd.partition.infer_sms,
+    )
+    # Off (the default), the backward on the GPU changes nothing.
+    off = make_policy("harli", ladder, pred, 0.0201, 0.1)
+    off.trainer_on_gpu = lambda: ("bwd",)
+    assert not off.plan(preview).beside_backward

@@ -200,7 +200,9 @@ def test_make_policy_names_and_shapes():
         "paused",
         0.1,
     )
-    for bad in ("harli:grow=0.5", "harli:grow=x", "harli:speed=2"):
+    assert make_policy("harli:backward=on,stride=3", ladder, pred, 0.05).name == "harli:stride=3,backward=on"
+    assert make_policy("harli:backward=off", ladder, pred, 0.05).name == "harli"
+    for bad in ("harli:grow=0.5", "harli:grow=x", "harli:speed=2", "harli:backward=yes"):
         with pytest.raises(ValueError, match="unknown harli option"):
             make_policy(bad, ladder, pred, 0.05)
     # The streams each policy's trainer launches on (the ones warmed up before serving).

@@ -81,7 +81,8 @@ class LatencyPredictor:
     # Correction factors by family: decode solo, decode co-run, mixed solo, mixed co-run.
     _glob: list[float] = field(default_factory=lambda: [1.0] * 4, repr=False)  # GPU-wide
     _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
-    _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)  # solo, co-run
+    # solo, co-run, and co-run beside a trainer backward (the backward-aware floor: ``beside_backward``)
+    _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -89,7 +90,7 @@ class LatencyPredictor:
         self.shares = sorted(self.shares)
         self._rows = {s: self._fold(s) for s in self.shares}
         q = (self.mixed_quantile, self.mixed_window, self.mixed_min_samples)
-        self._mixed_q = (RecentQuantile(*q), RecentQuantile(*q))
+        self._mixed_q = (RecentQuantile(*q), RecentQuantile(*q), RecentQuantile(*q))
 
     # --- fitting ---------------------------------------------------------------------------------------
 
@@ -265,17 +266,24 @@ class LatencyPredictor:
     # --- online correction -----------------------------------------------------------------------------
 
     def observe(
-        self, infer_sms: int, corun: bool, measured_s: float, raw_predicted_s: float, mixed: bool = False
+        self,
+        infer_sms: int,
+        corun: bool,
+        measured_s: float,
+        raw_predicted_s: float,
+        mixed: bool = False,
+        beside_backward: bool = False,
     ) -> float:
         """Fold a measured step latency into the share's correction; returns the new correction factor.
 
         ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``, or
-        ``predict_mixed`` for a mixed step).
+        ``predict_mixed`` for a mixed step). ``beside_backward``: a co-run mixed step planned with a trainer
+        backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``).
         """
         family = int(corun) + 2 * mixed
         raw = raw_predicted_s
         if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
-            return self.correction(infer_sms, corun, mixed)
+            return self.correction(infer_sms, corun, mixed, beside_backward)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
@@ -286,7 +294,9 @@ class LatencyPredictor:
         self._relax_unused(infer_sms, family)
         if mixed:
             self._mixed_q[int(corun)].add(ratio)
-        return self.correction(infer_sms, corun, mixed)
+            if corun and beside_backward:
+                self._mixed_q[2].add(ratio)
+        return self.correction(infer_sms, corun, mixed, beside_backward)
 
     def _relax_unused(self, infer_sms: int, family: int) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
@@ -304,13 +314,22 @@ class LatencyPredictor:
                 if factors[fam] > glob and (sms != infer_sms or fam != family):
                     factors[fam] -= a * (factors[fam] - glob)
 
-    def correction(self, infer_sms: int, corun: bool, mixed: bool = False) -> float:
+    def correction(
+        self, infer_sms: int, corun: bool, mixed: bool = False, beside_backward: bool = False
+    ) -> float:
         """The factor ``predict`` (``predict_mixed``) applies on ``infer_sms``: the larger of the share's and
-        the GPU-wide one."""
+        the GPU-wide one; a mixed step's is at least its family's floor (``_mixed_floor``), and a co-run one
+        ``beside_backward`` at least the quantile of the recent steps observed beside a backward, once there
+        are enough (a backward's kernels slow a mixed step beside them more than a forward's: on the H200,
+        measured / predicted at the 98th percentile 1.28 against 0.99)."""
         family = int(corun) + 2 * mixed
         corr = self._corr.get(infer_sms)
         factor = max(1.0 if corr is None else corr[family], self._glob[family])
-        return max(factor, self._mixed_floor(int(corun))) if mixed else factor
+        if not mixed:
+            return factor
+        factor = max(factor, self._mixed_floor(int(corun)))
+        backward = self._mixed_q[2].value if corun and beside_backward else None
+        return factor if backward is None else max(factor, backward)
 
     def _mixed_floor(self, kind: int) -> float:
         """The least correction of mixed steps (``kind`` 0: solo, 1: co-run): the quantile of the recent

@@ -83,6 +83,7 @@ class ColocatedRuntime:
             on_optimizer_step=live.after_optimizer_step if live is not None else None,
         )
         policy.trainer_busy = self.worker.gpu_busy
+        policy.trainer_on_gpu = lambda: self.worker.snapshot.on_gpu()
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
         engine.warm_up([*policy.partitions(), policy.ladder.full])

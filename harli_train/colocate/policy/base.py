@@ -37,21 +37,34 @@ def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: 
 
 
 def chunk_fits(
-    predictor: LatencyPredictor, preview: StepPreview, n: int, sms: int, corun: bool, budget_s: float
+    predictor: LatencyPredictor,
+    preview: StepPreview,
+    n: int,
+    sms: int,
+    corun: bool,
+    budget_s: float,
+    beside_backward: bool = False,
 ) -> bool:
     """Whether the mixed step of ``preview`` with ``n`` prefill tokens on ``sms`` is predicted within
     ``budget_s`` (corrected as ``largest_chunk`` corrects it): one prediction."""
-    corr = predictor.correction(sms, corun, mixed=True)
+    corr = predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward)
     return mixed_raw_s(predictor, preview, n, sms, corun) * corr <= budget_s
 
 
 def largest_chunk(
-    predictor: LatencyPredictor, preview: StepPreview, sms: int, corun: bool, budget_s: float
+    predictor: LatencyPredictor,
+    preview: StepPreview,
+    sms: int,
+    corun: bool,
+    budget_s: float,
+    beside_backward: bool = False,
 ) -> tuple[int, float, float]:
     """The most prefill tokens of ``preview`` whose mixed step on ``sms`` is predicted within ``budget_s``
     (at least ``MIN_CHUNK`` or all that is pending, whichever is less), with the step's corrected and raw
-    prediction. The cost grows with the tokens, so a bisection finds it in ~log2(pending) predictions."""
-    corr = predictor.correction(sms, corun, mixed=True)
+    prediction (``beside_backward``: corrected as a co-run step beside a trainer backward, see
+    ``LatencyPredictor.correction``). The cost grows with the tokens, so a bisection finds it in
+    ~log2(pending) predictions."""
+    corr = predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward)
 
     def raw(n: int) -> float:
         return mixed_raw_s(predictor, preview, n, sms, corun)
@@ -89,6 +102,8 @@ class Policy:
         # Whether the trainer may have work on the GPU now (the runtime's TrainerWorker.gpu_busy): a plan
         # that pauses the trainer launches nothing new, but what it queued runs on.
         self.trainer_busy: Callable[[], bool] = lambda: False
+        # The kinds of the trainer's micro-steps on the GPU now (the runtime's TrainerSnapshot.on_gpu).
+        self.trainer_on_gpu: Callable[[], tuple[str, ...]] = lambda: ()
         self.step_estimate = Ewma(self.budget_s / 2)
         self.predictor = predictor
         self._full_prefill_rate: float | None = None  # see ttft_plan
@@ -196,7 +211,9 @@ class Policy:
     def observe(self, plan: StepPlan, measured_s: float) -> None:
         """The measured latency of the step ``plan`` planned."""
         if plan.mixed_raw_s is not None and self.predictor is not None:
-            self.predictor.observe(plan.partition.infer_sms, plan.corun, measured_s, plan.mixed_raw_s, True)
+            self.predictor.observe(
+                plan.partition.infer_sms, plan.corun, measured_s, plan.mixed_raw_s, True, plan.beside_backward
+            )
             return
         self.step_estimate.update(measured_s)
 

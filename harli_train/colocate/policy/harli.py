@@ -10,6 +10,9 @@ has nothing left on it: a pause launches nothing new, but the micro-steps it que
 decode steps alone on its share, the trainer paused, and the prefill waits (docs/design.md has the
 measurement).
 
+``backward_aware`` (``harli:backward=on``) sizes a mixed step beside the trainer by the recent mixed steps
+planned with a trainer backward on the GPU, when one is there now (``LatencyPredictor.correction``).
+
 ``grow_headroom`` (``harli:grow=H``, ``grow=0`` off) anticipates a grow: while decode's predicted step on its
 share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger share
 too, since a grow would otherwise land on SMs where the trainer's queued work still runs.
@@ -26,6 +29,7 @@ from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.engine.scheduler import StepPreview
 from harli_train.policy_names import (
+    DEFAULT_BACKWARD_AWARE,
     DEFAULT_GROW_HEADROOM,
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
@@ -57,11 +61,15 @@ class HarliPolicy(ControlledPolicy):
         prefill_floor: int = 128,
         settle: bool = DEFAULT_SETTLE,
         learn_margin: bool = DEFAULT_LEARN_MARGIN,
+        backward_aware: bool = DEFAULT_BACKWARD_AWARE,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
         super().__init__(ladder, tpot_s, margin, predictor)
-        self.name = harli_name(prefill, grow_headroom, prefill_ahead, settle, learn_margin, trainer_stride)
+        self.name = harli_name(
+            prefill, grow_headroom, prefill_ahead, settle, learn_margin, trainer_stride, backward_aware
+        )
+        self.backward_aware = backward_aware
         self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
         self._held = False  # the last plan paused the trainer
         self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
@@ -118,15 +126,18 @@ class HarliPolicy(ControlledPolicy):
         floor = min(self.prefill_floor, preview.prefill_tokens)
         own, _ = self.controller.target(b, kv, preview.lora_slots)
         start = own.infer_sms if own is not None else self.ladder.total_sms
+        backward = self.backward_aware and any(k in ("bwd", "rebuild") for k in self.trainer_on_gpu())
         if not self.ladder.time_sliced:
             for part in self.ladder.spatial:
                 # One prediction rules out a share where even the floor does not fit; the bisection runs on
                 # the share chosen (a mixed step's planning is host time inside its token interval).
                 if part.infer_sms < start or not chunk_fits(
-                    self.predictor, preview, floor, part.infer_sms, True, self.budget_s
+                    self.predictor, preview, floor, part.infer_sms, True, self.budget_s, backward
                 ):
                     continue
-                n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s)
+                n, t, raw = largest_chunk(
+                    self.predictor, preview, part.infer_sms, True, self.budget_s, backward
+                )
                 if n >= floor and t <= self.budget_s:
                     trainer = self.rungs.beside(part.infer_sms)
                     if trainer is None or trainer.exclusive:
@@ -139,7 +150,7 @@ class HarliPolicy(ControlledPolicy):
                         f"mixed: {part.infer_sms} SMs fit {n} prefill tokens",
                         transient=True,
                     )
-                    plan.prefill_tokens, plan.mixed_raw_s = n, raw
+                    plan.prefill_tokens, plan.mixed_raw_s, plan.beside_backward = n, raw, backward
                     return plan
         if not self.ladder.time_sliced and (not self._held or self.trainer_busy()):
             return self._clear_gpu(preview)

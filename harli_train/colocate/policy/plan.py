@@ -38,6 +38,7 @@ class StepPlan:
     prefill_tokens: int | None = None  # the prefill budget of the step (None: the engine's default)
     mixed_raw_s: float | None = None  # a mixed step: the uncorrected prediction, for the online correction
     corun: bool = True  # the prediction assumes the trainer beside the step
+    beside_backward: bool = False  # a co-run mixed step sized with a trainer backward on the GPU
 
     @property
     def paused(self) -> bool:
