@@ -3,6 +3,7 @@ a request's tokens all from the version it pinned, `serve_adapter_every`, and th
 co-located `--serve` run whose served versions advance and each equal the checkpoint of their step."""
 
 import json
+import queue
 import signal
 import sys
 import time
@@ -218,3 +219,50 @@ def test_the_bench_puts_a_share_of_each_cells_requests_on_the_live_adapter():
     assert abs(models.count(LIVE_MODEL) - len(models) / 2) <= 1 and set(models) == {None, LIVE_MODEL}
     assert [r.arrival_s for r in half.requests] == [r.arrival_s for r in cells[0].requests]
     assert on_live_adapter(cells, 0.0) == cells
+
+
+class _Copy:
+    """A refresh's event on a GPU: reached once the trainer's stream has run the copy (and what it queued)."""
+
+    def __init__(self) -> None:
+        self.reached = False
+
+    def query(self) -> bool:
+        return self.reached
+
+    def synchronize(self) -> None:
+        self.reached = True
+
+
+def test_a_refresh_is_served_only_once_its_copy_has_run_so_no_decode_step_waits_for_the_trainer():
+    # The copy is queued on the trainer's stream behind the optimizer's update and whatever the trainer
+    # queued before it: a decode step made to wait for its event would wait for all of that.
+    model = _trainer_model()
+    engine, catalog, live = _live(model)
+    copies: list[_Copy] = []
+
+    class Mailbox(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            copies.append(_Copy())
+            super().put((item[0], item[1], copies[-1]))
+
+    live._to_engine = Mailbox()
+    first = catalog.slot("run")
+    _step(model, 1)
+    live.after_optimizer_step(1)
+    live.poll()
+    assert (live.step, catalog.slot("run")) == (0, first) and engine.lora.take_waits() == []
+    engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), lora_slot=first)
+    engine.step()  # decode goes on, on the version it has
+    copies[0].reached = True
+    live.poll()
+    assert live.step == 1 and catalog.slot("run") != first and engine.lora.take_waits() == copies
+    # Training ends with a refresh in flight: the final adapter is served once its copy has run, and a second
+    # call does not post it again.
+    engine.run_until_done()
+    live.poll()
+    _step(model, 2)
+    assert not live.publish_final(2) and len(copies) == 2 and live.step == 1
+    assert not live.publish_final(2) and len(copies) == 2
+    copies[1].reached = True
+    assert live.publish_final(2) and (live.step, catalog.step("run")) == (2, 2)
