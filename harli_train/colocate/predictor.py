@@ -18,19 +18,7 @@ Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary sh
 ``D[s]`` is the bandwidth and L2 contention at that split; ``intensity`` scales it for a lighter or
 heavier trainer than the profiled one. Both stages are linear least squares (numpy), weighted to minimise
 relative error. At run time every share's terms are folded into one tuple of floats, so a prediction is
-a handful of Python multiplications (about 1 us), corrected online by EWMAs of measured/predicted latency per
-(solo, co-run): one per share and one GPU-wide, and the larger of the two applies. Both catch a slower step at
-once (alpha_up) and decay slowly (alpha). On the H200 the misses come in GPU-wide episodes: after a burst of
-prefills, or on the first steps after decode grows (most likely the trainer's micro-step in flight still
-holding some of the SMs decode just took: those steps ran about as long as on the share before), steps ran
-20-60 % over the model on every share decode grew through, one after the other. The GPU-wide EWMA carries such
-a miss to the share decode grows to next, and to a share not yet measured; the per-share one keeps a share
-that is slower on its own from being chosen again as soon as the GPU-wide one decays. A share's own excess
-over the GPU-wide factor relaxes toward it on every step measured elsewhere (``idle_alpha``): a share is only
-measured while it is in use, so without that a single spike there (one 27-44 ms stall seen on the H200) held it
-out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps). Likewise the
-co-run family's GPU-wide factor relaxes toward the solo one while only solo steps run (the trainer paused), and
-the other way round.
+a handful of Python multiplications (about 1 us), corrected online (``correction.OnlineCorrection``).
 """
 
 from __future__ import annotations
@@ -43,17 +31,17 @@ from typing import Any
 
 import numpy as np
 
+from harli_train.colocate.correction import OnlineCorrection
 from harli_train.colocate.lora_cost import LoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
 from harli_train.colocate.regression import weighted_lstsq
 
 N_GLOBAL = 4  # b/s, b^2/s, b^3/s, b
-RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
 
 
 @dataclass(slots=True)
-class LatencyPredictor:
+class LatencyPredictor(OnlineCorrection):
     """Fitted two-stage model; ``predict`` is pure Python over precomputed per-share tuples."""
 
     total_sms: int
@@ -262,90 +250,6 @@ class LatencyPredictor:
     ) -> list[tuple[int, float]]:
         """``(sms, seconds)`` for every share (the profiled ones unless given), ascending in SMs."""
         return [(s, self.predict(batch, kv_tokens, s, corun)) for s in (shares or self.shares)]
-
-    # --- online correction -----------------------------------------------------------------------------
-
-    def observe(
-        self,
-        infer_sms: int,
-        corun: bool,
-        measured_s: float,
-        raw_predicted_s: float,
-        mixed: bool = False,
-        beside_backward: bool = False,
-    ) -> float:
-        """Fold a measured step latency into the share's correction; returns the new correction factor.
-
-        ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``, or
-        ``predict_mixed`` for a mixed step). ``beside_backward``: a co-run mixed step planned with a trainer
-        backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``).
-        """
-        family = int(corun) + 2 * mixed
-        raw = raw_predicted_s
-        if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
-            return self.correction(infer_sms, corun, mixed, beside_backward)
-        ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
-        # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
-        # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
-        # only costs the trainer some SMs until the decay brings the share back.
-        for factors in (self._corr.setdefault(infer_sms, [1.0] * 4), self._glob):
-            alpha = self.alpha_up if ratio > factors[family] else self.alpha
-            factors[family] += alpha * (ratio - factors[family])
-        self._relax_unused(infer_sms, family)
-        if mixed:
-            self._mixed_q[int(corun)].add(ratio)
-            if corun and beside_backward:
-                self._mixed_q[2].add(ratio)
-        return self.correction(infer_sms, corun, mixed, beside_backward)
-
-    def _relax_unused(self, infer_sms: int, family: int) -> None:
-        """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
-        of the same kind of step with the trainer in the other state (solo <-> co-run) toward this one's, and
-        every share's factor of that kind that was not measured toward its family's GPU-wide one. Only an
-        excess relaxes. Without the first, a co-run spike learnt just before the trainer paused stayed in force
-        while decode ran alone on the whole GPU, so no share ever fitted beside the trainer again: on the H200
-        the trainer stayed paused for 92-94 % of two 5 s windows, decode at batch 2-3 stepping in under 5 ms."""
-        a, other = self.idle_alpha, family ^ 1
-        if self._glob[other] > self._glob[family]:
-            self._glob[other] -= a * (self._glob[other] - self._glob[family])
-        for fam in (family, other):
-            glob = self._glob[fam]
-            for sms, factors in self._corr.items():
-                if factors[fam] > glob and (sms != infer_sms or fam != family):
-                    factors[fam] -= a * (factors[fam] - glob)
-
-    def correction(
-        self, infer_sms: int, corun: bool, mixed: bool = False, beside_backward: bool = False
-    ) -> float:
-        """The factor ``predict`` (``predict_mixed``) applies on ``infer_sms``: the larger of the share's and
-        the GPU-wide one; a mixed step's is at least its family's floor (``_mixed_floor``), and a co-run one
-        ``beside_backward`` at least the quantile of the recent steps observed beside a backward, once there
-        are enough (a backward's kernels slow a mixed step beside them more than a forward's: on the H200,
-        measured / predicted at the 98th percentile 1.28 against 0.99)."""
-        family = int(corun) + 2 * mixed
-        corr = self._corr.get(infer_sms)
-        factor = max(1.0 if corr is None else corr[family], self._glob[family])
-        if not mixed:
-            return factor
-        factor = max(factor, self._mixed_floor(int(corun)))
-        backward = self._mixed_q[2].value if corun and beside_backward else None
-        return factor if backward is None else max(factor, backward)
-
-    def _mixed_floor(self, kind: int) -> float:
-        """The least correction of mixed steps (``kind`` 0: solo, 1: co-run): the quantile of the recent
-        ratios once there are enough, before that the mixed fit's largest error on its profile samples."""
-        recent = self._mixed_q[kind].value
-        if recent is not None:
-            return recent
-        report = self.mixed.fit_report if self.mixed is not None else {}
-        worst = report.get(f"fit_mixed_{'corun' if kind else 'solo'}_max_ape_pct", 0.0)
-        return min(1.0 + worst / 100.0, RATIO_CLAMP[1])
-
-    def reset_corrections(self) -> None:
-        self._corr.clear()
-        self._glob[:] = [1.0] * 4
-        for recent in self._mixed_q:
-            recent.clear()
 
     # --- evaluation and persistence --------------------------------------------------------------------
 
