@@ -32,6 +32,7 @@ from typing import Any
 
 from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
+from harli_train.colocate.alone_phases import AlonePhases
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.host_priority import HostPriority
@@ -51,7 +52,7 @@ from harli_train.kernels.launch_config import set_launch_gate
 log = logging.getLogger(__name__)
 
 
-class ColocatedRuntime:
+class ColocatedRuntime(AlonePhases):
     """Drives a ``Trainer`` and an ``EngineAdapter`` under a ``Policy``; ``run()`` returns the summary."""
 
     def __init__(
@@ -217,65 +218,6 @@ class ColocatedRuntime:
             port.request_stop(self.opts.grace_s)
             port.drain()
         return port.serving and time.perf_counter() < port.closing_at
-
-    def _solo_wanted(self) -> bool:
-        if self._stop.is_set() or self.worker.done:
-            return False
-        return self.opts.until == "train" or self.policy.serve_alone
-
-    def _solo(self) -> None:
-        """The trainer alone on the whole GPU (after the load, or exclusive's second half)."""
-        self._mark("solo")
-        self._memory_hook()  # one decision for the idle engine: its cache gives back the groups it holds idle
-        end = self._now() + self.opts.solo_s if self.opts.until == "load" else float("inf")
-        plan = self.policy.idle_plan()
-        self._hold(plan)
-        snap = self.worker.snapshot
-        step0, ooms0 = snap.step, snap.oom_recoveries
-        while not self._stop.is_set() and not self.worker.done and self._now() < end:
-            self.worker.tick()
-            if not self.worker.feed(plan) or self.worker.threaded:
-                time.sleep(1e-3 if self.worker.threaded else 2e-4)
-            self._progress()
-            snap = self.worker.snapshot
-            if snap.step != step0:
-                step0, ooms0 = snap.step, snap.oom_recoveries
-            elif snap.oom_recoveries - ooms0 >= self.opts.max_solo_ooms:
-                # Decode holds nothing it could give up and the hook freed what it could after each OOM.
-                self.stop_reason = "out_of_memory"
-                log.error(
-                    "trainer ran out of memory %d times in a row at step %d with nothing else running: "
-                    "it does not fit; stopping",
-                    snap.oom_recoveries - ooms0,
-                    snap.step + 1,
-                )
-                return
-        if self._stop.is_set():
-            self.stop_reason = "interrupted"
-
-    def _idle(self, replay: TraceReplay, closed: bool) -> None:
-        """Nothing to decode: the trainer runs until the next arrival (unless it must wait for the load)."""
-        launched = 0
-        if not (self.policy.serve_alone or self.worker.done):
-            self.worker.tick()
-            plan = self.policy.idle_plan()
-            self._hold(plan)
-            launched = self.worker.feed(plan)
-            if launched:
-                self._record(
-                    {
-                        "kind": "idle",
-                        "infer_sms": 0,
-                        "train_sms": plan.train_sms,
-                        "train": plan.train,
-                        "micro_steps": launched,
-                    }
-                )
-        if not launched or self.worker.threaded:  # the trainer thread works meanwhile
-            nxt = None if closed else replay.next_arrival_s()
-            wait = 2e-3 if nxt is None else min(max(nxt - self._now(), 0.0), 2e-3)
-            time.sleep(wait)
-        self._last_kind = "idle"
 
     def _engine_step(self, preview: StepPreview) -> None:
         # Steps with decode rows only: a pure prefill step stalls nobody, and an eager prefill launches for
