@@ -23,7 +23,7 @@ from harli_train.colocate.live_adapter import LiveAdapter
 from harli_train.colocate.policy import needs_partitions, profile_shares
 from harli_train.colocate.pool_budget import pool_budget
 from harli_train.colocate.pool_memory import PoolMemory
-from harli_train.colocate.pool_memory import disabled as pool_disabled
+from harli_train.colocate.pool_report import disabled as pool_disabled
 from harli_train.colocate.predictor_setup import build_predictor, check_objective, corun_workload
 from harli_train.colocate.shared_model import base_view
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder, is_cuda_stream, make_ladder

@@ -34,7 +34,7 @@ from harli_train.colocate.kv_resizer import KVResizer, Resized
 from harli_train.colocate.memory_hook import CacheReleaseHook
 from harli_train.colocate.optimizer_placement import OptimizerPlacement
 from harli_train.colocate.pool_budget import PoolBudget, chunk_saved_bytes, host_page_bytes
-from harli_train.engine.metrics import percentiles
+from harli_train.colocate.pool_report import pool_report
 from harli_train.memory import (
     ActivationSwapper,
     PagePool,
@@ -343,57 +343,8 @@ class PoolMemory(CacheReleaseHook):
         """``memory.pool`` of the run's summary."""
         self.resizer.poke(wait=True)
         self._take_results()
-        pool, s, c = self.pool, self.sample, self.counts
         now = self.swapper.stats_snapshot()
-        st = {k: v - self._swap0[k] for k, v in now.items()}  # this run's
-        eng = self.engine
-
-        def tenant(i: int, pages: int) -> dict[str, Any]:
-            return {"now": pages, "peak": s.peak[i], "mean": round(s.mean[i], 2)}
-
-        copy_s = st["reclaim_copy_seconds"]
-        return {
-            "enabled": True,
-            "backend": pool.backend,
-            "page_bytes": pool.page_bytes,
-            "budget_pages": pool.budget_pages,
-            "budget_source": self.budget.source,
-            "trainer_quota_pages": None
-            if self.budget.trainer_quota_bytes is None
-            else self.budget.trainer_quota_bytes // pool.page_bytes,
-            "tenants": {"kv": tenant(0, s.kv_pages), "trainer": tenant(1, s.trainer_pages)},
-            "kv": {
-                "blocks_per_page_group": self.kv.blocks_per_page,
-                "pages_per_group": self.kv.pages_per_group,
-                "max_blocks": self.kv.max_blocks,
-                "blocks_now": self.kv.num_blocks,
-            },
-            "grows": {
-                "count": c["grows"],
-                "pages": c["grow_pages"],
-                "seconds": round(c["grow_s"], 6),
-                "short": c["grow_short"],
-            },
-            "shrinks": {
-                "count": c["shrinks"],
-                "pages": c["shrink_pages"],
-                "seconds": round(c["shrink_s"], 6),
-            },
-            "reclaims": {
-                "count": st["reclaims"],
-                "pages": st["reclaim_pages"],
-                "bytes_spilled": st["reclaim_spilled_bytes"],
-                "seconds": round(copy_s, 6),
-                "spill_gib_per_s": st["reclaim_spilled_bytes"] / copy_s / 2**30 if copy_s > 0 else None,
-                # KV grows that took pages from the trainer: order to mapped, the spill included.
-                "grow_ms": percentiles([1e3 * t for t in self.reclaim_grow_s]),
-            },
-            "trainer": {
-                k: st[k] for k in ("stashed_bytes", "passthrough_bytes", "swap_out_bytes", "swap_in_bytes")
-            }
-            | {"placed_bytes": self._placement.nbytes if self._placement is not None else 0},
-            "refusals": eng.kv_refusals - self._refusals0 if eng is not None else 0,
-        }
+        return pool_report(self, {k: v - self._swap0[k] for k, v in now.items()})  # this run's figures
 
     def close(self) -> None:
         """Stop the resizer, give the trainer's placed state back, release TrainerMemory's pages (GPU).
@@ -410,8 +361,3 @@ class PoolMemory(CacheReleaseHook):
                 log.warning("%s; the page pool is kept until the process exits", err)
                 self.pool._close.atexit = False
         self.trainer_memory = None
-
-
-def disabled(reason: str) -> dict[str, Any]:
-    """``memory.pool`` of a run without the pool."""
-    return {"enabled": False, "reason": reason}
