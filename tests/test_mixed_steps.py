@@ -169,17 +169,17 @@ def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():
     budget = 0.0201 * 0.9
     for name in ("harli", "static:32"):
         policy = make_policy(name, ladder, pred, 0.0201, 0.1)
-        early = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.05)
+        early = StepPreview(2, 40, pieces, mixed=True, prefill_waits=(0.05,))
         assert policy.ttft_plan(early) is None  # no TTFT objective
         policy.ttft_s = 0.2
         assert policy.ttft_plan(early) is None and policy.plan(early).prefill_tokens < 400  # not yet due
-        due = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.2 * 0.9)
+        due = StepPreview(2, 40, pieces, mixed=True, prefill_waits=(0.2 * 0.9,))
         plan = policy.plan(due)
         assert plan.reason.startswith("ttft") and plan.paused and plan.partition is ladder.full
         assert plan.prefill_tokens == 400 and not plan.corun  # the whole first prompt, not what fits
         assert plan.predicted_s > budget and plan.mixed_raw_s == pytest.approx(plan.predicted_s)
         # A prompt whose first token came already, or a step with nothing pending: the policy's own plan.
-        assert policy.ttft_plan(StepPreview(2, 40, (), mixed=True, prefill_wait_s=None)) is None
+        assert policy.ttft_plan(StepPreview(2, 40, (), mixed=True, prefill_waits=())) is None
 
 
 def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_before_any_prompt_is_due(
@@ -198,7 +198,7 @@ def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_befo
     for name in ("harli", "static:32"):
         policy = make_policy(name, ladder, pred, tpot, margin)
         policy.ttft_s = 0.2
-        burst = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.1, prefill_waits=(0.1,) * 4)
+        burst = StepPreview(2, 40, pieces, mixed=True, prefill_waits=(0.1,) * 4)
         fit, period, _ = largest_chunk(pred, burst, ladder.full.infer_sms, False, budget)
         assert 300 < fit < 600 and (2 * 4 + 1) * period > 0.08 > 4 * period  # the case the comment describes
         plan = policy.plan(burst)
@@ -209,7 +209,7 @@ def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_befo
         assert policy.plan(burst).corun
         policy.trainer_busy = lambda: False
         # Two of them just arrived under a 0.5 s objective: in time on the policy's own share.
-        fresh = StepPreview(2, 40, pieces[:2], mixed=True, prefill_wait_s=0.0, prefill_waits=(0.0, 0.0))
+        fresh = StepPreview(2, 40, pieces[:2], mixed=True, prefill_waits=(0.0, 0.0))
         calls: list[tuple] = []
 
         def counted(self, *a, _calls=calls, _predict=LatencyPredictor.predict_mixed, **k):
@@ -233,7 +233,7 @@ def test_a_ttft_objective_reaches_a_prompt_due_further_down_the_line_past_the_bu
     policy = make_policy("static:32", ladder, pred, 0.0201, 0.1)
     policy.ttft_s = 0.2
     pieces = (PrefillPiece(400, 0, 0), PrefillPiece(400, 0, 0), PrefillPiece(400, 0, 0))
-    preview = StepPreview(2, 40, pieces, mixed=True, prefill_wait_s=0.175, prefill_waits=(0.175, 0.17, 0.0))
+    preview = StepPreview(2, 40, pieces, mixed=True, prefill_waits=(0.175, 0.17, 0.0))
     plan = policy.plan(preview)
     assert plan.reason.startswith("ttft") and plan.prefill_tokens == 800  # the third prompt can wait
     assert plan.predicted_s > 0.0201 * 0.9

@@ -34,6 +34,11 @@ class ScheduledBatch:
         return "mixed" if self.num_decode else "prefill"
 
     @property
+    def prefill_wait_s(self) -> float | None:
+        """How long the first piece's request has waited (None: no wait known, or nothing pending)."""
+        return self.prefill_waits[0] if self.prefill_waits else None
+
+    @property
     def prefill_tokens(self) -> int:
         return sum(self.num_tokens[self.num_decode :])
 
@@ -62,8 +67,12 @@ class StepPreview:
     pieces: tuple[PrefillPiece, ...] = ()
     mixed: bool = False
     lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
-    prefill_wait_s: float | None = None  # how long the first piece's request has waited (peek's `now` given)
     prefill_waits: tuple[float, ...] = ()  # how long each piece's request has waited (peek's `now` given)
+
+    @property
+    def prefill_wait_s(self) -> float | None:
+        """How long the first piece's request has waited (None: no wait known, or nothing pending)."""
+        return self.prefill_waits[0] if self.prefill_waits else None
 
     @property
     def prefill_tokens(self) -> int:
@@ -222,9 +231,7 @@ class Scheduler:
         pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
         adapters = len({s.lora_slot for s in decoding} - {0})
         waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
-        wait = waits[0] if waits else None
-        kv = sum(len(s) for s in decoding)
-        return StepPreview(len(decoding), kv, pieces, mixed, adapters, wait, waits)
+        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, waits)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,

@@ -144,7 +144,7 @@ class Policy:
         fewer than it needs, the step takes enough to reach that prompt in them (all of it when none is
         left), past the TPOT budget: the objective the user set bounds how far the TPOT budget may throttle
         prefill. Without a mixed model: the first prompt, all of it, once it is due."""
-        waits = preview.prefill_waits or (() if preview.prefill_wait_s is None else (preview.prefill_wait_s,))
+        waits = preview.prefill_waits
         if self.ttft_s is None or preview.kind != "mixed" or not waits:
             return None
         deadline = self.ttft_s * (1.0 - self.margin)
