@@ -24,14 +24,14 @@ arrivals bring) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
 trace's one cell), and ``temporal`` also in any cell where the sweep ran up to the largest split with a
-trainer and none was clean (the verdict then judges harli against it: colocate_matrix.verdict). First, the trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the
-standalone rates on the whole GPU and on every split's trainer SMs (or ``--standalone`` gives them back),
+trainer and none was clean (the verdict then judges harli against it: colocate_matrix.verdict). First, the
+trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the standalone rates on the whole GPU and on every split's trainer SMs (or ``--standalone`` gives them back),
 from which colocate_matrix.py rates each policy (share efficiency) and each cell's ideal.
 
 Every policy is held to the same TTFT objective, ``--ttft-ms`` (default 1000 ms; the recipe key
 ``colocation.ttft_ms``): every policy computes a backlog of prompts on the whole GPU in time for each to
-wait at most that long less the margin (``Policy.ttft_plan``), and ``clean`` needs 99 % of the window's requests to have their first token within it, a request
-without one counting its wait so far. Without it a fixed split too small for the load's prefill "meets" the
+wait at most that long less the margin (``Policy.ttft_plan``), and ``clean`` needs 99 % of the window's
+requests to have their first token within it, a request without one counting its wait so far. Without it a fixed split too small for the load's prefill "meets" the
 TPOT objective by letting prompts queue: on the H200 at auto:2, steady/heavy, static:64 kept every token
 interval within 13.7 ms while 34 of 115 requests never got a first token and the rest waited 2.5 s at the
 median (``--ttft-ms none`` judges TPOT alone).
@@ -192,9 +192,8 @@ def run_objective(
                 if name in args.policies:
                     window(name, cell)
         elif "temporal" in args.policies and no_split_clean(static.get(cell.key), shares):
-            window(
-                "temporal", cell
-            )  # the baseline the verdict judges harli by where no split keeps the objective
+            # The baseline the verdict judges harli by where no split keeps the objective.
+            window("temporal", cell)
     if static:
         by_key = {c.key: c for c in cells}
         out["single_split_top_ups"] = top_up(
