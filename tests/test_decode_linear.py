@@ -207,7 +207,10 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
 _COMPILE_CHECK = """
 import torch
 from harli_train.kernels import compile_check as c
-from harli_train.engine.decode_linear import decode_linear, decode_linear_add_rms_norm
+from harli_train.engine.decode_linear import GemvLoRA, decode_linear, decode_linear_add_rms_norm
+
+def meta(*shape, dt=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dt)
 
 SHAPES = [((4096, 1024, 1024), 4096, False), ((4096,), 4096, False), ((14336, 14336), 4096, True),
           ((4096,), 14336, False), ((128256,), 4096, False)]
@@ -217,14 +220,19 @@ def llama8b(sms, dtype=torch.bfloat16):
         for m in (1, 2, 4, 8, 16, 32, 64):
             for ns, k, swiglu in SHAPES:
                 x = torch.empty(m, k, device="meta", dtype=dtype)
-                # without and with an fp32 addend (the LoRA delta)
-                for add in (None, torch.empty(m, sum(ns), device="meta", dtype=torch.float32)):
-                    decode_linear(x, [torch.empty(n, k, device="meta", dtype=dtype) for n in ns],
-                                  swiglu=swiglu, num_sms=sms, addend=add)
+                # without and with an fp32 addend (the LoRA delta), and with the LoRA in the launches
+                # (4 adapters of rank 16 and the base: 5 slots)
+                width = 2 * ns[0] if swiglu else sum(ns)
+                lora = GemvLoRA(meta(len(ns) * 80, k, dt=dtype), meta(5, 16, width, dt=dtype), meta(5),
+                                meta(m, dt=torch.int32), meta(6, dt=torch.int32), 16, 5)
+                for add, lo in ((None, None), (meta(m, sum(ns)), None), (None, lora)):
+                    if lo is not None and ns[0] == 128256:
+                        continue  # the LM head carries no adapter
+                    decode_linear(x, [meta(n, k, dt=dtype) for n in ns], swiglu=swiglu, num_sms=sms,
+                                  addend=add, lora=lo)
                     if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
-                        r, w = torch.empty(m, 4096, device="meta", dtype=dtype), torch.empty(4096, device="meta", dtype=dtype)
-                        decode_linear_add_rms_norm(x, torch.empty(4096, k, device="meta", dtype=dtype), r, w,
-                                                   1e-5, num_sms=sms, addend=add)
+                        decode_linear_add_rms_norm(x, meta(4096, k, dt=dtype), meta(m, 4096, dt=dtype),
+                                                   meta(4096, dt=dtype), 1e-5, num_sms=sms, addend=add, lora=lo)
     return run
 
 rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
@@ -235,8 +243,8 @@ assert len(rows) >= 10 and not bad, bad
 
 @pytest.mark.slow
 def test_decode_linear_compiles_for_sm90():
-    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs, with and without
-    an addend) compiles for sm_90 without spills."""
+    """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs, without LoRA, with
+    an addend and with the LoRA in its launches) compiles for sm_90 without spills."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -308,3 +316,80 @@ def test_the_torch_fallback_adds_the_addend_before_swiglu_and_the_add_norm():
     got = _project(x, gate_up, swiglu=True, addend=add)
     want = decode_linear_reference(x, list(gate_up), swiglu=True, addend=add)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5):
+    """(GemvLoRA, the reference delta [M, sum N] fp32) for rows on `token_slots`: adapters of rank
+    `used_rank` in stacks of `rank` (the rest zero), the base's slot 0 poisoned (NaN): nothing may read it."""
+    import numpy as np
+
+    from harli_train.engine.decode_linear import GemvLoRA
+    from harli_train.engine.lora_ops import lora_add_reference, lora_layout
+
+    a = [_randn(num_slots, rank, k, dtype=dtype, seed=seed + i) * k**-0.5 for i in range(len(ns))]
+    b = [_randn(num_slots, n, rank, dtype=dtype, seed=seed + 10 + i) for i, n in enumerate(ns)]
+    for t in a:
+        t[:, used_rank:] = 0
+    for t in (*a, *b):
+        t[0] = float("nan")
+    scales = torch.rand(num_slots, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.5
+    sorted_ids, slot_start = lora_layout(np.array(token_slots), num_slots)
+    lora = GemvLoRA(
+        torch.stack(a).reshape(-1, k).contiguous(),
+        torch.cat([t.transpose(1, 2) for t in b], dim=2).contiguous(),
+        scales,
+        torch.from_numpy(sorted_ids).to(DEVICE),
+        torch.from_numpy(slot_start).to(DEVICE),
+        rank,
+        num_slots,
+    )
+    m, cols = len(token_slots), [sum(ns[:i]) for i in range(len(ns))]
+    zeros = torch.zeros(m, sum(ns), device=DEVICE)
+    slots = torch.tensor(token_slots, device=DEVICE)
+    return lora, lora_add_reference(
+        zeros, _randn(m, k, dtype=dtype, seed=seed + 99), a, b, cols, slots, scales
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize(
+    "slots,use_dot,split", [([2], False, 1), ([3], False, 2), ([0], False, 1), ([1], True, 1),
+                            ([1, 0, 3, 1, 3, 0, 1], True, 1), ([1, 0, 3, 1, 3, 0, 1], True, 3)]
+)  # fmt: skip
+def test_lora_shrink_rides_the_gemv_and_its_expand_the_split_sum(dtype, swiglu, slots, use_dot, split):
+    """`lora`: the shrink as extra row tiles of the projection's launch, the expand in the split-sum
+    kernel (run even without split-K), each row on its own slot's adapter (slot 0: the base): equal to
+    the projection plus the reference delta, FMA and dot, with and without split-K."""
+    k, n, m, seed = 200, 40, len(slots), 5 * len(slots) + split
+    ns = (n, n) if swiglu else (n, 24, 16)
+    lora, delta = _gemv_lora(slots, k, ns, dtype, seed)
+    x = _randn(m, k, dtype=dtype, seed=seed + 99)
+    ws = [_randn(rows, k, dtype=dtype, seed=70 + i) for i, rows in enumerate(ns)]
+    want = decode_linear_reference(x, ws, swiglu=swiglu, addend=delta)
+    base = decode_linear_config(1 if m == 1 else 16, ns, k, 132, swiglu, x.element_size())
+    cfg = with_config(
+        base, split_k=split, use_dot=use_dot, block_m=16 if use_dot else 1, block_n=16 if use_dot else 8,
+        block_k=32,
+    )  # fmt: skip
+    got = decode_linear(x, ws, swiglu=swiglu, config=cfg, lora=lora)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    plain = decode_linear_reference(x, ws, swiglu=swiglu).float()
+    assert any(slots) == (not torch.allclose(want.float(), plain, atol=0.1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2)])
+def test_lora_expand_in_the_split_sum_before_the_residual_add_and_norm(dtype, slots, split):
+    k, n, m = 136, 48, len(slots)
+    lora, delta = _gemv_lora(slots, k, (n,), dtype, seed=split + 3 * m)
+    x, w = _randn(m, k, dtype=dtype, seed=split + 3 * m + 99), _randn(n, k, dtype=dtype, seed=51)
+    residual, norm_w = _randn(m, n, dtype=dtype, seed=52), _randn(n, dtype=dtype, seed=53)
+    base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
+    cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
+    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, lora=lora)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x, [w], addend=delta), residual, norm_w, 1e-5
+    )
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])

@@ -75,7 +75,7 @@ def test_a_batch_mixing_base_and_two_adapters_gives_each_request_what_it_gets_al
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_kernel", ["fused", "split"])
+@pytest.mark.parametrize("lora_kernel", ["gemv", "fused", "split"])
 def test_triton_kernels_serve_the_same_tokens_in_a_mixed_batch(models, monkeypatch, lora_kernel):
     """The decode path with the GEMV kernels and the batched LoRA kernels (under the interpreter)."""
     pytest.importorskip("triton")
@@ -133,10 +133,49 @@ def test_a_decode_step_with_adapters_runs_the_base_launches_plus_the_deltas(mode
     assert "swiglu" not in base and not any("lora" in c for c in base)
 
 
+def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(models, monkeypatch):
+    """With lora_kernel "gemv" an adapter step calls the base step's projections, each given its layer's
+    LoRA (no separate delta kernel), and a base step gives none."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from harli_train.engine import decode_forward, lora_fused, lora_ops
+
+    engine = _catalog(models, kernels="triton", lora_kernel="gemv").engine
+    calls = []
+
+    def record(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name + ("+lora" if kwargs.get("lora") is not None else ""))
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in [
+        (decode_forward, "decode_linear"),
+        (decode_forward, "decode_linear_add_rms_norm"),
+        (lora_fused, "lora_delta_fused"),
+        (lora_ops, "lora_delta_split"),
+        (lora_ops, "lora_add"),
+    ]:
+        record(module, name)
+    engine.add_partition("two_sms", None, 2)
+    engine.synthetic_decode(2, 4, "two_sms")
+    base = list(calls)
+    calls.clear()
+    engine.synthetic_decode(2, 4, "two_sms", lora_slots=2)
+    assert [c.removesuffix("+lora") for c in calls] == base and not any("+lora" in c for c in base)
+    assert sum(c.endswith("+lora") for c in calls) == 4 * engine.model.config.num_layers  # all but the head
+
+
 def test_lora_kernel_names_the_allowed_values():
     from harli_train.engine import EngineError
 
-    with pytest.raises(EngineError, match=r"lora_kernel is one of \('fused', 'split'\), got 'punica'"):
+    with pytest.raises(
+        EngineError, match=r"lora_kernel is one of \('gemv', 'fused', 'split'\), got 'punica'"
+    ):
         EngineConfig(lora_kernel="punica")
 
 

@@ -6,10 +6,12 @@ down with the residual add and the next norm fused (batches over MAX_GEMV_ROWS g
 model's own weight tensors (nothing is copied or concatenated) and calls the same norm and rope ops as the
 model, so its output equals `model(...)` up to the order of fp32 sums. The model's projections carry no
 adapter (one would be skipped, so the runner uses it only when none is attached); served adapters come from
-the engine's `LoRASlots`: in a step with adapter rows each projection's delta depends only on its input, so
-it is computed first (`LoRASlots.delta`, fp32) and the projection adds it to its fp32 sums before its
-epilogue. A step with adapters runs the base step's launches plus the delta kernels (one a projection with
-lora_kernel "fused", two with "split"); a step without runs exactly the base path.
+the engine's `LoRASlots`, and each projection adds its rows' deltas to its fp32 sums before its epilogue.
+With lora_kernel "gemv" the projection's own launches compute them (`LoRASlots.gemv`): the shrink as extra
+row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split (q/k/v
+and gate/up at batch 1: one launch more each). Otherwise each delta is computed first (`LoRASlots.delta`:
+one launch a projection with "fused", two with "split") and handed to the projection as an addend. A step
+without adapter rows runs exactly the base path.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ import torch
 import torch.nn.functional as F
 
 from harli_train import kernels
-from harli_train.engine.decode_linear import MAX_GEMV_ROWS, decode_linear, decode_linear_add_rms_norm
-from harli_train.engine.lora_slots import LoRASlots
+from harli_train.engine.decode_linear import (
+    MAX_GEMV_ROWS,
+    GemvLoRA,
+    decode_linear,
+    decode_linear_add_rms_norm,
+)
+from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
 
 # From this many rows on, a single square-ish projection (N, K <= 4096: o_proj of an 8B model) goes to
 # cuBLAS: its tiled GEMM beat the split-K GEMV there on the H200 (bench_decode at 64 rows: 8.3 against
 # 10.6 us, and the whole step; see `tpot_o_gemv` in bench/results).
 CUBLAS_SQUARE_ROWS = 64
-# The LoRA targets of each projection launch, in the launch's column order.
-QKV, O, GATE_UP, DOWN = ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)
+QKV, O, GATE_UP, DOWN = GROUPS  # the LoRA targets of each projection launch, in its column order
 
 
 def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> bool:
@@ -43,9 +49,10 @@ def _project(
     swiglu: bool = False,
     out: torch.Tensor | None = None,
     addend: torch.Tensor | None = None,  # fp32 [M, sum N]: added before the SwiGLU (see decode_linear)
+    lora: GemvLoRA | None = None,  # the GEMV path only (see DecodeForward._adapters)
 ) -> torch.Tensor:
     if _use_gemv(x, weights):
-        return decode_linear(x, weights, swiglu=swiglu, out=out, addend=addend)
+        return decode_linear(x, weights, swiglu=swiglu, out=out, addend=addend, lora=lora)
     ys = [F.linear(x, w) for w in weights]
     if addend is not None:
         parts = addend.split([w.shape[0] for w in weights], dim=1)
@@ -57,11 +64,18 @@ def _project(
 
 
 def _project_add_norm(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm, addend: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm,
+    addend: torch.Tensor | None = None,
+    lora: GemvLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # (norm(x W^T (+ addend) + residual), x W^T (+ addend) + residual): with split-K, one kernel after the GEMV.
+    # (norm(x W^T (+ delta) + residual), x W^T (+ delta) + residual): with split-K, one kernel after the GEMV.
     if _use_gemv(x, (weight,)):
-        return decode_linear_add_rms_norm(x, weight, residual, norm.weight, norm.eps, addend=addend)
+        return decode_linear_add_rms_norm(
+            x, weight, residual, norm.weight, norm.eps, addend=addend, lora=lora
+        )
     return kernels.add_rms_norm(_project(x, (weight,), addend=addend), residual, norm.weight, norm.eps)
 
 
@@ -110,29 +124,36 @@ class DecodeForward:
         for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            qkv = _project(h, qkv_w, addend=self._delta(h, i, QKV))
+            qkv = _project(h, qkv_w, **self._adapters(h, qkv_w, i, QKV))
             if qkv_bias is not None:
                 qkv += qkv_bias
             q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(b, 1, self.num_kv_heads, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
             o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope).reshape(b, -1)
-            h, residual = _project_add_norm(
-                o, attn.o_proj.weight, residual, layer.post_attention_layernorm, self._delta(o, i, O)
-            )
+            o_w, post_norm = attn.o_proj.weight, layer.post_attention_layernorm
+            h, residual = _project_add_norm(o, o_w, residual, post_norm, **self._adapters(o, (o_w,), i, O))
             gate_up_w = (mlp.gate_proj.weight, mlp.up_proj.weight)
-            act = _project(h, gate_up_w, swiglu=True, addend=self._delta(h, i, GATE_UP))
+            act = _project(h, gate_up_w, swiglu=True, **self._adapters(h, gate_up_w, i, GATE_UP))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            down_w = mlp.down_proj.weight
             h, residual = _project_add_norm(
-                act, mlp.down_proj.weight, residual, norm, self._delta(act, i, DOWN)
+                act, down_w, residual, norm, **self._adapters(act, (down_w,), i, DOWN)
             )
         return h
 
     __call__ = forward
 
-    def _delta(self, x: torch.Tensor, layer: int, targets: tuple[str, ...]) -> torch.Tensor | None:
-        # None (no launch) unless the step has adapter rows.
-        return None if self.lora is None else self.lora.delta(x, layer, targets)
+    def _adapters(self, x: torch.Tensor, weights: tuple, layer: int, group: tuple[str, ...]) -> dict:
+        """The projection's LoRA argument in an adapter step: `lora` (run in the projection's launches)
+        with the "gemv" kernel on the GEMV path, else the delta computed first as an `addend`; {} (no
+        work) in a base step."""
+        slots = self.lora
+        if slots is None or slots.meta is None:
+            return {}
+        if slots.kernel == "gemv" and _use_gemv(x, weights):
+            return {"lora": slots.gemv(layer, group)}
+        return {"addend": slots.delta(x, layer, group)}
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, H] -> logits [B, V] (into `out` when given)."""

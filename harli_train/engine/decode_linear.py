@@ -60,6 +60,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True, slots=True)
+class GemvLoRA:
+    """A projection's batched LoRA, run by its own launches (`lora_kernel` "gemv"): the shrink as extra row
+    tiles of the GEMV, the expand in the split-sum kernel's epilogue.
+
+    `a` [n_slices * S * R, K] contiguous: the slices' A stacks (slot 0 the base, unused), rows (slice, slot,
+    r); `bt` [S, R, W] contiguous: B transposed, the slices' columns side by side as in the projection's
+    output (gate then up with SwiGLU); `scales` [S] fp32; `sorted_ids` [M] and `slot_start` [S + 1] int32
+    (`lora_ops.lora_layout`, every row of the step in a slot)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    scales: torch.Tensor
+    sorted_ids: torch.Tensor
+    slot_start: torch.Tensor
+    rank: int
+    num_slots: int
+
+
 @functools.cache
 def decode_linear_config(
     m: int, ns: tuple[int, ...], k: int, num_sms: int, swiglu: bool = False, elem_bytes: int = 2
@@ -125,12 +144,15 @@ def decode_linear(
     num_sms: int | None = None,
     config: DecodeLinearConfig | None = None,
     addend: torch.Tensor | None = None,  # shape [M, sum N_g] fp32, unit column stride
+    lora: GemvLoRA | None = None,
 ) -> torch.Tensor:
     """x @ concat(weights)^T (+ addend) -> [M, sum N_g]; with `swiglu` (weights = gate, up): silu(g) * u of
     g = x gate^T, u = x up^T -> [M, N], the addend's first N columns added to g and the next N to u. The
     addend joins the fp32 sums before the cast (in the GEMV's epilogue, or the split-K sum's): no launch
-    more. `num_sms` defaults to the current SM budget; `config` overrides the chosen launch config."""
-    return _decode_linear(x, weights, swiglu, out, num_sms, config, addend)
+    more. `lora` (not with an addend) adds each row's adapter delta the same way, computed by the same two
+    launches: the GEMV and, even without split-K, the split-sum kernel. `num_sms` defaults to the current
+    SM budget; `config` overrides the chosen launch config."""
+    return _decode_linear(x, weights, swiglu, out, num_sms, config, addend, lora=lora)
 
 
 def decode_linear_add_rms_norm(
@@ -142,16 +164,17 @@ def decode_linear_add_rms_norm(
     num_sms: int | None = None,
     config: DecodeLinearConfig | None = None,
     addend: torch.Tensor | None = None,  # shape [M, N] fp32, unit column stride
+    lora: GemvLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.add_rms_norm(p, residual, norm_weight, eps)` -> (normed, p + residual) of the projection
-    p = x @ weight^T (+ addend, in fp32 before p's cast). When K is split the split-sum kernel does the add
-    and the norm too: one launch less."""
+    p = x @ weight^T (+ addend, or `lora`'s delta, in fp32 before p's cast). When K is split (always with
+    `lora`) the split-sum kernel does the add and the norm too: one launch less."""
     m, n = x.shape[0], weight.shape[0]
     assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
     h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
     y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
     return _decode_linear(
-        x, (weight,), False, None, num_sms, config, addend, add_norm=(residual, norm_weight, eps, y, h)
+        x, (weight,), False, None, num_sms, config, addend, (residual, norm_weight, eps, y, h), lora
     )
 
 
@@ -164,6 +187,7 @@ def _decode_linear(
     config: DecodeLinearConfig | None,
     addend: torch.Tensor | None,
     add_norm: tuple | None = None,  # (residual, norm weight, eps, y out, h out): decode_linear_add_rms_norm
+    lora: GemvLoRA | None = None,
 ):
     assert 1 <= len(weights) <= 3 and x.dim() == 2 and x.stride(1) == 1, "x [M, K] and 1-3 weights"
     m, k = x.shape
@@ -195,38 +219,58 @@ def _decode_linear(
     split = _cdiv(k, k_per_split)
     even_n = all(n % cfg.block_n == 0 for n in ns)
     even_k = k % cfg.block_k == 0
-    if split == 1:
-        dest, stride = out, out.stride(0)
-    else:
-        dest = torch.empty((split, m, 2 * n_out if swiglu else n_out), dtype=torch.float32, device=x.device)
+    width = 2 * n_out if swiglu else n_out  # the fp32 sums' columns in the workspace
+    partial = split > 1 or lora is not None
+    n_a = 0
+    if lora is not None:
+        assert addend is None, "a LoRA delta comes as an addend or as `lora`, not both"
+        n_a, slices = lora.a.shape[0], lora.a.shape[0] // (lora.num_slots * lora.rank)
+        assert lora.a.shape == (slices * lora.num_slots * lora.rank, k) and lora.a.is_contiguous(), (
+            f"LoRA A {tuple(lora.a.shape)} must be [slices x {lora.num_slots} x {lora.rank}, {k}]"
+        )
+        assert lora.bt.shape == (lora.num_slots, lora.rank, width) and lora.bt.is_contiguous(), (
+            f"LoRA B^T {tuple(lora.bt.shape)} must be [{lora.num_slots}, {lora.rank}, {width}]"
+        )
+        assert lora.sorted_ids.shape[0] >= m and slices == (2 if swiglu else len(ns)), "LoRA slices"
+    if partial:
+        dest = torch.empty((split, m, width + n_a), dtype=torch.float32, device=x.device)
         stride = dest.stride(1)
-    # Without an addend the kernels never read it: x stands in for the pointer.
+    else:
+        dest, stride = out, out.stride(0)
+    # Without an addend (or LoRA) the kernels never read it: x stands in for the pointer.
     add, add_stride = (x, 0) if addend is None else (addend, addend.stride(0))
+    la = lora or GemvLoRA(x, x, x, x, x, 1, 1)
     n_padded = (ns + (0, 0))[:3]
-    _decode_linear_kernel[(grid_n, split)](
+    _decode_linear_kernel[(grid_n + _cdiv(n_a, cfg.block_n), split)](
         x, x.stride(0), w[0], w[1], w[2], dest, stride, add, add_stride, m, k,
-        n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], n_out, k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, SWIGLU=swiglu,
-        HAS_ADDEND=addend is not None, USE_DOT=cfg.use_dot, EVEN_N=even_n, EVEN_K=even_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], width, k_per_split,
+        la.a, n_a, grid_n, la.slot_start, la.rank, la.num_slots,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, PARTIAL=partial,
+        SWIGLU=swiglu, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None, USE_DOT=cfg.use_dot,
+        EVEN_N=even_n, EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    lora_args = (la.bt, la.scales, la.sorted_ids, la.slot_start, width)
+    block_s = _pow2(la.num_slots)
     if add_norm is not None:
         residual, norm_weight, eps, y, h = add_norm
-        if split == 1:
+        if not partial:
             return kernels.add_rms_norm(out, residual, norm_weight, eps)
         block = _pow2(n_out)
         _split_reduce_add_rms_norm_kernel[(m,)](
-            dest, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
-            y, y.stride(0), m, n_out, eps, SPLIT_K=split, HAS_ADDEND=addend is not None, BLOCK=block,
-            num_warps=max(4, min(16, block // 512)),
+            dest, stride, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
+            y, y.stride(0), m, n_out, eps, *lora_args, la.rank, la.num_slots,
+            SPLIT_K=split, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None, BLOCK=block,
+            BLOCK_S=block_s, num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
         return y, h
-    if split > 1:
+    if partial:
         block = min(1024, _pow2(n_out))
+        n0, n1 = (ns + (0, 0))[:2]
         _split_reduce_kernel[(m, _cdiv(n_out, block))](
-            dest, out, out.stride(0), add, add_stride, m, n_out,
-            SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
+            dest, stride, out, out.stride(0), add, add_stride, m, n_out, *lora_args, n0, n1, len(ns),
+            la.rank, la.num_slots, SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None,
+            HAS_LORA=lora is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
         )  # fmt: skip
     return out
 

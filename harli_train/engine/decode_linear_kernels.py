@@ -91,12 +91,17 @@ def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexp
 
 
 # x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
-# out: [M, N_total] (row stride stride_om) when SPLIT_K == 1, else the fp32 workspace [SPLIT_K, M, N_total]
-# (dense). Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU, N_total = N_0 and the
-# workspace holds gate sums in [0, N_0) and up sums in [N_0, 2 N_0).
+# out: [M, N_total] (row stride stride_om) unless PARTIAL, else the fp32 workspace [SPLIT_K, M, stride_om]
+# of each split's sums. Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU the workspace holds
+# gate sums in [0, N_0) and up sums in [N_0, 2 N_0).
 # add: fp32 [M, N_total] (2 N_0 with SWIGLU: gate columns, then up; row stride stride_am), read when
-# HAS_ADDEND and SPLIT_K == 1 (the reduce kernel adds it otherwise).
-# Grid (row tiles of all weights, SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 / weights 0 and 1.
+# HAS_ADDEND and not PARTIAL (the reduce kernel adds it otherwise).
+# HAS_LORA (PARTIAL too): a: the stacked LoRA A [n_a, K] contiguous, rows (slice, slot, r) for
+# lora_slots slots of lora_rank rows; programs from tiles_base on compute x a^T into the workspace's
+# columns [a_col0, a_col0 + n_a) (the reduce kernel's expand reads them); slot_start [S + 1] int32 as in
+# lora_ops.lora_layout.
+# Grid (row tiles of all weights [+ row tiles of a], SPLIT_K); tiles_0 / tiles_01: row tiles of weight 0 /
+# weights 0 and 1.
 @triton.jit
 def _decode_linear_kernel(
     x_ptr,
@@ -115,14 +120,22 @@ def _decode_linear_kernel(
     n2,
     tiles_0,
     tiles_01,
-    n_total,
+    a_col0,
     k_per_split,
+    a_ptr,
+    n_a,
+    tiles_base,
+    slot_start_ptr,
+    lora_rank,
+    lora_slots,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
+    HAS_LORA: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -132,6 +145,25 @@ def _decode_linear_kernel(
     split = tl.program_id(1)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    part = out_ptr + split.to(tl.int64) * M * stride_om  # PARTIAL: this split's fp32 sums [M, width]
+    if HAS_LORA:
+        if pid >= tiles_base:
+            # The LoRA shrink: rows (slice, slot, r) of the stacked A, stored past the projection's columns.
+            # A tile none of whose slots has a row in this step (or only the base's) returns at once.
+            rows = (pid - tiles_base) * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_a = rows < n_a
+            slot = (rows // lora_rank) % lora_slots
+            lo = tl.load(slot_start_ptr + slot, mask=in_a, other=0)
+            hi = tl.load(slot_start_ptr + slot + 1, mask=in_a, other=0)
+            live = in_a & (slot > 0) & (hi > lo)
+            if tl.max(live.to(tl.int32), axis=0) == 0:
+                return
+            acc = _accumulate(
+                x_ptr, stride_xm, a_ptr, rows, n_a, M, K, k_start, k_end,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, False, EVEN_K, PRECISION,
+            )  # fmt: skip
+            _store_tile(part, stride_om, acc, a_col0 + rows, in_a, M, BLOCK_M, USE_DOT)
+            return
     if SWIGLU:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         g = _accumulate(
@@ -143,15 +175,14 @@ def _decode_linear_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
         col_mask = rows < n0
-        if SPLIT_K == 1:
+        if not PARTIAL:
             if HAS_ADDEND:
                 g += _load_tile(add_ptr, stride_am, rows, col_mask, M, BLOCK_M, USE_DOT)
                 u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
-            part = out_ptr + split.to(tl.int64) * M * (2 * n0)
-            _store_tile(part, 2 * n0, g, rows, col_mask, M, BLOCK_M, USE_DOT)
-            _store_tile(part, 2 * n0, u, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(part, stride_om, g, rows, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(part, stride_om, u, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
     else:
         # Scalar branches pick the weight; every program then runs the same streaming loop.
         w_ptr = w0_ptr
@@ -174,39 +205,95 @@ def _decode_linear_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
         col_mask = rows < n_rows
-        if SPLIT_K == 1:
+        if not PARTIAL:
             if HAS_ADDEND:
                 acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
-            part = out_ptr + split.to(tl.int64) * M * n_total
-            _store_tile(part, n_total, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+            _store_tile(part, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
 
 
-# part: [SPLIT_K, M, W] fp32 dense (W = N, or 2 N with SWIGLU); out: [M, N] row stride stride_om; add (when
-# HAS_ADDEND): fp32 [M, W] row stride stride_am, summed with the splits.
+@triton.jit
+def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S: tl.constexpr):
+    """(row, slot) of position `pid` in the step's rows grouped by slot (lora_ops.lora_layout)."""
+    js = tl.arange(0, BLOCK_S)
+    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
+    slot = tl.sum((starts <= pid).to(tl.int32), axis=0)
+    return tl.load(sorted_ids_ptr + pid).to(tl.int64), slot
+
+
+@triton.jit
+def _lora_s(part_ptr, stride_part, M, m, col, valid, SPLIT_K: tl.constexpr):
+    """The shrink's value in workspace column `col` of row m: its splits summed in order (0 unless valid)."""
+    s = 0.0
+    for k in tl.static_range(SPLIT_K):
+        s += tl.load(part_ptr + (k * M + m) * stride_part + col, mask=valid, other=0.0)
+    return s
+
+
+# The expand of one row: sum_r s_i[r] * bt[slot, r, cols] over the slices i the columns belong to (slice 0
+# before column n0, 1 before n0 + n1, 2 after), times the slot's scale; bt [S, R, W] contiguous, W = width.
+@triton.jit
+def _lora_expand(
+    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, col_mask, slot, scale, n0, n1, n_slices,
+    lora_rank, lora_slots, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    delta = tl.zeros(cols.shape, dtype=tl.float32)
+    row = bt_ptr + slot.to(tl.int64) * lora_rank * width
+    base = a_col0 + slot * lora_rank
+    step = lora_slots * lora_rank  # columns between one slice's shrink and the next's
+    for r in range(lora_rank):
+        s0 = _lora_s(part_ptr, stride_part, M, m, base + r, n_slices > 0, SPLIT_K)
+        s1 = _lora_s(part_ptr, stride_part, M, m, base + step + r, n_slices > 1, SPLIT_K)
+        s2 = _lora_s(part_ptr, stride_part, M, m, base + 2 * step + r, n_slices > 2, SPLIT_K)
+        s = tl.where(cols < n0, s0, tl.where(cols < n0 + n1, s1, s2))
+        b = tl.load(row + r * width + cols, mask=col_mask, other=0.0).to(tl.float32)
+        delta += s * b
+    return delta * scale
+
+
+# part: [SPLIT_K, M, stride_part] fp32 (W = N, or 2 N with SWIGLU, columns of sums first); out: [M, N] row
+# stride stride_om; add (when HAS_ADDEND): fp32 [M, W] row stride stride_am, summed with the splits.
+# HAS_LORA: program p runs row sorted_ids[p] and adds its slot's expand (bt [S, R, W]: B transposed, the
+# projection's columns side by side; slices of n0 and n1 columns, then the rest) before the epilogue.
 @triton.jit
 def _split_reduce_kernel(
     part_ptr,
+    stride_part,
     out_ptr,
     stride_om,
     add_ptr,
     stride_am,
     M,
     N,
+    bt_ptr,
+    scales_ptr,
+    sorted_ids_ptr,
+    slot_start_ptr,
+    a_col0,
+    n0,
+    n1,
+    n_slices,
+    lora_rank,
+    lora_slots,
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
+    HAS_LORA: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
+    if HAS_LORA:
+        m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
+    else:
+        m, slot = tl.program_id(0).to(tl.int64), 0
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     width = 2 * N if SWIGLU else N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        row = part_ptr + (s * M + m) * width
+        row = part_ptr + (s * M + m) * stride_part
         acc += tl.load(row + cols, mask=mask, other=0.0)
         if SWIGLU:
             up += tl.load(row + N + cols, mask=mask, other=0.0)
@@ -214,18 +301,37 @@ def _split_reduce_kernel(
         acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
         if SWIGLU:
             up += tl.load(add_ptr + m * stride_am + N + cols, mask=mask, other=0.0)
+    if HAS_LORA:
+        if slot > 0:
+            scale = tl.load(scales_ptr + slot)
+            if SWIGLU:  # gate is slice 0 on columns [0, N), up slice 1 on [N, 2 N)
+                acc += _lora_expand(
+                    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
+                    N, N, 1, lora_rank, lora_slots, SPLIT_K,
+                )  # fmt: skip
+                up += _lora_expand(
+                    part_ptr, stride_part, M, m, a_col0 + lora_slots * lora_rank, bt_ptr, width, N + cols,
+                    mask, slot, scale, 2 * N, 2 * N, 1, lora_rank, lora_slots, SPLIT_K,
+                )  # fmt: skip
+            else:
+                acc += _lora_expand(
+                    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
+                    n0, n1, n_slices, lora_rank, lora_slots, SPLIT_K,
+                )  # fmt: skip
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * up
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# part: [SPLIT_K, M, N] fp32 dense; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32
-# [M, N] row stride stride_am. One program per row: the sum of the splits (and the addend) is the
-# projection's output in its dtype (as `decode_linear` would store it); then the residual add and RMSNorm
-# round as `kernels.add_rms_norm` does (h in its dtype, fp32 statistics).
+# part: [SPLIT_K, M, stride_part] fp32; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32
+# [M, N] row stride stride_am; HAS_LORA as in _split_reduce_kernel (one slice). One program per row: the sum
+# of the splits (and the addend, or the expand) is the projection's output in its dtype (as `decode_linear`
+# would store it); then the residual add and RMSNorm round as `kernels.add_rms_norm` does (h in its dtype,
+# fp32 statistics).
 @triton.jit
 def _split_reduce_add_rms_norm_kernel(
     part_ptr,
+    stride_part,
     add_ptr,
     stride_am,
     res_ptr,
@@ -238,18 +344,37 @@ def _split_reduce_add_rms_norm_kernel(
     M,
     N,
     eps,
+    bt_ptr,
+    scales_ptr,
+    sorted_ids_ptr,
+    slot_start_ptr,
+    a_col0,
+    lora_rank,
+    lora_slots,
     SPLIT_K: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
+    HAS_LORA: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
+    if HAS_LORA:
+        m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
+    else:
+        m, slot = tl.program_id(0).to(tl.int64), 0
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + (s * M + m) * stride_part + cols, mask=mask, other=0.0)
     if HAS_ADDEND:
         acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
+    if HAS_LORA:
+        if slot > 0:
+            scale = tl.load(scales_ptr + slot)
+            acc += _lora_expand(
+                part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, mask, slot, scale,
+                N, N, 1, lora_rank, lora_slots, SPLIT_K,
+            )  # fmt: skip
     x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(h_ptr.dtype.element_ty)

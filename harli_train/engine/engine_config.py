@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 GIB = 1 << 30
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-LORA_KERNELS = ("fused", "split")
+LORA_KERNELS = ("gemv", "fused", "split")
 
 
 class EngineError(ValueError):
@@ -59,10 +59,11 @@ class EngineConfig:
     # nothing and the engine serves the base only.
     max_loras: int = 0
     max_lora_rank: int = 16
-    # How a decode step's projection computes its adapters' delta (Triton kernels only): "split", a shrink and
-    # an expand launch, or "fused", one launch (each program shrinks over the whole K, then expands). Split is
-    # the faster on the H200 (bench_decode's lora rows: 1.24-1.29x the base TPOT against 1.40-1.66x fused).
-    lora_kernel: str = "split"
+    # How a decode step's projection computes its adapters' delta (Triton kernels only): "gemv", inside the
+    # projection's own launches (the shrink as extra row tiles of the GEMV, the expand in its split-sum
+    # kernel); or before it, as an fp32 addend: "split", a shrink and an expand launch, or "fused", one launch
+    # (each program shrinks over the whole K, then expands). bench_decode's lora rows compare them.
+    lora_kernel: str = "gemv"
 
     def __post_init__(self) -> None:
         names = (

@@ -5,8 +5,13 @@ Slot 0 is the base model (its rows get no delta); slots 1..max_loras hold adapte
 R sits in its slot's first r rows of A and columns of B, the rest zero, so one kernel config serves every
 rank. `meta` is the current step's `LoRAStepMeta` (None: no row of the step runs an adapter, and no
 projection does any LoRA work); the runner sets it around a forward, as it sets the attention's metadata.
-Two ways to apply it: `delta` (the decode forward: an fp32 delta the projection adds before its epilogue,
-by the `kernel` chosen, "fused" or "split") and `add` (the model's own forward, through hooks).
+Three ways to apply it: `gemv` (the decode forward with `kernel` "gemv": the projection's own launches run
+the shrink and the expand), `delta` (the decode forward otherwise: an fp32 delta the projection adds
+before its epilogue, by the "fused" or "split" kernels) and `add` (the model's own forward, through hooks).
+
+The A stacks of the projections one launch runs (`GROUPS`: q/k/v, o, gate/up, down) share one buffer per
+layer, [slices, S, R, K], so that launch reads them as one matrix; with the "gemv" kernel each group also
+keeps B transposed, [S, R, W] per layer (the slices' columns side by side as in the launch's output).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +28,13 @@ from harli_train.engine.engine_config import LORA_KERNELS
 from harli_train.model.config import ModelConfig
 from harli_train.model.linear import LoRALinear
 from harli_train.model.llama import LORA_TARGETS
+
+if TYPE_CHECKING:
+    from harli_train.engine.decode_linear import GemvLoRA
+
+
+# The projections one decode launch runs, in the launch's column order.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 @dataclass(slots=True)
@@ -79,9 +92,18 @@ class LoRASlots:
         self.num_layers, self.dtype, self.device = config.num_layers, dtype, device
         s, r, L = self.num_slots, max_rank, config.num_layers
         self.shapes = _target_shapes(config)
-        self.a = {
-            t: torch.zeros((L, s, r, k), dtype=dtype, device=device) for t, (k, _) in self.shapes.items()
-        }
+        self.a_groups: dict[tuple[str, ...], torch.Tensor] = {}
+        self.bt_groups: dict[tuple[str, ...], torch.Tensor] = {}
+        self.a: dict[str, torch.Tensor] = {}  # [L, S, R, K] views into a_groups
+        self.bt: dict[str, torch.Tensor] = {}  # [L, S, R, N] views into bt_groups ("gemv" only)
+        for group in GROUPS:
+            k = self.shapes[group[0]][0]
+            self.a_groups[group] = torch.zeros((L, len(group), s, r, k), dtype=dtype, device=device)
+            self.a.update((t, self.a_groups[group][:, i]) for i, t in enumerate(group))
+            if kernel == "gemv":
+                widths = [self.shapes[t][1] for t in group]
+                bt = self.bt_groups[group] = torch.zeros((L, s, r, sum(widths)), dtype=dtype, device=device)
+                self.bt.update((t, part) for t, part in zip(group, bt.split(widths, dim=3), strict=True))
         self.b = {
             t: torch.zeros((L, s, n, r), dtype=dtype, device=device) for t, (_, n) in self.shapes.items()
         }
@@ -93,7 +115,8 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        buffers = (*self.a_groups.values(), *self.bt_groups.values(), *self.b.values())
+        return sum(t.numel() * t.element_size() for t in buffers)
 
     # ---- filling slots ------------------------------------------------------------------------------
     def check_fits(self, slot: int, rank: int) -> None:
@@ -113,10 +136,11 @@ class LoRASlots:
         for t in LORA_TARGETS:
             self.a[t][:, slot].zero_()
             self.b[t][:, slot].zero_()
+            if self.bt:
+                self.bt[t][:, slot].zero_()
         for path, (a, b) in pairs.items():
-            layer, t = module_key(path)
-            self.a[t][layer, slot, :rank].copy_(a)
-            self.b[t][layer, slot, :, :rank].copy_(b)
+            for dst, src in zip(self._slot_views(slot, path, rank), (a, b, b.t()), strict=False):
+                dst.copy_(src)
         self.scales[slot] = scale
         self.ranks[slot] = rank
 
@@ -134,18 +158,23 @@ class LoRASlots:
         srcs: list[torch.Tensor] = []
         for path, m in modules.items():
             if m.has_lora:
-                dsts.extend(self._slot_views(slot, path, m.rank))
-                srcs += (m.lora_A, m.lora_B)
+                views = self._slot_views(slot, path, m.rank)
+                dsts.extend(views)
+                srcs += (m.lora_A, m.lora_B, m.lora_B.t())[: len(views)]
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
-    def _slot_views(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [rank, in], B [out, rank]) of projection `path` in `slot`: views into the stacked buffers."""
+    def _slot_views(self, slot: int, path: str, rank: int) -> tuple[torch.Tensor, ...]:
+        """(A [rank, in], B [out, rank][, B^T [rank, out] with "gemv"]) of projection `path` in `slot`:
+        views into the stacked buffers."""
         key = (slot, path, rank)
         views = self._views.get(key)
         if views is None:
             layer, t = module_key(path)
-            views = self._views[key] = (self.a[t][layer, slot, :rank], self.b[t][layer, slot, :, :rank])
+            views = (self.a[t][layer, slot, :rank], self.b[t][layer, slot, :, :rank])
+            if self.bt:
+                views += (self.bt[t][layer, slot, :rank],)
+            self._views[key] = views
         return views
 
     def clear(self, slot: int) -> None:
@@ -204,6 +233,20 @@ class LoRASlots:
         from harli_train.engine.lora_ops import lora_add_reference
 
         return lora_add_reference(y, x, a, b, columns, meta.token_slots, self.scales)
+
+    def gemv(self, layer: int, group: tuple[str, ...]) -> GemvLoRA | None:
+        """The step's LoRA of `layer`'s projection launch `group` (one of `GROUPS`) for `decode_linear` to
+        run in its own launches (kernel "gemv"); None, and no work, when the step has no adapter row."""
+        from harli_train.engine.decode_linear import GemvLoRA  # imports triton
+
+        meta = self.meta
+        if meta is None:
+            return None
+        a = self.a_groups[group][layer]
+        return GemvLoRA(
+            a.view(-1, a.shape[-1]), self.bt_groups[group][layer], self.scales, meta.sorted_ids,
+            meta.slot_start, self.max_rank, self.num_slots,
+        )  # fmt: skip
 
     def delta(self, x: torch.Tensor, layer: int, targets: Sequence[str]) -> torch.Tensor | None:
         """The fp32 delta [T, sum N] of the projections `targets` of x [T, K], side by side in that order
