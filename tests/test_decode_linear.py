@@ -318,9 +318,11 @@ def test_the_torch_fallback_adds_the_addend_before_swiglu_and_the_add_norm():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5):
+def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5, laid_out=None):
     """(GemvLoRA, the reference delta [M, sum N] fp32) for rows on `token_slots`: adapters of rank
-    `used_rank` in stacks of `rank` (the rest zero), the base's slot 0 poisoned (NaN): nothing may read it."""
+    `used_rank` in stacks of `rank` (the rest zero), the base's slot 0 poisoned (NaN): nothing may read it.
+    `laid_out`: only the first rows are in the layout (as a mixed graph lays out the step's tokens, not its
+    bucket's padding); the rest must come out as base rows."""
     import numpy as np
 
     from harli_train.engine.decode_linear import GemvLoRA
@@ -333,7 +335,10 @@ def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5
     for t in (*a, *b):
         t[0] = float("nan")
     scales = torch.rand(num_slots, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.5
-    sorted_ids, slot_start = lora_layout(np.array(token_slots), num_slots)
+    n = len(token_slots) if laid_out is None else laid_out
+    sorted_ids, slot_start = lora_layout(np.array(token_slots[:n]), num_slots)
+    sorted_ids = np.concatenate([sorted_ids, np.zeros(len(token_slots) - n, dtype=np.int32)])
+    token_slots = list(token_slots[:n]) + [0] * (len(token_slots) - n)
     lora = GemvLoRA(
         torch.stack(a).reshape(-1, k).contiguous(),
         torch.cat([t.transpose(1, 2) for t in b], dim=2).contiguous(),
@@ -367,15 +372,34 @@ def test_lora_shrink_rides_the_gemv_and_its_expand_the_split_sum(dtype, swiglu, 
     x = _randn(m, k, dtype=dtype, seed=seed + 99)
     ws = [_randn(rows, k, dtype=dtype, seed=70 + i) for i, rows in enumerate(ns)]
     want = decode_linear_reference(x, ws, swiglu=swiglu, addend=delta)
-    base = decode_linear_config(1 if m == 1 else 16, ns, k, 132, swiglu, x.element_size())
-    cfg = with_config(
-        base, split_k=split, use_dot=use_dot, block_m=16 if use_dot else 1, block_n=16 if use_dot else 8,
-        block_k=32,
-    )  # fmt: skip
-    got = decode_linear(x, ws, swiglu=swiglu, config=cfg, lora=lora)
+    got = decode_linear(
+        x, ws, swiglu=swiglu, config=_lora_config(m, ns, k, swiglu, x, use_dot, split), lora=lora
+    )
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     plain = decode_linear_reference(x, ws, swiglu=swiglu).float()
     assert any(slots) == (not torch.allclose(want.float(), plain, atol=0.1))
+
+
+def _lora_config(m, ns, k, swiglu, x, use_dot, split):
+    base = decode_linear_config(1 if m == 1 else 16, ns, k, 132, swiglu, x.element_size())
+    return with_config(
+        base, split_k=split, use_dot=use_dot, block_m=16 if use_dot else 1, block_n=16 if use_dot else 8,
+        block_k=32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_lora_rows_past_the_layout_are_base_rows(swiglu):
+    """A mixed graph lays out its step's tokens only; the bucket's padding rows past them (sorted ids 0
+    there) are computed as base rows and leave the laid-out rows alone."""
+    k, n, slots = 72, 24, [2, 1, 2, 3, 1, 1]
+    ns = (n, n) if swiglu else (n, 16, 8)
+    lora, delta = _gemv_lora(slots, k, ns, torch.float32, seed=21, laid_out=4)
+    x = _randn(len(slots), k, dtype=torch.float32, seed=21 + 99)
+    ws = [_randn(rows, k, dtype=torch.float32, seed=80 + i) for i, rows in enumerate(ns)]
+    want = decode_linear_reference(x, ws, swiglu=swiglu, addend=delta)
+    got = decode_linear(x, ws, swiglu=swiglu, config=_lora_config(6, ns, k, swiglu, x, True, 1), lora=lora)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -216,12 +216,14 @@ def test_the_catalog_refuses_what_it_cannot_serve_and_reuses_slots(models, tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("lora_kernel", ["gemv", "split"])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph(models, mixed):
+def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph(models, mixed, lora_kernel):
     """On a GPU: decode (and mixed) steps replay the LoRA graph of their bucket for a mix of adapters and
     give the eager engine's tokens; a base-only batch replays the base graph."""
     base, alpha, beta = models
     cfg = dict(max_model_len=128, mixed_prefill=mixed, prefill_chunk_tokens=8, max_num_batched_tokens=64)
+    cfg["lora_kernel"] = lora_kernel
     graphs = build_catalog(
         str(base), "cuda", "float32", config=EngineConfig(**cfg), adapters=[str(alpha), str(beta)]
     )

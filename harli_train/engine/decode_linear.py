@@ -251,7 +251,7 @@ def _decode_linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     lora_args = (la.bt, la.scales, la.sorted_ids, la.slot_start, width)
-    block_s = _pow2(la.num_slots)
+    block_s, rank_pow2 = _pow2(la.num_slots), max(2, _pow2(la.rank))
     if add_norm is not None:
         residual, norm_weight, eps, y, h = add_norm
         if not partial:
@@ -261,16 +261,18 @@ def _decode_linear(
             dest, stride, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
             y, y.stride(0), m, n_out, eps, *lora_args, la.rank, la.num_slots,
             SPLIT_K=split, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None, BLOCK=block,
-            BLOCK_S=block_s, num_warps=max(4, min(16, block // 512)),
+            BLOCK_S=block_s, BLOCK_RC=max(2, min(rank_pow2, 16384 // block)),
+            num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
         return y, h
     if partial:
-        block = min(1024, _pow2(n_out))
+        # With LoRA, narrower column blocks: more programs for the expand's [rank, block] tiles of B^T.
+        block = min(256 if lora is not None else 1024, _pow2(n_out))
         n0, n1 = (ns + (0, 0))[:2]
         _split_reduce_kernel[(m, _cdiv(n_out, block))](
             dest, stride, out, out.stride(0), add, add_stride, m, n_out, *lora_args, n0, n1, len(ns),
             la.rank, la.num_slots, SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None,
-            HAS_LORA=lora is not None, BLOCK=block, BLOCK_S=block_s, num_warps=4,
+            HAS_LORA=lora is not None, BLOCK=block, BLOCK_S=block_s, BLOCK_RC=min(rank_pow2, 16), num_warps=4,
         )  # fmt: skip
     return out
 

@@ -215,40 +215,50 @@ def _decode_linear_kernel(
 
 @triton.jit
 def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S: tl.constexpr):
-    """(row, slot) of position `pid` in the step's rows grouped by slot (lora_ops.lora_layout)."""
+    """(row, slot) of position `pid` in the step's rows grouped by slot (lora_ops.lora_layout); positions
+    past the layout's rows (a graph bucket's padding when only the step's rows were laid out) are their own
+    rows, on the base."""
     js = tl.arange(0, BLOCK_S)
     starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
-    slot = tl.sum((starts <= pid).to(tl.int32), axis=0)
-    return tl.load(sorted_ids_ptr + pid).to(tl.int64), slot
+    laid_out = pid < tl.load(slot_start_ptr + lora_slots)
+    slot = tl.where(laid_out, tl.sum((starts <= pid).to(tl.int32), axis=0), 0)
+    row = tl.where(laid_out, tl.load(sorted_ids_ptr + tl.where(laid_out, pid, 0)), pid)
+    return row.to(tl.int64), slot
 
 
 @triton.jit
-def _lora_s(part_ptr, stride_part, M, m, col, valid, SPLIT_K: tl.constexpr):
-    """The shrink's value in workspace column `col` of row m: its splits summed in order (0 unless valid)."""
-    s = 0.0
+def _lora_s(part_ptr, stride_part, M, m, cols, valid, SPLIT_K: tl.constexpr):
+    """The shrink's values in workspace columns `cols` of row m: their splits summed in order (0 where
+    not valid)."""
+    s = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(SPLIT_K):
-        s += tl.load(part_ptr + (k * M + m) * stride_part + col, mask=valid, other=0.0)
+        s += tl.load(part_ptr + (k * M + m) * stride_part + cols, mask=valid, other=0.0)
     return s
 
 
 # The expand of one row: sum_r s_i[r] * bt[slot, r, cols] over the slices i the columns belong to (slice 0
 # before column n0, 1 before n0 + n1, 2 after), times the slot's scale; bt [S, R, W] contiguous, W = width.
+# BLOCK_RC ranks at a time, each a [BLOCK_RC, len(cols)] tile of bt.
 @triton.jit
 def _lora_expand(
     part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, col_mask, slot, scale, n0, n1, n_slices,
-    lora_rank, lora_slots, SPLIT_K: tl.constexpr,
+    lora_rank, lora_slots, SPLIT_K: tl.constexpr, BLOCK_RC: tl.constexpr,
 ):  # fmt: skip
     delta = tl.zeros(cols.shape, dtype=tl.float32)
     row = bt_ptr + slot.to(tl.int64) * lora_rank * width
     base = a_col0 + slot * lora_rank
     step = lora_slots * lora_rank  # columns between one slice's shrink and the next's
-    for r in range(lora_rank):
-        s0 = _lora_s(part_ptr, stride_part, M, m, base + r, n_slices > 0, SPLIT_K)
-        s1 = _lora_s(part_ptr, stride_part, M, m, base + step + r, n_slices > 1, SPLIT_K)
-        s2 = _lora_s(part_ptr, stride_part, M, m, base + 2 * step + r, n_slices > 2, SPLIT_K)
-        s = tl.where(cols < n0, s0, tl.where(cols < n0 + n1, s1, s2))
-        b = tl.load(row + r * width + cols, mask=col_mask, other=0.0).to(tl.float32)
-        delta += s * b
+    c = cols[None, :]
+    for r0 in range(0, lora_rank, BLOCK_RC):
+        r = r0 + tl.arange(0, BLOCK_RC)
+        in_r = r < lora_rank
+        slices = tl.full(r.shape, n_slices, tl.int32)
+        s0 = _lora_s(part_ptr, stride_part, M, m, base + r, in_r, SPLIT_K)
+        s1 = _lora_s(part_ptr, stride_part, M, m, base + step + r, in_r & (slices > 1), SPLIT_K)
+        s2 = _lora_s(part_ptr, stride_part, M, m, base + 2 * step + r, in_r & (slices > 2), SPLIT_K)
+        s = tl.where(c < n0, s0[:, None], tl.where(c < n0 + n1, s1[:, None], s2[:, None]))
+        b = tl.load(row + r[:, None] * width + c, mask=in_r[:, None] & col_mask[None, :], other=0.0)
+        delta += tl.sum(s * b.to(tl.float32), axis=0)
     return delta * scale
 
 
@@ -282,6 +292,7 @@ def _split_reduce_kernel(
     HAS_LORA: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_RC: tl.constexpr,
 ):
     if HAS_LORA:
         m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
@@ -307,16 +318,16 @@ def _split_reduce_kernel(
             if SWIGLU:  # gate is slice 0 on columns [0, N), up slice 1 on [N, 2 N)
                 acc += _lora_expand(
                     part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
-                    N, N, 1, lora_rank, lora_slots, SPLIT_K,
+                    N, N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
                 )  # fmt: skip
                 up += _lora_expand(
                     part_ptr, stride_part, M, m, a_col0 + lora_slots * lora_rank, bt_ptr, width, N + cols,
-                    mask, slot, scale, 2 * N, 2 * N, 1, lora_rank, lora_slots, SPLIT_K,
+                    mask, slot, scale, 2 * N, 2 * N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
                 )  # fmt: skip
             else:
                 acc += _lora_expand(
                     part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
-                    n0, n1, n_slices, lora_rank, lora_slots, SPLIT_K,
+                    n0, n1, n_slices, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
                 )  # fmt: skip
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * up
@@ -356,6 +367,7 @@ def _split_reduce_add_rms_norm_kernel(
     HAS_LORA: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_RC: tl.constexpr,
 ):
     if HAS_LORA:
         m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
@@ -373,7 +385,7 @@ def _split_reduce_add_rms_norm_kernel(
             scale = tl.load(scales_ptr + slot)
             acc += _lora_expand(
                 part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, mask, slot, scale,
-                N, N, 1, lora_rank, lora_slots, SPLIT_K,
+                N, N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
             )  # fmt: skip
     x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
