@@ -15,8 +15,8 @@ time does not depend on the cached values); one real prefill + decode is checked
 no-cache greedy output in the `sanity` section.
 
 `lora` (batched LoRA, bench/decode_lora.py): engines with 4 adapter slots of rank 16 on all seven
-projections, one per EngineConfig.lora_kernel: rows "lora_base", "lora_1", "lora_mix4" (the default, the
-LoRA inside the projections' launches) and "lora_1_split", "lora_mix4_split", batch 1-64, with their TPOT
+projections, one per EngineConfig.lora_kernel: rows "lora_base", "lora_1", "lora_mix4" (the default, split
+kernels before each projection) and "lora_1_gemv", "lora_mix4_gemv" (inside its launches), batch 1-64, with their TPOT
 ratios to lora_base against the targets (issue 22: 1.10 for one adapter, 1.15 for four), and the LoRA delta kernels timed alone. `--only lora` runs just
 that section (and the copy bandwidth the rooflines need).
 """

@@ -59,11 +59,13 @@ class EngineConfig:
     # nothing and the engine serves the base only.
     max_loras: int = 0
     max_lora_rank: int = 16
-    # How a decode step's projection computes its adapters' delta (Triton kernels only): "gemv", inside the
-    # projection's own launches (the shrink as extra row tiles of the GEMV, the expand in its split-sum
-    # kernel); or before it, as an fp32 addend: "split", a shrink and an expand launch, or "fused", one launch
-    # (each program shrinks over the whole K, then expands). bench_decode's lora rows compare them.
-    lora_kernel: str = "gemv"
+    # How a decode step's projection computes its adapters' delta (Triton kernels only): before it, as an
+    # fp32 addend, with "split" (a shrink and an expand launch) or "fused" (one launch: each program shrinks
+    # over the whole K, then expands); or "gemv", inside the projection's own launches (the shrink as extra
+    # row tiles of the GEMV, the expand in its split-sum kernel). On the H200 (bench_decode's lora rows,
+    # Llama-3-8B, rank 16) split is the fastest from batch 8 on (1.27-1.28x the base TPOT against gemv's
+    # 1.24x at batch 1 but 1.29-1.58x above, where each row re-reads its adapter's B); see bench/results.
+    lora_kernel: str = "split"
 
     def __post_init__(self) -> None:
         names = (
