@@ -13,10 +13,12 @@ MASTER_ADDR set) ``from_env`` joins the job torchrun made instead.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +133,13 @@ def _entry(rank: int, world: int, on_gpu: bool, address: str, fn: Callable, args
         fn(groups, *args)
     finally:
         close_groups()
+    # The rank's work is done and written (fn reports through files). Leave without the interpreter's
+    # finalization: a torch.distributed C++ thread still joinable there (one a daemon thread's collective
+    # left behind) aborts the process with "terminate called without an active exception".
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stop_with_parent() -> None:
