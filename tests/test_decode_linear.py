@@ -132,12 +132,17 @@ def test_projection_with_an_addend_then_residual_add_and_norm(dtype, m, split):
     addend = _randn(m, n, dtype=torch.float32, seed=54)
     base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
     cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
-    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, addend=addend)
+    _check_add_norm(x, w, residual, norm_w, cfg, addend, addend=addend)
+
+
+def _check_add_norm(x, w, residual, norm_w, cfg, delta, **kw):
+    """decode_linear_add_rms_norm(**kw) against add_rms_norm of the reference projection plus `delta`."""
+    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, **kw)
     want_y, want_h = kernel_reference.add_rms_norm(
-        decode_linear_reference(x, [w], addend=addend), residual, norm_w, 1e-5
+        decode_linear_reference(x, [w], addend=delta), residual, norm_w, 1e-5
     )
-    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
-    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[x.dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[x.dtype])
 
 
 def test_configs_for_llama_8b_shapes():
@@ -411,9 +416,4 @@ def test_lora_expand_in_the_split_sum_before_the_residual_add_and_norm(dtype, sl
     residual, norm_w = _randn(m, n, dtype=dtype, seed=52), _randn(n, dtype=dtype, seed=53)
     base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
     cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
-    y, h = decode_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, config=cfg, lora=lora)
-    want_y, want_h = kernel_reference.add_rms_norm(
-        decode_linear_reference(x, [w], addend=delta), residual, norm_w, 1e-5
-    )
-    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
-    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+    _check_add_norm(x, w, residual, norm_w, cfg, delta, lora=lora)

@@ -214,10 +214,12 @@ def _decode_linear_kernel(
 
 
 @triton.jit
-def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S: tl.constexpr):
-    """(row, slot) of position `pid` in the step's rows grouped by slot (lora_ops.lora_layout); positions
-    past the layout's rows (a graph bucket's padding when only the step's rows were laid out) are their own
-    rows, on the base."""
+def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(row, slot) a reduce program runs: with LoRA, position `pid` in the step's rows grouped by slot
+    (lora_ops.lora_layout), where positions past the layout's rows (a graph bucket's padding when only the
+    step's rows were laid out) are their own rows, on the base; without, row `pid` on the base."""
+    if not HAS_LORA:
+        return pid.to(tl.int64), 0
     js = tl.arange(0, BLOCK_S)
     starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
     laid_out = pid < tl.load(slot_start_ptr + lora_slots)
@@ -294,10 +296,7 @@ def _split_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_RC: tl.constexpr,
 ):
-    if HAS_LORA:
-        m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
-    else:
-        m, slot = tl.program_id(0).to(tl.int64), 0
+    m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA, BLOCK_S)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     width = 2 * N if SWIGLU else N
@@ -369,10 +368,7 @@ def _split_reduce_add_rms_norm_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_RC: tl.constexpr,
 ):
-    if HAS_LORA:
-        m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
-    else:
-        m, slot = tl.program_id(0).to(tl.int64), 0
+    m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA, BLOCK_S)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
