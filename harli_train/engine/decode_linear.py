@@ -32,6 +32,7 @@ from harli_train.engine.decode_linear_kernels import (
     _decode_linear_kernel,
     _split_reduce_add_rms_norm_kernel,
     _split_reduce_kernel,
+    _split_reduce_lora_kernel,
 )
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
@@ -265,14 +266,21 @@ def _decode_linear(
             num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
         return y, h
-    if partial:
-        # With LoRA, narrower column blocks: more programs for the expand's [rank, block] tiles of B^T.
-        block = min(256 if lora is not None else 1024, _pow2(n_out))
+    if lora is not None:
+        # BLOCK_M sorted rows by block_n columns a program, its accumulators (two with SwiGLU) within 4096.
+        block_m = min(64, max(16, _pow2(m)))
+        block_n = max(16, min(4096 // block_m, _pow2(n_out)))
         n0, n1 = (ns + (0, 0))[:2]
+        _split_reduce_lora_kernel[(_cdiv(m, block_m), _cdiv(n_out, block_n))](
+            dest, stride, out, out.stride(0), m, n_out, *lora_args, n0, n1, len(ns), la.rank, la.num_slots,
+            SPLIT_K=split, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, rank_pow2),
+            BLOCK_S=block_s, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        )  # fmt: skip
+    elif partial:
+        block = min(1024, _pow2(n_out))
         _split_reduce_kernel[(m, _cdiv(n_out, block))](
-            dest, stride, out, out.stride(0), add, add_stride, m, n_out, *lora_args, n0, n1, len(ns),
-            la.rank, la.num_slots, SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None,
-            HAS_LORA=lora is not None, BLOCK=block, BLOCK_S=block_s, BLOCK_RC=min(rank_pow2, 16), num_warps=4,
+            dest, stride, out, out.stride(0), add, add_stride, m, n_out,
+            SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -266,8 +266,6 @@ def _lora_expand(
 
 # part: [SPLIT_K, M, stride_part] fp32 (W = N, or 2 N with SWIGLU, columns of sums first); out: [M, N] row
 # stride stride_om; add (when HAS_ADDEND): fp32 [M, W] row stride stride_am, summed with the splits.
-# HAS_LORA: program p runs row sorted_ids[p] and adds its slot's expand (bt [S, R, W]: B transposed, the
-# projection's columns side by side; slices of n0 and n1 columns, then the rest) before the epilogue.
 @triton.jit
 def _split_reduce_kernel(
     part_ptr,
@@ -276,6 +274,55 @@ def _split_reduce_kernel(
     stride_om,
     add_ptr,
     stride_am,
+    M,
+    N,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + (s * M + m) * stride_part
+        acc += tl.load(row + cols, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(row + N + cols, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
+        if SWIGLU:
+            up += tl.load(add_ptr + m * stride_am + N + cols, mask=mask, other=0.0)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * up
+    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, cols, r_mask, SPLIT_K: tl.constexpr):
+    """The shrink's values [BLOCK_M, BLOCK_R] of `rows` (where `sel`) in workspace columns `cols`, their
+    splits summed in order."""
+    s = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
+    for k in tl.static_range(SPLIT_K):
+        ptrs = part_ptr + (k * M + rows[:, None]) * stride_part + cols[None, :]
+        s += tl.load(ptrs, mask=sel[:, None] & r_mask[None, :], other=0.0)
+    return s
+
+
+# The split sum with the LoRA expand, BLOCK_M positions of the step's rows grouped by slot (lora_layout;
+# positions past the layout are their own base rows) by BLOCK_N columns: for each adapter slot in the tile,
+# acc[its rows] += scale * (s [rows, R] @ B^T [R, columns]) on the tensor cores, so a slot's B^T tile is read
+# once a tile, not once a row. part and out as in _split_reduce_kernel; the shrink in part's columns
+# [a_col0, ...) as (slice, slot, r); bt [S, R, W]: B transposed, the projection's columns side by side
+# (slices of n0 and n1 columns, then the rest; gate then up with SWIGLU).
+@triton.jit
+def _split_reduce_lora_kernel(
+    part_ptr,
+    stride_part,
+    out_ptr,
+    stride_om,
     M,
     N,
     bt_ptr,
@@ -290,47 +337,62 @@ def _split_reduce_kernel(
     lora_slots,
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
-    HAS_ADDEND: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_RC: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA, BLOCK_S)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
+    p = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_m = p < M
+    laid = in_m & (p < tl.load(slot_start_ptr + lora_slots))
+    js = tl.arange(0, BLOCK_S)
+    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
+    slot = tl.where(laid, tl.sum((starts[None, :] <= p[:, None]).to(tl.int32), axis=1), 0)
+    rows = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < N
     width = 2 * N if SWIGLU else N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        row = part_ptr + (s * M + m) * stride_part
-        acc += tl.load(row + cols, mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tile_mask = in_m[:, None] & c_mask[None, :]
+    for k in tl.static_range(SPLIT_K):
+        row = part_ptr + (k * M + rows[:, None]) * stride_part
+        acc += tl.load(row + cols[None, :], mask=tile_mask, other=0.0)
         if SWIGLU:
-            up += tl.load(row + N + cols, mask=mask, other=0.0)
-    if HAS_ADDEND:
-        acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
-        if SWIGLU:
-            up += tl.load(add_ptr + m * stride_am + N + cols, mask=mask, other=0.0)
-    if HAS_LORA:
-        if slot > 0:
-            scale = tl.load(scales_ptr + slot)
-            if SWIGLU:  # gate is slice 0 on columns [0, N), up slice 1 on [N, 2 N)
-                acc += _lora_expand(
-                    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
-                    N, N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
-                )  # fmt: skip
-                up += _lora_expand(
-                    part_ptr, stride_part, M, m, a_col0 + lora_slots * lora_rank, bt_ptr, width, N + cols,
-                    mask, slot, scale, 2 * N, 2 * N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
-                )  # fmt: skip
-            else:
-                acc += _lora_expand(
-                    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, mask, slot, scale,
-                    n0, n1, n_slices, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
-                )  # fmt: skip
+            up += tl.load(row + N + cols[None, :], mask=tile_mask, other=0.0)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < lora_rank
+    slices = tl.full(r.shape, n_slices, tl.int32)  # a tensor: the interpreter's masks want one
+    r_mask1, r_mask2 = r_mask & (slices > 1), r_mask & (slices > 2)
+    step = lora_slots * lora_rank  # workspace columns between one slice's shrink and the next's
+    lo = tl.min(tl.where(slot > 0, slot, lora_slots), axis=0)
+    hi = tl.max(slot, axis=0)
+    for j in range(lo, hi + 1):
+        sel = slot == j
+        scale = tl.load(scales_ptr + j)
+        shrink = a_col0 + j * lora_rank + r
+        b_rows = bt_ptr + j * lora_rank * width + r[:, None] * width  # < 2**31: S, R and W are small
+        b = tl.load(b_rows + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+        s0 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink, r_mask, SPLIT_K) * scale
+        s1 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + step, r_mask1, SPLIT_K) * scale
+        if SWIGLU:  # gate is slice 0 on columns [0, N), up slice 1 on [N, 2 N)
+            b_up = tl.load(b_rows + N + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+            acc = tl.dot(s0.to(b.dtype), b, acc, input_precision=PRECISION)
+            up = tl.dot(s1.to(b.dtype), b_up, up, input_precision=PRECISION)
+        else:  # each column's slice: s0 before n0, s1 before n0 + n1, s2 after (zero where absent)
+            s2 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + 2 * step, r_mask2, SPLIT_K)
+            c = cols[None, :]
+            zero = tl.zeros_like(b)
+            acc = tl.dot(s0.to(b.dtype), tl.where(c < n0, b, zero), acc, input_precision=PRECISION)
+            b1 = tl.where((c >= n0) & (c < n0 + n1), b, zero)
+            acc = tl.dot(s1.to(b.dtype), b1, acc, input_precision=PRECISION)
+            b2 = tl.where(c >= n0 + n1, b, zero)
+            acc = tl.dot((s2 * scale).to(b.dtype), b2, acc, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * up
-    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # part: [SPLIT_K, M, stride_part] fp32; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32

@@ -63,8 +63,9 @@ class EngineConfig:
     # fp32 addend, with "split" (a shrink and an expand launch) or "fused" (one launch: each program shrinks
     # over the whole K, then expands); or "gemv", inside the projection's own launches (the shrink as extra
     # row tiles of the GEMV, the expand in its split-sum kernel). On the H200 (bench_decode's lora rows,
-    # Llama-3-8B, rank 16) split is the fastest from batch 8 on (1.27-1.28x the base TPOT against gemv's
-    # 1.24x at batch 1 but 1.29-1.58x above, where each row re-reads its adapter's B); see bench/results.
+    # Llama-3-8B, rank 16, 2026-12-02) split was the fastest from batch 8 on (1.23-1.29x the base TPOT)
+    # against gemv's 1.24x at batch 1 but 1.29-1.58x above, where each row re-read its adapter's B (its
+    # expand now works on row tiles, not yet measured); see bench/results.
     lora_kernel: str = "split"
 
     def __post_init__(self) -> None:
