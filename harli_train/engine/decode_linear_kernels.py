@@ -4,7 +4,10 @@
 "swap AB" tensor-core dots above); with SPLIT_K > 1 it writes fp32 partials that `_split_reduce_kernel` (or
 `_split_reduce_add_rms_norm_kernel`) sums in a fixed order. An optional fp32 addend [M, N_total] (a LoRA
 delta) joins the fp32 sum before the epilogue (cast, SwiGLU, residual add and norm): in the GEMV kernel's
-epilogue without split-K, in the reduce kernel with it.
+epilogue without split-K, in the reduce kernel with it. With the LoRA in the launches (HAS_LORA, always
+PARTIAL), the GEMV kernel also computes the shrink over the stacked A's row tiles and the expand joins the
+sums in `_split_reduce_lora_kernel` (tiles of rows grouped by slot) or, with the residual add and norm, per
+row in `_split_reduce_add_rms_norm_kernel`.
 """
 
 from __future__ import annotations
@@ -228,39 +231,25 @@ def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA: tl.cons
     return row.to(tl.int64), slot
 
 
-@triton.jit
-def _lora_s(part_ptr, stride_part, M, m, cols, valid, SPLIT_K: tl.constexpr):
-    """The shrink's values in workspace columns `cols` of row m: their splits summed in order (0 where
-    not valid)."""
-    s = tl.zeros(cols.shape, dtype=tl.float32)
-    for k in tl.static_range(SPLIT_K):
-        s += tl.load(part_ptr + (k * M + m) * stride_part + cols, mask=valid, other=0.0)
-    return s
-
-
-# The expand of one row: sum_r s_i[r] * bt[slot, r, cols] over the slices i the columns belong to (slice 0
-# before column n0, 1 before n0 + n1, 2 after), times the slot's scale; bt [S, R, W] contiguous, W = width.
+# The expand of one row m of one slice: scale * sum_r s[r] * bt[slot, r, cols], s the shrink's values in
+# the workspace's columns [a_col0 + slot R, + R) (their splits summed in order); bt [S, R, N] contiguous.
 # BLOCK_RC ranks at a time, each a [BLOCK_RC, len(cols)] tile of bt.
 @triton.jit
-def _lora_expand(
-    part_ptr, stride_part, M, m, a_col0, bt_ptr, width, cols, col_mask, slot, scale, n0, n1, n_slices,
-    lora_rank, lora_slots, SPLIT_K: tl.constexpr, BLOCK_RC: tl.constexpr,
+def _lora_row_expand(
+    part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, col_mask, slot, scale, lora_rank,
+    SPLIT_K: tl.constexpr, BLOCK_RC: tl.constexpr,
 ):  # fmt: skip
     delta = tl.zeros(cols.shape, dtype=tl.float32)
-    row = bt_ptr + slot.to(tl.int64) * lora_rank * width
-    base = a_col0 + slot * lora_rank
-    step = lora_slots * lora_rank  # columns between one slice's shrink and the next's
-    c = cols[None, :]
+    row = bt_ptr + slot.to(tl.int64) * lora_rank * N
+    base = part_ptr + m * stride_part + a_col0 + slot * lora_rank
     for r0 in range(0, lora_rank, BLOCK_RC):
         r = r0 + tl.arange(0, BLOCK_RC)
         in_r = r < lora_rank
-        slices = tl.full(r.shape, n_slices, tl.int32)
-        s0 = _lora_s(part_ptr, stride_part, M, m, base + r, in_r, SPLIT_K)
-        s1 = _lora_s(part_ptr, stride_part, M, m, base + step + r, in_r & (slices > 1), SPLIT_K)
-        s2 = _lora_s(part_ptr, stride_part, M, m, base + 2 * step + r, in_r & (slices > 2), SPLIT_K)
-        s = tl.where(c < n0, s0[:, None], tl.where(c < n0 + n1, s1[:, None], s2[:, None]))
-        b = tl.load(row + r[:, None] * width + c, mask=in_r[:, None] & col_mask[None, :], other=0.0)
-        delta += tl.sum(s * b.to(tl.float32), axis=0)
+        s = tl.zeros(r.shape, dtype=tl.float32)
+        for k in tl.static_range(SPLIT_K):
+            s += tl.load(base + k * M * stride_part + r, mask=in_r, other=0.0)
+        b = tl.load(row + r[:, None] * N + cols[None, :], mask=in_r[:, None] & col_mask[None, :], other=0.0)
+        delta += tl.sum(s[:, None] * b.to(tl.float32), axis=0)
     return delta * scale
 
 
@@ -396,7 +385,8 @@ def _split_reduce_lora_kernel(
 
 
 # part: [SPLIT_K, M, stride_part] fp32; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32
-# [M, N] row stride stride_am; HAS_LORA as in _split_reduce_kernel (one slice). One program per row: the sum
+# [M, N] row stride stride_am; HAS_LORA: program p runs position p of the rows grouped by slot (_lora_row) and
+# adds its slot's expand (_lora_row_expand; bt [S, R, N]). One program per row: the sum
 # of the splits (and the addend, or the expand) is the projection's output in its dtype (as `decode_linear`
 # would store it); then the residual add and RMSNorm round as `kernels.add_rms_norm` does (h in its dtype,
 # fp32 statistics).
@@ -441,9 +431,9 @@ def _split_reduce_add_rms_norm_kernel(
     if HAS_LORA:
         if slot > 0:
             scale = tl.load(scales_ptr + slot)
-            acc += _lora_expand(
-                part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, mask, slot, scale,
-                N, N, 1, lora_rank, lora_slots, SPLIT_K, BLOCK_RC,
+            acc += _lora_row_expand(
+                part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, mask, slot, scale, lora_rank,
+                SPLIT_K, BLOCK_RC,
             )  # fmt: skip
     x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
