@@ -145,7 +145,6 @@ class LoRASlots:
         self.ranks[slot] = rank
 
     @torch.no_grad()
-    @torch.no_grad()
     def copy_from(self, slot: int, modules: Mapping[str, LoRALinear]) -> None:
         """Copy the adapters attached to `modules` (module path -> a projection carrying A and B, e.g. the
         trainer's fp32 masters) into `slot`, device to device on the current stream. The slot must have been
