@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from this checkout
 import common  # noqa: E402
 
 from harli_train.memory import (  # noqa: E402

@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from this checkout
 import common  # noqa: E402
 import decode_lora  # noqa: E402
 
