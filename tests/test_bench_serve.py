@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,27 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free now (the served run listens on p, the in-process run on p + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+            except OSError:
+                continue
+    raise RuntimeError("no two adjacent free ports")
+
+
 @pytest.mark.slow
 def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_process(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
+    port = str(_free_port_pair())  # not a fixed one: another run on this host may hold it
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", "8019", "--repeats", "2"],
+        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", port, "--repeats", "2"],
         capture_output=True,
         text=True,
         timeout=600,
