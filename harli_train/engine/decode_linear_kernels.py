@@ -370,14 +370,17 @@ def _split_reduce_lora_kernel(
             acc = tl.dot(s0.to(b.dtype), b, acc, input_precision=PRECISION)
             up = tl.dot(s1.to(b.dtype), b_up, up, input_precision=PRECISION)
         else:  # each column's slice: s0 before n0, s1 before n0 + n1, s2 after (zero where absent)
-            s2 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + 2 * step, r_mask2, SPLIT_K)
+            s2 = (
+                _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + 2 * step, r_mask2, SPLIT_K)
+                * scale
+            )
             c = cols[None, :]
             zero = tl.zeros_like(b)
             acc = tl.dot(s0.to(b.dtype), tl.where(c < n0, b, zero), acc, input_precision=PRECISION)
             b1 = tl.where((c >= n0) & (c < n0 + n1), b, zero)
             acc = tl.dot(s1.to(b.dtype), b1, acc, input_precision=PRECISION)
             b2 = tl.where(c >= n0 + n1, b, zero)
-            acc = tl.dot((s2 * scale).to(b.dtype), b2, acc, input_precision=PRECISION)
+            acc = tl.dot(s2.to(b.dtype), b2, acc, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * up
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
