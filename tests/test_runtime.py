@@ -347,7 +347,8 @@ def test_live_and_final_tpot_are_one_statistic_over_the_same_requests(tmp_path, 
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[harli] train")]
     assert len(lines) > 10
     counts = [int(line.split("TPOT p50/p99 over ")[1].split(" ")[0]) for line in lines]
-    assert counts == sorted(counts) and len(set(counts)) > 2  # the figure moved during the run
+    # The figure moved during the run (how many distinct values it passes through depends on the machine's speed).
+    assert counts == sorted(counts) and counts[0] < counts[-1]
     final = report.objective_text(summary["objective_stats"])
     assert final in lines[-1] and final in caplog.text
     served = [json.loads(line) for line in (tmp_path / "colocate" / "serve" / "requests.jsonl").open()]
