@@ -146,6 +146,9 @@ class TrainSection:
     clip_grad_norm: float | None = key(1.0, "float", at_least(0), optional=True)  # 0 or null: no clipping
     seed: int = key(0, "int", at_least(0))
     layers_per_microstep: int = key(1, "int", at_least(1))
+    # Each micro-step replayed as one CUDA graph, captured once (harli_train/train/step_graphs.py). Needs
+    # lora.dropout 0; a co-located run then keeps its KV cache out of the page pool (colocation.memory_pool).
+    cuda_graphs: bool = key(False, "bool")
     kernels: str = key("auto", "str", among("auto", "triton", "torch"))
     device: str = key("auto", "str", among("auto", "cpu", "cuda"))
     log_every: int = key(10, "int", at_least(1))

@@ -93,13 +93,83 @@ def _assert_clean_exit(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_colocated_run_on_green_contexts_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_colocated_run_on_green_contexts_exits_cleanly(tmp_path, graphs):
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     overrides = ["train.steps=8", "colocation.duration_s=4", f"output.dir={tmp_path / 'run'}"]
+    overrides.append(f"train.cuda_graphs={str(graphs).lower()}")
     summary = _assert_clean_exit(_run([recipe, "--colocate-with", "tiny", "--quiet", *overrides], tmp_path))
     assert summary["trainer"]["steps"] == 8
     assert (tmp_path / "run" / "colocate" / "summary.json").is_file()
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung():
+    """train.cuda_graphs on the GPU: real graphs, bf16, two micro-batches of packed rows. Three steps give
+    the eager step's loss and gradients (same kernels, same configurations), and so does a step whose
+    forwards replay on one green-context rung and whose backwards replay on another."""
+    from harli_train.colocate.sm import SMLadder
+    from harli_train.model import load_model
+    from harli_train.train.batch_buffers import BatchBuffers
+    from harli_train.train.step import train_step
+    from harli_train.train.step_graphs import StepGraphs
+
+    def model():
+        torch.manual_seed(0)
+        m = load_model("tiny", torch.bfloat16, "cuda", seed=1)
+        m.add_lora(8, 16.0, 0.0, seed=2)
+        with torch.no_grad():
+            for p in m.lora_parameters():
+                p.normal_(0, 0.05)
+        return m.train()
+
+    def batch(seed, b=4, t=256):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 250, (b, t), generator=g)
+        doc = (torch.arange(t) >= t // 3).long().repeat(b, 1)
+        positions = torch.arange(t).repeat(b, 1) - doc * (t // 3)
+        return {
+            "input_ids": ids,
+            "labels": ids.clone(),
+            "positions": positions,
+            "doc_ids": doc,
+            "num_target_tokens": b * (t - 1),
+        }
+
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    batches = [batch(1), batch(2)]
+
+    def steps(graphed: bool, rungs=None):
+        """Three steps (one when eager): the last result and gradients. With ``rungs``, a micro-step after a
+        forward replays on rungs[0]'s trainer stream, after the loss or a backward on rungs[1]'s."""
+        m, buffers = model(), BatchBuffers("cuda")
+        graphs = StepGraphs(m.lora_parameters()) if graphed else None
+        prev = torch.cuda.current_stream()
+        for _ in range(3 if graphed else 1):
+            m.zero_grad(set_to_none=True)
+            gen, phase = train_step(m, batches, 1, autocast, buffers=buffers, graphs=graphs), "fwd"
+            try:
+                while True:
+                    stream = prev if rungs is None else rungs[phase in ("loss", "bwd")].train_stream
+                    stream.wait_stream(prev)
+                    with torch.cuda.stream(stream):
+                        phase = next(gen).phase
+                    prev = stream
+            except StopIteration as stop:
+                result = stop.value
+        torch.cuda.synchronize()
+        assert graphs is None or graphs.captures == 1
+        return result, [p.grad.float() for p in m.lora_parameters()]
+
+    want, want_grads = steps(False)
+    ladder = SMLadder.create(step=32)
+    try:
+        for got, grads in (steps(True), steps(True, [ladder.spatial[0], ladder.spatial[-1]])):
+            torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-3, atol=0)
+            for a, b in zip(grads, want_grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
+    finally:
+        ladder.close()
 
 
 def test_profile_command_exits_cleanly(tmp_path):

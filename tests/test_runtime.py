@@ -822,6 +822,33 @@ def test_every_micro_step_kind_runs_on_any_rung_and_the_result_equals_standalone
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
+def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, standalone):
+    # train.cuda_graphs: one set of graphs per rung; a share that jumps to a random rung at every decision
+    # makes backwards rebuild their chunk's forward on their own rung's set (counted with the eager
+    # rebuilds); the result is still bit-identical to training alone.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    rng = random.Random(0)
+    shares = [p.infer_sms for p in ladder.spatial]
+    rt = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, lambda: rng.choice(shares)),
+        requests([(0.0, 4, 400)]),
+        RuntimeOptions(quiet=True, plots=False),
+        None,
+        None,
+        "train.cuda_graphs=true",
+    )
+    summary = rt.run()
+    bwd = {sms for phase, _, sms in rt.worker.side.launches if phase == "bwd"}
+    graphs = rt.trainer.graphs
+    assert graphs is not None and graphs.captures >= 2 and len(bwd) >= 2
+    assert summary["finetune"]["rebuilt_backward_chunks"] == graphs.rebuilds > 0
+    assert summary["finetune"]["abandoned_steps"] == 0
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
 def test_a_transient_detour_neither_rebuilds_a_backward_nor_redoes_the_step(tmp_path, standalone):
     # Prefill-like detours (transient plans) cover the SMs of a step's forward for longer than the stale
     # limit: the backward goes on there (the detour shares those SMs on purpose), never rebuilt or redone.

@@ -165,6 +165,11 @@ def open_pool(
     col = cfg.colocation
     if not col.memory_pool:
         return None, None, {"pool": pool_disabled("colocation.memory_pool is false")}
+    if cfg.train.cuda_graphs:
+        # The graphs hold the trainer's working set in their own memory, allocated at capture.
+        reason = "train.cuda_graphs keeps the trainer's working set in its graphs' memory"
+        log.info("running without the page pool: %s", reason)
+        return None, None, {"pool": pool_disabled(reason)}
     budget = pool_budget(cfg, device)
     shape = (cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep)
     memory = PoolMemory(budget, device, trainer.model, shape)

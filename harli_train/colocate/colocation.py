@@ -125,12 +125,18 @@ class Colocation:
                 self._fit_trainer_streams(policy, scope)
                 places = policy.trainer_partitions() + [self.ladder.full]
                 failed = warm_up_trainer(
-                    self.trainer, places, self.ladder.total_sms, release=False, scope=scope
+                    self.trainer, places, self.ladder.total_sms, release=self._release, scope=scope
                 )
             if not self.ladder.retire(failed):
                 return policy
             torch.cuda.empty_cache()
             policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
+
+    @property
+    def _release(self) -> bool:
+        """Whether a warm-up gives its cached memory back: with graphs a stream needs no warm cache (the
+        graphs' memory is allocated at capture, one pool for every stream)."""
+        return self.trainer.step_graphs is not None
 
     def _fit_trainer_streams(self, policy: Policy, scope: Callable) -> None:
         """Warm the whole GPU's trainer stream and one of ``policy``'s rungs, measure what the rung's stream
@@ -146,10 +152,12 @@ class Colocation:
         warmed = 0
         if self._stream_bytes is None:  # the first warm-up of this trainer's shapes
             before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
-            warm_up_trainer(self.trainer, [full], self.ladder.total_sms, release=False, scope=scope)
+            warm_up_trainer(self.trainer, [full], self.ladder.total_sms, release=self._release, scope=scope)
             if rungs:  # now that the shared state is in: what one more stream and its step take
                 before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
-                warm_up_trainer(self.trainer, [rungs[0]], self.ladder.total_sms, release=False, scope=scope)
+                warm_up_trainer(
+                    self.trainer, [rungs[0]], self.ladder.total_sms, release=self._release, scope=scope
+                )
                 warmed = 1
             after, peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
             self._stream_bytes = after - before
@@ -265,7 +273,13 @@ def warm_up_trainer(
     def step(sms: int) -> None:
         with torch.cuda.stream(places[sms]), kernels.sm_budget(sms), scope():
             steps = train_step(
-                model, [batch], cfg.train.layers_per_microstep, trainer._autocast, stash=trainer.stash_chunk
+                model,
+                [batch],
+                cfg.train.layers_per_microstep,
+                trainer._autocast,
+                buffers=trainer.buffers if trainer.step_graphs is not None else None,
+                stash=trainer.stash_chunk,
+                graphs=trainer.step_graphs,  # the first budget captures them, the others replay them
             )
             for _ in steps:
                 pass

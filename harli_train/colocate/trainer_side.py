@@ -109,7 +109,8 @@ class TrainerSide:
 
     @property
     def rebuilt_chunks(self) -> int:
-        return self.tracker.rebuilt_chunks
+        graphs = self.trainer.graphs
+        return self.tracker.rebuilt_chunks + (graphs.rebuilds if graphs is not None else 0)
 
     def at_decision(self, decisions: int) -> None:
         """The decode loop has made ``decisions`` decisions (the unit of the OOM back-off)."""
@@ -173,8 +174,13 @@ class TrainerSide:
                 why = "preempted"
                 break
             # A transient detour (a prefill) may share the SMs of a backward's forward for its one step:
-            # the backward goes on there.
-            stale = plan.isolated and not plan.transient and tracker.stale(plan.partition.infer_sms)
+            # the backward goes on there. Captured steps rebuild by themselves (`StepGraphs`).
+            stale = (
+                plan.isolated
+                and not plan.transient
+                and not self.trainer.rebuilds_itself
+                and tracker.stale(plan.partition.infer_sms)
+            )
             kind = "rebuild" if stale else tracker.next_kind()
             cost = self.expected_s(kind)
             if stale and kind not in self._kind_s:

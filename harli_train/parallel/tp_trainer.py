@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from harli_train import kernels
+from harli_train.config import RecipeError
 from harli_train.parallel.channel import Channel
 from harli_train.parallel.group import TPGroups
 from harli_train.parallel.tp_model import TPLlamaForCausalLM
@@ -45,6 +46,10 @@ class TPTrainer(Trainer):
     """A ``Trainer`` over rank ``tp.rank``'s slice ``model``; rank 0 leads (``tp.is_leader``)."""
 
     def __init__(self, cfg, model: TPLlamaForCausalLM, tp: TPGroups, quiet: bool = False):
+        if cfg.train.cuda_graphs:
+            raise RecipeError(
+                cfg.source, "train.cuda_graphs", "false under tensor parallelism (not captured yet)", "true"
+            )
         self.tp, self.channel = tp, Channel(tp.train_ctl)
         self._recompute: Callable[[int, int], bool] | None = None
         super().__init__(cfg, model=model, quiet=quiet)

@@ -65,3 +65,14 @@ def run_length(cfg: RecipeConfig, batches_per_epoch: int) -> int:
         )
         cfg.train.warmup_steps = total - 1
     return total
+
+
+def check_cuda_graphs(cfg: RecipeConfig) -> None:
+    """train.cuda_graphs with what it needs: no LoRA dropout (a graph replays the random masks differently)."""
+    if cfg.train.cuda_graphs and cfg.lora.dropout > 0:
+        raise RecipeError(
+            cfg.source,
+            "train.cuda_graphs",
+            "false while lora.dropout > 0 (a captured step would draw other dropout masks than the eager one)",
+            f"true with lora.dropout {cfg.lora.dropout}",
+        )

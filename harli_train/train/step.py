@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.trainer_state import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from harli_train.train.step_graphs import StepGraphs
 
 IGNORE_INDEX = -100
 
@@ -89,6 +93,73 @@ def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
 
 
+class EagerChunks:
+    """How `train_step` runs its micro-steps by default: each chunk's forward under autograd from detached
+    leaves, its backward by `torch.autograd.backward` from the boundary gradients carried by hand.
+
+    `recompute`, `stash` and `replay` are `train_step`'s; the gradients land in the parameters' `.grad`.
+    """
+
+    def __init__(self, model, bounds, autocast, recompute, buffers, stash, total_targets, replay):
+        self.model, self.bounds, self.autocast, self.buffers = model, bounds, autocast, buffers
+        self.recompute, self.replay, self.total_targets = recompute, replay, total_targets
+        self.kept = stash or (lambda chunk: contextlib.nullcontext())
+        self.device = model.lm_head.weight.device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def load(self, batch: dict) -> int:
+        """Start a micro-batch; returns its input tokens."""
+        self.ids, self.labels, self.cos, self.sin, self.attn = model_inputs(
+            self.model, batch, self.device, self.buffers
+        )
+        self.saved, self.rng = [], []
+        self.hidden, self.residual = self.model.embed(self.ids), None
+        return self.ids.numel()
+
+    def forward(self, chunk: int) -> None:
+        start, stop = self.bounds[chunk]
+        # The embedding is frozen: the first chunk needs no gradient for its input.
+        h_in, r_in = _leaf(self.hidden, start > 0), _leaf(self.residual)
+        if self.replay:
+            self.rng.append(rng_state())
+        with self.kept(chunk), self.autocast():
+            self.hidden, self.residual = self.model.run_layers(
+                start, stop, h_in, r_in, self.cos, self.sin, self.attn
+            )
+        self.saved.append([h_in, r_in, self.hidden, self.residual])
+
+    def loss(self) -> None:
+        # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
+        h_in, r_in = _leaf(self.hidden), _leaf(self.residual)
+        self.hidden = self.residual = (
+            None  # the last chunk's graph lives in `saved` alone (a rebuild frees it)
+        )
+        model = self.model
+        with self.autocast():
+            normed = model.final_norm(h_in, r_in)
+            shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
+            mb_loss = model.token_loss(shifted, self.labels[:, 1:].reshape(-1), IGNORE_INDEX)
+        (mb_loss / self.total_targets).backward()
+        self.loss_sum += mb_loss.detach().float()
+        self.grads = (h_in.grad, r_in.grad)
+
+    def backward(self, mb: int, i: int) -> None:
+        (start, stop), (h_in, r_in, h_out, r_out) = self.bounds[i], self.saved[i]
+        if self.recompute is not None and self.recompute(mb, start):
+            self.saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
+            with _replaying(self.rng[i] if self.replay else None), self.kept(i), self.autocast():
+                h_out, r_out = self.model.run_layers(start, stop, h_in, r_in, self.cos, self.sin, self.attn)
+        outs = [h_out] if r_out is None else [h_out, r_out]
+        torch.autograd.backward(outs, list(self.grads[: len(outs)]))
+        self.grads = (h_in.grad, None if r_in is None else r_in.grad)
+        self.saved[i] = h_out = r_out = None
+
+    def end(self) -> torch.Tensor:
+        """The step's summed token loss; the gradients are in the parameters' `.grad`."""
+        self.saved = self.grads = None
+        return self.loss_sum
+
+
 def train_step(
     model: LlamaForCausalLM,
     batches: list[dict],
@@ -97,6 +168,7 @@ def train_step(
     recompute: Callable[[int, int], bool] | None = None,
     buffers: BatchBuffers | None = None,
     stash: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    graphs: StepGraphs | None = None,
 ) -> Generator[MicroStep, None, StepResult]:
     """Accumulate gradients of the mean token loss over `batches` (the micro-batches of one step).
 
@@ -108,59 +180,36 @@ def train_step(
     `stash(i)` (optional) is entered around chunk i's forward (and its rebuild): where the tensors it saves
     for backward are kept (the co-located page pool's ``ActivationSwapper.layer``); it moves bytes, never
     changes them.
+    `graphs` (optional, with `buffers`): run each micro-step as one replay of its CUDA graph (`StepGraphs`),
+    which computes the same; a chunk's backward then runs on whatever stream is current, so `recompute` is
+    never asked, and `stash` must be None.
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
         raise ValueError("a training step has no target tokens (every label is ignored)")
-    device = model.lm_head.weight.device
-    # A rebuilt chunk must draw the random numbers its first forward drew (dropout).
-    replay = recompute is not None and any(
-        getattr(m, "dropout", 0.0) > 0.0 and m.training for m in model.modules()
-    )
     bounds = chunk_bounds(model.config.num_layers, layers_per_microstep)
-    kept = stash or (lambda chunk: contextlib.nullcontext())
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    input_tokens = 0
+    if graphs is not None:
+        if stash is not None or buffers is None:
+            raise ValueError("train_step: graphs need the batch buffers, and cannot stash activations")
+        run = graphs.step(model, bounds, autocast, buffers, total_targets)
+    else:
+        # A rebuilt chunk must draw the random numbers its first forward drew (dropout).
+        replay = recompute is not None and any(
+            getattr(m, "dropout", 0.0) > 0.0 and m.training for m in model.modules()
+        )
+        run = EagerChunks(model, bounds, autocast, recompute, buffers, stash, total_targets, replay)
+    input_tokens, layers = 0, model.config.num_layers
     for mb, batch in enumerate(batches):
-        ids, labels, cos, sin, attn = model_inputs(model, batch, device, buffers)
-        input_tokens += ids.numel()
-        # Forward, chunk by chunk; each chunk keeps its own autograd graph.
-        saved, rng = [], []
-        hidden, residual = model.embed(ids), None
-        for chunk, (start, stop) in enumerate(bounds):
-            # The embedding is frozen: the first chunk needs no gradient for its input.
-            h_in, r_in = _leaf(hidden, start > 0), _leaf(residual)
-            if replay:
-                rng.append(rng_state())
-            with kept(chunk), autocast():
-                hidden, residual = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
-            saved.append([h_in, r_in, hidden, residual])
+        input_tokens += run.load(batch)
+        for chunk, (start, stop) in enumerate(bounds):  # forward, chunk by chunk
+            run.forward(chunk)
             yield MicroStep("fwd", mb, start, stop)
-        # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
-        h_in, r_in = _leaf(hidden), _leaf(residual)
-        hidden = residual = None  # the last chunk's graph lives in `saved` alone (a rebuild frees it)
-        with autocast():
-            normed = model.final_norm(h_in, r_in)
-            shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
-            mb_loss = model.token_loss(shifted, labels[:, 1:].reshape(-1), IGNORE_INDEX)
-        (mb_loss / total_targets).backward()
-        loss_sum += mb_loss.detach().float()
-        grads = (h_in.grad, r_in.grad)
-        yield MicroStep("loss", mb, model.config.num_layers, model.config.num_layers)
-        # Backward, chunk by chunk in reverse.
-        for i in reversed(range(len(bounds))):
-            (start, stop), (h_in, r_in, h_out, r_out) = bounds[i], saved[i]
-            if recompute is not None and recompute(mb, start):
-                saved[i][2:] = h_out, r_out = None, None  # frees the stranded graph before its rebuild
-                with _replaying(rng[i] if replay else None), kept(i), autocast():
-                    h_out, r_out = model.run_layers(start, stop, h_in, r_in, cos, sin, attn)
-            outs = [h_out] if r_out is None else [h_out, r_out]
-            torch.autograd.backward(outs, list(grads[: len(outs)]))
-            grads = (h_in.grad, None if r_in is None else r_in.grad)
-            saved[i] = h_out = r_out = None
-            yield MicroStep("bwd", mb, start, stop)
-        del saved
-    return StepResult(loss_sum=loss_sum, target_tokens=total_targets, input_tokens=input_tokens)
+        run.loss()
+        yield MicroStep("loss", mb, layers, layers)
+        for i in reversed(range(len(bounds))):  # backward, chunk by chunk in reverse
+            run.backward(mb, i)
+            yield MicroStep("bwd", mb, *bounds[i])
+    return StepResult(loss_sum=run.end(), target_tokens=total_targets, input_tokens=input_tokens)
 
 
 def eval_step(

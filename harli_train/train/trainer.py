@@ -39,11 +39,18 @@ from harli_train.train.divergence import TrainingDiverged, check_step
 from harli_train.train.log_sinks import check_sinks, open_sinks
 from harli_train.train.loss_plot import LOSS_PLOT, plot_loss
 from harli_train.train.metrics import MetricsLogger, memory_gib
-from harli_train.train.run_checks import check_kernels, check_seq_len, resolve_device, run_length
+from harli_train.train.run_checks import (
+    check_cuda_graphs,
+    check_kernels,
+    check_seq_len,
+    resolve_device,
+    run_length,
+)
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
+from harli_train.train.step_graphs import StepGraphs
 from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
@@ -77,6 +84,8 @@ class Trainer:
         # Entered around each chunk's forward: where the tensors it saves for backward are kept (co-location
         # keeps them in the page pool, whence they can be spilled to host memory); see `train_step`.
         self.stash_chunk: Callable[[int], contextlib.AbstractContextManager] | None = None
+        # The step's CUDA graphs (train.cuda_graphs), made at setup; used while nothing is stashed.
+        self.graphs: StepGraphs | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------
     def setup(self, resume: str | Path | None = None) -> None:
@@ -91,6 +100,7 @@ class Trainer:
             self.out_dir, resuming=resume is not None, overwrite=cfg.output.overwrite, source=cfg.source
         )
         check_kernels(cfg, self.device)
+        check_cuda_graphs(cfg)
         check_sinks(cfg.output.tensorboard, cfg.output.wandb, cfg.source)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         torch.manual_seed(cfg.train.seed)
@@ -127,6 +137,8 @@ class Trainer:
         )
         self.tokens_seen = 0
         self.buffers = BatchBuffers(self.device)
+        if cfg.train.cuda_graphs:
+            self.graphs = StepGraphs(self.params)
         if state is None:
             self._init_optimizer_state()
         else:
@@ -209,6 +221,17 @@ class Trainer:
         return contextlib.nullcontext()
 
     @property
+    def step_graphs(self) -> StepGraphs | None:
+        """The graphs the next step runs on: the recipe's, unless activations are stashed (the page pool)."""
+        return self.graphs if self.stash_chunk is None else None
+
+    @property
+    def rebuilds_itself(self) -> bool:
+        """Whether the step rebuilds a chunk whose backward runs elsewhere than its forward by itself (the
+        graphs do), so that `recompute_chunk` is never asked."""
+        return self.step_graphs is not None
+
+    @property
     def done(self) -> bool:
         return self.step >= self.total_steps
 
@@ -228,6 +251,7 @@ class Trainer:
                 self.recompute_chunk,
                 self.buffers,
                 self.stash_chunk,
+                self.step_graphs,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in self.optimizer.param_groups:

@@ -1,0 +1,356 @@
+"""StepGraphs: a training step's micro-steps as CUDA graphs, one graph per micro-step, captured once per shape.
+
+Launched eagerly, a micro-step costs the host a launch per kernel plus autograd's bookkeeping; co-located,
+that host time is what the trainer's GPU work waits behind. Replayed, a micro-step is one graph launch.
+
+The graphs of one batch shape form a chain over static tensors allocated once:
+
+- ``fwd[0]`` reads the batch buffers (`BatchBuffers`: token ids, labels, positions, document ids) and writes
+  the embeddings, rope tables and attention mask to static tensors, then runs chunk 0;
+- ``fwd[i]`` runs chunk i from the static boundary tensors ``h[i], r[i]`` under autograd and copies its
+  outputs into ``h[i+1], r[i+1]``; the tensors it saves for backward stay in the graphs' memory pool;
+- ``loss`` takes ``h[C], r[C]`` through the final norm and the fused head loss, divides by the step's target
+  tokens (a static tensor) and writes the boundary gradients ``gh[C], gr[C]`` and the summed loss;
+- ``bwd[i]`` is autograd's backward of chunk i, captured: it reads ``gh[i+1], gr[i+1]`` and the saved
+  tensors, writes ``gh[i], gr[i]`` and adds the adapter gradients of its layers to static gradient buffers.
+
+A graph runs on the SMs of the stream it was captured on (a green context's stream confines it), and its
+kernels keep the grids of the SM budget it was captured under. So there is one set of graphs per (stream,
+SM budget) the trainer launches on: a partition's stream, or a side stream for the default one. The sets of
+one shape share the static tensors and one memory pool. Within a set, every replay order is its capture order
+(fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
+keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
+trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
+tensors, then its backward (`GraphedChunks`). The numbers equal the eager path's (`EagerChunks`) under the
+same budget: the same kernels on the same inputs, the adapter gradients accumulated micro-batch by
+micro-batch in the same order.
+
+A set is captured the first time its (stream, budget) is met: an eager pass over the current micro-batch
+(it compiles the kernels and sets up cuBLAS on that stream; the static tensors and sums it touches are put
+back), then one capture per micro-step. A model with LoRA dropout is refused (a graph would replay its
+random masks differently from the eager path). On a CPU the graphs are stand-ins that run the captured
+function again over the same static tensors, one set per SM budget: the chain, the accumulation, the order
+and the rebuilds are what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harli_train import kernels
+from harli_train.kernels.launch_config import launch_gate
+from harli_train.model.attention import DocumentAttention
+from harli_train.model.llama import LlamaForCausalLM
+from harli_train.train.batch_buffers import KEYS, BatchBuffers
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+# Graph sets kept (one per batch shape; each holds one micro-batch's activations): loaders give one shape.
+MAX_SHAPES = 2
+
+
+class _StandIn:
+    """A CPU stand-in for a captured CUDA graph: `replay()` runs the captured function again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def _grads_or_zeros(grads, inputs) -> list[torch.Tensor]:
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+
+
+class _ShapeGraphs:
+    """The static tensors and graphs of one batch shape (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        bounds: list[tuple[int, int]],
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        inputs: dict,
+        grads: dict[int, torch.Tensor],
+    ) -> None:
+        self.model, self.bounds, self.autocast, self.inputs = model, bounds, autocast, inputs
+        self.ptrs = _pointers(inputs)
+        device = model.lm_head.weight.device
+        chunks = len(bounds)
+        with torch.no_grad():  # one eager chunk: the dtypes and shapes of what the graphs pass along
+            hidden, cos, sin, mask = self._prologue_values()
+            h1, r1 = self._run(0, hidden, None, cos, sin, None if mask is None else _attention(mask))
+        self.cos, self.sin = torch.empty_like(cos), torch.empty_like(sin)
+        self.mask = None if mask is None else torch.empty_like(mask)
+        self.attn = None if mask is None else _attention(self.mask)
+        # Boundary i is chunk i's input; boundary C the loss's. The first chunk's input needs no gradient.
+        self.h = [torch.empty_like(hidden)] + [torch.empty_like(h1).requires_grad_() for _ in range(chunks)]
+        self.r: list[torch.Tensor | None] = [None] + [
+            torch.empty_like(r1).requires_grad_() for _ in range(chunks)
+        ]
+        self.gh = [None] + [torch.empty_like(h1) for _ in range(chunks)]
+        self.gr = [None] + [torch.empty_like(r1) for _ in range(chunks)]
+        self.targets = torch.ones((), dtype=torch.float32, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.params = [
+            [p for layer in model.model.layers[start:stop] for p in layer.parameters() if p.requires_grad]
+            for start, stop in bounds
+        ]
+        self.grads = [[grads[id(p)] for p in ps] for ps in self.params]
+        self.outs: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * chunks
+        self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
+        self.pool: Any = None  # the memory pool every set of this shape captures into
+
+    # ---- what the graphs run -------------------------------------------------------------------------
+    def _prologue_values(self):
+        batch, model = self.inputs, self.model
+        ids = batch["input_ids"]
+        positions = batch.get("positions")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        cos, sin = model.rope(positions)
+        doc_ids = batch.get("doc_ids")
+        mask = None if doc_ids is None else DocumentAttention(doc_ids).mask
+        return model.embed(ids), cos, sin, mask
+
+    def _run(self, chunk, hidden, residual, cos, sin, attn):
+        start, stop = self.bounds[chunk]
+        with self.autocast():
+            return self.model.run_layers(start, stop, hidden, residual, cos, sin, attn)
+
+    def run_forward(self, chunk: int) -> None:
+        if chunk == 0:
+            with torch.no_grad():
+                hidden, cos, sin, mask = self._prologue_values()
+                self.h[0].copy_(hidden)
+                self.cos.copy_(cos)
+                self.sin.copy_(sin)
+                if mask is not None:
+                    self.mask.copy_(mask)
+        with torch.enable_grad():
+            out = self._run(chunk, self.h[chunk], self.r[chunk], self.cos, self.sin, self.attn)
+        self.outs[chunk] = out
+        with torch.no_grad():
+            self.h[chunk + 1].copy_(out[0])
+            self.r[chunk + 1].copy_(out[1])
+
+    def run_loss(self) -> None:
+        model, last = self.model, len(self.bounds)
+        h_in, r_in = self.h[last], self.r[last]
+        with torch.enable_grad():
+            with self.autocast():
+                normed = model.final_norm(h_in, r_in)
+                shifted = normed[:, :-1].reshape(-1, normed.shape[-1])
+                labels = self.inputs["labels"][:, 1:].reshape(-1)
+                mb_loss = model.token_loss(shifted, labels, IGNORE_INDEX)
+            gh, gr = _grads_or_zeros(
+                torch.autograd.grad(mb_loss / self.targets, [h_in, r_in], allow_unused=True), [h_in, r_in]
+            )
+        with torch.no_grad():
+            self.gh[last].copy_(gh)
+            self.gr[last].copy_(gr)
+            self.loss_sum.add_(mb_loss.detach().float())
+
+    def run_backward(self, chunk: int) -> None:
+        (h_out, r_out), self.outs[chunk] = self.outs[chunk], None
+        inputs = ([self.h[chunk], self.r[chunk]] if chunk > 0 else []) + self.params[chunk]
+        with torch.enable_grad():
+            grads = torch.autograd.grad(
+                [h_out, r_out], inputs, [self.gh[chunk + 1], self.gr[chunk + 1]], allow_unused=True
+            )
+        grads = _grads_or_zeros(grads, inputs)
+        with torch.no_grad():
+            if chunk > 0:
+                self.gh[chunk].copy_(grads[0])
+                self.gr[chunk].copy_(grads[1])
+                grads = grads[2:]
+            if grads:
+                torch._foreach_add_(self.grads[chunk], grads)
+
+    def order(self) -> list[tuple[str, Callable[[], None]]]:
+        """The micro-steps of one micro-batch, in the order they run (and are captured)."""
+        chunks = range(len(self.bounds))
+        fwd = [(f"fwd{i}", lambda i=i: self.run_forward(i)) for i in chunks]
+        bwd = [(f"bwd{i}", lambda i=i: self.run_backward(i)) for i in reversed(chunks)]
+        return [*fwd, ("loss", self.run_loss), *bwd]
+
+    # ---- capture -------------------------------------------------------------------------------------
+    def set_for(self, key: tuple[int, int]) -> dict[str, Any]:
+        """The graphs of (stream, SM budget) ``key``, captured now if new (see the module docstring)."""
+        found = self.sets.get(key)
+        if found is None:
+            if self.model.lm_head.weight.device.type != "cuda":
+                found = {name: _StandIn(fn) for name, fn in self.order()}
+            else:
+                found = self._capture_cuda(key[1])
+            self.sets[key] = found
+        return found
+
+    def _static(self) -> list[torch.Tensor]:
+        tensors = [*self.h, *self.r[1:], *self.gh[1:], *self.gr[1:], self.cos, self.sin, self.loss_sum]
+        return [*tensors, *([] if self.mask is None else [self.mask]), *(g for gs in self.grads for g in gs)]
+
+    def _capture_cuda(self, sms: int) -> dict[str, Any]:
+        current = torch.cuda.current_stream()
+        # A legacy default stream cannot capture: a side stream of the same (primary) context can.
+        stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graphs: dict[str, Any] = {}
+        with kernels.sm_budget(sms), torch.cuda.stream(stream):
+            stream.wait_stream(current)
+            kept = [t.detach().clone() for t in self._static()]
+            for _, fn in self.order():  # warm-up, eager: compiles the kernels, sets up cuBLAS on `stream`
+                fn()
+            with torch.no_grad():
+                torch._foreach_copy_([t.detach() for t in self._static()], kept)
+            del kept
+            for name, fn in self.order():
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the decode thread goes on with its own CUDA calls while the trainer captures.
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+                graphs[name] = graph
+        current.wait_stream(stream)
+        return graphs
+
+    def fits(self, inputs: dict) -> bool:
+        """Whether ``inputs`` are the very buffers these graphs read."""
+        return _pointers(inputs) == self.ptrs
+
+
+def set_key() -> tuple[int, int]:
+    """(stream, SM budget) of the launches made now: which set of graphs replays them."""
+    stream = torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
+    return stream, kernels.num_sms()
+
+
+def _attention(mask: torch.Tensor) -> DocumentAttention:
+    attn = DocumentAttention.__new__(DocumentAttention)
+    attn.mask = mask
+    return attn
+
+
+def _pointers(inputs: dict) -> tuple:
+    return tuple(
+        (key, t.data_ptr(), tuple(t.shape))
+        for key, t in sorted(inputs.items())
+        if isinstance(t, torch.Tensor)
+    )
+
+
+class StepGraphs:
+    """The CUDA graphs of a trainer's steps (per batch shape, one set per stream and SM budget) and the
+    adapter's gradient buffers.
+
+    `step(...)` hands `train_step` the executor of one step. The adapter's gradients are accumulated in
+    buffers of their own and handed to the parameters' ``.grad`` when the step's last backward has been
+    launched; the buffers are zeroed at the next step's start, so the caller may clip, step and set the
+    gradients to None as usual. ``rebuilds`` counts the chunks whose forward was replayed again before their
+    backward (their forward ran on another set).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.grads = {id(p): torch.zeros_like(p) for p in self.params}
+        self.shapes: dict[tuple, _ShapeGraphs] = {}
+        self.rebuilds = 0
+
+    @property
+    def captures(self) -> int:
+        """Sets of graphs made so far."""
+        return sum(len(shape.sets) for shape in self.shapes.values())
+
+    @staticmethod
+    def check(model: LlamaForCausalLM) -> None:
+        """Raise ValueError when ``model`` cannot be trained through graphs."""
+        if any(getattr(m, "dropout", 0.0) > 0.0 for m in model.modules()):
+            raise ValueError(
+                "train.cuda_graphs needs lora.dropout 0 (a graph would replay the dropout masks "
+                "differently from the eager step)"
+            )
+
+    def step(self, model, bounds, autocast, buffers: BatchBuffers, total_targets: int) -> GraphedChunks:
+        return GraphedChunks(self, model, bounds, autocast, buffers, total_targets)
+
+    def shape_graphs(self, model, bounds, autocast, inputs: dict) -> _ShapeGraphs:
+        """The static tensors (and sets of graphs) that read ``inputs``; new buffers start afresh."""
+        key = (tuple(bounds), tuple((k, tuple(t.shape)) for k, t in sorted(inputs.items())))
+        found = self.shapes.get(key)
+        if found is not None and found.fits(inputs):
+            return found
+        if found is None and len(self.shapes) >= MAX_SHAPES:
+            raise ValueError(
+                f"train.cuda_graphs: a batch of a new shape after {MAX_SHAPES} (each shape keeps its own "
+                "graphs and activations); train without graphs"
+            )
+        self.shapes[key] = found = _ShapeGraphs(model, bounds, autocast, inputs, self.grads)
+        log.info(
+            "trainer step as CUDA graphs: %d micro-steps a micro-batch (batch %s)", len(found.order()), key[1]
+        )
+        return found
+
+
+class GraphedChunks:
+    """`train_step`'s executor over `StepGraphs`: each call replays graphs of the set of the stream and SM
+    budget current at the call (the eager one: `EagerChunks`)."""
+
+    def __init__(self, owner: StepGraphs, model, bounds, autocast, buffers: BatchBuffers, total_targets):
+        self.owner, self.model, self.bounds, self.autocast = owner, model, bounds, autocast
+        self.buffers, self.total_targets = buffers, total_targets
+        self.shape: _ShapeGraphs | None = None
+        self.key: tuple[int, int] | None = None  # the set the last replay came from
+        self.saved: set[int] = set()  # chunks whose saved tensors that set holds
+
+    def load(self, batch: dict) -> int:
+        """Copy a micro-batch into the static buffers; returns its input tokens."""
+        loaded = self.buffers.load(batch)
+        inputs = {k: loaded[k] for k in KEYS if loaded.get(k) is not None}
+        shape = self.owner.shape_graphs(self.model, self.bounds, self.autocast, inputs)
+        if self.shape is None:  # the step's first micro-batch: fresh sums
+            torch._foreach_zero_(list(self.owner.grads.values()))
+            shape.loss_sum.zero_()
+            shape.targets.fill_(float(self.total_targets))
+        elif shape is not self.shape:
+            raise ValueError("train.cuda_graphs: the micro-batches of one step differ in shape")
+        self.shape = shape
+        return loaded["input_ids"].numel()
+
+    def _graphs(self) -> dict[str, Any]:
+        key = set_key()
+        graphs = self.shape.set_for(key)
+        if key != self.key:  # another set's replays may have reused the memory of the saved tensors
+            self.key = key
+            self.saved.clear()
+        launch_gate()
+        return graphs
+
+    def forward(self, chunk: int) -> None:
+        self._graphs()[f"fwd{chunk}"].replay()
+        self.saved.add(chunk)
+
+    def loss(self) -> None:
+        self._graphs()["loss"].replay()
+
+    def backward(self, mb: int, chunk: int) -> None:
+        graphs = self._graphs()
+        if chunk not in self.saved:  # its forward ran on another set: run it again here
+            graphs[f"fwd{chunk}"].replay()
+            self.owner.rebuilds += 1
+        graphs[f"bwd{chunk}"].replay()
+        self.saved.discard(chunk)
+
+    def end(self) -> torch.Tensor:
+        """The step's summed token loss (a copy); the gradients are handed to the parameters' `.grad`."""
+        for p in self.owner.params:
+            p.grad = self.owner.grads[id(p)]
+        return self.shape.loss_sum.clone()

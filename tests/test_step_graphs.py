@@ -1,0 +1,152 @@
+"""The step as CUDA graphs (train.cuda_graphs): the same gradients and loss as the eager step, bit for bit,
+through the static-tensor chain the graphs replay (on a CPU the graphs are stand-ins that re-run the captured
+code over the same static tensors; tests/test_gpu.py replays real graphs)."""
+
+import json
+
+import pytest
+import torch
+
+from harli_train.config import RecipeError, load_recipe
+from harli_train.model import load_model
+from harli_train.train.batch_buffers import BatchBuffers
+from harli_train.train.step import train_step
+from harli_train.train.step_graphs import StepGraphs
+from harli_train.train.trainer import Trainer
+from tests.test_train import QUICKSTART, _batch, _drain, _grads, _model
+
+
+def _packed(seed, b=2, t=24):
+    batch = _batch(seed, b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    doc[:, t // 2 :] = 1  # two documents a row
+    positions = torch.arange(t).repeat(b, 1)
+    positions[:, t // 2 :] -= t // 2
+    return {**batch, "doc_ids": doc, "positions": positions}
+
+
+def _seeded_model():
+    torch.manual_seed(0)  # _model draws its adapter from the global generator
+    return _model()
+
+
+def _eager(batches, per_chunk):
+    m = _seeded_model()
+    result, phases = _drain(train_step(m, batches, per_chunk, buffers=BatchBuffers("cpu")))
+    return _grads(m), result, phases
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+@pytest.mark.parametrize("make", [_batch, _packed], ids=["rows", "packed"])
+def test_graphed_steps_equal_the_eager_step_bit_for_bit(per_chunk, make):
+    want_grads, want, want_phases = _eager([make(1), make(2)], per_chunk)
+    m = _seeded_model()
+    graphs, buffers = StepGraphs(m.lora_parameters()), BatchBuffers("cpu")
+    # Three steps on other data each: the graphs are made once and every step starts from fresh sums.
+    for seeds in ((1, 2), (3, 4), (1, 2)):
+        m.zero_grad(set_to_none=True)
+        result, phases = _drain(
+            train_step(m, [make(s) for s in seeds], per_chunk, buffers=buffers, graphs=graphs)
+        )
+    assert graphs.captures == 1 and phases == want_phases
+    assert torch.equal(result.loss_sum, want.loss_sum)
+    assert (result.target_tokens, result.input_tokens) == (want.target_tokens, want.input_tokens)
+    for got, ref in zip(_grads(m), want_grads, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_unchanged():
+    # One set of graphs per (stream, SM budget): forwards under one budget, backwards under another. Every
+    # chunk's backward then finds its forward's saved tensors in the other set, so the set it runs on
+    # replays the chunk's forward first; the gradients and loss are the eager step's.
+    from harli_train import kernels
+
+    batches = [_packed(1), _packed(2)]
+    want_grads, want, _ = _eager(batches, 1)
+    m = _seeded_model()
+    graphs = StepGraphs(m.lora_parameters())
+    gen, budget = train_step(m, batches, 1, buffers=BatchBuffers("cpu"), graphs=graphs), 64
+    try:
+        while True:
+            with kernels.sm_budget(budget):
+                phase = next(gen).phase
+            budget = 32 if phase in ("loss", "bwd") else 64
+    except StopIteration as stop:
+        result = stop.value
+    chunks = m.config.num_layers
+    # The first micro-batch's backwards come after a loss on 64; the second's after its forwards on 32.
+    assert graphs.captures == 2 and graphs.rebuilds == 2 * chunks
+    assert torch.equal(result.loss_sum, want.loss_sum)
+    for got, ref in zip(_grads(m), want_grads, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_graphs_need_the_buffers_and_no_stash():
+    m = _model()
+    graphs = StepGraphs(m.lora_parameters())
+    with pytest.raises(ValueError, match="batch buffers"):
+        _drain(train_step(m, [_batch(1)], 1, graphs=graphs))
+    stash = lambda chunk: __import__("contextlib").nullcontext()  # noqa: E731
+    with pytest.raises(ValueError, match="stash"):
+        _drain(train_step(m, [_batch(1)], 1, buffers=BatchBuffers("cpu"), stash=stash, graphs=graphs))
+
+
+def test_new_buffers_are_new_graphs_and_a_step_of_mixed_shapes_is_refused():
+    m = _model()
+    graphs = StepGraphs(m.lora_parameters())
+    _drain(train_step(m, [_batch(1)], 1, buffers=BatchBuffers("cpu"), graphs=graphs))
+    first = next(iter(graphs.shapes.values()))
+    _drain(train_step(m, [_batch(1)], 1, buffers=BatchBuffers("cpu"), graphs=graphs))  # other addresses
+    assert len(graphs.shapes) == 1 and next(iter(graphs.shapes.values())) is not first
+    with pytest.raises(ValueError, match="differ in shape"):
+        _drain(train_step(m, [_batch(1), _batch(2, t=20)], 1, buffers=BatchBuffers("cpu"), graphs=graphs))
+
+
+def _recipe(tmp_path, graphs, **train):
+    cfg = load_recipe(QUICKSTART)
+    cfg.train.steps, cfg.train.grad_accum, cfg.train.cuda_graphs = 4, 2, graphs
+    cfg.train.layers_per_microstep = 1
+    cfg.output.dir, cfg.output.checkpoint_every = str(tmp_path / ("graphs" if graphs else "eager")), 0
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def test_a_run_with_cuda_graphs_trains_the_same_adapter(tmp_path):
+    finals = []
+    for graphs in (False, True):
+        trainer = Trainer(_recipe(tmp_path, graphs), quiet=True)
+        trainer.setup()
+        trainer.train()
+        assert (trainer.graphs is not None) == graphs and trainer.rebuilds_itself == graphs
+        lines = (tmp_path / ("graphs" if graphs else "eager") / "metrics.jsonl").read_text().splitlines()
+        finals.append(
+            ([json.loads(line)["loss"] for line in lines], [p.detach().clone() for p in trainer.params])
+        )
+    (eager_loss, eager_params), (graph_loss, graph_params) = finals
+    assert graph_loss == eager_loss
+    assert all(torch.equal(a, b) for a, b in zip(graph_params, eager_params, strict=True))
+
+
+def test_cuda_graphs_with_lora_dropout_is_a_recipe_error(tmp_path):
+    cfg = _recipe(tmp_path, True)
+    cfg.lora.dropout = 0.1
+    with pytest.raises(RecipeError, match="train.cuda_graphs"):
+        Trainer(cfg, quiet=True).setup()
+
+
+def test_step_graphs_check_refuses_a_model_with_dropout():
+    m = load_model("tiny", torch.float32, "cpu")
+    m.add_lora(4, 8.0, 0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        StepGraphs.check(m)
+
+
+def test_a_colocated_run_with_cuda_graphs_keeps_the_pool_off_and_says_why(tmp_path):
+    from harli_train.colocate.commands import run_colocated
+    from tests.test_runtime import recipe
+
+    summary = run_colocated(recipe(tmp_path, "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True)
+    pool = summary["memory"]["pool"]
+    assert not pool["enabled"] and "train.cuda_graphs" in pool["reason"]
+    assert summary["finetune"]["steps_run"] == 6 and summary["finetune"]["rebuilt_backward_chunks"] == 0
