@@ -131,9 +131,8 @@ class EagerChunks:
     def loss(self) -> None:
         # Head and loss: the fused kernel never materialises the [tokens, vocab] logits.
         h_in, r_in = _leaf(self.hidden), _leaf(self.residual)
-        self.hidden = self.residual = (
-            None  # the last chunk's graph lives in `saved` alone (a rebuild frees it)
-        )
+        # The last chunk's graph lives in `saved` alone (a rebuild frees it).
+        self.hidden = self.residual = None
         model = self.model
         with self.autocast():
             normed = model.final_norm(h_in, r_in)
@@ -180,9 +179,9 @@ def train_step(
     `stash(i)` (optional) is entered around chunk i's forward (and its rebuild): where the tensors it saves
     for backward are kept (the co-located page pool's ``ActivationSwapper.layer``); it moves bytes, never
     changes them.
-    `graphs` (optional, with `buffers`): run each micro-step as one replay of its CUDA graph (`StepGraphs`),
-    which computes the same; a chunk's backward then runs on whatever stream is current, so `recompute` is
-    never asked, and `stash` must be None.
+    `graphs` (optional, with `buffers`): run each micro-step as replays of CUDA graphs (`StepGraphs`), which
+    compute the same; the graphs rebuild a chunk whose backward runs on another stream than its forward by
+    themselves, so `recompute` is never asked; `stash` must be None.
     """
     total_targets = sum(int(b["num_target_tokens"]) for b in batches)
     if total_targets == 0:
