@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -456,7 +457,8 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
 
         monkeypatch.setattr(colocation_mod, "warm_up_trainer", warm)
         col = Colocation.__new__(Colocation)
-        col.ladder, col.memory, col._stream_bytes, col.trainer = ladder, hook, None, None
+        col.ladder, col.memory, col._stream_bytes = ladder, hook, None
+        col.trainer = types.SimpleNamespace(step_graphs=None)  # eager: warm-ups keep their caches
         col._step_extra_bytes = 0
         return col
 
