@@ -395,6 +395,23 @@ def test_the_trainer_side_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tm
         RuntimeOptions(max_in_flight=0)
 
 
+def test_temporal_keeps_one_micro_step_queued_while_idle(tmp_path):
+    # Temporal's decode shares the trainer's stream: a request arriving while idle waits for what is queued,
+    # so the idle plan caps the queue at one micro-step; its decode steps keep the runtime's cap.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: make_policy("temporal", ladder, synthetic_predictor(ladder.shares), 0.05)  # noqa: E731
+    rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
+    feeder, idle = rt.worker.side, rt.policy.idle_plan()
+    assert idle.max_queued == 1 and feeder.max_in_flight == 2
+    may = lambda plan: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # noqa: E731
+    assert may(idle)
+    feeder.in_flight.append((None, None, "fwd"))
+    assert not may(idle)
+    beside_plan = make_policy("static:64", ladder, None, 0.05).plan(preview("decode", 1, 10))
+    assert beside_plan.max_queued == 0 and may(beside_plan)  # other plans: the runtime's cap of two
+    feeder.in_flight.clear()
+
+
 def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
     # Each stream the trainer allocates on caches its own copy of the trainer's working set (torch's allocator
     # reuses a block only on its stream): the trainer uses 4 of the 7 partial rungs, never decode's SMs.

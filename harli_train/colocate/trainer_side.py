@@ -221,8 +221,9 @@ class TrainerSide:
             return not launched and (not plan.strict or self._starving(kind, cost, budget))
         if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
             return not launched or cost <= budget
-        # GPU: keep the step covered and about one micro-step queued past it, never more than max_in_flight.
-        return budget > 0 and len(self.in_flight) < self.max_in_flight
+        # GPU: keep the step covered and about one micro-step queued past it, never more than the plan's cap
+        # (else max_in_flight).
+        return budget > 0 and len(self.in_flight) < (plan.max_queued or self.max_in_flight)
 
     def _starving(self, kind: str, cost: float, budget: float) -> bool:
         """Whether to launch a micro-step that looks too long anyway: only while its estimate rests on

@@ -39,6 +39,7 @@ class StepPlan:
     mixed_raw_s: float | None = None  # a mixed step: the uncorrected prediction, for the online correction
     corun: bool = True  # the prediction assumes the trainer beside the step
     beside_backward: bool = False  # a co-run mixed step sized with a trainer backward on the GPU
+    max_queued: int = 0  # micro-steps the trainer may keep queued on the GPU (0: the runtime's cap)
 
     @property
     def paused(self) -> bool:
@@ -84,9 +85,21 @@ def after(part: Partition, total_sms: int, slack_s: float, d: Decision) -> StepP
     return StepPlan(part, AFTER, part.train_stream, total_sms, slack_s, d.predicted_s, d.reason, d)
 
 
-def whole_gpu(part: Partition, total_sms: int, horizon: float, reason: str, strict: bool = True) -> StepPlan:
-    """The trainer on an ordinary stream over the whole GPU (no partition)."""
-    return StepPlan(part, BESIDE, part.train_stream, total_sms, horizon, None, reason, strict=strict)
+def whole_gpu(
+    part: Partition, total_sms: int, horizon: float, reason: str, strict: bool = True, max_queued: int = 0
+) -> StepPlan:
+    """The trainer on an ordinary stream over the whole GPU (no partition); ``max_queued`` as StepPlan's."""
+    return StepPlan(
+        part,
+        BESIDE,
+        part.train_stream,
+        total_sms,
+        horizon,
+        None,
+        reason,
+        strict=strict,
+        max_queued=max_queued,
+    )
 
 
 class Ewma:

@@ -60,4 +60,8 @@ class TemporalPolicy(ControlledPolicy):
         return self.decode_plan(d, None)
 
     def idle_plan(self) -> StepPlan:
-        return whole_gpu(self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False)
+        # Decode shares the trainer's stream: a request that arrives waits for everything queued there, so
+        # idle time keeps one micro-step queued, not the runtime's usual two.
+        return whole_gpu(
+            self.slices.full, self.ladder.total_sms, IDLE_HORIZON_S, "idle", strict=False, max_queued=1
+        )
