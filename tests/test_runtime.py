@@ -868,6 +868,36 @@ def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, sta
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
+def test_captured_steps_stay_on_their_rung_until_the_micro_batch_ends_when_decode_shrinks(
+    tmp_path, standalone
+):
+    # Decode holds 96 SMs for the first two micro-steps, then drops to 16: a trainer on graphs finishes the
+    # micro-batch under way on its 36-SM rung (still clear of decode; moving would replay its forwards on
+    # the larger rung's graphs), then moves to 116 SMs; nothing is rebuilt and the result is unchanged.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    holder = {}
+    script = lambda: 96 if holder["rt"].worker.side.launched_total < 2 else 16  # noqa: E731
+    rt = holder["rt"] = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, script),
+        requests([(0.0, 4, 400)]),
+        RuntimeOptions(quiet=True, plots=False),
+        None,
+        None,
+        "train.cuda_graphs=true",
+    )
+    summary = rt.run()
+    side = rt.worker.side
+    first = [(phase, sms) for phase, _, sms in side.launches][: side.tracker.micro_per_step + 1]
+    per_step = side.tracker.micro_per_step
+    assert [sms for _, sms in first[:-2]] == [TOTAL - 96] * (per_step - 1), first  # the first micro-batch
+    assert first[-1][1] == TOTAL - 16  # the next step starts on the larger rung
+    assert side.stayed > 0 and summary["finetune"]["rebuilt_backward_chunks"] == 0
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
 def test_a_transient_detour_neither_rebuilds_a_backward_nor_redoes_the_step(tmp_path, standalone):
     # Prefill-like detours (transient plans) cover the SMs of a step's forward for longer than the stale
     # limit: the backward goes on there (the detour shares those SMs on purpose), never rebuilt or redone.

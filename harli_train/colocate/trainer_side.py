@@ -83,6 +83,8 @@ class TrainerSide:
         self._kind_s: dict[str, deque[float]] = {}  # recent durations per kind of micro-step
         self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
         self.last_stream: Any = None
+        self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
+        self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
         self.oom_recoveries = self.abandoned_steps = self.launched_total = 0
@@ -193,7 +195,8 @@ class TrainerSide:
                 break  # the next call host-syncs on the loss: make it once the queue is empty
             tracker.arm_rebuild(stale)
             t0, ooms = time.perf_counter(), self.oom_recoveries
-            seconds = self._launch(plan.train_stream, plan.train_sms, first_sm, kind)
+            stream, sms, at_sm = self._rung_for(plan, first_sm)
+            seconds = self._launch(stream, sms, at_sm, kind)
             host = time.perf_counter() - t0
             self.launch_host_s += host
             if self.oom_recoveries != ooms:  # the step was abandoned: the next try waits for a decision
@@ -211,6 +214,25 @@ class TrainerSide:
         self.stops[key] = self.stops.get(key, 0) + 1
         self.launched_total += launched
         return launched
+
+    def _rung_for(self, plan: StepPlan, first_sm: int) -> tuple[Any, int, int]:
+        """(stream, SM budget, first SM) to launch the next micro-step on for ``plan``: its own, except that
+        a trainer on graphs stays on its last rung until its micro-batch ends when ``plan`` only offers a
+        larger one (decode shrank): its SMs are still clear of decode's, and moving would replay the
+        micro-batch's forwards again on the larger rung's graphs (`StepGraphs`)."""
+        last = self._last_rung
+        if (
+            last is not None
+            and plan.isolated
+            and self.trainer.rebuilds_itself
+            and self.tracker.mid_micro_batch
+            and last[0] is not plan.train_stream
+            and plan.partition.infer_sms <= last[2]
+            and last[1] < plan.train_sms
+        ):
+            self.stayed += 1
+            return last
+        return plan.train_stream, plan.train_sms, first_sm
 
     def _may_launch(
         self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
@@ -268,6 +290,7 @@ class TrainerSide:
             self.launching_kind = None
         seconds = time.perf_counter() - t0
         self.last_stream = stream
+        self._last_rung = (stream, sms, first_sm)
         self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
         if self.tracker.track(ms, first_sm):
             self._oom_streak = 0
@@ -387,6 +410,7 @@ class TrainerSide:
             "gpu_busy_s": self.gpu_s,
             "launch_host_s": self.launch_host_s,
             "rebuilt_chunks": self.rebuilt_chunks,
+            "stayed_on_rung": self.stayed,
             "abandoned_steps": self.abandoned_steps,
             "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
             "host_priority": self.priority.stats(),
