@@ -158,7 +158,7 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
             except StopIteration as stop:
                 result = stop.value
         torch.cuda.synchronize()
-        assert graphs is None or graphs.captures == 1
+        assert graphs is None or graphs.captures == (1 if rungs is None else 2)  # a set per rung
         return result, [p.grad.float() for p in m.lora_parameters()]
 
     want, want_grads = steps(False)
