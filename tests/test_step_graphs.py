@@ -150,3 +150,74 @@ def test_a_colocated_run_with_cuda_graphs_keeps_the_pool_off_and_says_why(tmp_pa
     pool = summary["memory"]["pool"]
     assert not pool["enabled"] and "train.cuda_graphs" in pool["reason"]
     assert summary["finetune"]["steps_run"] == 6 and summary["finetune"]["rebuilt_backward_chunks"] == 0
+
+
+def _failing_capture(monkeypatch, fail):
+    """Make capturing a set raise GraphCaptureError when ``fail(key)`` (keys: (stream, SM budget))."""
+    from harli_train.train import step_graphs
+
+    real = step_graphs._ShapeGraphs.set_for
+
+    def set_for(self, key):
+        if key not in self.sets and fail(key):
+            raise step_graphs.GraphCaptureError(f"capture refused on {key[1]} SMs (test)")
+        return real(self, key)
+
+    monkeypatch.setattr(step_graphs._ShapeGraphs, "set_for", set_for)
+
+
+def test_a_failed_capture_drops_the_graphs_and_the_run_trains_the_same_without_them(
+    tmp_path, monkeypatch, caplog
+):
+    trainer = Trainer(_recipe(tmp_path, False), quiet=True)
+    trainer.setup()
+    trainer.train()
+    want = [p.detach().clone() for p in trainer.params]
+    _failing_capture(monkeypatch, lambda key: True)
+    trainer = Trainer(_recipe(tmp_path / "failing", True), quiet=True)
+    trainer.setup()
+    trainer.train()
+    assert trainer.graphs is None and "training goes on without train.cuda_graphs" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(trainer.params, want, strict=True))
+
+
+def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graphs(
+    tmp_path, monkeypatch, caplog
+):
+    from harli_train.colocate.runtime_options import RuntimeOptions
+    from harli_train.colocate.sm import SMLadder
+    from tests.test_runtime import (
+        TOTAL,
+        ScriptedPolicy,
+        adapter,
+        assert_same_adapter,
+        losses,
+        recipe,
+        requests,
+        runtime,
+    )
+
+    standalone = tmp_path / "standalone"
+    trainer = Trainer(recipe(standalone), quiet=True)
+    trainer.setup()
+    trainer.train()
+    seen = set()
+    _failing_capture(monkeypatch, lambda key: seen.add(key[1]) or len(seen) > 1)  # every set after the first
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    shares = iter([16] * 3 + [96] * 1000)
+    out = tmp_path / "colocated"
+    rt = runtime(
+        out,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
+        requests([(0.0, 4, 400)]),
+        RuntimeOptions(quiet=True, plots=False),
+        None,
+        None,
+        "train.cuda_graphs=true",
+    )
+    summary = rt.run()
+    assert rt.trainer.graphs is None and "training goes on without train.cuda_graphs" in caplog.text
+    assert summary["finetune"]["abandoned_steps"] == 1 and summary["finetune"]["steps_run"] == 6
+    assert losses(out) == losses(standalone)
+    assert_same_adapter(adapter(out), adapter(standalone))

@@ -37,6 +37,7 @@ from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent, is_cuda_stream
+from harli_train.train.step_graphs import GraphCaptureError
 
 log = logging.getLogger(__name__)
 OOM_ERRORS: tuple[type[BaseException], ...] = (
@@ -194,14 +195,14 @@ class TrainerSide:
                 why = "step_boundary"
                 break  # the next call host-syncs on the loss: make it once the queue is empty
             tracker.arm_rebuild(stale)
-            t0, ooms = time.perf_counter(), self.oom_recoveries
+            t0, ooms, abandoned = time.perf_counter(), self.oom_recoveries, self.abandoned_steps
             stream, sms, at_sm = self._rung_for(plan, first_sm)
             seconds = self._launch(stream, sms, at_sm, kind)
             host = time.perf_counter() - t0
             self.launch_host_s += host
-            if self.oom_recoveries != ooms:  # the step was abandoned: the next try waits for a decision
-                why = "oom"
-                break
+            if self.oom_recoveries != ooms or self.abandoned_steps != abandoned:
+                why = "oom" if self.oom_recoveries != ooms else "graphs_dropped"
+                break  # the step was abandoned: the next try waits for a decision
             if not sync:
                 self._host_recent.append(host)
                 # Its kernels start once the queue ahead is done, and none ends before its launch has.
@@ -285,6 +286,14 @@ class TrainerSide:
         except OOM_ERRORS as err:
             self.tracker.rebuild = None
             self.recover_oom(err)
+            return 0.0
+        except GraphCaptureError as err:
+            with contextlib.suppress(*OOM_ERRORS):
+                self.drain()
+            self.in_flight.clear()
+            self.trainer.drop_graphs(err)
+            self.rollback()  # the generator died with the error; a fresh one redoes the step eagerly
+            self.abandoned_steps += 1
             return 0.0
         finally:
             self.launching_kind = None

@@ -56,6 +56,10 @@ IGNORE_INDEX = -100
 MAX_SHAPES = 2
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing the trainer's step failed (the trainer can go on without graphs: `Trainer.drop_graphs`)."""
+
+
 class _StandIn:
     """A CPU stand-in for a captured CUDA graph: `replay()` runs the captured function again."""
 
@@ -199,6 +203,17 @@ class _ShapeGraphs:
         return [*tensors, *([] if self.mask is None else [self.mask]), *(g for gs in self.grads for g in gs)]
 
     def _capture_cuda(self, sms: int) -> dict[str, Any]:
+        try:
+            return self._capture_cuda_set(sms)
+        except torch.OutOfMemoryError:
+            raise  # the runtime's memory recovery handles it
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise GraphCaptureError(
+                f"capturing the trainer's step as CUDA graphs on {sms} SMs failed ({type(err).__name__}: {first})"
+            ) from err
+
+    def _capture_cuda_set(self, sms: int) -> dict[str, Any]:
         current = torch.cuda.current_stream()
         # A legacy default stream cannot capture: a side stream of the same (primary) context can.
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
@@ -219,8 +234,13 @@ class _ShapeGraphs:
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     fn()
-                finally:
-                    graph.capture_end()
+                except BaseException:
+                    with contextlib.suppress(
+                        Exception
+                    ):  # ends the stream's capture; the first error says why
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
                 graphs[name] = graph
         current.wait_stream(stream)
         return graphs

@@ -50,7 +50,7 @@ from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
 from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
-from harli_train.train.step_graphs import StepGraphs
+from harli_train.train.step_graphs import GraphCaptureError, StepGraphs
 from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
@@ -225,6 +225,14 @@ class Trainer:
         """The graphs the next step runs on: the recipe's, unless activations are stashed (the page pool)."""
         return self.graphs if self.stash_chunk is None else None
 
+    def drop_graphs(self, why: BaseException) -> None:
+        """Train on without CUDA graphs (their capture failed): logged; the caller redoes the step in flight
+        (`abandon_step`). Waits for the device first: queued replays still use the graphs' memory."""
+        log.warning("%s; training goes on without train.cuda_graphs", why)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs = None
+
     @property
     def rebuilds_itself(self) -> bool:
         """Whether the step rebuilds a chunk whose backward runs elsewhere than its forward by itself (the
@@ -276,8 +284,14 @@ class Trainer:
         """Drain the micro-steps. Ctrl-C or SIGTERM stops after checkpointing the last completed step."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            for _ in self.micro_steps():
-                pass
+            while True:
+                try:
+                    for _ in self.micro_steps():
+                        pass
+                    break
+                except GraphCaptureError as err:
+                    self.drop_graphs(err)
+                    self.abandon_step()  # and redo it without graphs
         except KeyboardInterrupt:
             self.interrupt()
         except TrainingDiverged:
