@@ -98,8 +98,14 @@ def test_colocated_run_on_green_contexts_exits_cleanly(tmp_path, graphs):
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     overrides = ["train.steps=8", "colocation.duration_s=4", f"output.dir={tmp_path / 'run'}"]
     overrides.append(f"train.cuda_graphs={str(graphs).lower()}")
-    summary = _assert_clean_exit(_run([recipe, "--colocate-with", "tiny", "--quiet", *overrides], tmp_path))
+    proc = _run([recipe, "--colocate-with", "tiny", "--quiet", *overrides], tmp_path)
+    summary = _assert_clean_exit(proc)
     assert summary["trainer"]["steps"] == 8
+    feed = json.loads((tmp_path / "run" / "colocate" / "summary.json").read_text())["finetune"]["feed"]
+    if graphs:  # captured on every trainer rung at the warm-up, none dropped
+        assert "without train.cuda_graphs" not in proc.stderr and feed["graphs"]["sets"] >= 2, proc.stderr
+    else:
+        assert feed["graphs"] is None
     assert (tmp_path / "run" / "colocate" / "summary.json").is_file()
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 

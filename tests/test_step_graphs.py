@@ -149,7 +149,9 @@ def test_a_colocated_run_with_cuda_graphs_keeps_the_pool_off_and_says_why(tmp_pa
     summary = run_colocated(recipe(tmp_path, "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True)
     pool = summary["memory"]["pool"]
     assert not pool["enabled"] and "train.cuda_graphs" in pool["reason"]
-    assert summary["finetune"]["steps_run"] == 6 and summary["finetune"]["rebuilt_backward_chunks"] == 0
+    assert summary["finetune"]["steps_run"] == 6
+    graphs = summary["finetune"]["feed"]["graphs"]
+    assert graphs["sets"] >= 1 and graphs["rebuilds"] == summary["finetune"]["rebuilt_backward_chunks"]
 
 
 def _failing_capture(monkeypatch, fail):

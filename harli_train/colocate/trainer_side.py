@@ -408,6 +408,11 @@ class TrainerSide:
         self.drain()
         self.gen.close()
 
+    def _graph_stats(self) -> dict[str, int] | None:
+        """train.cuda_graphs: the sets of graphs captured and the chunks rebuilt (None: eager)."""
+        graphs = self.trainer.graphs
+        return None if graphs is None else {"sets": graphs.captures, "rebuilds": graphs.rebuilds}
+
     def stats(self) -> dict[str, Any]:
         """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""
         return {
@@ -420,6 +425,7 @@ class TrainerSide:
             "launch_host_s": self.launch_host_s,
             "rebuilt_chunks": self.rebuilt_chunks,
             "stayed_on_rung": self.stayed,
+            "graphs": self._graph_stats(),
             "abandoned_steps": self.abandoned_steps,
             "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
             "host_priority": self.priority.stats(),
