@@ -31,6 +31,7 @@ from harli_train.config import RecipeConfig
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest
 from harli_train.train.step import train_step
+from harli_train.train.step_graphs import GraphCaptureError
 from harli_train.train.trainer import Trainer
 from harli_train.train.trainer_state import rng_state, set_rng_state
 
@@ -271,6 +272,13 @@ def warm_up_trainer(
     places.setdefault(total_sms, partitions[-1].train_stream)
 
     def step(sms: int) -> None:
+        try:
+            run_step(sms)
+        except GraphCaptureError as err:  # train on without graphs: this budget's step again, eagerly
+            trainer.drop_graphs(err)
+            run_step(sms)
+
+    def run_step(sms: int) -> None:
         with torch.cuda.stream(places[sms]), kernels.sm_budget(sms), scope():
             steps = train_step(
                 model,
@@ -279,7 +287,7 @@ def warm_up_trainer(
                 trainer._autocast,
                 buffers=trainer.buffers if trainer.step_graphs is not None else None,
                 stash=trainer.stash_chunk,
-                graphs=trainer.step_graphs,  # the first budget captures them, the others replay them
+                graphs=trainer.step_graphs,  # captures this budget's set before serving
             )
             for _ in steps:
                 pass
