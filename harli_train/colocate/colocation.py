@@ -293,6 +293,10 @@ def warm_up_trainer(
                 pass
             warm_step_end(trainer)
         torch.cuda.synchronize()
+        if release and trainer.step_graphs is not None:
+            # The capture's eager pass cached a working set for this stream alone: give it back before the
+            # next budget's (the graphs keep theirs in their own pool).
+            torch.cuda.empty_cache()
 
     try:
         failed = try_budgets(sorted(places), step, keep=total_sms)
