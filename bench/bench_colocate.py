@@ -229,7 +229,7 @@ def set_up(args: argparse.Namespace, scratch: Path, cells: list[Cell]) -> Coloca
     if args.memory_pool == "off":
         overrides.append("colocation.memory_pool=false")
     overrides.append(f"colocation.ttft_ms={'null' if args.ttft_ms is None else args.ttft_ms}")
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_recipe(args.recipe, overrides + args.set)
     return assemble(cfg, cfg.model.name, loads=[list(c.requests) for c in cells], spatial=True)
 
 
@@ -255,6 +255,7 @@ def describe(col: Colocation, args: argparse.Namespace, cells: list[Cell], secon
     cfg, engine = col.cfg, col.engine.engine
     return {
         "recipe": str(args.recipe),
+        "recipe_overrides": args.set,
         "trace": args.trace,
         "model": cfg.model.name,
         "device": col.info["device"],
@@ -283,6 +284,13 @@ def parse_args() -> argparse.Namespace:
     )
     add("--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (quickstart with --dry-run)")
     add("--trace", default="steady", choices=("steady", "bursty", "varying"))
+    add(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override, as the command line takes them (e.g. train.cuda_graphs=true); repeatable",
+    )
     add("--loads", default="light,medium,heavy", help="of steady and bursty (varying runs whole, at 1x)")
     add(
         "--objectives",

@@ -74,20 +74,29 @@ def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeyp
     from harli_train.colocate import assembly, commands
 
     assert commands.assemble is assembly.assemble and bench_colocate.assemble is assembly.assemble
-    calls = []
+    calls, graphs = [], []
 
     class Built(Exception):
         pass
 
     def assemble(cfg, serve_model, resume=None, **options):
         calls.append((cfg.model.name, serve_model, cfg.colocation.policy, options))
+        graphs.append(cfg.train.cuda_graphs)
         raise Built
 
     monkeypatch.setattr(commands, "assemble", assemble)
     monkeypatch.setattr(bench_colocate, "assemble", assemble)
     with pytest.raises(Built):
         commands.run_colocated(recipe(tmp_path / "cli"), "tiny", policy="static:48")
-    monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", "--harli-options", "grow=0.1"])
+    argv = [
+        "bench_colocate.py",
+        "--dry-run",
+        "--harli-options",
+        "grow=0.1",
+        "--set",
+        "train.cuda_graphs=true",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
     cells = make_cells("steady", ["light"], 15.0, 50)
     with pytest.raises(Built):
         bench_colocate.set_up(bench_colocate.parse_args(), tmp_path / "bench", cells)
@@ -96,3 +105,4 @@ def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeyp
     # The bench: the same recipe machinery, its loads to size the engine for and SM partitions on a CPU.
     assert bench[:3] == ("tiny", "tiny", "harli:grow=0.1")
     assert bench[3]["spatial"] and [list(c.requests) for c in cells] == bench[3]["loads"]
+    assert graphs == [False, True]  # the bench's --set reaches the recipe
