@@ -3,7 +3,8 @@
     python bench/bench_train.py            # on the GPU; writes $OUT/bench_train.json, prints a table last
     python bench/bench_train.py --dry-run  # on the CPU: the same code paths on the tiny model
 
-Each configuration runs in its own process so that peak-memory figures are clean. Throughput is the median
+Each configuration runs in its own process so that peak-memory figures are clean. The `_graphs` rows run
+harli-train's step as CUDA graphs (`train.cuda_graphs`), against the eager rows of the same run. Throughput is the median
 step time after warm-up; target (docs/design.md): >= 1.5x peft's tokens/s at <= 0.75x its peak memory.
 Both sides train on the same rows: the recipe's data as harli-train's loader lays it out, packed by default
 (peft then gets each row's per-document `position_ids` and the block-diagonal causal mask as a 4D
@@ -164,8 +165,9 @@ def run_ours(args) -> dict:
         args,
         [
             f"train.kernels={args.kernels}",
+            f"train.cuda_graphs={str(args.graphs).lower()}",
             "train.warmup_steps=1",
-            f"output.dir={common.out_dir() / ('run_' + args.kernels)}",
+            f"output.dir={common.out_dir() / ('run_' + args.kernels + ('_graphs' if args.graphs else ''))}",
             "output.checkpoint_every=0",
             "output.overwrite=true",
             "train.log_every=1000",
@@ -199,6 +201,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--one", choices=["peft", "ours"], help=argparse.SUPPRESS)
     ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--graphs", action="store_true", help="train.cuda_graphs: each micro-step a graph replay")
     ap.add_argument("--sms", type=int, default=0, help="confine the run to a green context of this many SMs")
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--batch", type=int, default=4)
@@ -247,12 +250,14 @@ def main() -> None:
         "peft": ["peft"],
         "ours_torch": ["ours", "--kernels", "torch"],
         "ours_triton": ["ours", "--kernels", "triton"],
+        "ours_triton_graphs": ["ours", "--kernels", "triton", "--graphs"],
     }
     if not args.dry_run:  # the same, confined to a 64-SM partition
         runs.update(
             {
                 "peft_64sm": ["peft", "--sms", "64"],
                 "ours_triton_64sm": ["ours", "--kernels", "triton", "--sms", "64"],
+                "ours_triton_graphs_64sm": ["ours", "--kernels", "triton", "--graphs", "--sms", "64"],
             }
         )
     for name, child in runs.items():
