@@ -243,6 +243,9 @@ class _ShapeGraphs:
                 graph.capture_end()
                 graphs[name] = graph
         current.wait_stream(stream)
+        if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
+            stream.synchronize()
+            torch.cuda.empty_cache()
         return graphs
 
     def fits(self, inputs: dict) -> bool:
