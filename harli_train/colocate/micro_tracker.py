@@ -8,14 +8,16 @@ current trainer stream), and how far the step has got (for the pro-rata token co
 
 from __future__ import annotations
 
-from harli_train.train.step import MicroStep
+from harli_train.train.step import MicroStep, step_order
 
 
 class MicroTracker:
     """Chunks, their forwards' first SMs and the next backward of the step under way; one owner."""
 
-    def __init__(self, num_layers: int, grad_accum: int) -> None:
+    def __init__(self, num_layers: int, layers_per_microstep: int, grad_accum: int) -> None:
         self.num_layers, self.grad_accum = num_layers, grad_accum
+        self.order = step_order(num_layers, layers_per_microstep, grad_accum)
+        self.position = {(m.phase, m.micro_batch, m.start): i for i, m in enumerate(self.order)}
         self.micro_steps = self.rebuilt_chunks = 0
         self.micro_per_step = 0  # micro-steps of the last whole step
         self.reset()
@@ -31,20 +33,14 @@ class MicroTracker:
         self.micro_in_step = 0
 
     def next_kind(self) -> str:
-        """What the generator launches next: fwd, loss, bwd, optim, eval (while an evaluation runs: its next
-        chunk, or the next step), or "next" (the step boundary)."""
-        last, ms = self.last_phase, self.last
-        if last is None or ms is None:
+        """What the generator launches next: fwd, loss, bwd, optim (`step_order`'s next micro-step), eval
+        (while an evaluation runs: its next chunk, or the next step), or "next" (the step boundary)."""
+        ms = self.last
+        if ms is None or ms.phase == "optim":
             return "next"
-        if last == "eval":
+        if ms.phase == "eval":
             return "eval"
-        if last == "fwd":
-            return "loss" if ms.stop >= self.num_layers else "fwd"
-        if last == "loss" or (last == "bwd" and ms.start > 0):
-            return "bwd"
-        if last == "bwd":
-            return "fwd" if ms.micro_batch + 1 < self.grad_accum else "optim"
-        return "next"
+        return self.order[self.position[(ms.phase, ms.micro_batch, ms.start)] + 1].phase
 
     def track(self, ms: MicroStep, first_sm: int) -> bool:
         """Record a launched micro-step whose SMs start at ``first_sm``; True when it completed the step."""

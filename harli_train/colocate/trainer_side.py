@@ -75,7 +75,10 @@ class TrainerSide:
         self.on_slice, self.should_stop = on_slice, should_stop
         self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
         self.on_gpu = trainer.device.type == "cuda"
-        self.tracker = MicroTracker(trainer.model.config.num_layers, trainer.cfg.train.grad_accum)
+        train = trainer.cfg.train
+        self.tracker = MicroTracker(
+            trainer.model.config.num_layers, train.layers_per_microstep, train.grad_accum
+        )
         trainer.recompute_chunk = self.tracker.take_rebuild
         self.gen = trainer.micro_steps()
         self.done = trainer.done

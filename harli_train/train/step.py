@@ -93,6 +93,20 @@ def chunk_bounds(num_layers: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
 
 
+def step_order(num_layers: int, layers_per_microstep: int, micro_batches: int) -> list[MicroStep]:
+    """The micro-steps of one training step in the order they run: per micro-batch its forward chunk by
+    chunk, its loss, its backward chunk by chunk in reverse; then the optimizer update ("optim", the
+    trainer's). `train_step` runs this order; whoever needs to know what comes next asks it."""
+    bounds = chunk_bounds(num_layers, layers_per_microstep)
+    order: list[MicroStep] = []
+    for mb in range(micro_batches):
+        order += [MicroStep("fwd", mb, start, stop) for start, stop in bounds]
+        order.append(MicroStep("loss", mb, num_layers, num_layers))
+        order += [MicroStep("bwd", mb, start, stop) for start, stop in reversed(bounds)]
+    order.append(MicroStep("optim", micro_batches - 1))
+    return order
+
+
 class EagerChunks:
     """How `train_step` runs its micro-steps by default: each chunk's forward under autograd from detached
     leaves, its backward by `torch.autograd.backward` from the boundary gradients carried by hand.
@@ -197,17 +211,18 @@ def train_step(
             getattr(m, "dropout", 0.0) > 0.0 and m.training for m in model.modules()
         )
         run = EagerChunks(model, bounds, autocast, recompute, buffers, stash, total_targets, replay)
-    input_tokens, layers = 0, model.config.num_layers
-    for mb, batch in enumerate(batches):
-        input_tokens += run.load(batch)
-        for chunk, (start, stop) in enumerate(bounds):  # forward, chunk by chunk
+    input_tokens = 0
+    for ms in step_order(model.config.num_layers, layers_per_microstep, len(batches))[:-1]:
+        chunk = ms.start // layers_per_microstep
+        if ms.phase == "fwd":
+            if chunk == 0:
+                input_tokens += run.load(batches[ms.micro_batch])
             run.forward(chunk)
-            yield MicroStep("fwd", mb, start, stop)
-        run.loss()
-        yield MicroStep("loss", mb, layers, layers)
-        for i in reversed(range(len(bounds))):  # backward, chunk by chunk in reverse
-            run.backward(mb, i)
-            yield MicroStep("bwd", mb, *bounds[i])
+        elif ms.phase == "loss":
+            run.loss()
+        else:
+            run.backward(ms.micro_batch, chunk)
+        yield ms
     return StepResult(loss_sum=run.end(), target_tokens=total_targets, input_tokens=input_tokens)
 
 
