@@ -485,3 +485,20 @@ def test_resume_of_a_finished_run_prints_strict_json(tmp_path):
 
     summary = json.loads(result.stdout, parse_constant=refuse)
     assert summary["steps"] == 2 and summary["loss"] is None  # no step ran: no loss
+
+
+@pytest.mark.parametrize("per_chunk, accum", [(1, 1), (3, 2)])
+def test_the_tracker_foresees_every_micro_step_the_step_runs(per_chunk, accum):
+    # One statement of the step's order (step_order): train_step runs it, MicroTracker.next_kind reads it.
+    from harli_train.colocate.micro_tracker import MicroTracker
+    from harli_train.train.step import MicroStep, step_order
+
+    m = _model()
+    batches = [_batch(i) for i in range(accum)]
+    ran = list(train_step(m, batches, per_chunk)) + [MicroStep("optim", accum - 1)]
+    assert ran == step_order(m.config.num_layers, per_chunk, accum)
+    tracker = MicroTracker(m.config.num_layers, per_chunk, accum)
+    for ms, want in zip(ran, ["next"] + [m.phase for m in ran[1:]], strict=True):  # "next": a step boundary
+        assert tracker.next_kind() == want
+        tracker.track(ms, 0)
+    assert tracker.next_kind() == "next" and tracker.micro_per_step == len(ran)
