@@ -10,6 +10,7 @@ generator alone and measures, per micro-step kind:
 - under torch.profiler, the kernels and CUDA API calls each micro-step makes.
 
     python bench/probe_trainer_host.py            # H200: $OUT/probe_trainer_host.json, a table last
+    python bench/probe_trainer_host.py --graphs   # the same with train.cuda_graphs (a replay per micro-step)
     python bench/probe_trainer_host.py --dry-run  # CPU: the tiny model, the same code paths
 """
 
@@ -72,6 +73,7 @@ class DecodeLike:
 def make_trainer(args) -> Trainer:
     overrides = [f"train.steps={10**6}", "train.log_every=1000000", "output.checkpoint_every=0"]
     overrides.append(f"output.dir={common.out_dir() / 'probe_run'}")
+    overrides.append(f"train.cuda_graphs={str(args.graphs).lower()}")
     if args.dry_run:
         overrides += ["model.name=tiny", "train.device=cpu", "model.dtype=float32", "data.seq_len=64"]
     trainer = Trainer(load_recipe(args.recipe, overrides), quiet=True)
@@ -180,6 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "llama-8b-lora.yaml"))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="train.cuda_graphs: each micro-step a graph replay")
     ap.add_argument(
         "--sms", type=int, default=64, help="the trainer's SMs on a green context (the nearest rung)"
     )
@@ -213,6 +216,8 @@ def main() -> None:
             kernels.sm_budget(sms) if sms else contextlib.nullcontext(),
             rival or contextlib.nullcontext(),
         ):
+            for _ in range(per_step):  # with graphs: this stream's set is captured here, untimed
+                next(gen)
             results[label] = {
                 "synced": summarise(timed(gen, n, synced=True)),
                 "queued": summarise(timed(gen, n, synced=False)),
@@ -228,7 +233,9 @@ def main() -> None:
     if ladder is not None:
         ladder.close()
     print(text)
-    common.write_json("probe_trainer_host.json", results)
+    graphs = trainer.graphs
+    results["graphs"] = None if graphs is None else {"sets": graphs.captures, "rebuilds": graphs.rebuilds}
+    common.write_json("probe_trainer_host" + ("-graphs" if args.graphs else "") + ".json", results)
     rows = []
     for label, *_ in scenarios:
         for phase, r in results[label]["synced"].items():
