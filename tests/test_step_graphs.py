@@ -223,3 +223,24 @@ def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graph
     assert summary["finetune"]["abandoned_steps"] == 1 and summary["finetune"]["steps_run"] == 6
     assert losses(out) == losses(standalone)
     assert_same_adapter(adapter(out), adapter(standalone))
+
+
+def test_an_interrupted_run_on_graphs_resumes_to_the_same_loss_curve(tmp_path):
+    from tests.test_train import _losses
+    from tests.test_train import _recipe as train_recipe
+
+    over = {"lora.dropout": 0.0, "train.cuda_graphs": "true", "train.steps": 6, "output.checkpoint_every": 3}
+    full = Trainer(train_recipe(tmp_path / "full", **over), quiet=True)
+    full.setup()
+    full.train()
+    part = Trainer(train_recipe(tmp_path, **over), quiet=True)
+    part.setup()
+    for ms in part.micro_steps():
+        if part.step == 4 and ms.phase == "bwd":  # mid-step: the checkpoint keeps the 4 steps counted
+            part.interrupt()
+            break
+    assert part.finish()["steps"] == 4
+    resumed = Trainer(train_recipe(tmp_path, **over), quiet=True)
+    resumed.setup(resume=tmp_path / "run")
+    resumed.train()
+    assert resumed.graphs is not None and _losses(tmp_path / "run") == _losses(tmp_path / "full" / "run")
