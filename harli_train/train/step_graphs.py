@@ -235,9 +235,8 @@ class _ShapeGraphs:
                 try:
                     fn()
                 except BaseException:
-                    with contextlib.suppress(
-                        Exception
-                    ):  # ends the stream's capture; the first error says why
+                    # End the stream's capture; the first error is the one that says why.
+                    with contextlib.suppress(Exception):
                         graph.capture_end()
                     raise
                 graph.capture_end()
