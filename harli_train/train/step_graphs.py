@@ -61,12 +61,21 @@ class GraphCaptureError(RuntimeError):
 
 
 class _StandIn:
-    """A CPU stand-in for a captured CUDA graph: `replay()` runs the captured function again."""
+    """A CPU stand-in for a captured CUDA graph of set ``key``: `replay()` runs the captured function again.
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
+    Like a real replay it may overwrite the memory where another set keeps its saved tensors: it drops every
+    chunk output another set's forward left (`_ShapeGraphs.outs`), so that a backward replayed without its
+    rebuild fails on the CPU as it would compute garbage on the GPU."""
+
+    def __init__(self, fn: Callable[[], None], shape: _ShapeGraphs, key: tuple[int, int]) -> None:
+        self.fn, self.shape, self.key = fn, shape, key
 
     def replay(self) -> None:
+        shape = self.shape
+        for chunk, key in enumerate(shape.outs_key):
+            if key is not None and key != self.key:
+                shape.outs[chunk] = shape.outs_key[chunk] = None
+        shape.replaying = self.key
         self.fn()
 
 
@@ -110,6 +119,9 @@ class _ShapeGraphs:
         ]
         self.grads = [[grads[id(p)] for p in ps] for ps in self.params]
         self.outs: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * chunks
+        # CPU stand-ins: the set whose forward left each chunk's outputs, and the set replaying now.
+        self.outs_key: list[tuple[int, int] | None] = [None] * chunks
+        self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
 
@@ -141,7 +153,7 @@ class _ShapeGraphs:
                     self.mask.copy_(mask)
         with torch.enable_grad():
             out = self._run(chunk, self.h[chunk], self.r[chunk], self.cos, self.sin, self.attn)
-        self.outs[chunk] = out
+        self.outs[chunk], self.outs_key[chunk] = out, self.replaying
         with torch.no_grad():
             self.h[chunk + 1].copy_(out[0])
             self.r[chunk + 1].copy_(out[1])
@@ -192,7 +204,7 @@ class _ShapeGraphs:
         found = self.sets.get(key)
         if found is None:
             if self.model.lm_head.weight.device.type != "cuda":
-                found = {name: _StandIn(fn) for name, fn in self.order()}
+                found = {name: _StandIn(fn, self, key) for name, fn in self.order()}
             else:
                 found = self._capture_cuda(key[1])
             self.sets[key] = found
