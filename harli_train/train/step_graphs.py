@@ -57,7 +57,8 @@ MAX_SHAPES = 2
 
 
 class GraphCaptureError(RuntimeError):
-    """Capturing the trainer's step failed (the trainer can go on without graphs: `Trainer.drop_graphs`)."""
+    """The trainer's step cannot run on graphs: a capture failed, or a batch shape the graphs cannot take
+    (the trainer goes on without graphs: `Trainer.drop_graphs`)."""
 
 
 class _StandIn:
@@ -306,15 +307,6 @@ class StepGraphs:
         """Sets of graphs made so far."""
         return sum(len(shape.sets) for shape in self.shapes.values())
 
-    @staticmethod
-    def check(model: LlamaForCausalLM) -> None:
-        """Raise ValueError when ``model`` cannot be trained through graphs."""
-        if any(getattr(m, "dropout", 0.0) > 0.0 for m in model.modules()):
-            raise ValueError(
-                "train.cuda_graphs needs lora.dropout 0 (a graph would replay the dropout masks "
-                "differently from the eager step)"
-            )
-
     def step(self, model, bounds, autocast, buffers: BatchBuffers, total_targets: int) -> GraphedChunks:
         return GraphedChunks(self, model, bounds, autocast, buffers, total_targets)
 
@@ -325,9 +317,8 @@ class StepGraphs:
         if found is not None and found.fits(inputs):
             return found
         if found is None and len(self.shapes) >= MAX_SHAPES:
-            raise ValueError(
-                f"train.cuda_graphs: a batch of a new shape after {MAX_SHAPES} (each shape keeps its own "
-                "graphs and activations); train without graphs"
+            raise GraphCaptureError(
+                f"a batch of a new shape after {MAX_SHAPES} (each shape keeps its own graphs and activations)"
             )
         self.shapes[key] = found = _ShapeGraphs(model, bounds, autocast, inputs, self.grads)
         log.info(
@@ -357,7 +348,7 @@ class GraphedChunks:
             shape.loss_sum.zero_()
             shape.targets.fill_(float(self.total_targets))
         elif shape is not self.shape:
-            raise ValueError("train.cuda_graphs: the micro-batches of one step differ in shape")
+            raise GraphCaptureError("the micro-batches of one step differ in shape")
         self.shape = shape
         return loaded["input_ids"].numel()
 
