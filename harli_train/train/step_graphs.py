@@ -29,10 +29,12 @@ A set is captured the first time its (stream, budget) is met: an eager pass over
 (it compiles the kernels and sets up cuBLAS on that stream; the static tensors and sums it touches are put
 back), then one capture per micro-step on that stream, which no other thread may launch onto meanwhile
 (the co-location warm-up captures every rung's set before serving; temporal's trainer shares decode's
-stream). A model with LoRA dropout is refused (a graph would replay its random masks differently from the
-eager path). On a CPU the graphs are stand-ins that run the captured function again over the same static
-tensors, one set per SM budget: the chain, the accumulation, the order and the rebuilds are what the CPU
-tests check.
+stream). A capture that fails, or a batch shape the graphs cannot take, raises `GraphCaptureError`: the
+trainer then goes on without graphs. A recipe with LoRA dropout is refused (`check_cuda_graphs`: a graph
+would replay its random masks differently from the eager path). On a CPU the graphs are stand-ins that run
+the captured function again over the same static tensors, one set per SM budget, each replay dropping what
+another set's forwards left (`_StandIn`): the chain, the accumulation, the order and the rebuilds are what
+the CPU tests check.
 """
 
 from __future__ import annotations
