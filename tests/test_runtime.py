@@ -756,6 +756,20 @@ class ScriptedPolicy(Policy):
         )
 
 
+def graphed_runtime(out: Path, script) -> ColocatedRuntime:
+    """A runtime on ``train.cuda_graphs`` under ScriptedPolicy(``script``): decode's share per decision."""
+    return runtime(
+        out,
+        SMLadder.cpu_standin(TOTAL, 8),
+        lambda ladder: ScriptedPolicy(ladder, script),
+        requests([(0.0, 4, 400)]),
+        RuntimeOptions(quiet=True, plots=False),
+        None,
+        None,
+        "train.cuda_graphs=true",
+    )
+
+
 def test_the_runtime_shows_a_prefill_the_decode_step_after_it(tmp_path):
     # A prefill's preview tells the batch and KV tokens of the decode step after it (harli:ahead sizes the
     # trainer's rung from them).
@@ -845,19 +859,9 @@ def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, sta
     # train.cuda_graphs: one set of graphs per rung; a share that jumps to a random rung at every decision
     # makes backwards rebuild their chunk's forward on their own rung's set (counted with the eager
     # rebuilds); the result is still bit-identical to training alone.
-    ladder = SMLadder.cpu_standin(TOTAL, 8)
     rng = random.Random(0)
-    shares = [p.infer_sms for p in ladder.spatial]
-    rt = runtime(
-        tmp_path,
-        ladder,
-        lambda ladder: ScriptedPolicy(ladder, lambda: rng.choice(shares)),
-        requests([(0.0, 4, 400)]),
-        RuntimeOptions(quiet=True, plots=False),
-        None,
-        None,
-        "train.cuda_graphs=true",
-    )
+    shares = [p.infer_sms for p in SMLadder.cpu_standin(TOTAL, 8).spatial]
+    rt = graphed_runtime(tmp_path, lambda: rng.choice(shares))
     summary = rt.run()
     bwd = {sms for phase, _, sms in rt.worker.side.launches if phase == "bwd"}
     graphs = rt.trainer.graphs
@@ -874,19 +878,9 @@ def test_captured_steps_stay_on_their_rung_until_the_micro_batch_ends_when_decod
     # Decode holds 96 SMs for the first two micro-steps, then drops to 16: a trainer on graphs finishes the
     # micro-batch under way on its 36-SM rung (still clear of decode; moving would replay its forwards on
     # the larger rung's graphs), then moves to 116 SMs; nothing is rebuilt and the result is unchanged.
-    ladder = SMLadder.cpu_standin(TOTAL, 8)
     holder = {}
     script = lambda: 96 if holder["rt"].worker.side.launched_total < 2 else 16  # noqa: E731
-    rt = holder["rt"] = runtime(
-        tmp_path,
-        ladder,
-        lambda ladder: ScriptedPolicy(ladder, script),
-        requests([(0.0, 4, 400)]),
-        RuntimeOptions(quiet=True, plots=False),
-        None,
-        None,
-        "train.cuda_graphs=true",
-    )
+    rt = holder["rt"] = graphed_runtime(tmp_path, script)
     summary = rt.run()
     side = rt.worker.side
     first = [(phase, sms) for phase, _, sms in side.launches][: side.tracker.micro_per_step + 1]

@@ -178,18 +178,7 @@ def test_a_failed_capture_drops_the_graphs_and_the_run_trains_the_same_without_t
 def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graphs(
     tmp_path, monkeypatch, caplog
 ):
-    from harli_train.colocate.runtime_options import RuntimeOptions
-    from harli_train.colocate.sm import SMLadder
-    from tests.test_runtime import (
-        TOTAL,
-        ScriptedPolicy,
-        adapter,
-        assert_same_adapter,
-        losses,
-        recipe,
-        requests,
-        runtime,
-    )
+    from tests.test_runtime import adapter, assert_same_adapter, graphed_runtime, losses, recipe
 
     standalone = tmp_path / "standalone"
     trainer = Trainer(recipe(standalone), quiet=True)
@@ -197,19 +186,9 @@ def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graph
     trainer.train()
     seen = set()
     _failing_capture(monkeypatch, lambda key: seen.add(key[1]) or len(seen) > 1)  # every set after the first
-    ladder = SMLadder.cpu_standin(TOTAL, 8)
     shares = iter([16] * 3 + [96] * 1000)
     out = tmp_path / "colocated"
-    rt = runtime(
-        out,
-        ladder,
-        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
-        requests([(0.0, 4, 400)]),
-        RuntimeOptions(quiet=True, plots=False),
-        None,
-        None,
-        "train.cuda_graphs=true",
-    )
+    rt = graphed_runtime(out, lambda: next(shares))
     summary = rt.run()
     assert rt.trainer.graphs is None and "training goes on without train.cuda_graphs" in caplog.text
     assert summary["finetune"]["abandoned_steps"] == 1 and summary["finetune"]["steps_run"] == 6
