@@ -124,22 +124,28 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def trainer_rate(run_dir: Path) -> dict[str, Any]:
-    """The trainer's tokens/s over the load window of a co-located run (first arrival to last finish), from
-    its step records' cumulative finetune tokens, read at the rows nearest the window's ends."""
+    """The trainer's tokens/s over the load window of a co-located run (first arrival to last finish, cut to
+    the span its step records cover), from the records' cumulative finetune tokens interpolated linearly at
+    the window's ends: a window between two records still gets the rate of the records around it."""
     reqs = [r for r in _jsonl(run_dir / "colocate" / "serve" / "requests.jsonl") if r.get("error") is None]
     rows = _jsonl(run_dir / "colocate" / "steps.jsonl")
     start = min(r["arrival_s"] for r in reqs)
     end = max(r["arrival_s"] + (r["latency_ms"] or 0.0) / 1e3 for r in reqs)
-    t = [row["t"] for row in rows]
-    tok = [row["tokens"] for row in rows]
+    points = sorted((row["t"], row["tokens"]) for row in rows)
 
-    def at(x: float) -> tuple[float, float]:
-        i = min(range(len(t)), key=lambda j: abs(t[j] - x))
-        return t[i], tok[i]
+    def tokens_at(x: float) -> float:
+        """Cumulative tokens at time ``x``: between the records around it, or at the nearest end."""
+        if x <= points[0][0]:
+            return points[0][1]
+        for (t0, k0), (t1, k1) in zip(points, points[1:], strict=False):
+            if x <= t1:
+                return k0 + (k1 - k0) * (x - t0) / (t1 - t0) if t1 > t0 else k1
+        return points[-1][1]
 
-    (t_a, k_a), (t_b, k_b) = at(start), at(end)
-    return {"window_s": [start, end], "tokens": k_b - k_a, "seconds": t_b - t_a,
-            "tokens_per_s": (k_b - k_a) / (t_b - t_a) if t_b > t_a else None}  # fmt: skip
+    lo, hi = max(start, points[0][0]), min(end, points[-1][0])  # the part of the window with records
+    tokens = tokens_at(hi) - tokens_at(lo)
+    return {"window_s": [start, end], "tokens": tokens, "seconds": hi - lo,
+            "tokens_per_s": tokens / (hi - lo) if hi > lo else None}  # fmt: skip
 
 
 def _engine_figures(run_dir: Path) -> dict[str, Any]:
