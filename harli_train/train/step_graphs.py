@@ -51,9 +51,9 @@ from harli_train.kernels.launch_config import launch_gate
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.train.batch_buffers import KEYS, BatchBuffers
+from harli_train.train.step import IGNORE_INDEX, model_inputs
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 # Graph sets kept (one per batch shape; each holds one micro-batch's activations): loaders give one shape.
 MAX_SHAPES = 2
 
@@ -130,15 +130,10 @@ class _ShapeGraphs:
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
-        batch, model = self.inputs, self.model
-        ids = batch["input_ids"]
-        positions = batch.get("positions")
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        cos, sin = model.rope(positions)
-        doc_ids = batch.get("doc_ids")
-        mask = None if doc_ids is None else DocumentAttention(doc_ids).mask
-        return model.embed(ids), cos, sin, mask
+        """The embeddings, rope tables and mask of the batch buffers, as `model_inputs` makes them."""
+        model = self.model
+        ids, _, cos, sin, attn = model_inputs(model, self.inputs, model.lm_head.weight.device)
+        return model.embed(ids), cos, sin, None if attn is None else attn.mask
 
     def _run(self, chunk, hidden, residual, cos, sin, attn):
         start, stop = self.bounds[chunk]
