@@ -336,7 +336,9 @@ def lora_add_reference(
     token_slots: torch.Tensor,  # shape [T] int64, each token's slot (0: the base)
     scales: torch.Tensor,
 ) -> torch.Tensor:
-    """The same op in plain torch, slot by slot, fp32 math, cast once to y's dtype; returns a new tensor."""
+    """The same op in plain torch, slot by slot, fp32 math, cast once to y's dtype; returns a new tensor.
+    As in the kernels (and peft, whose lora_A output is in the weights' dtype), the scaled shrink is rounded
+    to the adapter's dtype before the expand."""
     out = y.float().clone()
     xf = x.float()
     for slot in torch.unique(token_slots).tolist():
@@ -345,6 +347,7 @@ def lora_add_reference(
         rows = (token_slots == slot).nonzero().flatten()
         scale = scales[slot].float()
         for a, b, col in zip(a_stacks, b_stacks, columns, strict=True):
-            delta = (xf[rows] @ a[slot].float().t()) * scale @ b[slot].float().t()
+            shrink = ((xf[rows] @ a[slot].float().t()) * scale).to(b.dtype).float()
+            delta = shrink @ b[slot].float().t()
             out[rows, col : col + b.shape[1]] += delta
     return out.to(y.dtype)

@@ -201,7 +201,9 @@ class _MasterCasts:
     empties the cache (a global post-step hook): fused AdamW updates the masters without bumping their version
     counters. Other in-place edits do bump them, and an entry is used only while it holds the very tensors (weak
     references) at the versions it was made from, so a freed master whose id is reused never matches either;
-    a master's death drops its entry."""
+    a master's death drops its entry. Under CUDA graph capture the cache is neither read nor filled: the
+    casts are made inside the graph, so each replay casts the masters as they are then (a cached cast lives
+    outside the graph's memory, is freed at the next optimizer step, and a graph would go on reading it)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
@@ -211,7 +213,7 @@ class _MasterCasts:
 
     def get(self, a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # Not under inference mode: its tensors could not be saved by a later training forward.
-        if torch.is_inference_mode_enabled():
+        if torch.is_inference_mode_enabled() or _capturing(a_list[0]):
             return _cast(a_list, b_list, dt)
         masters = (*a_list, *b_list)
         key = (*(id(t) for t in masters), dt)
@@ -227,6 +229,10 @@ class _MasterCasts:
         drop = lambda _ref, key=key: self._entries.pop(key, None)  # noqa: E731 (a master is gone: so is its entry)
         self._entries[key] = (tuple(weakref.ref(t, drop) for t in masters), versions, a_cat, bs)
         return a_cat, bs
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _cast(a_list, b_list, dt: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
