@@ -14,42 +14,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harli_train.model import load_model  # noqa: E402
 from harli_train.train.batch_buffers import BatchBuffers  # noqa: E402
 from harli_train.train.step import train_step  # noqa: E402
 from harli_train.train.step_graphs import StepGraphs  # noqa: E402
-
-
-def model():
-    torch.manual_seed(0)
-    m = load_model("tiny", torch.bfloat16, "cuda", seed=1)
-    m.add_lora(8, 16.0, 0.0, seed=2)
-    with torch.no_grad():
-        for p in m.lora_parameters():
-            p.normal_(0, 0.05)
-    return m.train()
-
-
-def batch(seed, b=4, t=256):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 250, (b, t), generator=g)
-    return {
-        "input_ids": ids,
-        "labels": ids.clone(),
-        "positions": torch.arange(t).repeat(b, 1),
-        "doc_ids": torch.zeros(b, t, dtype=torch.long),
-        "num_target_tokens": b * (t - 1),
-    }
-
+from tests.test_gpu import graphs_batch, graphs_model  # noqa: E402
 
 if not torch.cuda.is_available():
     sys.exit("probe_graph_steps: CUDA graphs need a GPU")
 autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
 for nmb in (1, 2):
-    batches = [batch(i + 1) for i in range(nmb)]
+    batches = [graphs_batch(i + 1, two_docs=False) for i in range(nmb)]
     for graphed in (False, True):
         for side in (False, True) if graphed else (False,):
-            m, buffers = model(), BatchBuffers("cuda")
+            m, buffers = graphs_model(), BatchBuffers("cuda")
             params = list(m.lora_parameters())
             opt = torch.optim.AdamW(params, lr=2e-2)
             graphs = StepGraphs(params) if graphed else None

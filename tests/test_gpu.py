@@ -110,47 +110,52 @@ def test_colocated_run_on_green_contexts_exits_cleanly(tmp_path, graphs):
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def graphs_model():
+    """The tiny preset in bf16 on the GPU with a rank-8 adapter drawn away from zero (B too)."""
+    from harli_train.model import load_model
+
+    torch.manual_seed(0)
+    m = load_model("tiny", torch.bfloat16, "cuda", seed=1)
+    m.add_lora(8, 16.0, 0.0, seed=2)
+    with torch.no_grad():
+        for p in m.lora_parameters():
+            p.normal_(0, 0.05)
+    return m.train()
+
+
+def graphs_batch(seed, b=4, t=256, two_docs=True):
+    """A packed batch of random ids: two documents a row (the second from t // 3), or one."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 250, (b, t), generator=g)
+    doc = (torch.arange(t) >= t // 3).long().repeat(b, 1) * int(two_docs)
+    positions = torch.arange(t).repeat(b, 1) - doc * (t // 3)
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "positions": positions,
+        "doc_ids": doc,
+        "num_target_tokens": b * (t - 1),
+    }
+
+
 def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung():
     """train.cuda_graphs on the GPU: real graphs, bf16 autocast over fp32 adapter masters, two micro-batches of
     packed rows, an AdamW update after each step. Three steps give the eager steps' losses, gradients and
     adapter (same kernels, same configurations: each replay reads the masters as the optimizer left them), and
     so do steps whose forwards replay on one green-context rung and whose backwards replay on another."""
     from harli_train.colocate.sm import SMLadder
-    from harli_train.model import load_model
     from harli_train.train.batch_buffers import BatchBuffers
     from harli_train.train.step import train_step
     from harli_train.train.step_graphs import StepGraphs
 
-    def model():
-        torch.manual_seed(0)
-        m = load_model("tiny", torch.bfloat16, "cuda", seed=1)
-        m.add_lora(8, 16.0, 0.0, seed=2)
-        with torch.no_grad():
-            for p in m.lora_parameters():
-                p.normal_(0, 0.05)
-        return m.train()
-
-    def batch(seed, b=4, t=256):
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, 250, (b, t), generator=g)
-        doc = (torch.arange(t) >= t // 3).long().repeat(b, 1)
-        positions = torch.arange(t).repeat(b, 1) - doc * (t // 3)
-        return {
-            "input_ids": ids,
-            "labels": ids.clone(),
-            "positions": positions,
-            "doc_ids": doc,
-            "num_target_tokens": b * (t - 1),
-        }
-
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    batches = [batch(1), batch(2)]
+    batches = [graphs_batch(1), graphs_batch(2)]
 
     def steps(graphed: bool, rungs=None):
         """Three steps, each followed by an AdamW update: the losses, the last step's gradients, the adapter.
         With ``rungs``, a micro-step after a forward replays on rungs[0]'s trainer stream, after the loss or
         a backward on rungs[1]'s."""
-        m, buffers = model(), BatchBuffers("cuda")
+        m, buffers = graphs_model(), BatchBuffers("cuda")
         params = list(m.lora_parameters())
         opt = torch.optim.AdamW(params, lr=2e-2)
         graphs = StepGraphs(params) if graphed else None
