@@ -872,25 +872,22 @@ def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, sta
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
-def test_a_captured_backward_goes_back_to_the_rung_that_holds_its_chunk_when_decode_shrinks(
+def test_captured_steps_stay_on_their_rung_until_the_micro_batch_ends_when_decode_shrinks(
     tmp_path, standalone
 ):
-    # Decode holds 96 SMs for the first two micro-steps, then drops to 16: a trainer on graphs runs its next
-    # forwards on the 116-SM rung, and sends the backwards of the first two chunks back to its 36-SM rung
-    # (still clear of decode), whose set holds what their forwards saved: nothing is rebuilt and the result
-    # is unchanged.
+    # Decode holds 96 SMs for the first two micro-steps, then drops to 16: a trainer on graphs finishes the
+    # micro-batch under way on its 36-SM rung (still clear of decode; moving would replay its forwards on
+    # the larger rung's graphs), then moves to 116 SMs; nothing is rebuilt and the result is unchanged.
     holder = {}
     script = lambda: 96 if holder["rt"].worker.side.launched_total < 2 else 16  # noqa: E731
     rt = holder["rt"] = graphed_runtime(tmp_path, script)
     summary = rt.run()
     side = rt.worker.side
-    first = [(phase, sms) for phase, _, sms in side.launches][: side.tracker.micro_per_step]
-    chunks = (side.tracker.micro_per_step - 2) // 2
-    small, large = TOTAL - 96, TOTAL - 16
-    assert first[:chunks] == [("fwd", small)] * 2 + [("fwd", large)] * (chunks - 2), first
-    assert first[chunks + 1 :] == [("bwd", large)] * (chunks - 2) + [("bwd", small)] * 2 + [("optim", large)]
-    assert side.returned == 2 and summary["finetune"]["feed"]["returned_to_holder"] >= 2
-    assert summary["finetune"]["rebuilt_backward_chunks"] == 0
+    first = [(phase, sms) for phase, _, sms in side.launches][: side.tracker.micro_per_step + 1]
+    per_step = side.tracker.micro_per_step
+    assert [sms for _, sms in first[:-2]] == [TOTAL - 96] * (per_step - 1), first  # the first micro-batch
+    assert first[-1][1] == TOTAL - 16  # the next step starts on the larger rung
+    assert side.stayed > 0 and summary["finetune"]["rebuilt_backward_chunks"] == 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 

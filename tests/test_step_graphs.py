@@ -55,9 +55,9 @@ def test_graphed_steps_equal_the_eager_step_bit_for_bit(per_chunk, make):
 
 
 def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_unchanged():
-    # One set of graphs per (stream, SM budget): forwards under one budget, backwards under another. A
-    # chunk's backward on a set that does not hold its saved tensors replays the chunk's forward there
-    # first; the gradients and loss are the eager step's.
+    # One set of graphs per (stream, SM budget): forwards under one budget, backwards under another. Every
+    # chunk's backward then finds its forward's saved tensors in the other set, so the set it runs on
+    # replays the chunk's forward first; the gradients and loss are the eager step's.
     from harli_train import kernels
 
     batches = [_packed(1), _packed(2)]
@@ -73,54 +73,11 @@ def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_
     except StopIteration as stop:
         result = stop.value
     chunks = m.config.num_layers
-    # The first micro-batch's forwards ran on 64, its backwards on 32: each rebuilt there. The second's
-    # forward 0 ran on 32 (after a backward), and nothing 32 replayed since may overwrite what it saved.
-    assert graphs.captures == 2 and graphs.rebuilds == 2 * chunks - 1
+    # The first micro-batch's backwards come after a loss on 64; the second's after its forwards on 32.
+    assert graphs.captures == 2 and graphs.rebuilds == 2 * chunks
     assert torch.equal(result.loss_sum, want.loss_sum)
     for got, ref in zip(_grads(m), want_grads, strict=True):
         assert torch.equal(got, ref)
-
-
-def test_a_backward_goes_back_to_the_set_that_holds_its_chunk_without_a_rebuild():
-    """Each set has its own memory: forwards 0-1 on 64 SMs and 2-3 on 32, backwards 3-2 on 32 and 1-0 on 64
-    need no rebuild (`holders` names the set each chunk's backward can run on as it is). A set's forward of
-    an earlier chunk may overwrite what it saved for later ones: on the CPU stand-in, such a backward without
-    its rebuild fails, as it would read garbage on the GPU; with the rebuild, the step is the eager one."""
-    from harli_train import kernels
-    from harli_train.train.step_graphs import set_key
-
-    batches = [_packed(1)]
-    want_grads, want, _ = _eager(batches, 1)
-    m = _seeded_model()
-    graphs = StepGraphs(m.lora_parameters())
-    budgets = {("fwd", 0): 64, ("fwd", 1): 64, ("fwd", 2): 32, ("fwd", 3): 32, ("loss", 4): 32}
-    budgets |= {("bwd", 3): 32, ("bwd", 2): 32, ("bwd", 1): 64, ("bwd", 0): 64}
-    order = [("fwd", c) for c in range(4)] + [("loss", 4)] + [("bwd", c) for c in (3, 2, 1, 0)]
-    gen = train_step(m, batches, 1, buffers=BatchBuffers("cpu"), graphs=graphs)
-    seen = {}
-    try:
-        for phase, chunk in order:
-            with kernels.sm_budget(budgets[(phase, chunk)]):
-                if phase == "bwd":
-                    seen[chunk] = {sms for _, sms in graphs.holders(chunk)}
-                    assert (set_key()[0], budgets[(phase, chunk)]) in graphs.holders(chunk)
-                assert next(gen).phase == phase
-        next(gen)
-    except StopIteration as stop:
-        result = stop.value
-    assert seen == {3: {32}, 2: {32}, 1: {64}, 0: {64}}
-    assert graphs.captures == 2 and graphs.rebuilds == 0
-    assert torch.equal(result.loss_sum, want.loss_sum)
-    for got, ref in zip(_grads(m), want_grads, strict=True):
-        assert torch.equal(got, ref)
-
-    # Chunk 2 forwarded on 64 after 3: 64's forward 2 may have overwritten what it saved for 3.
-    shape = next(iter(graphs.shapes.values()))
-    key64 = (set_key()[0], 64)
-    shape.sets[key64]["fwd3"].replay()
-    shape.sets[key64]["fwd2"].replay()
-    with pytest.raises(KeyError):
-        shape.sets[key64]["bwd3"].replay()
 
 
 def test_graphs_need_the_buffers_and_no_stash():

@@ -71,6 +71,14 @@ class MicroTracker:
             return True
         return False
 
+    @property
+    def mid_micro_batch(self) -> bool:
+        """Whether a micro-batch is under way: its forward or loss launched, its last backward not yet."""
+        last = self.last
+        if last is None or last.phase not in ("fwd", "loss", "bwd"):
+            return False
+        return last.phase != "bwd" or last.start > 0
+
     def stale(self, decode_sms: int) -> bool:
         """Whether the next micro-step is a backward whose forward ran on SMs decode now holds."""
         if self.next_bwd is None:

@@ -37,7 +37,7 @@ from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent, is_cuda_stream
-from harli_train.train.step_graphs import GraphCaptureError, set_key
+from harli_train.train.step_graphs import GraphCaptureError
 
 log = logging.getLogger(__name__)
 OOM_ERRORS: tuple[type[BaseException], ...] = (
@@ -87,9 +87,8 @@ class TrainerSide:
         self._kind_s: dict[str, deque[float]] = {}  # recent durations per kind of micro-step
         self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
         self.last_stream: Any = None
-        # Graphs: the rungs launched on, (stream, SMs, first SM) by the set of graphs they replay.
-        self._rungs: dict[tuple[int, int], tuple[Any, int, int]] = {}
-        self.returned = 0  # backwards sent back to the rung whose set holds their chunk (graphs)
+        self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
+        self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
         self.oom_recoveries = self.abandoned_steps = self.launched_total = 0
@@ -222,22 +221,22 @@ class TrainerSide:
 
     def _rung_for(self, plan: StepPlan, first_sm: int) -> tuple[Any, int, int]:
         """(stream, SM budget, first SM) to launch the next micro-step on for ``plan``: its own, except that
-        a trainer on graphs sends a backward whose chunk's saved tensors ``plan``'s rung does not hold to the
-        largest rung that holds them (`StepGraphs.holders`) and is clear of decode's SMs: run there, the
-        backward needs no rebuild (its forward replayed again on ``plan``'s rung)."""
-        own = (plan.train_stream, plan.train_sms, first_sm)
-        graphs, upcoming = self.trainer.step_graphs, self.tracker.next_bwd
-        if graphs is None or upcoming is None or not plan.isolated:
-            return own
-        holders = graphs.holders(upcoming[1] // self.trainer.cfg.train.layers_per_microstep)
-        if not holders or any(self._rungs.get(key) == own for key in holders):
-            return own
-        clear = [self._rungs[k] for k in holders if k in self._rungs]
-        clear = [rung for rung in clear if rung[2] >= plan.partition.infer_sms]
-        if not clear:
-            return own
-        self.returned += 1
-        return max(clear, key=lambda rung: rung[1])
+        a trainer on graphs stays on its last rung until its micro-batch ends when ``plan`` only offers a
+        larger one (decode shrank): its SMs are still clear of decode's, and moving would replay the
+        micro-batch's forwards again on the larger rung's graphs (`StepGraphs`)."""
+        last = self._last_rung
+        if (
+            last is not None
+            and plan.isolated
+            and self.trainer.rebuilds_itself
+            and self.tracker.mid_micro_batch
+            and last[0] is not plan.train_stream
+            and plan.partition.infer_sms <= last[2]
+            and last[1] < plan.train_sms
+        ):
+            self.stayed += 1
+            return last
+        return plan.train_stream, plan.train_sms, first_sm
 
     def _may_launch(
         self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
@@ -281,7 +280,6 @@ class TrainerSide:
         self.on_launch()
         try:
             with ctx, kernels.sm_budget(max(sms, 1)), self.memory_scope():
-                self._rungs.setdefault(set_key(), (stream, sms, first_sm))
                 ms = next(self.gen)
                 if ms.phase == "optim" and self.on_optimizer_step is not None:
                     self.on_optimizer_step(self.trainer.step + 1)  # counted at the generator's next call
@@ -304,6 +302,7 @@ class TrainerSide:
             self.launching_kind = None
         seconds = time.perf_counter() - t0
         self.last_stream = stream
+        self._last_rung = (stream, sms, first_sm)
         self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
         if self.tracker.track(ms, first_sm):
             self._oom_streak = 0
@@ -428,7 +427,7 @@ class TrainerSide:
             "gpu_busy_s": self.gpu_s,
             "launch_host_s": self.launch_host_s,
             "rebuilt_chunks": self.rebuilt_chunks,
-            "returned_to_holder": self.returned,
+            "stayed_on_rung": self.stayed,
             "graphs": self._graph_stats(),
             "abandoned_steps": self.abandoned_steps,
             "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},

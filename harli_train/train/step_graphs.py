@@ -17,17 +17,13 @@ The graphs of one batch shape form a chain over static tensors allocated once:
 A graph runs on the SMs of the stream it was captured on (a green context's stream confines it), and its
 kernels keep the grids of the SM budget it was captured under. So there is one set of graphs per (stream,
 SM budget) the trainer launches on: a partition's stream, or a side stream for the default one. The sets of
-one shape share the static tensors; each set has a memory pool of its own, so no set's replay touches the
-memory where another keeps the tensors its forwards saved. Within a set, graphs were captured in the order
-fwd 0..C-1, loss, bwd C-1..0, and memory freed in one capture was reused by later ones: chunk i's saved
-tensors were alive from fwd i's capture to bwd i's, so no graph captured in between overwrites them when
-replayed. A set therefore *holds* chunk i from a replay of its fwd i until its bwd i runs; a replay of its
-fwd j < i may overwrite them (that set no longer holds i). A chunk's backward runs on a set that holds it
-as it is; on one that does not (the trainer's SMs moved since its forward) that set's forward of the chunk
-is replayed first, from the static boundary tensors (a rebuild, `GraphedChunks`). `StepGraphs.holders`
-says which sets hold a chunk, so the caller can send its backward where no rebuild is needed. The numbers
-equal the eager path's (`EagerChunks`) under the same budget: the same kernels on the same inputs, the
-adapter gradients accumulated micro-batch by micro-batch in the same order.
+one shape share the static tensors and one memory pool. Within a set, every replay order is its capture order
+(fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
+keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
+trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
+tensors, then its backward (`GraphedChunks`). The numbers equal the eager path's (`EagerChunks`) under the
+same budget: the same kernels on the same inputs, the adapter gradients accumulated micro-batch by
+micro-batch in the same order.
 
 A set is captured the first time its (stream, budget) is met: an eager pass over the current micro-batch
 (it compiles the kernels and sets up cuBLAS on that stream; the static tensors and sums it touches are put
@@ -37,10 +33,10 @@ stream). A capture that fails, or a batch shape the graphs cannot take, raises `
 trainer then goes on without graphs. A recipe with LoRA dropout is refused (`check_cuda_graphs`: a graph
 would replay its random masks differently from the eager path). The adapter's masters are cast to the
 compute dtype inside the graphs (`kernels.lora_linear`), so every replay reads them as the optimizer left
-them. On a CPU the graphs are stand-ins that run the captured function again over the same static tensors,
-one set per SM budget, each set keeping its own chunk outputs and each replay of a forward dropping those
-its capture order lets it overwrite (`_StandIn`): the chain, the accumulation, the order and the rebuilds
-are what the CPU tests check.
+them. On a CPU the graphs are stand-ins that run
+the captured function again over the same static tensors, one set per SM budget, each replay dropping what
+another set's forwards left (`_StandIn`): the chain, the accumulation, the order and the rebuilds are what
+the CPU tests check.
 """
 
 from __future__ import annotations
@@ -70,22 +66,20 @@ class GraphCaptureError(RuntimeError):
 
 
 class _StandIn:
-    """A CPU stand-in for captured graph ``name`` of set ``key``: `replay()` runs the captured function again,
-    over its own set's chunk outputs (and the saved tensors they lead to: `_ShapeGraphs.outs`).
+    """A CPU stand-in for a captured CUDA graph of set ``key``: `replay()` runs the captured function again.
 
-    Like a real replay of ``fwd j``, it may overwrite what its set saved for the chunks after j: it drops
-    those outputs, so that a backward replayed on a set that does not hold its chunk fails on the CPU as it
-    would compute garbage on the GPU."""
+    Like a real replay it may overwrite the memory where another set keeps its saved tensors: it drops every
+    chunk output another set's forward left (`_ShapeGraphs.outs`), so that a backward replayed without its
+    rebuild fails on the CPU as it would compute garbage on the GPU."""
 
-    def __init__(self, fn: Callable[[], None], shape: _ShapeGraphs, key: tuple[int, int], name: str) -> None:
-        self.fn, self.shape, self.key, self.name = fn, shape, key, name
+    def __init__(self, fn: Callable[[], None], shape: _ShapeGraphs, key: tuple[int, int]) -> None:
+        self.fn, self.shape, self.key = fn, shape, key
 
     def replay(self) -> None:
         shape = self.shape
-        if self.name.startswith("fwd"):
-            first = int(self.name[3:])
-            for held in [k for k in shape.outs if k[0] == self.key and k[1] > first]:
-                del shape.outs[held]
+        for chunk, key in enumerate(shape.outs_key):
+            if key is not None and key != self.key:
+                shape.outs[chunk] = shape.outs_key[chunk] = None
         shape.replaying = self.key
         self.fn()
 
@@ -129,11 +123,12 @@ class _ShapeGraphs:
             for start, stop in bounds
         ]
         self.grads = [[grads[id(p)] for p in ps] for ps in self.params]
-        # (set, chunk) -> the chunk's outputs under autograd, from its forward to its backward on that set
-        # (real graphs: during their capture; stand-ins: during their replays).
-        self.outs: dict[tuple[tuple[int, int], int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.replaying: tuple[int, int] | None = None  # the set capturing or replaying now
+        self.outs: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * chunks
+        # CPU stand-ins: the set whose forward left each chunk's outputs, and the set replaying now.
+        self.outs_key: list[tuple[int, int] | None] = [None] * chunks
+        self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
+        self.pool: Any = None  # the memory pool every set of this shape captures into
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -158,7 +153,7 @@ class _ShapeGraphs:
                     self.mask.copy_(mask)
         with torch.enable_grad():
             out = self._run(chunk, self.h[chunk], self.r[chunk], self.cos, self.sin, self.attn)
-        self.outs[(self.replaying, chunk)] = out
+        self.outs[chunk], self.outs_key[chunk] = out, self.replaying
         with torch.no_grad():
             self.h[chunk + 1].copy_(out[0])
             self.r[chunk + 1].copy_(out[1])
@@ -181,7 +176,7 @@ class _ShapeGraphs:
             self.loss_sum.add_(mb_loss.detach().float())
 
     def run_backward(self, chunk: int) -> None:
-        h_out, r_out = self.outs.pop((self.replaying, chunk))
+        (h_out, r_out), self.outs[chunk] = self.outs[chunk], None
         inputs = ([self.h[chunk], self.r[chunk]] if chunk > 0 else []) + self.params[chunk]
         with torch.enable_grad():
             grads = torch.autograd.grad(
@@ -209,9 +204,8 @@ class _ShapeGraphs:
         found = self.sets.get(key)
         if found is None:
             if self.model.lm_head.weight.device.type != "cuda":
-                found = {name: _StandIn(fn, self, key, name) for name, fn in self.order()}
+                found = {name: _StandIn(fn, self, key) for name, fn in self.order()}
             else:
-                self.replaying = key
                 found = self._capture_cuda(key[1])
             self.sets[key] = found
         return found
@@ -235,7 +229,8 @@ class _ShapeGraphs:
         current = torch.cuda.current_stream()
         # A legacy default stream cannot capture: a side stream of the same (primary) context can.
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
-        pool = torch.cuda.graph_pool_handle()  # this set's own: no other set's replay writes into it
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graphs: dict[str, Any] = {}
         with kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
@@ -248,7 +243,7 @@ class _ShapeGraphs:
             for name, fn in self.order():
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the decode thread goes on with its own CUDA calls while the trainer captures.
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     fn()
                 except BaseException:
@@ -305,12 +300,6 @@ class StepGraphs:
         self.grads = {id(p): torch.zeros_like(p) for p in self.params}
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
-        self.held: dict[tuple[int, int], set[int]] = {}  # set -> chunks of the running micro-batch it holds
-
-    def holders(self, chunk: int) -> set[tuple[int, int]]:
-        """The sets ((stream handle, SM budget), as `set_key` names them) that hold the tensors chunk
-        ``chunk`` of the running micro-batch saved: its backward runs there without a rebuild."""
-        return {key for key, held in self.held.items() if chunk in held}
 
     @property
     def captures(self) -> int:
@@ -345,6 +334,8 @@ class GraphedChunks:
         self.owner, self.model, self.bounds, self.autocast = owner, model, bounds, autocast
         self.buffers, self.total_targets = buffers, total_targets
         self.shape: _ShapeGraphs | None = None
+        self.key: tuple[int, int] | None = None  # the set the last replay came from
+        self.saved: set[int] = set()  # chunks whose saved tensors that set holds
 
     def load(self, batch: dict) -> int:
         """Copy a micro-batch into the static buffers; returns its input tokens."""
@@ -358,35 +349,31 @@ class GraphedChunks:
         elif shape is not self.shape:
             raise GraphCaptureError("the micro-batches of one step differ in shape")
         self.shape = shape
-        self.owner.held.clear()  # a new micro-batch (an abandoned one's chunks are held by no set)
         return loaded["input_ids"].numel()
 
-    def _graphs(self) -> tuple[tuple[int, int], dict[str, Any]]:
+    def _graphs(self) -> dict[str, Any]:
         key = set_key()
         graphs = self.shape.set_for(key)
+        if key != self.key:  # another set's replays may have reused the memory of the saved tensors
+            self.key = key
+            self.saved.clear()
         launch_gate()
-        return key, graphs
-
-    def _replay_forward(self, key: tuple[int, int], graphs: dict[str, Any], chunk: int) -> None:
-        graphs[f"fwd{chunk}"].replay()
-        held = self.owner.held.setdefault(key, set())
-        held.difference_update([c for c in held if c > chunk])  # its memory may now hold fwd chunk's
-        held.add(chunk)
+        return graphs
 
     def forward(self, chunk: int) -> None:
-        self._replay_forward(*self._graphs(), chunk)
+        self._graphs()[f"fwd{chunk}"].replay()
+        self.saved.add(chunk)
 
     def loss(self) -> None:
-        self._graphs()[1]["loss"].replay()
+        self._graphs()["loss"].replay()
 
     def backward(self, mb: int, chunk: int) -> None:
-        key, graphs = self._graphs()
-        if chunk not in self.owner.held.get(key, ()):  # its forward ran on another set: run it here
-            self._replay_forward(key, graphs, chunk)
+        graphs = self._graphs()
+        if chunk not in self.saved:  # its forward ran on another set: run it again here
+            graphs[f"fwd{chunk}"].replay()
             self.owner.rebuilds += 1
         graphs[f"bwd{chunk}"].replay()
-        for held in self.owner.held.values():  # consumed: no set holds it for this micro-batch any more
-            held.discard(chunk)
+        self.saved.discard(chunk)
 
     def end(self) -> torch.Tensor:
         """The step's summed token loss (a copy); the gradients are handed to the parameters' `.grad`."""
