@@ -80,6 +80,56 @@ def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("same_up_to", [3, 1, -1])
+def test_congruent_sets_carry_a_chunk_across_a_change_of_set_without_a_rebuild(same_up_to):
+    """Forwards under one SM budget, backwards under another: where the two sets' pools held the same blocks
+    after each forward's capture up to a chunk (congruent), that chunk's backward reads what the other set's
+    forward saved (the stand-ins keep its outputs) and needs no rebuild; past it, the chunk is rebuilt. The
+    gradients and loss are the eager step's either way."""
+    from harli_train import kernels
+
+    batches = [_packed(1)]
+    want_grads, want, _ = _eager(batches, 1)
+    m = _seeded_model()
+    chunks = m.config.num_layers
+    graphs = StepGraphs(m.lora_parameters())
+    gen, budget = train_step(m, batches, 1, buffers=BatchBuffers("cpu"), graphs=graphs), 64
+    layout = [frozenset({(1000 * c, 10)}) for c in range(chunks)]
+    other = layout[: same_up_to + 1] + [frozenset({(7, 7)})] * (chunks - same_up_to - 1)
+    try:
+        while True:
+            with kernels.sm_budget(budget):
+                phase = next(gen).phase
+            shape = next(iter(graphs.shapes.values()))
+            shape.layouts = {(0, 64): layout, (0, 32): other}  # as a capture on the GPU records them
+            budget = 32 if phase in ("loss", "bwd") else 64
+    except StopIteration as stop:
+        result = stop.value
+    assert graphs.captures == 2
+    assert graphs.carried == same_up_to + 1 and graphs.rebuilds == chunks - same_up_to - 1
+    assert torch.equal(result.loss_sum, want.loss_sum)
+    for got, ref in zip(_grads(m), want_grads, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_the_pool_layout_is_the_allocated_blocks_of_the_pool(monkeypatch):
+    from harli_train.train import step_graphs
+
+    segments = [
+        {"address": 4096, "blocks": [{"size": 512, "state": "active_allocated"}, {"size": 256, "state": "inactive"},
+                                     {"size": 128, "state": "active_allocated"}]},
+        {"address": 1 << 20, "blocks": [{"address": 1 << 20, "size": 64, "state": "active_allocated"}]},
+    ]  # fmt: skip
+    asked = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "memory_snapshot",
+        lambda pool, include_traces: asked.append((pool, include_traces)) or segments,
+    )
+    assert step_graphs._pool_blocks((1, 2)) == {(4096, 512), (4096 + 768, 128), (1 << 20, 64)}
+    assert asked == [((1, 2), False)]
+
+
 def test_graphs_need_the_buffers_and_no_stash():
     m = _model()
     graphs = StepGraphs(m.lora_parameters())

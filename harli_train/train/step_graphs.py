@@ -21,7 +21,12 @@ one shape share the static tensors and one memory pool. Within a set, every repl
 (fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
 keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
 trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
-tensors, then its backward (`GraphedChunks`). The numbers equal the eager path's (`EagerChunks`) under the
+tensors, then its backward (`GraphedChunks`). Unless the two sets are congruent up to that chunk: the
+blocks of the pool that were alive after each of their forward captures, fwd 0 to that chunk's, are the
+same (addresses and sizes). Then the other set's backward reads its saved tensors where this set's forward
+wrote them, and nothing either set replays before that backward overwrites them (within a set, what a
+forward saved was alive while every later micro-step was captured), so the backward runs as it is. On a
+CPU no set is congruent with another. The numbers equal the eager path's (`EagerChunks`) under the
 same budget: the same kernels on the same inputs, the adapter gradients accumulated micro-batch by
 micro-batch in the same order.
 
@@ -78,7 +83,7 @@ class _StandIn:
     def replay(self) -> None:
         shape = self.shape
         for chunk, key in enumerate(shape.outs_key):
-            if key is not None and key != self.key:
+            if key is not None and key != self.key and not shape.congruent(key, self.key, chunk):
                 shape.outs[chunk] = shape.outs_key[chunk] = None
         shape.replaying = self.key
         self.fn()
@@ -129,6 +134,8 @@ class _ShapeGraphs:
         self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
+        # Per set: after each forward's capture, the pool's allocated blocks (address, size) (`congruent`).
+        self.layouts: dict[tuple[int, int], list[frozenset[tuple[int, int]]]] = {}
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -206,7 +213,7 @@ class _ShapeGraphs:
             if self.model.lm_head.weight.device.type != "cuda":
                 found = {name: _StandIn(fn, self, key) for name, fn in self.order()}
             else:
-                found = self._capture_cuda(key[1])
+                found = self._capture_cuda(key)
             self.sets[key] = found
         return found
 
@@ -214,9 +221,16 @@ class _ShapeGraphs:
         tensors = [*self.h, *self.r[1:], *self.gh[1:], *self.gr[1:], self.cos, self.sin, self.loss_sum]
         return [*tensors, *([] if self.mask is None else [self.mask]), *(g for gs in self.grads for g in gs)]
 
-    def _capture_cuda(self, sms: int) -> dict[str, Any]:
+    def congruent(self, a: tuple[int, int], b: tuple[int, int], chunk: int) -> bool:
+        """Whether sets ``a`` and ``b`` keep the tensors chunks 0..``chunk`` saved at the same addresses: the
+        pool's allocated blocks after each of those forwards' captures were the same for both."""
+        la, lb = self.layouts.get(a), self.layouts.get(b)
+        return la is not None and lb is not None and la[: chunk + 1] == lb[: chunk + 1]
+
+    def _capture_cuda(self, key: tuple[int, int]) -> dict[str, Any]:
+        sms = key[1]
         try:
-            return self._capture_cuda_set(sms)
+            return self._capture_cuda_set(key)
         except torch.OutOfMemoryError:
             raise  # the runtime's memory recovery handles it
         except Exception as err:
@@ -225,13 +239,15 @@ class _ShapeGraphs:
                 f"capturing the trainer's step as CUDA graphs on {sms} SMs failed ({type(err).__name__}: {first})"
             ) from err
 
-    def _capture_cuda_set(self, sms: int) -> dict[str, Any]:
+    def _capture_cuda_set(self, key: tuple[int, int]) -> dict[str, Any]:
+        sms = key[1]
         current = torch.cuda.current_stream()
         # A legacy default stream cannot capture: a side stream of the same (primary) context can.
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graphs: dict[str, Any] = {}
+        layout: list[frozenset[tuple[int, int]]] = []
         with kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
             kept = [t.detach().clone() for t in self._static()]
@@ -253,7 +269,10 @@ class _ShapeGraphs:
                     raise
                 graph.capture_end()
                 graphs[name] = graph
+                if name.startswith("fwd"):
+                    layout.append(_pool_blocks(self.pool))
         current.wait_stream(stream)
+        self.layouts[key] = layout
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
             stream.synchronize()
             torch.cuda.empty_cache()
@@ -262,6 +281,18 @@ class _ShapeGraphs:
     def fits(self, inputs: dict) -> bool:
         """Whether ``inputs`` are the very buffers these graphs read."""
         return _pointers(inputs) == self.ptrs
+
+
+def _pool_blocks(pool: Any) -> frozenset[tuple[int, int]]:
+    """The allocated blocks (address, size) of the graphs' memory pool ``pool`` now."""
+    blocks = set()
+    for seg in torch.cuda.memory_snapshot(pool, include_traces=False):
+        address = seg["address"]
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                blocks.add((block.get("address", address), block["size"]))
+            address = block.get("address", address) + block["size"]
+    return frozenset(blocks)
 
 
 def set_key() -> tuple[int, int]:
@@ -300,6 +331,7 @@ class StepGraphs:
         self.grads = {id(p): torch.zeros_like(p) for p in self.params}
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
+        self.carried = 0  # chunks whose saved tensors a change of set kept valid (congruent sets)
 
     @property
     def captures(self) -> int:
@@ -355,8 +387,10 @@ class GraphedChunks:
         key = set_key()
         graphs = self.shape.set_for(key)
         if key != self.key:  # another set's replays may have reused the memory of the saved tensors
-            self.key = key
-            self.saved.clear()
+            shape, previous = self.shape, self.key
+            held = {c for c in self.saved if previous is not None and shape.congruent(previous, key, c)}
+            self.owner.carried += len(held)
+            self.key, self.saved = key, held
         launch_gate()
         return graphs
 
