@@ -21,12 +21,12 @@ one shape share the static tensors and one memory pool. Within a set, every repl
 (fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
 keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
 trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
-tensors, then its backward (`GraphedChunks`). Unless the two sets are congruent up to that chunk: the
-blocks of the pool that were alive after each of their forward captures, fwd 0 to that chunk's, are the
-same (addresses and sizes). Then the other set's backward reads its saved tensors where this set's forward
-wrote them, and nothing either set replays before that backward overwrites them (within a set, what a
-forward saved was alive while every later micro-step was captured), so the backward runs as it is. On a
-CPU no set is congruent with another. The numbers equal the eager path's (`EagerChunks`) under the
+tensors, then its backward (`GraphedChunks`). Unless the two sets are congruent at that chunk: their
+captures of its forward saved the same tensors (walked in the same order through the chunk's autograd
+graph) at the same addresses. Then the other set's backward reads them where this set's forward wrote them,
+and nothing either set replays before that backward overwrites them (within a set, what a forward saved
+was alive while every later micro-step was captured), so the backward runs as it is. On a CPU no set is
+congruent with another. The numbers equal the eager path's (`EagerChunks`) under the
 same budget: the same kernels on the same inputs, the adapter gradients accumulated micro-batch by
 micro-batch in the same order.
 
@@ -134,8 +134,8 @@ class _ShapeGraphs:
         self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
-        # Per set: after each forward's capture, the pool's allocated blocks (address, size) (`congruent`).
-        self.layouts: dict[tuple[int, int], list[frozenset[tuple[int, int]]]] = {}
+        # Per set and chunk: where its captured forward saved its tensors (`_saved_layout`, `congruent`).
+        self.layouts: dict[tuple[int, int], list[tuple]] = {}
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -222,10 +222,10 @@ class _ShapeGraphs:
         return [*tensors, *([] if self.mask is None else [self.mask]), *(g for gs in self.grads for g in gs)]
 
     def congruent(self, a: tuple[int, int], b: tuple[int, int], chunk: int) -> bool:
-        """Whether sets ``a`` and ``b`` keep the tensors chunks 0..``chunk`` saved at the same addresses: the
-        pool's allocated blocks after each of those forwards' captures were the same for both."""
+        """Whether sets ``a`` and ``b`` keep the tensors chunk ``chunk``'s forward saved at the same addresses,
+        each in the same place of the chunk's autograd graph."""
         la, lb = self.layouts.get(a), self.layouts.get(b)
-        return la is not None and lb is not None and la[: chunk + 1] == lb[: chunk + 1]
+        return la is not None and lb is not None and la[chunk] == lb[chunk]
 
     def _capture_cuda(self, key: tuple[int, int]) -> dict[str, Any]:
         sms = key[1]
@@ -247,7 +247,7 @@ class _ShapeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graphs: dict[str, Any] = {}
-        layout: list[frozenset[tuple[int, int]]] = []
+        layout: list[tuple] = []
         with kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
             kept = [t.detach().clone() for t in self._static()]
@@ -270,7 +270,7 @@ class _ShapeGraphs:
                 graph.capture_end()
                 graphs[name] = graph
                 if name.startswith("fwd"):
-                    layout.append(_pool_blocks(self.pool))
+                    layout.append(_saved_layout(self.outs[int(name[3:])]))
         current.wait_stream(stream)
         self.layouts[key] = layout
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
@@ -283,16 +283,26 @@ class _ShapeGraphs:
         return _pointers(inputs) == self.ptrs
 
 
-def _pool_blocks(pool: Any) -> frozenset[tuple[int, int]]:
-    """The allocated blocks (address, size) of the graphs' memory pool ``pool`` now."""
-    blocks = set()
-    for seg in torch.cuda.memory_snapshot(pool, include_traces=False):
-        address = seg["address"]
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated":
-                blocks.add((block.get("address", address), block["size"]))
-            address = block.get("address", address) + block["size"]
-    return frozenset(blocks)
+def _saved_layout(outputs) -> tuple:
+    """Where the autograd graph behind ``outputs`` keeps its saved tensors: (node, attribute, address, shape,
+    strides, dtype) for each, in a walk of the graph that visits the nodes of equal graphs in the same order
+    (leaves and tensors without a graph end it)."""
+    roots = [t.grad_fn for t in outputs if t is not None and t.grad_fn is not None]
+    seen, found = set(), []
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        saved = [(a, getattr(node, a)) for a in sorted(dir(node)) if a.startswith("_saved_")]
+        if hasattr(node, "saved_tensors"):  # a custom autograd Function
+            saved.append(("saved_tensors", node.saved_tensors))
+        for attr, value in saved:
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    found.append((node.name(), attr, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))
+        roots.extend(fn for fn, _ in reversed(node.next_functions))
+    return tuple(found)
 
 
 def set_key() -> tuple[int, int]:
