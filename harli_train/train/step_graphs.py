@@ -26,9 +26,8 @@ captures of its forward saved the same tensors (walked in the same order through
 graph) at the same addresses. Then the other set's backward reads them where this set's forward wrote them,
 and nothing either set replays before that backward overwrites them (within a set, what a forward saved
 was alive while every later micro-step was captured), so the backward runs as it is. On a CPU no set is
-congruent with another. The numbers equal the eager path's (`EagerChunks`) under the
-same budget: the same kernels on the same inputs, the adapter gradients accumulated micro-batch by
-micro-batch in the same order.
+congruent with another. The numbers equal the eager path's (`EagerChunks`) under the same budget: the same
+kernels on the same inputs, the adapter gradients accumulated micro-batch by micro-batch in the same order.
 
 A set is captured the first time its (stream, budget) is met: an eager pass over the current micro-batch
 (it compiles the kernels and sets up cuBLAS on that stream; the static tensors and sums it touches are put
@@ -38,10 +37,9 @@ stream). A capture that fails, or a batch shape the graphs cannot take, raises `
 trainer then goes on without graphs. A recipe with LoRA dropout is refused (`check_cuda_graphs`: a graph
 would replay its random masks differently from the eager path). The adapter's masters are cast to the
 compute dtype inside the graphs (`kernels.lora_linear`), so every replay reads them as the optimizer left
-them. On a CPU the graphs are stand-ins that run
-the captured function again over the same static tensors, one set per SM budget, each replay dropping what
-another set's forwards left (`_StandIn`): the chain, the accumulation, the order and the rebuilds are what
-the CPU tests check.
+them. On a CPU the graphs are stand-ins that run the captured function again over the same static tensors,
+one set per SM budget, each replay dropping what another set's forwards left (`_StandIn`): the chain, the
+accumulation, the order and the rebuilds are what the CPU tests check.
 """
 
 from __future__ import annotations
@@ -397,8 +395,7 @@ class GraphedChunks:
         key = set_key()
         graphs = self.shape.set_for(key)
         if key != self.key:  # another set's replays may have reused the memory of the saved tensors
-            shape, previous = self.shape, self.key
-            held = {c for c in self.saved if previous is not None and shape.congruent(previous, key, c)}
+            held = {c for c in self.saved if self.shape.congruent(self.key, key, c)}
             self.owner.carried += len(held)
             self.key, self.saved = key, held
         launch_gate()
