@@ -140,10 +140,13 @@ def graphs_batch(seed, b=4, t=256, two_docs=True):
 
 def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung():
     """train.cuda_graphs on the GPU: real graphs, bf16 autocast over fp32 adapter masters, two micro-batches of
-    packed rows, an AdamW update after each step. Three steps give the eager steps' losses, gradients and
-    adapter (same kernels, same configurations: each replay reads the masters as the optimizer left them), and
-    so do steps whose forwards replay on one green-context rung and whose backwards replay on another."""
+    packed rows, a clipped AdamW update after each step (torch's clip and fused AdamW on the eager path, the
+    update's own graph on the graphed one). Three steps give the eager steps' losses, gradient norms,
+    gradients and adapter (same kernels, same configurations: each replay reads the masters as the optimizer
+    left them), and so do steps whose forwards replay on one green-context rung and whose backwards and
+    update replay on another."""
     from harli_train.colocate.sm import SMLadder
+    from harli_train.train.adapter_update import AdapterUpdate
     from harli_train.train.batch_buffers import BatchBuffers
     from harli_train.train.step import train_step
     from harli_train.train.step_graphs import StepGraphs
@@ -157,10 +160,19 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
         a backward on rungs[1]'s."""
         m, buffers = graphs_model(), BatchBuffers("cuda")
         params = list(m.lora_parameters())
-        opt = torch.optim.AdamW(params, lr=2e-2)
+        opt = torch.optim.AdamW(params, lr=2e-2, fused=True)
+        for p in params:  # the state made up front, as the trainer makes it: a step at lr 0, steps zeroed
+            p.grad = torch.zeros_like(p)
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for st in opt.state.values():
+            st["step"].zero_()
         graphs = StepGraphs(params) if graphed else None
-        prev, losses = torch.cuda.current_stream(), []
-        for _ in range(3):
+        update = AdapterUpdate(opt, 0.5) if graphed else None
+        prev, losses, norms = torch.cuda.current_stream(), [], []
+        for i in range(3):
+            lr = 2e-2 / (i + 1)
             gen, phase = train_step(m, batches, 1, autocast, buffers=buffers, graphs=graphs), "fwd"
             try:
                 while True:
@@ -173,21 +185,35 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
                 torch.cuda.synchronize()  # the step's last launches went to a non-blocking rung stream
                 losses.append(stop.value.loss_sum.item())
             grads = [p.grad.float().clone() for p in params]
-            opt.step()
+            if update is None:
+                opt.param_groups[0]["lr"] = lr
+                norms.append(torch.nn.utils.clip_grad_norm_(params, 0.5).item())
+                opt.step()
+            else:
+                with torch.cuda.stream(prev):
+                    norm = update(lr, graphs=True)
+                torch.cuda.synchronize()
+                norms.append(norm.item())
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         assert graphs is None or graphs.captures == (1 if rungs is None else 2)  # a set per rung
+        assert update is None or len(update._captured) == 1  # the update ran on one stream: one graph
         # Each backward after a forward on the other rung was rebuilt, or carried (congruent sets).
         assert graphs is None or rungs is None or graphs.rebuilds + graphs.carried > 0
-        return losses, grads, [p.detach().float().clone() for p in params]
+        return losses, norms, grads, [p.detach().float().clone() for p in params]
 
-    want, want_grads, want_params = steps(False)
-    # The updates move the loss far more than the tolerance: a replay of stale masters would show.
-    assert abs(want[2] - want[0]) > 20 * 1e-3 * abs(want[0])
+    want, want_norms, want_grads, want_params = steps(False)
+    # The updates move the loss far more than the tolerance: a replay of stale masters would show; the
+    # clip bound is below the first step's norm, so the clip scales.
+    assert abs(want[2] - want[0]) > 20 * 1e-3 * abs(want[0]) and want_norms[0] > 0.5
     ladder = SMLadder.create(step=32)
     try:
-        for got, grads, params in (steps(True), steps(True, [ladder.spatial[0], ladder.spatial[-1]])):
+        for got, got_norms, grads, params in (
+            steps(True),
+            steps(True, [ladder.spatial[0], ladder.spatial[-1]]),
+        ):
             torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+            torch.testing.assert_close(got_norms, want_norms, rtol=1e-2, atol=0)
             # Another rung's kernels split their sums differently: whole tensors agree, element by element
             # Adam may step a near-zero gradient either way.
             for a, b in (*zip(grads, want_grads, strict=True), *zip(params, want_params, strict=True)):

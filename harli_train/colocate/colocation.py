@@ -30,6 +30,7 @@ from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.config import RecipeConfig
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest
+from harli_train.train.adapter_update import AdapterUpdate
 from harli_train.train.step import train_step
 from harli_train.train.step_graphs import GraphCaptureError
 from harli_train.train.trainer import Trainer
@@ -311,18 +312,22 @@ def warm_up_trainer(
 
 
 def warm_step_end(trainer: Trainer) -> None:
-    """Run, on the current stream, the kernels that end a step: the gradients' clip (at an infinite norm
-    bound, which scales them by 1) and a fused AdamW update of a scratch parameter (the trainer's optimizer
-    state is not touched). CUDA loads a kernel on its first launch in a context, and a load may synchronize
-    the context: loaded while decode serves, it holds decode's step up."""
-    trainer.clip_gradients(float("inf"))
+    """Run, on the current stream, the kernels that end a step: the gradients' clip and a fused AdamW
+    update, both of a scratch parameter (the trainer's gradients and optimizer state are not touched), as
+    the trainer's `update_adapter` launches them. CUDA loads a kernel on its first launch in a context, and a
+    load may synchronize the context: loaded while decode serves, it holds decode's step up."""
     master = trainer.params[0]
     scratch = torch.zeros(1, dtype=master.dtype, device=master.device, requires_grad=True)
     scratch.grad = torch.zeros_like(scratch)
     group = trainer.optimizer.param_groups[0]
-    torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [scratch], lr=group["lr"], betas=group["betas"], eps=group["eps"], fused=bool(group.get("fused"))
-    ).step()
+    )
+    optimizer.step()
+    if trainer.lean_update and AdapterUpdate.fits(optimizer):
+        AdapterUpdate(optimizer, None)(group["lr"])
+    else:
+        trainer.clip_gradients(float("inf"))
 
 
 def try_budgets(budgets: list[int], run: Callable[[int], None], keep: int) -> set[int]:

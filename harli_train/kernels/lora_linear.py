@@ -244,6 +244,12 @@ _master_casts = _MasterCasts()
 register_optimizer_step_post_hook(_master_casts.clear)
 
 
+def forget_master_casts() -> None:
+    """Empty the masters' cast cache: for an update of the masters that bypasses ``Optimizer.step``
+    (`train.adapter_update`), whose post-step hook empties it otherwise."""
+    _master_casts.clear()
+
+
 class LoRALinearGroupFunction(torch.autograd.Function):
     """Members i = 0..G-1 share the input x:  y_i = x W_i^T + b_i + s_i (x A_i^T) B_i^T.
 

@@ -55,6 +55,8 @@ class TPTrainer(Trainer):
         super().__init__(cfg, model=model, quiet=quiet)
 
     # ---- the adapter in slices -----------------------------------------------------------------------
+    lean_update = False  # the clip's norm is global over every rank's slice: `clip_gradients` below
+
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         self.model.sync_lora_grads()
         return self.model.clip_lora_grads(max_norm)

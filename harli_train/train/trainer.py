@@ -25,6 +25,7 @@ from harli_train.model import (
     model_config,
     resolve_dtype,
 )
+from harli_train.train.adapter_update import AdapterUpdate
 from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.checkpoint import (
     STATE_JSON,
@@ -135,6 +136,7 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
             fused=self.device.type == "cuda",
         )
+        self._update: AdapterUpdate | None = None  # made at the first update, after the state exists
         self.tokens_seen = 0
         self.buffers = BatchBuffers(self.device)
         if cfg.train.cuda_graphs:
@@ -262,11 +264,7 @@ class Trainer:
                 self.step_graphs,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            clip = cfg.clip_grad_norm or float("inf")
-            grad_norm = self.clip_gradients(clip)
-            self.optimizer.step()
+            grad_norm = self.update_adapter(lr)
             self.optimizer.zero_grad(set_to_none=True)
             self._pending_commit = (result, lr, grad_norm, t0)
             yield MicroStep("optim", len(batches) - 1)
@@ -301,7 +299,25 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
         return self.finish()
 
+    def update_adapter(self, lr: float) -> torch.Tensor:
+        """The optimizer micro-step's work: clip the gradients (``train.clip_grad_norm``), then AdamW at
+        ``lr``; returns the norm before clipping. On a GPU through `AdapterUpdate` (the same arithmetic in
+        a few launches; one graph replay under ``train.cuda_graphs``), else through torch's own."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # what a checkpoint's optimizer state records
+        if self.lean_update and self.device.type == "cuda" and AdapterUpdate.fits(self.optimizer):
+            if self._update is None:
+                self._update = AdapterUpdate(self.optimizer, self.cfg.train.clip_grad_norm)
+            return self._update(lr, graphs=self.step_graphs is not None)
+        grad_norm = self.clip_gradients(self.cfg.train.clip_grad_norm or float("inf"))
+        self.optimizer.step()
+        return grad_norm
+
     # What a tensor-parallel trainer (harli_train.parallel.tp_trainer) replaces: its adapter is in slices.
+    lean_update = (
+        True  # whether `update_adapter` may use `AdapterUpdate` (a global norm over this process's grads)
+    )
+
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the adapter's gradients to a global norm of at most ``max_norm``; returns the norm before."""
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
