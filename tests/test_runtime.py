@@ -2,6 +2,7 @@
 the training result of a co-located run equal to a standalone run (co-location changes when, never what)."""
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import types
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -410,6 +412,32 @@ def test_temporal_keeps_one_micro_step_queued_while_idle(tmp_path):
     beside_plan = make_policy("static:64", ladder, None, 0.05).plan(preview("decode", 1, 10))
     assert beside_plan.max_queued == 0 and may(beside_plan)  # other plans: the runtime's cap of two
     feeder.in_flight.clear()
+
+
+def test_a_time_sliced_step_never_lets_a_micro_step_overrun_its_slack(tmp_path):
+    # Temporal's decode steps give the trainer the slack after the step on the same stream: a micro-step
+    # that does not fit would hold the next decode step past the objective, however long the trainer has
+    # waited and however few samples its estimate rests on. Between requests (no objective at stake) the
+    # first micro-step always goes.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: make_policy("temporal", ladder, synthetic_predictor(ladder.shares), 0.05)  # noqa: E731
+    rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
+    feeder, policy = rt.worker.side, rt.policy
+    for _ in range(20):  # past the hysteresis that starts it paused
+        plan = policy.plan(preview("decode", 1, 10))
+    assert plan.train == "after" and plan.strict
+    feeder._kind_s.clear()
+    feeder._kind_s["fwd"] = deque([0.020])  # one slow sample
+    feeder._kind_s["optim"] = deque([0.001, 0.001, 0.001])
+    # A kind never timed (the step boundary's) is estimated at the largest median, not the mean.
+    assert feeder.expected_s("next") == 0.020
+    for _ in range(50):
+        assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("fwd"), 0, "fwd")
+        assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("next"), 0, "next")
+    assert feeder._may_launch(plan, False, 0.005, feeder.expected_s("optim"), 0, "optim")
+    loose = dataclasses.replace(plan, strict=False)
+    assert feeder._may_launch(loose, False, 0.005, 0.020, 0, "fwd")  # nothing launched yet: one goes
+    assert not feeder._may_launch(loose, False, 0.005, 0.020, 1, "fwd")
 
 
 def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():

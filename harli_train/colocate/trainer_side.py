@@ -152,9 +152,14 @@ class TrainerSide:
         return tokens + self._step_tokens * self.tracker.done_fraction(len(self.in_flight))
 
     def expected_s(self, kind: str) -> float:
-        """Expected duration of a micro-step of ``kind``: the median of its recent ones (0 before any)."""
+        """Expected duration of a micro-step of ``kind``: the median of its recent ones; before any, the
+        largest median of the kinds timed so far (a kind not yet timed, such as the step boundary's, is not
+        assumed short), else the running mean (0 before any micro-step)."""
         recent = self._kind_s.get(kind)
-        return sorted(recent)[len(recent) // 2] if recent else self.ewma_s
+        if recent:
+            return sorted(recent)[len(recent) // 2]
+        known = [sorted(v)[len(v) // 2] for v in self._kind_s.values() if v]
+        return max(known) if known else self.ewma_s
 
     # ---- launching -----------------------------------------------------------------------------------
     def launch_round(self, plan: StepPlan, preempted: Callable[[], bool] = lambda: False) -> int:
@@ -241,19 +246,23 @@ class TrainerSide:
     def _may_launch(
         self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
     ) -> bool:
-        if plan.train == AFTER:  # time slicing: the slack is a hard limit, the next micro-step must fit
+        if plan.train == AFTER:  # time slicing: under an objective the slack is a hard limit
             if cost <= budget:
                 return True
-            return not launched and (not plan.strict or self._starving(kind, cost, budget))
+            if not launched and not plan.strict:
+                return True
+            self._note_starved(kind, cost, budget)
+            return False
         if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
             return not launched or cost <= budget
         # GPU: keep the step covered and about one micro-step queued past it, never more than the plan's cap
         # (else max_in_flight).
         return budget > 0 and len(self.in_flight) < (plan.max_queued or self.max_in_flight)
 
-    def _starving(self, kind: str, cost: float, budget: float) -> bool:
-        """Whether to launch a micro-step that looks too long anyway: only while its estimate rests on
-        fewer than three samples (one slow first call must not shut the trainer out for good)."""
+    def _note_starved(self, kind: str, cost: float, budget: float) -> None:
+        """Count a decode step whose slack the next micro-step did not fit; warn once that has gone on for
+        long. The micro-step is not launched: it would hold the next decode step past the objective. Its
+        estimate is refreshed where the trainer runs with no objective at stake (between requests)."""
         self._starved += 1
         if self._starved == 500:
             log.warning(
@@ -263,7 +272,6 @@ class TrainerSide:
                 cost * 1e3,
                 budget * 1e3,
             )
-        return self._starved >= 20 and len(self._kind_s.get(kind, ())) < 3
 
     def _launch(self, stream: Any, sms: int, first_sm: int, kind: str) -> float:
         """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs; returns its duration
