@@ -427,6 +427,11 @@ def test_a_time_sliced_step_never_lets_a_micro_step_overrun_its_slack(tmp_path):
         plan = policy.plan(preview("decode", 1, 10))
     assert plan.train == "after" and plan.strict
     feeder._kind_s.clear()
+    # Before any micro-step has been timed nothing is known to fit: the first micro-step waits for a step
+    # with no objective at stake (on the H200 a fresh trainer's first micro-step, estimated at 0, held the
+    # next step 78 ms).
+    assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("next"), 0, "next")
+    assert feeder._may_launch(policy.idle_plan(), False, 0.005, feeder.expected_s("next"), 0, "next")
     feeder._kind_s["fwd"] = deque([0.020])  # one slow sample
     feeder._kind_s["optim"] = deque([0.001, 0.001, 0.001])
     # A kind never timed (the step boundary's) is estimated at the largest median, not the mean.
@@ -526,13 +531,27 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     assert len(warmed) == 2 and len(again.trainer_rungs) == 2  # the room now left: 9 // 4
 
 
-def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_they_were(tmp_path):
-    # The clip (infinite bound: a scale by 1) and a scratch AdamW update load the kernels that end a step on
-    # the stream current; the trainer's gradients, moments and step counts are untouched.
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-step", "adapter-update"])
+def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_they_were(
+    tmp_path, fused, monkeypatch
+):
+    # The clip and the AdamW update of a step's end, run on scratch tensors, load the kernels that end a step
+    # on the stream current; the trainer's gradients, moments and step counts are untouched. The fused path
+    # (`AdapterUpdate`, a GPU trainer's) warms over one scratch element per adapter tensor: the stack of the
+    # per-tensor norms and the norm over them pick their kernels by the count.
     from harli_train.colocate.colocation import warm_step_end
+    from harli_train.train.adapter_update import AdapterUpdate
 
     trainer = Trainer(recipe(tmp_path / "run"), model=load_model("tiny", torch.float32, "cpu"), quiet=True)
     trainer.setup()
+    trainer.optimizer.param_groups[0]["fused"] = fused  # the scratch optimizer follows the trainer's
+    counts = []
+    update = AdapterUpdate.__call__
+    monkeypatch.setattr(
+        AdapterUpdate,
+        "__call__",
+        lambda self, *a, **k: (counts.append(len(self.params)), update(self, *a, **k))[1],
+    )
     gen = torch.Generator().manual_seed(0)
     for p in trainer.params:
         p.grad = torch.randn(p.shape, generator=gen)
@@ -544,6 +563,7 @@ def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_the
         assert torch.equal(p.grad, g) and torch.equal(p.detach(), v)
         for k, t in trainer.optimizer.state[p].items():
             assert torch.equal(t, state[id(p)][k]), k
+    assert counts == ([len(trainer.params)] if fused else [])
     trainer.metrics.close()
 
 

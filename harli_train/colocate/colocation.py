@@ -313,15 +313,20 @@ def warm_up_trainer(
 
 def warm_step_end(trainer: Trainer) -> None:
     """Run, on the current stream, the kernels that end a step: the gradients' clip and a fused AdamW
-    update, both of a scratch parameter (the trainer's gradients and optimizer state are not touched), as
-    the trainer's `update_adapter` launches them. CUDA loads a kernel on its first launch in a context, and a
-    load may synchronize the context: loaded while decode serves, it holds decode's step up."""
+    update, as the trainer's `update_adapter` launches them, over one scratch element per adapter tensor
+    (the trainer's gradients and optimizer state are not touched). The count matters, the sizes do not: the
+    stack of the per-tensor norms and the norm over them pick their kernels by the number of tensors. CUDA
+    loads a kernel on its first launch in a context, and a load may synchronize the context: loaded while
+    decode serves, it holds decode's step up."""
     master = trainer.params[0]
-    scratch = torch.zeros(1, dtype=master.dtype, device=master.device, requires_grad=True)
-    scratch.grad = torch.zeros_like(scratch)
+    scratch = [
+        torch.zeros(1, dtype=master.dtype, device=master.device, requires_grad=True) for _ in trainer.params
+    ]
+    for p in scratch:
+        p.grad = torch.zeros_like(p)
     group = trainer.optimizer.param_groups[0]
     optimizer = torch.optim.AdamW(
-        [scratch], lr=group["lr"], betas=group["betas"], eps=group["eps"], fused=bool(group.get("fused"))
+        scratch, lr=group["lr"], betas=group["betas"], eps=group["eps"], fused=bool(group.get("fused"))
     )
     optimizer.step()
     if trainer.lean_update and AdapterUpdate.fits(optimizer):

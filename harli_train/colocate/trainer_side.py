@@ -247,7 +247,8 @@ class TrainerSide:
         self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
     ) -> bool:
         if plan.train == AFTER:  # time slicing: under an objective the slack is a hard limit
-            if cost <= budget:
+            # A micro-step fits only by a measured estimate: before any micro-step has been timed, none does.
+            if cost <= budget and (self._kind_s or not plan.strict):
                 return True
             if not launched and not plan.strict:
                 return True
