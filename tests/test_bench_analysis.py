@@ -150,3 +150,36 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
     merged = colocate_matrix.load(matrix)
     assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["steady/heavy", "steady/light", "varying/1x"]
     assert len(merged["calls"]) == 2 and "varying/1x" in proc.stdout and "verdict" in merged
+
+
+@pytest.mark.slow
+def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(tmp_path):
+    """bench_pool.py's phases, each in a child process of the same command line, in one result: the loss
+    runs' curves, the throughput windows on and off the pool and the pool's cost."""
+    out = tmp_path / "bench_pool.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench_pool.py"),
+            "--dry-run",
+            "--windows",
+            "1",
+            "--traces",
+            "steady",
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["setup"]) == {"plain", "loss", "pool"}
+    assert (
+        result["loss"]["losses_equal"] and result["loss"]["pressure"]["memory_pool"]["reclaims"]["count"] > 0
+    )
+    for phase in ("plain", "pool"):
+        assert result[phase]["steady"]["median"] > 0, phase
+    assert "cost_vs_plain" in result["pool"]["steady"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_pool.json"]  # the phases' files elsewhere
