@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harli_train.train import adapter_update
-from harli_train.train.adapter_update import AdapterUpdate
+from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -19,13 +19,7 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
 def _optimizer(params, **kw) -> torch.optim.AdamW:
     """A fused AdamW with its state made up front, as the trainer makes it (a step at lr 0, steps zeroed)."""
     opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True, **kw)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.param_groups[0]["lr"] = 0.0
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for st in opt.state.values():
-        st["step"].zero_()
+    make_optimizer_state(opt)
     return opt
 
 

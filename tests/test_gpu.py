@@ -146,7 +146,7 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     left them), and so do steps whose forwards replay on one green-context rung and whose backwards and
     update replay on another."""
     from harli_train.colocate.sm import SMLadder
-    from harli_train.train.adapter_update import AdapterUpdate
+    from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
     from harli_train.train.batch_buffers import BatchBuffers
     from harli_train.train.step import train_step
     from harli_train.train.step_graphs import StepGraphs
@@ -161,13 +161,7 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
         m, buffers = graphs_model(), BatchBuffers("cuda")
         params = list(m.lora_parameters())
         opt = torch.optim.AdamW(params, lr=2e-2, fused=True)
-        for p in params:  # the state made up front, as the trainer makes it: a step at lr 0, steps zeroed
-            p.grad = torch.zeros_like(p)
-        opt.param_groups[0]["lr"] = 0.0
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for st in opt.state.values():
-            st["step"].zero_()
+        make_optimizer_state(opt)  # as the trainer makes it
         graphs = StepGraphs(params) if graphed else None
         update = AdapterUpdate(opt, 0.5) if graphed else None
         prev, losses, norms = torch.cuda.current_stream(), [], []

@@ -159,3 +159,22 @@ class AdapterUpdate:
             ) from err
         current.wait_stream(stream)
         return graph, lr_dev, norm_out
+
+
+def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state (AdamW's: zero moments, step 0) exactly as its first step would, through a
+    step at learning rate 0 over zero gradients; the gradients are left unset."""
+    groups = optimizer.param_groups
+    lrs = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(groups, lrs, strict=True):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    for st in optimizer.state.values():
+        st["step"].zero_()  # a tensor in torch's AdamW

@@ -25,7 +25,7 @@ from harli_train.model import (
     model_config,
     resolve_dtype,
 )
-from harli_train.train.adapter_update import AdapterUpdate
+from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
 from harli_train.train.batch_buffers import BatchBuffers
 from harli_train.train.checkpoint import (
     STATE_JSON,
@@ -142,7 +142,9 @@ class Trainer:
         if cfg.train.cuda_graphs:
             self.graphs = StepGraphs(self.params)
         if state is None:
-            self._init_optimizer_state()
+            # Now, not at the first step: co-located, that would allocate a tensor or more per LoRA
+            # parameter (~1300 for Llama-3-8B) while decode serves.
+            make_optimizer_state(self.optimizer)
         else:
             try:
                 self.loader.load_state_dict(state["loader"])
@@ -183,25 +185,6 @@ class Trainer:
             self.device,
             self.dtype,
         )
-
-    def _init_optimizer_state(self) -> None:
-        """Create AdamW's state now (zero moments, step 0), exactly as its first step would, through a step at
-        learning rate 0 over zero gradients: co-located, that first step would otherwise allocate a tensor or
-        more per LoRA parameter (~1300 for Llama-3-8B) while decode serves."""
-        groups = self.optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = 0.0
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        try:
-            self.optimizer.step()
-        finally:
-            for g, lr in zip(groups, lrs, strict=True):
-                g["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-        for st in self.optimizer.state.values():
-            st["step"].zero_()  # a tensor in torch's AdamW
 
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Replace the fresh adapter with the checkpoint's; refuse one made with other LoRA settings."""
