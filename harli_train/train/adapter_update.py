@@ -3,8 +3,7 @@
 `AdapterUpdate` computes what ``torch.nn.utils.clip_grad_norm_`` followed by a fused ``torch.optim.AdamW``
 step computes, bit for bit: the same kernels on the same tensors in the same order. What it leaves out is
 their per-tensor Python work: both walk the adapter's tensors (448 for Llama-3-8B with seven targets) on every
-call, 7.5-10.8 ms of host time a step on the H200, the trainer's largest host item once its other micro-steps
-are CUDA graphs. Here the tensor lists are built once, and a call is nine launches: the gradients' norms,
+call. Here the tensor lists are built once, and a call is nine launches: the gradients' norms,
 their stack, the total norm, the clip coefficient and its clamp, the clip, the step counts, the update, the
 returned norm. With ``graphs`` those launches are one CUDA graph per stream and SM budget (`set_key`: a
 graph runs on the SMs of the stream it was captured on), captured at its first call there and replayed after,
@@ -12,10 +11,10 @@ with the learning rate read from a device scalar.
 
 Contract: the optimizer has one parameter group, fused, without amsgrad or maximize (`AdapterUpdate.fits`),
 its state exists for every parameter (the trainer creates it at set-up) and AdamW updates it in place; the
-gradients are the parameters' ``.grad``. Under ``graphs`` the ``.grad`` tensors are the same at every call
-(`StepGraphs` hands out its buffers) and the state is not replaced once a graph is captured (`forget` drops
-the graphs). Global optimizer post-step hooks do not run; the one this package registers, the cast cache of
-the masters (`kernels.lora_linear`), is told directly.
+gradients are the parameters' ``.grad``. The state's tensors are not replaced once the update has run (it
+keeps lists of them), and under ``graphs`` neither are the ``.grad`` tensors (`StepGraphs` hands out its
+buffers). Global optimizer post-step hooks do not run; the one this package registers, the cast cache of the
+masters (`kernels.lora_linear`), is told directly.
 """
 
 from __future__ import annotations
@@ -56,10 +55,6 @@ class AdapterUpdate:
         g = groups[0]
         return bool(g.get("fused")) and not g["amsgrad"] and not g["maximize"]
 
-    def forget(self) -> None:
-        """Drop the tensor lists and graphs (the optimizer's state was replaced)."""
-        self._lists, self._captured = None, {}
-
     def __call__(self, lr: float, graphs: bool = False) -> torch.Tensor:
         """One update; with ``graphs`` (on a GPU) a replay of this stream's graph of it. A capture that
         fails raises `GraphCaptureError` before anything has changed."""
@@ -75,7 +70,7 @@ class AdapterUpdate:
         if self._lists is None:
             states = [self.optimizer.state[p] for p in self.params]
             if any(not st for st in states):
-                raise RuntimeError("AdapterUpdate needs the optimizer's state made first (a step at lr 0)")
+                raise RuntimeError("AdapterUpdate needs the optimizer's state made first (make_optimizer_state)")
             self._lists = (
                 [p.detach() for p in self.params],
                 [st["exp_avg"] for st in states],
