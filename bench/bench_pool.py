@@ -17,12 +17,12 @@ its policy fixed (``--policy static:N``) so that the runs compare. Phases (``--p
   steps after each reclaim. The two loss curves must be equal, step for step.
 - ``pool``: the same throughput windows as ``plain``, on the pool.
 
-Each phase runs in a process of its own (``--in-process`` runs them in this one): on the H200 a phase's page
-pool and weights were still held after ``Colocation.close()``, and the next phase's assembly found 27 GiB of
-the GPU free. The default budget, 60 GiB, is below what the loss phase's pressured run wants on the H200 (the
-KV cache's peak of 22,528 pages beside the trainer's 12,484, 68.4 GiB in 2 MiB pages), so the cache must
-take pages from the trainer. One JSON (``--out``) holds every phase that ran (a phase that fails records its
-error and the others run); the table comes last. Throughput figures are medians over the windows, each window after the first is
+Each phase runs in a process of its own (``--in-process``: all in this one), so that no phase inherits
+another's GPU memory. The default budget, 60 GiB, is below what the loss phase's pressured run wants on the
+H200 (~68 GiB: the KV cache's peak beside the trainer's working set), so the cache must take pages from the
+trainer.
+One JSON (``--out``) holds every phase that ran (a phase that fails records its error and the others run);
+the table comes last. Throughput figures are medians over the windows, each window after the first is
 judged against the same trace's other windows, and the pool's cost is 1 - median(pool) / median(plain).
 """
 

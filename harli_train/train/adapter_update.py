@@ -70,7 +70,9 @@ class AdapterUpdate:
         if self._lists is None:
             states = [self.optimizer.state[p] for p in self.params]
             if any(not st for st in states):
-                raise RuntimeError("AdapterUpdate needs the optimizer's state made first (make_optimizer_state)")
+                raise RuntimeError(
+                    "AdapterUpdate needs the optimizer's state made first (make_optimizer_state)"
+                )
             self._lists = (
                 [p.detach() for p in self.params],
                 [st["exp_avg"] for st in states],
