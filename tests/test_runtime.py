@@ -1052,7 +1052,9 @@ def test_the_decode_thread_holds_the_host_while_it_launches_and_opens_it_while_i
 def test_baseline_policies_honour_their_rules(tmp_path, name):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     make = lambda ladder: make_policy(name, ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05)
-    load = requests([(0.05, 3, 12), (0.4, 2, 12)])
+    # The first request leaves the trainer time to run (and time) a micro-step between requests: temporal
+    # slices nothing before one has been timed.
+    load = requests([(0.15, 3, 12), (0.5, 2, 12)])
     opts = RuntimeOptions(until="load", window_s=0.8, solo_s=0.3, quiet=True, finish=False, plots=False)
     summary = runtime(tmp_path, ladder, make, load, opts, None, None, "train.steps=200").run()
     decode = [r for r in rows(tmp_path) if r["kind"] in ("decode", "mixed")]
