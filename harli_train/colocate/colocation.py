@@ -329,7 +329,7 @@ def warm_step_end(trainer: Trainer) -> None:
         scratch, lr=group["lr"], betas=group["betas"], eps=group["eps"], fused=bool(group.get("fused"))
     )
     optimizer.step()
-    if trainer.lean_update and AdapterUpdate.fits(optimizer):
+    if trainer.updates_lean(optimizer):
         AdapterUpdate(optimizer, None)(group["lr"])
     else:
         trainer.clip_gradients(float("inf"))

@@ -288,7 +288,7 @@ class Trainer:
         a few launches; one graph replay under ``train.cuda_graphs``), else through torch's own."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr  # what a checkpoint's optimizer state records
-        if self.lean_update and self.device.type == "cuda" and AdapterUpdate.fits(self.optimizer):
+        if self.updates_lean(self.optimizer):
             if self._update is None:
                 self._update = AdapterUpdate(self.optimizer, self.cfg.train.clip_grad_norm)
             return self._update(lr, graphs=self.step_graphs is not None)
@@ -296,10 +296,14 @@ class Trainer:
         self.optimizer.step()
         return grad_norm
 
+    def updates_lean(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `update_adapter` runs ``optimizer``'s kind of update through `AdapterUpdate` (a fused
+        AdamW, fused only on a GPU, whose clip norm is over this process's gradients)."""
+        return self.lean_update and AdapterUpdate.fits(optimizer)
+
     # What a tensor-parallel trainer (harli_train.parallel.tp_trainer) replaces: its adapter is in slices.
-    lean_update = (
-        True  # whether `update_adapter` may use `AdapterUpdate` (a global norm over this process's grads)
-    )
+    # Whether `updates_lean` may answer yes (a clip norm over this process's gradients alone).
+    lean_update = True
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the adapter's gradients to a global norm of at most ``max_norm``; returns the norm before."""
