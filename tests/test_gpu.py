@@ -192,8 +192,8 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
         torch.cuda.synchronize()
         assert graphs is None or graphs.captures == (1 if rungs is None else 2)  # a set per rung
         assert update is None or len(update._captured) == 1  # the update ran on one stream: one graph
-        # Each backward after a forward on the other rung was rebuilt, or carried (congruent sets).
-        assert graphs is None or rungs is None or graphs.rebuilds + graphs.carried > 0
+        # Each backward after a forward on the other rung was rebuilt.
+        assert graphs is None or rungs is None or graphs.rebuilds > 0
         return losses, norms, grads, [p.detach().float().clone() for p in params]
 
     want, want_norms, want_grads, want_params = steps(False)

@@ -80,59 +80,6 @@ def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_
         assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("same", [(0, 1, 2, 3), (0, 1), (1, 3), ()])
-def test_congruent_sets_carry_a_chunk_across_a_change_of_set_without_a_rebuild(same):
-    """Forwards under one SM budget, backwards under another: a chunk whose forward both sets' captures saved
-    at the same addresses (congruent) keeps what the other set's forward saved (the stand-ins keep its
-    outputs), and its backward needs no rebuild; any other chunk is rebuilt. The gradients and loss are the
-    eager step's either way."""
-    from harli_train import kernels
-
-    batches = [_packed(1)]
-    want_grads, want, _ = _eager(batches, 1)
-    m = _seeded_model()
-    chunks = m.config.num_layers
-    graphs = StepGraphs(m.lora_parameters())
-    gen, budget = train_step(m, batches, 1, buffers=BatchBuffers("cpu"), graphs=graphs), 64
-    layout = [(("MmBackward0", "_saved_self", 1000 * c),) for c in range(chunks)]
-    other = [layout[c] if c in same else (("MmBackward0", "_saved_self", 7),) for c in range(chunks)]
-    try:
-        while True:
-            with kernels.sm_budget(budget):
-                phase = next(gen).phase
-            shape = next(iter(graphs.shapes.values()))
-            shape.layouts = {(0, 64): layout, (0, 32): other}  # as a capture on the GPU records them
-            budget = 32 if phase in ("loss", "bwd") else 64
-    except StopIteration as stop:
-        result = stop.value
-    assert graphs.captures == 2
-    assert graphs.carried == len(same) and graphs.rebuilds == chunks - len(same)
-    assert torch.equal(result.loss_sum, want.loss_sum)
-    for got, ref in zip(_grads(m), want_grads, strict=True):
-        assert torch.equal(got, ref)
-
-
-def test_the_saved_layout_names_every_saved_tensor_where_it_lies():
-    """`_saved_layout` walks a chunk's autograd graph from its outputs: each saved tensor's node, attribute,
-    address and shape, in the same order for the same graph; another computation's tensors elsewhere give
-    the same walk at other addresses."""
-    from harli_train.train.step_graphs import _saved_layout
-
-    def chunk(x, w):
-        h = torch.sin(x) @ w
-        return h * x, None
-
-    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    out = chunk(x, w)
-    layout = _saved_layout(out)
-    assert _saved_layout(out) == layout
-    assert {entry[2] for entry in layout} >= {x.data_ptr(), w.data_ptr()}
-    assert {n for n, *_ in layout} == {"MulBackward0", "MmBackward0", "SinBackward0"}
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    again = _saved_layout(chunk(x2, w2))
-    assert [e[:2] + e[3:] for e in again] == [e[:2] + e[3:] for e in layout] and again != layout
-
-
 def test_graphs_need_the_buffers_and_no_stash():
     m = _model()
     graphs = StepGraphs(m.lora_parameters())

@@ -421,12 +421,11 @@ class TrainerSide:
         self.gen.close()
 
     def _graph_stats(self) -> dict[str, int] | None:
-        """train.cuda_graphs: the sets of graphs captured, the chunks rebuilt, and those a change of set kept
-        without a rebuild (congruent sets; None: eager)."""
+        """train.cuda_graphs: the sets of graphs captured and the chunks rebuilt (None: eager)."""
         graphs = self.trainer.graphs
         if graphs is None:
             return None
-        return {"sets": graphs.captures, "rebuilds": graphs.rebuilds, "carried": graphs.carried}
+        return {"sets": graphs.captures, "rebuilds": graphs.rebuilds}
 
     def stats(self) -> dict[str, Any]:
         """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""

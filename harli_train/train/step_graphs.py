@@ -21,12 +21,9 @@ one shape share the static tensors and one memory pool. Within a set, every repl
 (fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
 keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
 trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
-tensors, then its backward (`GraphedChunks`). Unless the two sets are congruent at that chunk: their
-captures of its forward saved the same tensors (walked in the same order through the chunk's autograd
-graph) at the same addresses. Then the other set's backward reads them where this set's forward wrote them,
-and nothing either set replays before that backward overwrites them (within a set, what a forward saved
-was alive while every later micro-step was captured), so the backward runs as it is. On a CPU no set is
-congruent with another. The numbers equal the eager path's (`EagerChunks`) under the same budget: the same
+tensors, then its backward (`GraphedChunks`). (Sets never keep a chunk's saved tensors at the same
+addresses by chance: torch's allocator reuses a freed block only on the stream that freed it, and every set
+captures on its own stream.) The numbers equal the eager path's (`EagerChunks`) under the same budget: the same
 kernels on the same inputs, the adapter gradients accumulated micro-batch by micro-batch in the same order.
 
 A set is captured the first time its (stream, budget) is met: an eager pass over the current micro-batch
@@ -81,7 +78,7 @@ class _StandIn:
     def replay(self) -> None:
         shape = self.shape
         for chunk, key in enumerate(shape.outs_key):
-            if key is not None and key != self.key and not shape.congruent(key, self.key, chunk):
+            if key is not None and key != self.key:
                 shape.outs[chunk] = shape.outs_key[chunk] = None
         shape.replaying = self.key
         self.fn()
@@ -132,8 +129,6 @@ class _ShapeGraphs:
         self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
-        # Per set and chunk: where its captured forward saved its tensors (`_saved_layout`, `congruent`).
-        self.layouts: dict[tuple[int, int], list[tuple]] = {}
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -219,33 +214,25 @@ class _ShapeGraphs:
         tensors = [*self.h, *self.r[1:], *self.gh[1:], *self.gr[1:], self.cos, self.sin, self.loss_sum]
         return [*tensors, *([] if self.mask is None else [self.mask]), *(g for gs in self.grads for g in gs)]
 
-    def congruent(self, a: tuple[int, int], b: tuple[int, int], chunk: int) -> bool:
-        """Whether sets ``a`` and ``b`` keep the tensors chunk ``chunk``'s forward saved at the same addresses,
-        each in the same place of the chunk's autograd graph."""
-        la, lb = self.layouts.get(a), self.layouts.get(b)
-        return la is not None and lb is not None and la[chunk] == lb[chunk]
-
     def _capture_cuda(self, key: tuple[int, int]) -> dict[str, Any]:
-        sms = key[1]
         try:
-            return self._capture_cuda_set(key)
+            return self._capture_cuda_set(key[1])
         except torch.OutOfMemoryError:
             raise  # the runtime's memory recovery handles it
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else ""
             raise GraphCaptureError(
-                f"capturing the trainer's step as CUDA graphs on {sms} SMs failed ({type(err).__name__}: {first})"
+                f"capturing the trainer's step as CUDA graphs on {key[1]} SMs failed "
+                f"({type(err).__name__}: {first})"
             ) from err
 
-    def _capture_cuda_set(self, key: tuple[int, int]) -> dict[str, Any]:
-        sms = key[1]
+    def _capture_cuda_set(self, sms: int) -> dict[str, Any]:
         current = torch.cuda.current_stream()
         # A legacy default stream cannot capture: a side stream of the same (primary) context can.
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graphs: dict[str, Any] = {}
-        layout: list[tuple] = []
         with kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
             kept = [t.detach().clone() for t in self._static()]
@@ -267,10 +254,7 @@ class _ShapeGraphs:
                     raise
                 graph.capture_end()
                 graphs[name] = graph
-                if name.startswith("fwd"):
-                    layout.append(_saved_layout(self.outs[int(name[3:])]))
         current.wait_stream(stream)
-        self.layouts[key] = layout
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
             stream.synchronize()
             torch.cuda.empty_cache()
@@ -279,28 +263,6 @@ class _ShapeGraphs:
     def fits(self, inputs: dict) -> bool:
         """Whether ``inputs`` are the very buffers these graphs read."""
         return _pointers(inputs) == self.ptrs
-
-
-def _saved_layout(outputs) -> tuple:
-    """Where the autograd graph behind ``outputs`` keeps its saved tensors: (node, attribute, address, shape,
-    strides, dtype) for each, in a walk of the graph that visits the nodes of equal graphs in the same order
-    (leaves and tensors without a graph end it)."""
-    roots = [t.grad_fn for t in outputs if t is not None and t.grad_fn is not None]
-    seen, found = set(), []
-    while roots:
-        node = roots.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        saved = [(a, getattr(node, a)) for a in sorted(dir(node)) if a.startswith("_saved_")]
-        if hasattr(node, "saved_tensors"):  # a custom autograd Function
-            saved.append(("saved_tensors", node.saved_tensors))
-        for attr, value in saved:
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    found.append((node.name(), attr, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))
-        roots.extend(fn for fn, _ in reversed(node.next_functions))
-    return tuple(found)
 
 
 def set_key() -> tuple[int, int]:
@@ -339,7 +301,6 @@ class StepGraphs:
         self.grads = {id(p): torch.zeros_like(p) for p in self.params}
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
-        self.carried = 0  # chunks whose saved tensors a change of set kept valid (congruent sets)
 
     @property
     def captures(self) -> int:
@@ -395,9 +356,7 @@ class GraphedChunks:
         key = set_key()
         graphs = self.shape.set_for(key)
         if key != self.key:  # another set's replays may have reused the memory of the saved tensors
-            held = {c for c in self.saved if self.shape.congruent(self.key, key, c)}
-            self.owner.carried += len(held)
-            self.key, self.saved = key, held
+            self.key, self.saved = key, set()
         launch_gate()
         return graphs
 
