@@ -1,0 +1,133 @@
+"""Probe: where does a decode step with adapters spend its GPU time? (Llama-3-8B preset, lora_kernel "gemv")
+
+bench_decode's `lora` rows put a step with every request on one rank-16 adapter (all seven targets) at 1.11-1.20x
+the base step, while the projections timed alone account for about half of that gap. This probe replays the
+step's CUDA graph (base rows, one adapter, four adapters) under torch.profiler and sums the GPU time of each
+kernel per replay, so the gap can be read kernel by kernel: which kernels the adapters add, and which base
+kernels they slow.
+
+    python bench/probe_decode_lora.py            # H200: $OUT/probe_decode_lora.json, a table last
+    python bench/probe_decode_lora.py --dry-run  # CPU: the tiny model, its eager step (the code path only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
+import common  # noqa: E402
+import decode_lora  # noqa: E402
+import torch  # noqa: E402
+from bench_decode import Bench, drain, prime  # noqa: E402
+
+VARIANTS = {"base": (0,), "lora_1": (1,), "lora_mix4": (1, 2, 3, 4)}
+
+
+def kernel_times(run, reps: int) -> tuple[dict[str, dict[str, float]], float]:
+    """GPU microseconds and launches per call of ``run`` by kernel name, and the summed kernel time per call
+    (on the CPU: the ops' self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            run()
+        if on_gpu:
+            torch.cuda.synchronize()
+    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.key_averages():
+        if on_gpu:
+            if "CUDA" not in str(getattr(ev, "device_type", "")) or ev.device_time_total <= 0:
+                continue
+            us = ev.device_time_total
+        else:
+            if not ev.key.startswith("aten::"):
+                continue
+            us = ev.self_cpu_time_total
+        sums[ev.key][0] += ev.count
+        sums[ev.key][1] += us
+    rows = {k: {"us": t / reps, "launches": c / reps} for k, (c, t) in sums.items()}
+    return rows, sum(r["us"] for r in rows.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    from harli_train.engine import DecodeEngine, EngineConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    bench = Bench(args.dry_run, steps=args.reps)
+    batches = [int(b) for b in args.batches.split(",")] if not args.dry_run else [1, 4]
+    model = bench.load_model(device)
+    adapters = decode_lora.random_adapters(model, decode_lora.ADAPTERS, decode_lora.RANK)
+    cfg = EngineConfig(
+        max_num_seqs=max(batches),
+        max_model_len=bench.ctx + 4 * args.reps + 64,
+        graph_batch_sizes=tuple(batches),
+        gpu_memory_utilization=0.6,
+        num_kv_blocks=256 if args.dry_run else None,
+        max_loras=decode_lora.ADAPTERS,
+        max_lora_rank=decode_lora.RANK,
+        lora_kernel="gemv",
+    )
+    engine = DecodeEngine(model, cfg)
+    for slot, pairs in enumerate(adapters, start=1):
+        engine.load_lora(slot, pairs, decode_lora.RANK, 2.0)
+    results: dict = {"env": common.environment(), "args": vars(args), "ctx": bench.ctx, "rows": {}}
+    table = []
+    for batch in batches:
+        for label, slots in VARIANTS.items():
+            prime(engine, batch, bench.ctx, 4 * args.reps + 16, slots)
+            for _ in range(3):  # compile, settle
+                engine.step("default")
+            graphs = engine.runner.graphs
+            if graphs is not None:
+                graph = graphs.graphs[("default", graphs.bucket(batch), any(slots))]
+                stream = engine.runner.partitions["default"].stream
+
+                def run(graph=graph, stream=stream):
+                    with torch.cuda.stream(stream):
+                        graph.replay()
+            else:
+
+                def run():
+                    engine.step("default")
+
+            rows, total = kernel_times(run, args.reps)
+            drain(engine)
+            results["rows"][f"b{batch}_{label}"] = {"total_us": total, "kernels": rows}
+            table.append((batch, label, total, sum(r["launches"] for r in rows.values())))
+            print(f"b{batch} {label}: {total:.1f} us of kernels a step", flush=True)
+    engine.close()
+    # Per batch: each kernel's time with adapters minus without (what the adapters add or slow).
+    diffs = {}
+    for batch in batches:
+        base = results["rows"][f"b{batch}_base"]["kernels"]
+        for label in ("lora_1", "lora_mix4"):
+            lora = results["rows"][f"b{batch}_{label}"]["kernels"]
+            d = {
+                k: lora.get(k, {"us": 0.0})["us"] - base.get(k, {"us": 0.0})["us"]
+                for k in set(base) | set(lora)
+            }
+            diffs[f"b{batch}_{label}"] = dict(sorted(d.items(), key=lambda kv: -abs(kv[1]))[:12])
+    results["diffs"] = diffs
+    path = common.write_json("probe_decode_lora.json", results)
+    print(f"wrote {path}")
+    print(f"{'batch':>5} {'variant':<10} {'kernel us':>10} {'launches':>9} {'x base':>7}")
+    base_us = {b: t for b, label, t, _ in table if label == "base"}
+    for batch, label, total, launches in table:
+        print(f"{batch:>5} {label:<10} {total:>10.1f} {launches:>9.0f} {total / base_us[batch]:>7.3f}")
+    for key, d in diffs.items():
+        print(key, ", ".join(f"{k[:48]} {v:+.1f}" for k, v in list(d.items())[:6]))
+
+
+if __name__ == "__main__":
+    main()
