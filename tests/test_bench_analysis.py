@@ -182,3 +182,24 @@ def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(t
         assert result[phase]["steady"]["median"] > 0, phase
     assert "cost_vs_plain" in result["pool"]["steady"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_pool.json"]  # the phases' files elsewhere
+
+
+@pytest.mark.slow
+def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differences(tmp_path):
+    """probe_decode_lora.py on the tiny model: per batch, the step's ops for base rows, one adapter and four,
+    and what the adapters add, in one JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "probe_decode_lora.py"), "--dry-run", "--reps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "probe_decode_lora.json").read_text())
+    assert sorted(result["rows"]) == sorted(
+        f"b{b}_{v}" for b in (1, 4) for v in ("base", "lora_1", "lora_mix4")
+    )
+    for row in result["rows"].values():
+        assert row["total_us"] > 0 and all(k["launches"] > 0 for k in row["kernels"].values())
+    assert set(result["diffs"]) == {f"b{b}_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")}
