@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from harli_train.colocate.mixed_model import MixedStepModel
-from harli_train.colocate.predictor import LatencyPredictor, split_samples
+from harli_train.colocate.predictor import LatencyPredictor, gemv_rows, split_samples
 
 TOTAL = 132
 KV_BPT = 32768.0  # bytes of KV per cached token (8 layers of Llama-3-8B)
 SHARES = list(range(8, 129, 8)) + [TOTAL]
 W_BYTES = 3.5e9
 HBM = 3.5e12
-TRUE_G = (2.0e-5, 1.5e-7, 0.0, 4.0e-6)  # b/s, b^2/s, b^3/s, b
+TRUE_G = (2.0e-5, 1.5e-7, 0.0, 4.0e-6)  # m/s, m^2/s, m^3/s, b (m: the GEMV's rows)
 
 
 def bandwidth(s):
@@ -33,7 +33,8 @@ E_TRUE = (4e-4, 1e-12)  # slowdown slopes per sequence and per KV byte
 def truth(b, kv_tokens, s, corun):
     a, c, d = true_params(s)
     g1, g2, g3, g4 = TRUE_G
-    t = a + c * kv_tokens * KV_BPT + g1 * b / s + g2 * b * b / s + g3 * b**3 / s + g4 * b
+    m = gemv_rows(b)
+    t = a + c * kv_tokens * KV_BPT + g1 * m / s + g2 * m * m / s + g3 * m**3 / s + g4 * b
     if corun:
         t *= 1 + d + E_TRUE[0] * b + E_TRUE[1] * kv_tokens * KV_BPT
     return t
@@ -246,3 +247,25 @@ def test_thin_shares_are_interpolated_not_fitted():
     assert pred.fit_report["skipped_shares"] == [48] and 48 not in pred.shares
     lo, mid, hi = (pred.predict(8, 8 * 512, s, corun=False) for s in (40, 48, 56))
     assert hi < mid < lo
+
+
+def test_a_batch_pays_for_the_rows_its_gemv_tile_computes(fitted):
+    """33 sequences run the projections' 64-row tile: their compute is 64 rows', not a point between 32 and
+    64 (only the per-sequence term and the KV read grow with the batch itself)."""
+    assert [gemv_rows(b) for b in (1, 2, 16, 17, 32, 33, 64)] == [1, 16, 16, 32, 32, 64, 64]
+    kv = 1024
+    for s in (32, 64, 128):
+        got = fitted.predict(33, 33 * kv, s, corun=False, raw=True)
+        assert got == pytest.approx(truth(33, 33 * kv, s, False), rel=1e-6)
+        g4 = TRUE_G[3]
+        at_64 = fitted.predict(64, 33 * kv, s, corun=False, raw=True)
+        assert at_64 - got == pytest.approx(31 * g4, rel=1e-4)  # the same tile: only b's own term differs
+
+
+def test_a_saved_predictor_of_other_batch_terms_is_refused(fitted):
+    d = json.loads(json.dumps(fitted.to_dict()))
+    again = LatencyPredictor.from_dict(d)
+    assert again.predict(33, 4096, 64) == pytest.approx(fitted.predict(33, 4096, 64))
+    del d["batch_terms"]
+    with pytest.raises(ValueError, match="refit it from its profile"):
+        LatencyPredictor.from_dict(d)

@@ -2,12 +2,15 @@
 
 Stage 1 (solo), for a step of ``b`` sequences reading ``kv`` bytes of KV cache on ``s`` SMs::
 
-    t_solo = A[s] + C[s] * kv  +  g1 * b/s + g2 * b^2/s + g3 * b^3/s + g4 * b
+    t_solo = A[s] + C[s] * kv  +  g1 * m/s + g2 * m^2/s + g3 * m^3/s + g4 * b,   m = gemv_rows(b)
 
 ``A[s]`` is the weight read at the bandwidth share ``s`` can draw plus launch overhead (the weights are
-fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for the KV read, the ``b/s``
-terms are the batch's compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
-per-sequence work that does not scale with SMs. The bandwidth is fitted per share because it saturates
+fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for the KV read, the ``m/s``
+terms are the projections' compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
+per-sequence work that does not scale with SMs. The projections compute ``m`` rows, not ``b``: the decode
+GEMV pads a step's batch bucket to its tile's rows (``gemv_rows``: 1, then 16, 32, 64), so a step of 33
+sequences costs what one of 64 does there; a model smooth in ``b`` fitted on batches 1, 8, 32, 64 put it
+between them and under-predicted the step by up to a third beside the trainer. The bandwidth is fitted per share because it saturates
 sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
 figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
 
@@ -37,7 +40,15 @@ from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
 from harli_train.colocate.regression import weighted_lstsq
 
-N_GLOBAL = 4  # b/s, b^2/s, b^3/s, b
+N_GLOBAL = 4  # m/s, m^2/s, m^3/s, b
+BATCH_TERMS = "gemv_rows"  # what a saved predictor's solo_global multiplies (`to_dict`, `from_dict`)
+
+
+def gemv_rows(batch: int) -> int:
+    """The rows a decode step of ``batch`` sequences computes in its projections: one row streamed with FMAs,
+    else the tensor-core tile's rows (``decode_linear_config``'s ``block_m``: the power of two at or above
+    the batch, at least 16; the engine's default graph buckets never cross a power of two)."""
+    return 1 if batch <= 1 else max(16, 1 << (int(batch) - 1).bit_length())
 
 
 @dataclass(slots=True)
@@ -105,16 +116,17 @@ class LatencyPredictor(OnlineCorrection):
         col = {s: i for i, s in enumerate(shares)}
         k = len(shares)
 
-        # Only the batch terms the grid can pin down: a cubic needs 4 batch sizes, b vs b/s two shares.
-        n_batches = len({r["batch"] for r in solo})
+        # Only the batch terms the grid can pin down: a cubic needs 4 row counts, b vs m/s two shares.
+        n_batches = len({gemv_rows(r["batch"]) for r in solo})
         used = [j < min(3, n_batches - 1) for j in range(3)] + [n_batches > 1 and k > 1]
         X = np.zeros((len(solo), 2 * k + N_GLOBAL))
         y = np.array([float(r["latency_s"]) for r in solo])
         for i, r in enumerate(solo):
             b, s = float(r["batch"]), float(r["infer_sms"])
+            m = float(gemv_rows(r["batch"]))
             X[i, col[int(s)]] = 1.0
             X[i, k + col[int(s)]] = float(r["kv_tokens"]) * kv_bytes_per_token
-            X[i, 2 * k :] = (b / s, b * b / s, b**3 / s, b)
+            X[i, 2 * k :] = (m / s, m * m / s, m**3 / s, b)
         X[:, 2 * k :] *= np.array(used, dtype=float)  # an all-zero column gets a zero coefficient
         coef = weighted_lstsq(X, y, 1.0 / y)
         params = {s: [float(coef[col[s]]), float(coef[k + col[s]]), 0.0] for s in shares}
@@ -187,12 +199,12 @@ class LatencyPredictor(OnlineCorrection):
         return [w * x + (1 - w) * z for x, z in zip(lo, up, strict=True)]
 
     def _fold(self, sms: int) -> tuple[float, ...]:
-        """Per-share coefficients over (1, kv_bytes, b, b^2, b^3) and the slowdown over (1, b, kv_bytes)."""
+        """Per-share coefficients over (1, kv_bytes, m, m^2, m^3), the slowdown over (1, b, kv_bytes), and b's."""
         a, c, d = self._params_at(sms)
         g1, g2, g3, g4 = self.solo_global
         e1, e2 = self.slow_global
         kvb = self.kv_bytes_per_token
-        return (a, c * kvb, g1 / sms + g4, g2 / sms, g3 / sms, d, e1, e2 * kvb)
+        return (a, c * kvb, g1 / sms, g2 / sms, g3 / sms, d, e1, e2 * kvb, g4)
 
     def _row(self, sms: int) -> tuple[float, ...]:
         row = self._rows.get(sms)
@@ -213,7 +225,8 @@ class LatencyPredictor(OnlineCorrection):
         rows running ``lora_slots`` distinct adapters (0: the base only; unmodelled without a LoRA profile)."""
         row = self._rows.get(infer_sms) or self._row(infer_sms)
         b = batch if batch <= self.batch_max else self.batch_max
-        t = row[0] + row[1] * kv_tokens + b * (row[2] + b * (row[3] + b * row[4]))
+        m = gemv_rows(b)
+        t = row[0] + row[1] * kv_tokens + m * (row[2] + m * (row[3] + m * row[4])) + b * row[8]
         if batch > b:  # past the profiled batches: assume linear growth, which overestimates (safe side)
             t *= batch / b
         if lora_slots and self.lora is not None:
@@ -287,6 +300,7 @@ class LatencyPredictor(OnlineCorrection):
             "shares": list(self.shares),
             "share_params": {str(s): list(p) for s, p in self.share_params.items()},
             "solo_global": list(self.solo_global),
+            "batch_terms": BATCH_TERMS,
             "slow_global": list(self.slow_global),
             "batch_max": self.batch_max,
             "alpha": self.alpha,
@@ -302,6 +316,11 @@ class LatencyPredictor(OnlineCorrection):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LatencyPredictor:
+        if d.get("batch_terms") != BATCH_TERMS:
+            raise ValueError(
+                "this predictor was fitted with other batch terms than gemv_rows' (an older harli-train): "
+                "refit it from its profile"
+            )
         pred = cls(
             int(d["total_sms"]),
             float(d["kv_bytes_per_token"]),
