@@ -269,3 +269,15 @@ def test_a_saved_predictor_of_other_batch_terms_is_refused(fitted):
     del d["batch_terms"]
     with pytest.raises(ValueError, match="refit it from its profile"):
         LatencyPredictor.from_dict(d)
+
+
+def test_gemv_rows_are_the_rows_the_decode_gemv_computes():
+    """The predictor's row count is `decode_linear_config`'s tile rows for the engine's default graph bucket
+    of each batch (one row streamed with FMAs at batch 1)."""
+    from harli_train.engine.decode_linear import decode_linear_config
+    from harli_train.engine.engine_config import EngineConfig
+
+    buckets = EngineConfig(max_num_seqs=64).graph_batch_sizes
+    for b in range(1, 65):
+        bucket = min(x for x in buckets if x >= b)
+        assert gemv_rows(b) == decode_linear_config(bucket, (4096,), 4096, 132).block_m, b

@@ -9,8 +9,7 @@ fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for 
 terms are the projections' compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
 per-sequence work that does not scale with SMs. The projections compute ``m`` rows, not ``b``: the decode
 GEMV pads a step's batch bucket to its tile's rows (``gemv_rows``: 1, then 16, 32, 64), so a step of 33
-sequences costs what one of 64 does there; a model smooth in ``b`` fitted on batches 1, 8, 32, 64 put it
-between them and under-predicted the step by up to a third beside the trainer. The bandwidth is fitted per share because it saturates
+sequences costs what one of 64 does there. The bandwidth is fitted per share because it saturates
 sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
 figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
 
