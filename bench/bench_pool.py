@@ -1,6 +1,6 @@
 """The shared page pool under pressure: recipes/llama-8b-lora.yaml beside the long-context trace, static:N.
 
-    python bench/bench_pool.py --out $OUT/bench_pool.json                 # H200 (~9 min; --phases to split)
+    python bench/bench_pool.py --out $OUT/bench_pool.json                 # H200 (~10 min; --phases to split)
     python bench/bench_pool.py --dry-run --out /tmp/bench_pool.json       # CPU: tiny model, seconds
 
 Everything runs on the assembly ``harli-train RECIPE --colocate-with MODEL`` runs (``assembly.assemble``),
@@ -15,7 +15,10 @@ its policy fixed (``--policy static:N``) so that the runs compare. Phases (``--p
   pool's report (reclaims: count, pages, bytes spilled, spill bandwidth, grow latency; grows, shrinks,
   refusals), out-of-memory recoveries, requests served, and the decode steps over the objective within 5
   steps after each reclaim. The two loss curves must be equal, step for step.
-- ``pool``: the same throughput windows as ``plain``, on the pool.
+- ``pool``: the same throughput windows as ``plain``, on the pool at the recipe's default budget (what is
+  free after the weights and a safety margin, as a user's run has it): what the pool itself costs. The
+  ``--memory-gib`` budget is the loss phase's alone; on it the trainer must swap its activations through
+  host memory while the long-context cache holds its pages, which is pressure's cost, not the pool's.
 
 Each phase runs in a process of its own (``--in-process``: all in this one), so that no phase inherits
 another's GPU memory. The default budget, 60 GiB, is below what the loss phase's pressured run wants on the
@@ -75,8 +78,11 @@ def load_trace(name: str, dry: bool) -> list[TraceRequest]:
 
 
 def set_up(
-    args: argparse.Namespace, pool: bool, loads: list[list[TraceRequest]], scratch: Path
+    args: argparse.Namespace, phase: str, loads: list[list[TraceRequest]], scratch: Path
 ) -> Colocation:
+    """The assembly of ``phase``: plain (no pool), loss (the pool at ``--memory-gib``, so that the long-context
+    bursts press it) or pool (the pool at the recipe's default budget, as a user's run has it)."""
+    pool = phase != "plain"
     overrides = [
         f"train.steps={10**7}",
         "train.log_every=1",
@@ -85,7 +91,7 @@ def set_up(
         f"colocation.policy={args.policy}",
         f"colocation.memory_pool={str(pool).lower()}",
     ]
-    if pool and args.memory_gib:
+    if phase == "loss" and args.memory_gib:
         overrides.append(f"colocation.memory_gib={args.memory_gib}")
     if args.profile:
         overrides.append(f"colocation.profile={Path(args.profile).resolve()}")
@@ -168,10 +174,13 @@ def main() -> None:
     ap.add_argument("--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (quickstart dry)")
     ap.add_argument("--policy", default=None, help="a fixed split (default static:64; static:48 dry)")
     ap.add_argument(
-        "--memory-gib", type=float, default=None, help="the pool's budget (default 80; dry 0.006)"
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="the loss phase's pool budget (default 60; dry 0.006); the pool phase runs on the default budget",
     )
     ap.add_argument("--steps", type=int, default=None, help="training steps of each loss run (30; dry 8)")
-    ap.add_argument("--traces", default="longctx,steady", help="the throughput windows' traces")
+    ap.add_argument("--traces", default="steady,bursty", help="the throughput windows' traces")
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window-s", type=float, default=None, help="seconds a window (20; dry 1.5)")
     ap.add_argument("--phases", default="plain,loss,pool")
@@ -206,7 +215,7 @@ def main() -> None:
     for phase in phases:
         col = None
         try:
-            col = set_up(args, phase != "plain", loads, scratch)
+            col = set_up(args, phase, loads, scratch)
             result.setdefault("setup", {})[phase] = {
                 "memory": col.info.get("memory"),
                 "s": time.perf_counter() - t0,
