@@ -24,7 +24,9 @@ arrivals bring) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
 trace's one cell), and ``temporal`` also in any cell where the sweep ran up to the largest split with a
-trainer and none was clean (the verdict then judges harli against it: colocate_matrix.verdict). First, the
+trainer and none was clean (the verdict then judges harli against it: colocate_matrix.verdict); where
+neither harli nor temporal was clean either, ``exclusive`` (the engine alone on the whole GPU) tells whether
+the objectives can be kept at that load at all (``--policies exclusive`` runs it in every cell). First, the
 trainer alone (``exclusive``, ``exclusive:N``, ``--solo-s`` each) gives the standalone rates on the whole GPU and on every split's trainer SMs (or ``--standalone`` gives them back),
 from which colocate_matrix.py rates each policy (share efficiency) and each cell's ideal.
 
@@ -87,7 +89,7 @@ import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 import torch  # noqa: E402
 from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
-from colocate_sweep import no_split_clean, prefill_per_step, start_share, sweep, top_up  # noqa: E402
+from colocate_sweep import clean, no_split_clean, prefill_per_step, start_share, sweep, top_up  # noqa: E402
 from colocate_windows import OutOfTime, Windows  # noqa: E402
 
 from harli_train.colocate.assembly import assemble  # noqa: E402
@@ -97,7 +99,8 @@ from harli_train.colocate.runtime_options import RuntimeOptions  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("harli", "static", "streams", "temporal")  # what --policies chooses from
+POLICIES = ("harli", "static", "streams", "temporal", "exclusive")  # what --policies chooses from
+DEFAULT_POLICIES = POLICIES[:4]  # exclusive runs by default only where nothing is clean (run_objective)
 DRY_WINDOW_S, DRY_REQUESTS, DRY_PROMPT, DRY_OUTPUT = 1.0, 8, 48, 24
 log = logging.getLogger("bench_colocate")
 
@@ -169,10 +172,11 @@ def run_objective(
 
     for cell in cells:
         entry = out["cells"][cell.key]
-        start = None
+        start, harli_row = None, None
         if "harli" in args.policies:
             png = timelines / label.replace(":", "") / f"{cell.trace}-{cell.load}.png"
             row, steps = window(harli_name(args), cell, png)
+            harli_row = row
             if "error" not in row:
                 spans = colocate_matrix.decode_spans(steps, least_share(col, tpot_s), col.ladder.total_sms)
                 entry["ideal_tokens_per_s"] = colocate_matrix.ideal_tokens_per_s(
@@ -193,7 +197,13 @@ def run_objective(
                     window(name, cell)
         elif "temporal" in args.policies and no_split_clean(static.get(cell.key), shares):
             # The baseline the verdict judges harli by where no split keeps the objective.
-            window("temporal", cell)
+            temporal, _ = window("temporal", cell)
+            if harli_row is not None and not clean(harli_row) and not clean(temporal):
+                # Nothing kept the objectives: can the engine alone? If not, the verdict reads "clean"
+                # as "as clean as the engine alone" (colocate_matrix.keeps).
+                window("exclusive", cell)
+        if "exclusive" in args.policies and "exclusive" not in entry["policies"]:
+            window("exclusive", cell)
     if static:
         by_key = {c.key: c for c in cells}
         out["single_split_top_ups"] = top_up(
@@ -308,8 +318,9 @@ def parse_args() -> argparse.Namespace:
     )
     add(
         "--policies",
-        default=",".join(POLICIES),
-        help=f"among {', '.join(POLICIES)}, or 'none' (standalone only)",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"among {', '.join(POLICIES)} (exclusive: the engine alone, in every cell), or 'none' "
+        "(standalone only)",
     )
     add("--harli-options", default="", help="harli's options (e.g. prefill=paused,grow=0.1); keyed 'harli'")
     add("--min-window-s", type=float, default=15.0, help="a GPU window's least length")

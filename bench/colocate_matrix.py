@@ -16,6 +16,8 @@ row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``vio
 ``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
 ``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds``, ``share_histogram`` and
 ``unused_sm_fraction``;
+a cell's ``exclusive`` row (the engine alone on the whole GPU) says whether its objectives can be kept at all
+(``infeasible``, ``keeps``);
 the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
 that failed is a row with ``error``. Every policy is judged by the same bar (``clean``: every token interval
 counted, and with the objective's ``ttft_ms`` every request's TTFT or its wait so far; ``tpot_clean`` is the
@@ -32,10 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harli_train.colocate.accounting import ATTAINMENT_BAR, RATE_BAR
+
 NOISE = 0.02  # run-to-run noise of finetune tokens/s: a shortfall within it counts as equal
 EFFICIENCY_SLACK = 0.10  # harli's share efficiency within this of the best fixed split's
 VARYING_BAR = 1.3  # harli over the best single fixed split on the varying trace
 LIGHT_FRACTION_BAR = 0.70  # harli's tokens/s over the same-run standalone rate at light load
+ALONE = "exclusive"  # the engine alone on the whole GPU, the trainer only after the load: the feasibility reference
 STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/analyze_colocate.py reads them)
     "t",
     "kind",
@@ -168,9 +173,40 @@ def share_worth(trainer_sm_seconds: dict[Any, float], by_train_sms: dict[int, fl
     return sum(s * standalone_rate(by_train_sms, int(k)) for k, s in trainer_sm_seconds.items()) / total
 
 
+def infeasible(cell: dict[str, Any]) -> bool:
+    """Whether the engine alone (``exclusive``: decode on the whole GPU, no trainer while there is load) ran
+    in ``cell`` and was not clean: no policy can keep the objectives at this load, training or not."""
+    alone = cell["policies"].get(ALONE)
+    return alone is not None and "error" not in alone and not alone.get("clean")
+
+
+def keeps(row: dict[str, Any], cell: dict[str, Any]) -> bool:
+    """Whether ``row`` keeps ``cell``'s objectives: it is clean or, in an infeasible cell (``infeasible``),
+    it is as clean as the engine alone (its violation rate at most ``RATE_BAR`` above the engine alone's,
+    its TPOT and TTFT attainments at most 1 - ``ATTAINMENT_BAR`` below): training added nothing a client
+    sees that serving alone would not have shown."""
+    if "error" in row:
+        return False
+    if row.get("clean"):
+        return True
+    if not infeasible(cell):
+        return False
+    alone, slack = cell["policies"][ALONE], 1 - ATTAINMENT_BAR
+
+    def attained(r: dict[str, Any], key: str) -> float:
+        value = r.get(key)
+        return 1.0 if value is None else float(value)
+
+    return (
+        (row.get("violation_rate") or 0.0) <= (alone.get("violation_rate") or 0.0) + RATE_BAR
+        and attained(row, "tpot_attainment") >= attained(alone, "tpot_attainment") - slack
+        and attained(row, "ttft_attainment") >= attained(alone, "ttft_attainment") - slack
+    )
+
+
 def rate_cell(cell: dict[str, Any], by_train_sms: dict[int, float]) -> dict[str, Any]:
-    """Fill in each policy's share efficiency and fraction of the ideal, and the cell's best clean fixed
-    split (``best_static``: None when no fixed split is clean)."""
+    """Fill in each policy's share efficiency and fraction of the ideal, and the cell's best fixed split
+    that keeps the objectives (``best_static``, ``keeps``: None when none does)."""
     ideal = cell.get("ideal_tokens_per_s")
     for row in cell["policies"].values():
         if "error" in row:
@@ -182,7 +218,7 @@ def rate_cell(cell: dict[str, Any], by_train_sms: dict[int, float]) -> dict[str,
     clean = [
         (name, row)
         for name, row in cell["policies"].items()
-        if name.startswith("static:") and "error" not in row and row.get("clean")
+        if name.startswith("static:") and keeps(row, cell)
     ]
     best = max(clean, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=(None, None))
     cell["best_static"] = best[0]
@@ -190,11 +226,11 @@ def rate_cell(cell: dict[str, Any], by_train_sms: dict[int, float]) -> dict[str,
 
 
 def best_single_static(cells: dict[str, dict[str, Any]]) -> str | None:
-    """The one fixed split clean in every load of a trace with the highest mean tokens/s over those loads
-    (what an operator would fix); None when no split is clean in all of them."""
+    """The one fixed split that keeps the objectives (``keeps``) in every load of a trace with the highest
+    mean tokens/s over those loads (what an operator would fix); None when no split does in all of them."""
     candidates = None
     for cell in cells.values():
-        clean = {n for n, r in cell["policies"].items() if n.startswith("static:") and r.get("clean")}
+        clean = {n for n, r in cell["policies"].items() if n.startswith("static:") and keeps(r, cell)}
         candidates = clean if candidates is None else candidates & clean
     if not candidates:
         return None
@@ -218,12 +254,13 @@ def top_split(matrix: dict[str, Any]) -> str | None:
 
 
 def best_other_baseline(cell: dict[str, Any]) -> str | None:
-    """The clean policy other than harli and the fixed splits (``temporal``: training only while the engine
-    is idle; ``streams``) with the most finetune tokens/s; None when none is clean."""
+    """The policy other than harli and the fixed splits (``temporal``: the trainer in the slack decode leaves
+    on the whole GPU; ``streams``; ``exclusive``: no training while serving) that keeps the objectives
+    (``keeps``) with the most finetune tokens/s; None when none does."""
     clean = [
         (name, row)
         for name, row in cell["policies"].items()
-        if name != "harli" and not name.startswith("static:") and "error" not in row and row.get("clean")
+        if name != "harli" and not name.startswith("static:") and keeps(row, cell)
     ]
     return max(clean, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=(None, None))[0]
 
@@ -234,7 +271,9 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
     leaves the trainer SMs (``top_split``) and it was not clean either: no fixed split keeps this objective
     while training, and harli is judged against the best other clean baseline (``best_baseline``, e.g.
     training only while the engine is idle, which must have run). A cell with no clean baseline at all
-    fails, as does one without a clean fixed split where the sweep did not show that none exists."""
+    fails, as does one without a clean fixed split where the sweep did not show that none exists. Where
+    the engine alone is not clean either (``infeasible``), "clean" reads "as clean as the engine alone"
+    for every policy (``keeps``)."""
     cells_out, ok = {}, True
     top = top_split(matrix)
     for obj_name, obj in matrix.get("objectives", {}).items():
@@ -243,11 +282,14 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
             harli = cell["policies"].get("harli", {})
             best = cell.get("best_static")
             base = cell["policies"].get(best) if best else None
-            v: dict[str, Any] = {"harli_clean": bool(harli.get("clean")), "best_static": best}
+            v: dict[str, Any] = {"harli_clean": keeps(harli, cell) if harli else False, "best_static": best}
+            if infeasible(cell):
+                v["infeasible"] = True
+                v["alone_violation_rate"] = cell["policies"][ALONE].get("violation_rate")
             tok = harli.get("finetune_tokens_per_s")
             top_row = cell["policies"].get(top) if top else None
             v["no_fixed_split_clean"] = bool(
-                base is None and top_row is not None and "error" not in top_row and not top_row.get("clean")
+                base is None and top_row is not None and "error" not in top_row and not keeps(top_row, cell)
             )
             temporal = cell["policies"].get("temporal")
             if v["no_fixed_split_clean"] and tok is not None and temporal and "error" not in temporal:
@@ -255,7 +297,9 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
                 other_tok = cell["policies"][other]["finetune_tokens_per_s"] if other else 0.0
                 v["best_baseline"] = other
                 v["vs_best_baseline"] = tok / other_tok if other_tok else None
-                v["beats_best_baseline"] = bool(other_tok) and tok / other_tok >= 1 - NOISE
+                # A clean baseline that trained nothing (its micro-steps never fitted) is beaten by any
+                # clean harli that trained.
+                v["beats_best_baseline"] = other is not None and tok >= (1 - NOISE) * other_tok and tok > 0
             if base is not None and tok is not None:
                 v["vs_best_static"] = (
                     tok / base["finetune_tokens_per_s"] if base["finetune_tokens_per_s"] else None
@@ -354,7 +398,7 @@ def table(matrix: dict[str, Any]) -> str:
                     obj_name,
                     key,
                     _f(h.get("finetune_tokens_per_s"), 0),
-                    "yes" if h.get("clean") else "no",
+                    _clean_column(h, cell),
                     _f(h.get("tpot_attainment"), 3),
                     _f(h.get("violation_rate"), 4),
                     _f((h.get("ttft_ms") or {}).get("p99"), 0),
@@ -375,13 +419,20 @@ def table(matrix: dict[str, Any]) -> str:
     return "\n".join([fmt(head), *map(fmt, rows)])
 
 
+def _clean_column(row: dict[str, Any], cell: dict[str, Any]) -> str:
+    if row.get("clean"):
+        return "yes"
+    return "as alone" if row and keeps(row, cell) else "no"
+
+
 def _no_split(v: dict[str, Any], cell: dict[str, Any]) -> str:
     """The best-static column of a cell without a clean fixed split: the baseline judged instead, if any."""
+    alone = f"infeasible (alone {v.get('alone_violation_rate') or 0:.4f}); " if v.get("infeasible") else ""
     if not v.get("no_fixed_split_clean"):
-        return "none clean"
+        return f"{alone}none clean"
     if "best_baseline" not in v:
-        return "none clean; temporal not run"
-    return f"none clean; {v['best_baseline'] or 'no training'}"
+        return f"{alone}none clean; temporal not run"
+    return f"{alone}none clean; {v['best_baseline'] or 'no training'}"
 
 
 def _f(v: float | None, digits: int) -> str:

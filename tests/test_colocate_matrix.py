@@ -139,6 +139,7 @@ def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_b
     no_temporal = cell(harli=row(8000.0), **statics)  # the alternative was not measured: nothing to judge by
     short = cell(harli=row(8000.0), temporal=row(3500.0), **{"static:96": row(5000.0, clean=False)})
     nothing_trains = cell(harli=row(8000.0), temporal=row(3500.0, clean=False), **statics)
+    never_fits = cell(harli=row(2000.0), temporal=row(0.0), **statics)  # temporal clean, trains nothing
     matrix = {
         "setup": {"ladder": {"rungs": rungs}},
         "objectives": {
@@ -149,6 +150,7 @@ def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_b
                     "steady/medium": no_temporal,
                     "steady/heavy": short,
                     "varying/1x": nothing_trains,
+                    "longctx/heavy": never_fits,
                 }
             }
         },  # fmt: skip
@@ -164,8 +166,46 @@ def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_b
     assert not v["auto:2 steady/heavy"]["no_fixed_split_clean"] and not v["auto:2 steady/heavy"]["pass"]
     varying = v["auto:2 varying/1x"]  # only harli trains within the objective: no baseline, no verdict
     assert varying["best_baseline"] is None and varying["vs_best_baseline"] is None and not varying["pass"]
+    fits = v["auto:2 longctx/heavy"]  # a clean harli that trains beats a clean baseline that trains nothing
+    assert fits["best_baseline"] == "temporal" and fits["vs_best_baseline"] is None and fits["pass"]
     text = cm.table(matrix)
     assert "none clean; temporal" in text and "none clean; temporal not run" in text
     assert "none clean; no training" in text
     # A merged matrix finds the ladder in its calls' set-ups.
     assert cm.top_split({"calls": [{"setup": None}, {"setup": {"ladder": {"rungs": rungs}}}]}) == "static:112"
+
+
+def test_where_the_engine_alone_breaks_the_objectives_clean_reads_as_clean_as_the_engine_alone():
+    # bursty/heavy at auto:1.5 on the H200: the TTFT objective forces prompt tokens into steps past the TPOT
+    # objective even with no trainer. Each policy is judged against what serving alone showed.
+    rungs = [{"infer_sms": s, "train_sms": 132 - s} for s in (16, 80, 96, 112, 132)]
+
+    def bad(tok, rate, attain=0.95):
+        return {**row(tok, clean=False), "violation_rate": rate, "tpot_attainment": attain}
+
+    alone = bad(0.0, 0.050)
+    statics = {"static:96": bad(5000.0, 0.20), "static:112": bad(3000.0, 0.0505)}
+    infeasible = cell(harli=bad(3200.0, 0.0508), temporal=bad(1100.0, 0.054), exclusive=alone, **statics)
+    worse = cell(harli=bad(2900.0, 0.09), temporal=bad(1100.0, 0.054), exclusive=alone)
+    feasible = cell(harli=bad(2900.0, 0.09), temporal=bad(1100.0, 0.054), exclusive=row(0.0))
+    matrix = {
+        "setup": {"ladder": {"rungs": rungs}},
+        "objectives": {
+            "auto:1.5": {"cells": {"bursty/heavy": infeasible, "steady/heavy": worse, "varying/1x": feasible}}
+        },
+        "standalone": {"by_train_sms": {str(k): v for k, v in RATES.items()}},
+    }
+    v = cm.finish(matrix)["verdict"]["cells"]
+    first = v["auto:1.5 bursty/heavy"]
+    assert first["infeasible"] and first["alone_violation_rate"] == 0.05 and first["harli_clean"]
+    # static:112 is as clean as serving alone: it is the fixed split harli has to beat, and harli does.
+    assert first["best_static"] == "static:112" and first["vs_best_static"] == pytest.approx(3200 / 3000)
+    assert first["beats_best_static"] and first["pass"]
+    second = v["auto:1.5 steady/heavy"]  # harli broke the objectives more often than serving alone
+    assert second["infeasible"] and not second["harli_clean"] and not second["pass"]
+    third = v["auto:1.5 varying/1x"]  # the engine alone kept them: nothing is excused
+    assert "infeasible" not in third and not third["harli_clean"] and not third["pass"]
+    assert cm.keeps(infeasible["policies"]["static:112"], infeasible)
+    assert not cm.keeps(infeasible["policies"]["temporal"], infeasible)
+    text = cm.table(matrix)
+    assert "as alone" in text and "infeasible (alone 0.0500); none clean" in text
