@@ -168,8 +168,10 @@ def decode_linear_add_rms_norm(
     lora: GemvLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.add_rms_norm(p, residual, norm_weight, eps)` -> (normed, p + residual) of the projection
-    p = x @ weight^T (+ addend, or `lora`'s delta, in fp32 before p's cast). When K is split (always with
-    `lora`) the split-sum kernel does the add and the norm too: one launch less."""
+    p = x @ weight^T (+ addend, or `lora`'s delta, in fp32 before p's cast). When K is split without `lora`
+    the split-sum kernel does the add and the norm too: one launch less. With `lora` the split sum and the
+    expand run over column tiles (one program a row would put the expand's N x R reads on one SM each), then
+    the add and norm as their own launch."""
     m, n = x.shape[0], weight.shape[0]
     assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
     h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
@@ -253,16 +255,14 @@ def _decode_linear(
     )  # fmt: skip
     lora_args = (la.bt, la.scales, la.sorted_ids, la.slot_start, width)
     block_s, rank_pow2 = _pow2(la.num_slots), max(2, _pow2(la.rank))
-    if add_norm is not None:
+    if add_norm is not None and lora is None:
         residual, norm_weight, eps, y, h = add_norm
         if not partial:
             return kernels.add_rms_norm(out, residual, norm_weight, eps)
         block = _pow2(n_out)
         _split_reduce_add_rms_norm_kernel[(m,)](
             dest, stride, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
-            y, y.stride(0), m, n_out, eps, *lora_args, la.rank, la.num_slots,
-            SPLIT_K=split, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None, BLOCK=block,
-            BLOCK_S=block_s, BLOCK_RC=max(2, min(rank_pow2, 16384 // block)),
+            y, y.stride(0), m, n_out, eps, SPLIT_K=split, HAS_ADDEND=addend is not None, BLOCK=block,
             num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
         return y, h
@@ -282,6 +282,8 @@ def _decode_linear(
             dest, stride, out, out.stride(0), add, add_stride, m, n_out,
             SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
+    if add_norm is not None:  # with `lora`: the expand ran over column tiles above, then the add and norm
+        return kernels.add_rms_norm(out, add_norm[0], add_norm[1], add_norm[2])
     return out
 
 

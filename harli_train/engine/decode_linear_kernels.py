@@ -6,8 +6,8 @@
 delta) joins the fp32 sum before the epilogue (cast, SwiGLU, residual add and norm): in the GEMV kernel's
 epilogue without split-K, in the reduce kernel with it. With the LoRA in the launches (HAS_LORA, always
 PARTIAL), the GEMV kernel also computes the shrink over the stacked A's row tiles and the expand joins the
-sums in `_split_reduce_lora_kernel` (tiles of rows grouped by slot) or, with the residual add and norm, per
-row in `_split_reduce_add_rms_norm_kernel`.
+sums in `_split_reduce_lora_kernel` (tiles of rows grouped by slot, over column tiles); a residual add and
+norm then runs as its own row kernel (`kernels.add_rms_norm`), as it does after a GEMV without split-K.
 """
 
 from __future__ import annotations
@@ -216,43 +216,6 @@ def _decode_linear_kernel(
             _store_tile(part, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
 
 
-@triton.jit
-def _lora_row(pid, sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(row, slot) a reduce program runs: with LoRA, position `pid` in the step's rows grouped by slot
-    (lora_ops.lora_layout), where positions past the layout's rows (a graph bucket's padding when only the
-    step's rows were laid out) are their own rows, on the base; without, row `pid` on the base."""
-    if not HAS_LORA:
-        return pid.to(tl.int64), 0
-    js = tl.arange(0, BLOCK_S)
-    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
-    laid_out = pid < tl.load(slot_start_ptr + lora_slots)
-    slot = tl.where(laid_out, tl.sum((starts <= pid).to(tl.int32), axis=0), 0)
-    row = tl.where(laid_out, tl.load(sorted_ids_ptr + tl.where(laid_out, pid, 0)), pid)
-    return row.to(tl.int64), slot
-
-
-# The expand of one row m of one slice: scale * sum_r s[r] * bt[slot, r, cols], s the shrink's values in
-# the workspace's columns [a_col0 + slot R, + R) (their splits summed in order); bt [S, R, N] contiguous.
-# BLOCK_RC ranks at a time, each a [BLOCK_RC, len(cols)] tile of bt.
-@triton.jit
-def _lora_row_expand(
-    part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, col_mask, slot, scale, lora_rank,
-    SPLIT_K: tl.constexpr, BLOCK_RC: tl.constexpr,
-):  # fmt: skip
-    delta = tl.zeros(cols.shape, dtype=tl.float32)
-    row = bt_ptr + slot.to(tl.int64) * lora_rank * N
-    base = part_ptr + m * stride_part + a_col0 + slot * lora_rank
-    for r0 in range(0, lora_rank, BLOCK_RC):
-        r = r0 + tl.arange(0, BLOCK_RC)
-        in_r = r < lora_rank
-        s = tl.zeros(r.shape, dtype=tl.float32)
-        for k in tl.static_range(SPLIT_K):
-            s += tl.load(base + k * M * stride_part + r, mask=in_r, other=0.0)
-        b = tl.load(row + r[:, None] * N + cols[None, :], mask=in_r[:, None] & col_mask[None, :], other=0.0)
-        delta += tl.sum(s[:, None] * b.to(tl.float32), axis=0)
-    return delta * scale
-
-
 # part: [SPLIT_K, M, stride_part] fp32 (W = N, or 2 N with SWIGLU, columns of sums first); out: [M, N] row
 # stride stride_om; add (when HAS_ADDEND): fp32 [M, W] row stride stride_am, summed with the splits.
 @triton.jit
@@ -388,11 +351,9 @@ def _split_reduce_lora_kernel(
 
 
 # part: [SPLIT_K, M, stride_part] fp32; res, h, y: [M, N] (row strides given); add (when HAS_ADDEND): fp32
-# [M, N] row stride stride_am; HAS_LORA: program p runs position p of the rows grouped by slot (_lora_row) and
-# adds its slot's expand (_lora_row_expand; bt [S, R, N]). One program per row: the sum
-# of the splits (and the addend, or the expand) is the projection's output in its dtype (as `decode_linear`
-# would store it); then the residual add and RMSNorm round as `kernels.add_rms_norm` does (h in its dtype,
-# fp32 statistics).
+# [M, N] row stride stride_am. One program per row: the sum of the splits (and the addend) is the
+# projection's output in its dtype (as `decode_linear` would store it); then the residual add and RMSNorm
+# round as `kernels.add_rms_norm` does (h in its dtype, fp32 statistics).
 @triton.jit
 def _split_reduce_add_rms_norm_kernel(
     part_ptr,
@@ -409,21 +370,11 @@ def _split_reduce_add_rms_norm_kernel(
     M,
     N,
     eps,
-    bt_ptr,
-    scales_ptr,
-    sorted_ids_ptr,
-    slot_start_ptr,
-    a_col0,
-    lora_rank,
-    lora_slots,
     SPLIT_K: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
-    HAS_LORA: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_RC: tl.constexpr,
 ):
-    m, slot = _lora_row(tl.program_id(0), sorted_ids_ptr, slot_start_ptr, lora_slots, HAS_LORA, BLOCK_S)
+    m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -431,13 +382,6 @@ def _split_reduce_add_rms_norm_kernel(
         acc += tl.load(part_ptr + (s * M + m) * stride_part + cols, mask=mask, other=0.0)
     if HAS_ADDEND:
         acc += tl.load(add_ptr + m * stride_am + cols, mask=mask, other=0.0)
-    if HAS_LORA:
-        if slot > 0:
-            scale = tl.load(scales_ptr + slot)
-            acc += _lora_row_expand(
-                part_ptr, stride_part, M, m, a_col0, bt_ptr, N, cols, mask, slot, scale, lora_rank,
-                SPLIT_K, BLOCK_RC,
-            )  # fmt: skip
     x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     r = tl.load(res_ptr + m * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(h_ptr.dtype.element_ty)
