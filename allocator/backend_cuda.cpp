@@ -12,6 +12,7 @@ namespace hvmm {
 namespace {
 
 typedef int CUresult;
+constexpr CUresult kContextIsDestroyed = 709;  // CUDA_ERROR_CONTEXT_IS_DESTROYED
 typedef int CUdevice;
 typedef struct CUctx_st* CUcontext;
 typedef struct CUstream_st* CUstream;
@@ -188,7 +189,12 @@ class CudaBackend final : public Backend {
   }
   int synchronize(void* stream) override {
     if (int st = ensure_context()) return st;
-    if (stream) CU_TRY(driver().cuStreamSynchronize(static_cast<CUstream>(stream)));
+    if (stream) {
+      const CUresult rc = driver().cuStreamSynchronize(static_cast<CUstream>(stream));
+      // A stream of a (green) context already destroyed has nothing left to run: destroying the context
+      // ended its work. Torch frees such blocks at exit, after the SM partitions are gone.
+      if (rc != 0 && rc != kContextIsDestroyed) return cu_fail("cuStreamSynchronize", rc);
+    }
     CU_TRY(driver().cuCtxSynchronize());
     return HVMM_OK;
   }

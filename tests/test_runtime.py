@@ -1322,3 +1322,27 @@ def test_a_step_row_lists_only_the_trainer_micro_steps_still_on_the_gpu_as_the_s
     assert snap.on_gpu() == ()
     # A CPU stand-in records no events (its micro-steps run as they launch): the queue as it was.
     assert TrainerSnapshot(False, 3, 10, 1.0, 0.0, ("fwd",), None, None, False, 5, 0).on_gpu() == ("fwd",)
+
+
+def test_time_slicing_sizes_its_first_launch_by_the_micro_step_times_measured_at_set_up(tmp_path):
+    # Under an objective, time slicing launches a micro-step only into slack its estimate fits. Before the
+    # run has timed one, the estimates come from `Colocation.time_micro_steps` (the whole GPU at set-up);
+    # without them none fits, and a load that never leaves the engine idle never trains.
+    from harli_train.colocate.host_priority import HostPriority
+    from harli_train.colocate.policy import AFTER
+    from harli_train.colocate.trainer_side import TrainerSide
+
+    trainer = Trainer(recipe(tmp_path), model=load_model("tiny", torch.float32, "cpu"), quiet=True)
+    trainer.setup()
+    full = SMLadder.cpu_standin(TOTAL, 16).full
+    plan = StepPlan(full, AFTER, full.train_stream, TOTAL, 3e-3, None, "slack", strict=True)
+    measured = {"fwd": 2e-3, "next": 2e-3, "loss": 1e-3, "bwd": 4e-3}
+    seeded = TrainerSide(trainer, lambda: None, HostPriority(), estimates=measured)
+    assert seeded.expected_s("next") == 2e-3 and seeded.expected_s("optim") == 4e-3  # unknown: the largest
+    assert seeded._may_launch(plan, False, 3e-3, seeded.expected_s("next"), 0, "next")
+    assert not seeded._may_launch(plan, False, 3e-3, seeded.expected_s("bwd"), 0, "bwd")  # 4 ms > 3 ms
+    blind = TrainerSide(trainer, lambda: None, HostPriority())
+    assert not blind._may_launch(plan, False, 3e-3, blind.expected_s("next"), 0, "next")
+    # The run's own timings take over: one of 6 ms outweighs the set-up's 2 ms (a median of the two).
+    seeded._observe(6e-3, "fwd")
+    assert seeded.expected_s("fwd") == 6e-3

@@ -75,6 +75,9 @@ class Colocation:
         # What one trainer stream caches (measured at the first prepare).
         self._stream_bytes: int | None = None
         self._step_extra_bytes = 0  # what a step holds beyond that (its saved tensors)
+        # Each kind of micro-step's duration on the whole GPU (measured at the first prepare): the trainer
+        # side's estimates before its own, so that time slicing can size its first launches.
+        self.micro_step_s: dict[str, float] = {}
 
     @property
     def tpot_s(self) -> float:
@@ -115,7 +118,8 @@ class Colocation:
         its streams' caches warmed for every SM budget the policy gives it (a synthetic step each, caches
         kept for serving). A rung on which the trainer's kernels fail is retired from the ladder and the
         policy is made again on the rungs left, so the policy returned may be another object than
-        ``policy``. Nothing to do on a CPU."""
+        ``policy``. The first prepare also times each kind of micro-step on the whole GPU
+        (``micro_step_s``). Nothing to do on a CPU."""
         if self.trainer.device.type != "cuda":
             return policy
         torch.cuda.empty_cache()
@@ -130,6 +134,13 @@ class Colocation:
                     self.trainer, places, self.ladder.total_sms, release=self._release, scope=scope
                 )
             if not self.ladder.retire(failed):
+                if not self.micro_step_s:
+                    with contextlib.nullcontext() if self.parallel is None else self.parallel.local():
+                        self.micro_step_s = time_micro_steps(
+                            self.trainer, self.ladder.full.train_stream, self.ladder.total_sms, scope
+                        )
+                    if self._release:
+                        torch.cuda.empty_cache()
                 return policy
             torch.cuda.empty_cache()
             policy = self.new_policy(policy.name, policy.tpot_s)  # its trainer streams are warmed in turn
@@ -218,6 +229,7 @@ class Colocation:
             self.memory,
             self.info,
             live=self.live,
+            micro_step_s=self.micro_step_s,
         )
 
     def close(self) -> None:
@@ -260,14 +272,7 @@ def warm_up_trainer(
     if trainer.device.type != "cuda":
         return set()
     cfg, model = trainer.cfg, trainer.model
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(
-        0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
-    )
-    batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
-    batch["positions"] = torch.arange(ids.shape[1]).expand_as(ids).clone()
-    if cfg.data.packing:  # the block-diagonal attention that packed batches run (its mask's memory included)
-        batch["doc_ids"] = torch.zeros_like(ids)
+    batch = synthetic_batch(trainer)
     saved = rng_state()
     places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
     places.setdefault(total_sms, partitions[-1].train_stream)
@@ -309,6 +314,73 @@ def warm_up_trainer(
             torch.cuda.empty_cache()
     log.info("trainer kernels warmed up for SM budgets %s", sorted(set(places) - failed))
     return failed
+
+
+def synthetic_batch(trainer: Trainer) -> dict[str, Any]:
+    """A seeded micro-batch of the recipe's shape (batch size x sequence length) on the CPU, packed like the
+    run's when the recipe packs (the block-diagonal attention and its mask's memory included)."""
+    cfg, model = trainer.cfg, trainer.model
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(
+        0, min(model.config.vocab_size, 256), (cfg.train.batch_size, cfg.data.seq_len), generator=gen
+    )
+    batch = {"input_ids": ids, "labels": ids.clone(), "num_target_tokens": ids.shape[0] * (ids.shape[1] - 1)}
+    batch["positions"] = torch.arange(ids.shape[1]).expand_as(ids).clone()
+    if cfg.data.packing:
+        batch["doc_ids"] = torch.zeros_like(ids)
+    return batch
+
+
+def time_micro_steps(
+    trainer: Trainer,
+    stream: Any,
+    sms: int,
+    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """Seconds each kind of micro-step of one synthetic step takes on ``stream`` with ``sms`` SMs (the
+    median over the step's micro-steps of that kind; ``next``, the step boundary's launch, as ``fwd``),
+    its kernels already loaded (``warm_up_trainer``). Nothing of the trainer's state is kept. Empty on a
+    CPU."""
+    if trainer.device.type != "cuda":
+        return {}
+    cfg, saved = trainer.cfg, rng_state()
+    marks: list[tuple[str, Any, Any]] = []
+    try:
+        with torch.cuda.stream(stream), kernels.sm_budget(sms), scope():
+            steps = train_step(
+                trainer.model,
+                [synthetic_batch(trainer)],
+                cfg.train.layers_per_microstep,
+                trainer._autocast,
+                buffers=trainer.buffers if trainer.step_graphs is not None else None,
+                stash=trainer.stash_chunk,
+                graphs=trainer.step_graphs,
+            )
+            while True:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                try:
+                    ms = next(steps)
+                except StopIteration:
+                    break
+                end.record(stream)
+                marks.append((ms.phase, start, end))
+        torch.cuda.synchronize()
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(saved)
+    by_kind: dict[str, list[float]] = {}
+    for phase, start, end in marks:
+        by_kind.setdefault(phase, []).append(start.elapsed_time(end) * 1e-3)
+    out = {kind: sorted(v)[len(v) // 2] for kind, v in by_kind.items()}
+    if "fwd" in out:
+        out["next"] = out["fwd"]
+    log.info(
+        "the trainer's micro-steps on %d SMs: %s",
+        sms,
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(out.items())),
+    )
+    return out
 
 
 def warm_step_end(trainer: Trainer) -> None:

@@ -66,6 +66,7 @@ class ColocatedRuntime(AlonePhases):
         memory_hook: MemoryHook | None = None,
         info: dict[str, Any] | None = None,
         live: Any = None,
+        micro_step_s: dict[str, float] | None = None,
     ) -> None:
         self.trainer, self.engine, self.policy, self.live = trainer, engine, policy, live
         self._live_final = False  # the final adapter is served (or there is none to serve)
@@ -82,6 +83,7 @@ class ColocatedRuntime(AlonePhases):
             should_stop=self._stop.is_set,
             max_in_flight=self.opts.max_in_flight,
             on_optimizer_step=live.after_optimizer_step if live is not None else None,
+            estimates=micro_step_s,
         )
         policy.trainer_busy = self.worker.gpu_busy
         policy.trainer_on_gpu = lambda: self.worker.snapshot.on_gpu()

@@ -61,6 +61,7 @@ class TrainerSide:
         log_limit: int = 4096,
         max_in_flight: int = 2,
         on_optimizer_step: Callable[[int], None] | None = None,
+        estimates: dict[str, float] | None = None,
     ) -> None:
         self.trainer, self.on_oom, self.priority = trainer, on_oom, priority
         # Entered around every resumption of the trainer's generator (the page pool: where its allocations go).
@@ -84,7 +85,11 @@ class TrainerSide:
         self.done = trainer.done
         self.ewma_s = 0.0  # one micro-step's duration
         self.in_flight: deque[tuple[Any, Any, str]] = deque()  # (start, end, kind) of queued micro-steps
-        self._kind_s: dict[str, deque[float]] = {}  # recent durations per kind of micro-step
+        # Recent durations per kind of micro-step; ``estimates`` (seconds per kind, measured beside no
+        # decode: `colocation.time_micro_steps`) stand in until the run has timed its own.
+        self._kind_s: dict[str, deque[float]] = {
+            k: deque([v], maxlen=5) for k, v in (estimates or {}).items()
+        }
         self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
         self.last_stream: Any = None
         self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
