@@ -188,6 +188,27 @@ def lora_linear(
     return reference.lora_linear(x, weight, bias, lora_a, lora_b, scale)
 
 
+def swiglu_lora_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale)``, the same values and gradients;
+    on the Triton path the activation silu(gate) * up is not kept for backward (recomputed there for dA)."""
+    if (
+        _use_triton(gate)
+        and _supported(gate, up, weight, bias, lora_a, lora_b)
+        and gate.shape == up.shape
+        and not _trainable(weight, bias)
+    ):
+        return _impl("lora_linear").swiglu_lora_linear(gate, up, weight, bias, lora_a, lora_b, scale)
+    return lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scale)
+
+
 def lora_linear_group(
     x: torch.Tensor,
     members: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, float]],

@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from harli_train.kernels.common import check_dtype, compute_dtype, new_output
 from harli_train.kernels.launch_config import get_config, launch_gate, num_sms, with_forward_budget
+from harli_train.kernels.swiglu import _rows, swiglu_bwd, swiglu_fwd
 
 
 # X: [M, K] strides (sxm, sxk); W: [R, K] strides (swr, swk), read as W^T [K, R];
@@ -269,61 +270,115 @@ class LoRALinearGroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scales: tuple[float, ...], *params: torch.Tensor):
         dt = compute_dtype(x)
-        weights, biases = params[0::4], params[1::4]
-        ranks = [a.shape[0] for a in params[2::4]]
         x2 = x.reshape(-1, x.shape[-1]).to(dt)
-        a_cat, bs = _master_casts.get(params[2::4], params[3::4], dt)
-        xa = lora_shrink(x2, a_cat, 1.0)
-        outs, off = [], 0
-        for w, bias, b, s, r in zip(weights, biases, bs, scales, ranks, strict=True):
-            y = F.linear(x2, w.to(dt), None if bias is None else bias.to(dt))
-            lora_expand_(y, xa[:, off : off + r], b.t(), s)
-            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
-            off += r
+        outs, xa, a_cat, bs = _group_forward(x2, dt, scales, params)
+        weights = params[0::4]
         ctx.save_for_backward(x2, xa, a_cat, *weights, *bs)
         ctx.num_sms = num_sms()
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.scales, ctx.ranks, ctx.x_meta = scales, ranks, (x.shape, x.dtype)
-        return tuple(outs)
+        ctx.scales, ctx.ranks, ctx.x_meta = scales, [a.shape[0] for a in params[2::4]], (x.shape, x.dtype)
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in outs)
 
     @staticmethod
     @with_forward_budget
     def backward(ctx, *dys: torch.Tensor | None):
         x2, xa, a_cat, *rest = ctx.saved_tensors
         n = len(ctx.scales)
-        weights, bs = rest[:n], rest[n:]
-        need = ctx.needs_input_grad
-        dt, m = x2.dtype, x2.shape[0]
-        dys = [None if d is None else d.reshape(m, d.shape[-1]).to(dt) for d in dys]
-        grads: list[torch.Tensor | None] = [None] * (2 + 4 * n)
-        if need[0] or any(need[4::4]):  # dYB feeds dx and dA only
-            dyb = new_output((m, a_cat.shape[0]), dt, x2.device)
-            off = 0
-            for dy, b, s, r in zip(dys, bs, ctx.scales, ctx.ranks, strict=True):
-                if dy is None:
-                    dyb[:, off : off + r].zero_()
-                else:
-                    lora_shrink(dy, b.t(), s, out=dyb[:, off : off + r])
-                off += r
-        if any(need[4::4]):
-            for i, da in enumerate((dyb.t() @ x2).split(ctx.ranks)):
-                grads[4 + 4 * i] = da if need[4 + 4 * i] else None
-        off = 0
-        for i, (dy, s, r) in enumerate(zip(dys, ctx.scales, ctx.ranks, strict=True)):
-            if need[5 + 4 * i]:
-                grads[5 + 4 * i] = (
-                    torch.zeros_like(bs[i]) if dy is None else (dy.t() @ xa[:, off : off + r]).mul_(s)
-                )
-            off += r
-        if need[0]:
-            dx = None
-            for dy, w in zip(dys, weights, strict=True):
-                if dy is not None:
-                    dx = dy @ w.to(dt) if dx is None else dx.addmm_(dy, w.to(dt))
-            dx = torch.zeros(x2.shape, dtype=dt, device=x2.device) if dx is None else dx
-            lora_expand_(dx, dyb, a_cat, 1.0)
+        grads, dx = _group_backward(
+            dys, lambda: x2, xa, a_cat, rest[:n], rest[n:], ctx.scales, ctx.ranks, ctx.needs_input_grad
+        )
+        if dx is not None:
             grads[0] = dx.view(ctx.x_meta[0]).to(ctx.x_meta[1])
         return tuple(grads)
+
+
+def _group_forward(
+    x2: torch.Tensor, dt: torch.dtype, scales: tuple[float, ...], params: tuple[torch.Tensor, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The group's forward over x2 [M, in] in ``dt`` (params: (W, b, A, B) per member): (each member's output
+    [M, out], XA, the stacked A cast, the B casts)."""
+    weights, biases = params[0::4], params[1::4]
+    ranks = [a.shape[0] for a in params[2::4]]
+    a_cat, bs = _master_casts.get(params[2::4], params[3::4], dt)
+    xa = lora_shrink(x2, a_cat, 1.0)
+    outs, off = [], 0
+    for w, bias, b, s, r in zip(weights, biases, bs, scales, ranks, strict=True):
+        y = F.linear(x2, w.to(dt), None if bias is None else bias.to(dt))
+        lora_expand_(y, xa[:, off : off + r], b.t(), s)
+        outs.append(y)
+        off += r
+    return outs, xa, a_cat, bs
+
+
+def _group_backward(dys, x2_of, xa, a_cat, weights, bs, scales, ranks, need):
+    """The group's backward: (the gradients in the group function's argument order, dx [M, in] in the
+    compute dtype or None when x needs none). ``x2_of()`` gives the forward's input [M, in] (called only
+    for dA); ``need`` is the group function's ``needs_input_grad`` (x first)."""
+    n = len(scales)
+    dt, m = xa.dtype, xa.shape[0]
+    dys = [None if d is None else d.reshape(m, d.shape[-1]).to(dt) for d in dys]
+    grads: list[torch.Tensor | None] = [None] * (2 + 4 * n)
+    if need[0] or any(need[4::4]):  # dYB feeds dx and dA only
+        dyb = new_output((m, a_cat.shape[0]), dt, xa.device)
+        off = 0
+        for dy, b, s, r in zip(dys, bs, scales, ranks, strict=True):
+            if dy is None:
+                dyb[:, off : off + r].zero_()
+            else:
+                lora_shrink(dy, b.t(), s, out=dyb[:, off : off + r])
+            off += r
+    if any(need[4::4]):
+        for i, da in enumerate((dyb.t() @ x2_of()).split(ranks)):
+            grads[4 + 4 * i] = da if need[4 + 4 * i] else None
+    off = 0
+    for i, (dy, s, r) in enumerate(zip(dys, scales, ranks, strict=True)):
+        if need[5 + 4 * i]:
+            grads[5 + 4 * i] = (
+                torch.zeros_like(bs[i]) if dy is None else (dy.t() @ xa[:, off : off + r]).mul_(s)
+            )
+        off += r
+    dx = None
+    if need[0]:
+        for dy, w in zip(dys, weights, strict=True):
+            if dy is not None:
+                dx = dy @ w.to(dt) if dx is None else dx.addmm_(dy, w.to(dt))
+        dx = torch.zeros((m, a_cat.shape[1]), dtype=dt, device=xa.device) if dx is None else dx
+        lora_expand_(dx, dyb, a_cat, 1.0)
+    return grads, dx
+
+
+class SwiGLULoRALinearFunction(torch.autograd.Function):
+    """y = a W^T + b + s (a A^T) B^T with a = silu(g) u (the MLP's down projection over its SwiGLU), saving
+    g and u (which the SwiGLU's backward needs anyway) but not a: the backward recomputes a, for dA only.
+    Computes exactly what `swiglu` followed by `lora_linear` computes (the same kernels in the same order);
+    a [M, intermediate] activation less is kept per layer."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale: float):
+        g, u = _rows(gate), _rows(up)
+        act = swiglu_fwd(g, u)
+        dt = compute_dtype(act)
+        (y,), xa, a_cat, bs = _group_forward(act.to(dt), dt, (scale,), (weight, bias, lora_a, lora_b))
+        ctx.save_for_backward(g, u, xa, a_cat, weight, *bs)
+        ctx.num_sms = num_sms()
+        ctx.scale, ctx.rank, ctx.act_dtype, ctx.shape = scale, lora_a.shape[0], act.dtype, gate.shape
+        return y.view(*gate.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @with_forward_budget
+    def backward(ctx, dy: torch.Tensor):
+        g, u, xa, a_cat, weight, b = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        x2_of = lambda: swiglu_fwd(g, u).to(xa.dtype)  # noqa: E731 (the forward's input, recomputed)
+        group_need = (need[0] or need[1], False, False, False, need[4], need[5])
+        grads, d_act = _group_backward(
+            (dy,), x2_of, xa, a_cat, (weight,), (b,), (ctx.scale,), (ctx.rank,), group_need
+        )
+        dg = du = None
+        if d_act is not None:
+            dg, du = swiglu_bwd(d_act.to(ctx.act_dtype), g, u)
+            dg, du = dg.view(ctx.shape), du.view(ctx.shape)
+        return dg, du, None, None, grads[4], grads[5], None
 
 
 def lora_linear(
@@ -336,6 +391,19 @@ def lora_linear(
 ) -> torch.Tensor:
     """Triton LoRA linear of x [..., in]: x W^T + b + scale (x A^T) B^T."""
     return LoRALinearGroupFunction.apply(x, (float(scale),), weight, bias, lora_a, lora_b)[0]
+
+
+def swiglu_lora_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton LoRA linear of silu(gate) * up (gate, up [..., in] of one shape), the activation not kept."""
+    return SwiGLULoRALinearFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale))
 
 
 def lora_linear_group(

@@ -71,7 +71,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = grouped_forward(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(kernels.swiglu(gate, up))
+        down = self.down_proj
+        if down.has_lora and not (down.dropout > 0.0 and down.training):
+            # down's input, silu(gate) * up, is recomputed in backward rather than kept.
+            return kernels.swiglu_lora_linear(
+                gate, up, down.weight, down.bias, down.lora_A, down.lora_B, down.scale
+            )
+        return down(kernels.swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
