@@ -9,6 +9,7 @@ member's A, and the backward adds every member's rank-r term into dx with one ex
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -310,7 +311,17 @@ def _group_forward(
     return outs, xa, a_cat, bs
 
 
-def _group_backward(dys, x2_of, xa, a_cat, weights, bs, scales, ranks, need):
+def _group_backward(
+    dys: tuple[torch.Tensor | None, ...],
+    x2_of: Callable[[], torch.Tensor],
+    xa: torch.Tensor,
+    a_cat: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    bs: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    ranks: Sequence[int],
+    need: Sequence[bool],
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """The group's backward: (the gradients in the group function's argument order, dx [M, in] in the
     compute dtype or None when x needs none). ``x2_of()`` gives the forward's input [M, in] (called only
     for dA); ``need`` is the group function's ``needs_input_grad`` (x first)."""
