@@ -32,6 +32,12 @@ class LoRALinear(nn.Module):
         return self.lora_A is not None
 
     @property
+    def fusable(self) -> bool:
+        """Whether it carries an adapter the Triton LoRA kernels run: any adapter but one whose dropout is
+        active (training with dropout > 0 takes the plain path)."""
+        return self.has_lora and not (self.dropout > 0.0 and self.training)
+
+    @property
     def scale(self) -> float:
         return self.alpha / self.rank if self.rank else 0.0
 
@@ -55,7 +61,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_A is None:
             return F.linear(x, self.weight, self.bias)
-        if self.dropout > 0.0 and self.training:
+        if not self.fusable:
             # The fused kernel has no dropout; the rare dropout case takes the plain path.
             h = F.dropout(x, self.dropout, training=True)
             lora = F.linear(F.linear(h, self.lora_A.to(h.dtype)), self.lora_B.to(h.dtype))
@@ -69,7 +75,6 @@ class LoRALinear(nn.Module):
 
 def grouped_forward(x: torch.Tensor, layers: tuple[LoRALinear, ...]) -> list[torch.Tensor]:
     """Apply several projections of the same input (q/k/v, gate/up); fused when all carry plain adapters."""
-    fusable = all(m.has_lora and not (m.dropout > 0.0 and m.training) for m in layers)
-    if not fusable:
+    if not all(m.fusable for m in layers):
         return [m(x) for m in layers]
     return kernels.lora_linear_group(x, [(m.weight, m.bias, m.lora_A, m.lora_B, m.scale) for m in layers])

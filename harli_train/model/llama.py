@@ -72,7 +72,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = grouped_forward(x, (self.gate_proj, self.up_proj))
         down = self.down_proj
-        if down.has_lora and not (down.dropout > 0.0 and down.training):
+        if down.fusable:
             # down's input, silu(gate) * up, is recomputed in backward rather than kept.
             return kernels.swiglu_lora_linear(
                 gate, up, down.weight, down.bias, down.lora_A, down.lora_B, down.scale
