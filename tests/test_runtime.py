@@ -1346,3 +1346,19 @@ def test_time_slicing_sizes_its_first_launch_by_the_micro_step_times_measured_at
     # The run's own timings take over: one of 6 ms outweighs the set-up's 2 ms (a median of the two).
     seeded._observe(6e-3, "fwd")
     assert seeded.expected_s("fwd") == 6e-3
+
+
+def test_the_warm_up_step_runs_the_recipes_micro_steps_on_a_synthetic_batch(tmp_path):
+    # The synthetic step that warms the trainer's kernels and times its micro-steps on a GPU
+    # (`warm_up_trainer`, `time_micro_steps`) is the run's own: the recipe's shape, chunking and stashes.
+    from harli_train.colocate.colocation import synthetic_batch, synthetic_step
+
+    trainer = Trainer(recipe(tmp_path), model=load_model("tiny", torch.float32, "cpu"), quiet=True)
+    trainer.setup()
+    cfg = trainer.cfg
+    batch = synthetic_batch(trainer)
+    assert batch["input_ids"].shape == (cfg.train.batch_size, cfg.data.seq_len)
+    assert torch.equal(batch["input_ids"], synthetic_batch(trainer)["input_ids"])  # seeded
+    phases = [ms.phase for ms in synthetic_step(trainer, batch)]
+    assert {"fwd", "loss", "bwd"} <= set(phases)
+    assert all(p.grad is not None for p in trainer.model.lora_parameters())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from harli_train.config import RecipeConfig
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest
 from harli_train.train.adapter_update import AdapterUpdate
-from harli_train.train.step import train_step
+from harli_train.train.step import MicroStep, train_step
 from harli_train.train.step_graphs import GraphCaptureError
 from harli_train.train.trainer import Trainer
 from harli_train.train.trainer_state import rng_state, set_rng_state
@@ -271,7 +271,6 @@ def warm_up_trainer(
     """
     if trainer.device.type != "cuda":
         return set()
-    cfg, model = trainer.cfg, trainer.model
     batch = synthetic_batch(trainer)
     saved = rng_state()
     places = {p.train_sms: p.train_stream for p in partitions if p.train_sms > 0}
@@ -286,16 +285,7 @@ def warm_up_trainer(
 
     def run_step(sms: int) -> None:
         with torch.cuda.stream(places[sms]), kernels.sm_budget(sms), scope():
-            steps = train_step(
-                model,
-                [batch],
-                cfg.train.layers_per_microstep,
-                trainer._autocast,
-                buffers=trainer.buffers if trainer.step_graphs is not None else None,
-                stash=trainer.stash_chunk,
-                graphs=trainer.step_graphs,  # captures this budget's set before serving
-            )
-            for _ in steps:
+            for _ in synthetic_step(trainer, batch):  # with graphs: captures this budget's set
                 pass
             warm_step_end(trainer)
         torch.cuda.synchronize()
@@ -331,6 +321,20 @@ def synthetic_batch(trainer: Trainer) -> dict[str, Any]:
     return batch
 
 
+def synthetic_step(trainer: Trainer, batch: dict[str, Any]) -> Generator[MicroStep, None, Any]:
+    """The micro-steps of one step over ``batch`` as the run makes them (its chunking, autocast, batch
+    buffers, activation stashes and graphs), on the current stream; its gradients stay in the adapter."""
+    return train_step(
+        trainer.model,
+        [batch],
+        trainer.cfg.train.layers_per_microstep,
+        trainer._autocast,
+        buffers=trainer.buffers if trainer.step_graphs is not None else None,
+        stash=trainer.stash_chunk,
+        graphs=trainer.step_graphs,
+    )
+
+
 def time_micro_steps(
     trainer: Trainer,
     stream: Any,
@@ -343,19 +347,11 @@ def time_micro_steps(
     CPU."""
     if trainer.device.type != "cuda":
         return {}
-    cfg, saved = trainer.cfg, rng_state()
+    saved = rng_state()
     marks: list[tuple[str, Any, Any]] = []
     try:
         with torch.cuda.stream(stream), kernels.sm_budget(sms), scope():
-            steps = train_step(
-                trainer.model,
-                [synthetic_batch(trainer)],
-                cfg.train.layers_per_microstep,
-                trainer._autocast,
-                buffers=trainer.buffers if trainer.step_graphs is not None else None,
-                stash=trainer.stash_chunk,
-                graphs=trainer.step_graphs,
-            )
+            steps = synthetic_step(trainer, synthetic_batch(trainer))
             while True:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
