@@ -99,8 +99,9 @@ from harli_train.colocate.runtime_options import RuntimeOptions  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("harli", "static", "streams", "temporal", "exclusive")  # what --policies chooses from
-DEFAULT_POLICIES = POLICIES[:4]  # exclusive runs by default only where nothing is clean (run_objective)
+DEFAULT_POLICIES = ("harli", "static", "streams", "temporal")
+# What --policies chooses from: exclusive runs by default only where nothing is clean (run_objective).
+POLICIES = (*DEFAULT_POLICIES, "exclusive")
 DRY_WINDOW_S, DRY_REQUESTS, DRY_PROMPT, DRY_OUTPUT = 1.0, 8, 48, 24
 log = logging.getLogger("bench_colocate")
 
