@@ -201,6 +201,29 @@ def test_swiglu(dtype, shape):
         assert_close(got, want, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_gives_the_forwards_output_from_the_same_pass(dtype):
+    # `with_output`: the backward's pass over gate and up also writes silu(gate) * up, bit for bit the
+    # forward's, and the same gradients as without it.
+    from harli_train.kernels.swiglu import swiglu_bwd, swiglu_fwd
+
+    g, u, dy = (rand(37, 1100, dtype=dtype, grad=False) for _ in range(3))
+    dg, du, y = swiglu_bwd(dy, g, u, with_output=True)
+    assert torch.equal(y, swiglu_fwd(g, u))
+    for got, want in zip((dg, du), swiglu_bwd(dy, g, u), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_swiglu_lora_linear_with_frozen_gate_and_up():
+    # Only the adapter trains: no SwiGLU backward runs, and dA's input is recomputed on its own.
+    w, b, a, bb, s = _lora_member(100, 48, 8, torch.float32)
+    g, u = rand(37, 100, grad=False), rand(37, 100, grad=False)
+    y = kernels.swiglu_lora_linear(g, u, w, b, a, bb, s)
+    composed = kernels.lora_linear(kernels.swiglu(g, u), w, b, a, bb, s)
+    for got, want in zip(grads([y], [a, bb]), grads([composed], [a, bb]), strict=True):
+        assert torch.equal(got, want)
+
+
 # --- LoRA linear ----------------------------------------------------------------------------------------
 
 

@@ -286,7 +286,7 @@ class LoRALinearGroupFunction(torch.autograd.Function):
         x2, xa, a_cat, *rest = ctx.saved_tensors
         n = len(ctx.scales)
         grads, dx = _group_backward(
-            dys, lambda: x2, xa, a_cat, rest[:n], rest[n:], ctx.scales, ctx.ranks, ctx.needs_input_grad
+            dys, lambda _dx: x2, xa, a_cat, rest[:n], rest[n:], ctx.scales, ctx.ranks, ctx.needs_input_grad
         )
         if dx is not None:
             grads[0] = dx.view(ctx.x_meta[0]).to(ctx.x_meta[1])
@@ -313,7 +313,7 @@ def _group_forward(
 
 def _group_backward(
     dys: tuple[torch.Tensor | None, ...],
-    x2_of: Callable[[], torch.Tensor],
+    x2_of: Callable[[torch.Tensor | None], torch.Tensor],
     xa: torch.Tensor,
     a_cat: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -323,8 +323,8 @@ def _group_backward(
     need: Sequence[bool],
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
     """The group's backward: (the gradients in the group function's argument order, dx [M, in] in the
-    compute dtype or None when x needs none). ``x2_of()`` gives the forward's input [M, in] (called only
-    for dA); ``need`` is the group function's ``needs_input_grad`` (x first)."""
+    compute dtype or None when x needs none). ``x2_of(dx)`` gives the forward's input [M, in] (called only
+    for dA, last, with dx); ``need`` is the group function's ``needs_input_grad`` (x first)."""
     n = len(scales)
     dt, m = xa.dtype, xa.shape[0]
     dys = [None if d is None else d.reshape(m, d.shape[-1]).to(dt) for d in dys]
@@ -338,9 +338,6 @@ def _group_backward(
             else:
                 lora_shrink(dy, b.t(), s, out=dyb[:, off : off + r])
             off += r
-    if any(need[4::4]):
-        for i, da in enumerate((dyb.t() @ x2_of()).split(ranks)):
-            grads[4 + 4 * i] = da if need[4 + 4 * i] else None
     off = 0
     for i, (dy, s, r) in enumerate(zip(dys, scales, ranks, strict=True)):
         if need[5 + 4 * i]:
@@ -355,14 +352,17 @@ def _group_backward(
                 dx = dy @ w.to(dt) if dx is None else dx.addmm_(dy, w.to(dt))
         dx = torch.zeros((m, a_cat.shape[1]), dtype=dt, device=xa.device) if dx is None else dx
         lora_expand_(dx, dyb, a_cat, 1.0)
+    if any(need[4::4]):
+        for i, da in enumerate((dyb.t() @ x2_of(dx)).split(ranks)):
+            grads[4 + 4 * i] = da if need[4 + 4 * i] else None
     return grads, dx
 
 
 class SwiGLULoRALinearFunction(torch.autograd.Function):
     """y = a W^T + b + s (a A^T) B^T with a = silu(g) u (the MLP's down projection over its SwiGLU), saving
-    g and u (which the SwiGLU's backward needs anyway) but not a: the backward recomputes a, for dA only.
-    Computes exactly what `swiglu` followed by `lora_linear` computes (the same kernels in the same order);
-    a [M, intermediate] activation less is kept per layer."""
+    g and u (which the SwiGLU's backward needs anyway) but not a: the backward recomputes a for dA, in the
+    SwiGLU backward's pass over g and u when da is needed. Computes exactly what `swiglu` followed by
+    `lora_linear` computes; a [M, intermediate] activation less is kept per layer."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale: float):
@@ -380,14 +380,23 @@ class SwiGLULoRALinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         g, u, xa, a_cat, weight, b = ctx.saved_tensors
         need = ctx.needs_input_grad
-        x2_of = lambda: swiglu_fwd(g, u).to(xa.dtype)  # noqa: E731 (the forward's input, recomputed)
+        swiglu_grads: list[torch.Tensor] = []
+
+        def x2_of(d_act: torch.Tensor | None) -> torch.Tensor:
+            """The forward's input, recomputed; with d_act, by the SwiGLU backward's pass, which it runs."""
+            if d_act is None:
+                return swiglu_fwd(g, u).to(xa.dtype)
+            dg, du, act = swiglu_bwd(d_act.to(ctx.act_dtype), g, u, with_output=True)
+            swiglu_grads.extend((dg, du))
+            return act.to(xa.dtype)
+
         group_need = (need[0] or need[1], False, False, False, need[4], need[5])
         grads, d_act = _group_backward(
             (dy,), x2_of, xa, a_cat, (weight,), (b,), (ctx.scale,), (ctx.rank,), group_need
         )
         dg = du = None
         if d_act is not None:
-            dg, du = swiglu_bwd(d_act.to(ctx.act_dtype), g, u)
+            dg, du = swiglu_grads or swiglu_bwd(d_act.to(ctx.act_dtype), g, u)
             dg, du = dg.view(ctx.shape), du.view(ctx.shape)
         return dg, du, None, None, grads[4], grads[5], None
 

@@ -23,9 +23,12 @@ def _swiglu_fwd_kernel(G, stride_g, U, stride_u, Y, n_cols, BLOCK_N: tl.constexp
     tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-# DY: [rows, N] row stride stride_dy; G, U as in the forward; DG, DU: [rows, N] contiguous.
+# DY: [rows, N] row stride stride_dy; G, U as in the forward; DG, DU: [rows, N] contiguous; with STORE_Y,
+# Y [rows, N] contiguous gets the forward's output, computed as the forward computes it.
 @triton.jit
-def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, n_cols, BLOCK_N: tl.constexpr):
+def _swiglu_bwd_kernel(
+    DY, stride_dy, G, stride_g, U, stride_u, DG, DU, Y, n_cols, BLOCK_N: tl.constexpr, STORE_Y: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -38,6 +41,8 @@ def _swiglu_bwd_kernel(DY, stride_dy, G, stride_g, U, stride_u, DG, DU, n_cols, 
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     tl.store(DG + row * n_cols + cols, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * n_cols + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+    if STORE_Y:
+        tl.store(Y + row * n_cols + cols, (silu * u).to(Y.dtype.element_ty), mask=mask)
 
 
 def _grid(rows: int, cols: int, dtype: torch.dtype) -> tuple[tuple[int, int], dict]:
@@ -75,12 +80,19 @@ def swiglu_bwd(
     dy: torch.Tensor,  # shape [rows, N], column stride 1
     gate: torch.Tensor,  # shape [rows, N]
     up: torch.Tensor,  # shape [rows, N]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (d gate, d up), contiguous, in gate's and up's dtypes."""
+    with_output: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Returns (d gate, d up), contiguous, in gate's and up's dtypes; ``with_output``: (d gate, d up, y), y the
+    forward's output (``swiglu_fwd(gate, up)``, bit for bit) from the same pass over gate and up."""
     assert dy.shape == gate.shape and dy.stride(1) == 1
     rows, cols = gate.shape
     dg = new_output((rows, cols), gate.dtype, gate.device)
     du = new_output((rows, cols), up.dtype, up.device)
+    y = (
+        new_output((rows, cols), torch.promote_types(gate.dtype, up.dtype), gate.device)
+        if with_output
+        else dg
+    )
     if dg.numel():
         grid, cfg = _grid(rows, cols, gate.dtype)
         launch_gate()
@@ -93,11 +105,13 @@ def swiglu_bwd(
             up.stride(0),
             dg,
             du,
+            y,
             cols,
             BLOCK_N=cfg["BLOCK_N"],
+            STORE_Y=with_output,
             num_warps=cfg["num_warps"],
         )
-    return dg, du
+    return (dg, du, y) if with_output else (dg, du)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
