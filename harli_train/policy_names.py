@@ -18,9 +18,10 @@ DEFAULT_PREFILL_AHEAD = False
 # the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
 DEFAULT_SETTLE = False
 DEFAULT_LEARN_MARGIN = False
-# harli:stride=N: the trainer launches on every N-th rung (each rung's stream caches its own working set; the
-# set-up's stream fit widens the stride further when the memory holds fewer rungs).
-DEFAULT_TRAINER_STRIDE = 2
+# harli:stride=N: the trainer launches on every N-th rung. Each rung's stream caches its own working set: when
+# the memory holds fewer streams, the set-up keeps the rungs beside the decode shares the objective calls for
+# most (TrainerRungs.limit).
+DEFAULT_TRAINER_STRIDE = 1
 # harli:backward=on: a mixed step planned with a trainer backward on the GPU is sized by the quantile of the
 # recent ones (LatencyPredictor.correction). Off until an A/B on the GPU says otherwise.
 DEFAULT_BACKWARD_AWARE = False

@@ -348,7 +348,8 @@ def test_harli_stride_picks_the_trainers_rungs():
     from .test_runtime import synthetic_predictor
 
     ladder = SMLadder.cpu_standin(132, 16)
-    every = make_policy("harli:stride=1", ladder, synthetic_predictor(ladder.shares), 0.05)
-    assert every.name == "harli:stride=1" and every.trainer_rungs == ladder.spatial
+    other = make_policy("harli:stride=2", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert other.name == "harli:stride=2" and len(other.trainer_rungs) == -(-len(ladder.spatial) // 2)
     default = make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05)
-    assert default.name == "harli" and len(default.trainer_rungs) == -(-len(ladder.spatial) // 2)
+    assert default.name == "harli" and default.trainer_rungs == ladder.spatial
+    assert make_policy("harli:stride=1", ladder, synthetic_predictor(ladder.shares), 0.05).name == "harli"

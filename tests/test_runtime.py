@@ -195,7 +195,7 @@ def test_make_policy_names_and_shapes():
         pass
     later = variant.plan(preview("prefill", 1, 10))
     assert later.partition is variant.prefill.rung and not later.paused
-    assert later.partition.infer_sms == 80 and later.train_stream is later.partition.train_stream
+    assert later.partition.infer_sms == 72 and later.train_stream is later.partition.train_stream  # >= 66
     with pytest.raises(ValueError, match="unknown harli option"):
         make_policy("harli:prefill=sometimes", ladder, pred, 0.05)
     both = make_policy("harli:grow=0.1,prefill=paused", ladder, pred, 0.05)
@@ -445,13 +445,14 @@ def test_a_time_sliced_step_never_lets_a_micro_step_overrun_its_slack(tmp_path):
     assert not feeder._may_launch(loose, False, 0.005, 0.020, 1, "fwd")
 
 
-def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
-    # Each stream the trainer allocates on caches its own copy of the trainer's working set (torch's allocator
-    # reuses a block only on its stream): the trainer uses 4 of the 7 partial rungs, never decode's SMs.
+def test_harli_trainer_launches_on_every_rung_or_every_nth_clear_of_decode():
+    # By default the trainer may launch on every partial rung; `stride=N` keeps every N-th, counted from the
+    # one with the fewest trainer SMs. Either way it never runs on decode's SMs.
     ladder = SMLadder.cpu_standin(
         132, 16
     )  # decode 16, 32, ... 128 SMs (the H200's green ladder stops at 112)
-    policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    assert HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1).trainer_rungs == ladder.spatial
+    policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=2)
     assert [p.train_sms for p in policy.trainer_rungs] == [100, 68, 36, 4]  # the last rung always
     for decode in ladder.shares:
         rung = policy.rungs.select(decode)
@@ -459,26 +460,38 @@ def test_harli_trainer_keeps_to_every_other_rung_clear_of_decode():
         assert rung.train_sms <= 132 - decode  # disjoint from decode's SMs
         assert 132 - decode - rung.train_sms < 2 * 16  # gives up less than one stride of SMs
     assert policy.rungs.select(16).train_sms == 100 and policy.rungs.select(129) is ladder.full
-    every = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=1)
-    assert every.trainer_rungs == ladder.spatial
     with pytest.raises(ValueError, match="trainer_stride"):
         HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1, trainer_stride=0)
 
 
 def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeypatch):
     # Each trainer stream caches its own working set: prepare measures one (a rung's, after the whole GPU's)
-    # and has harli keep as many rungs as the memory left beside the KV cache the load wants holds, evenly
-    # spread.
+    # and has harli keep as many rungs as the memory left beside the KV cache the load wants holds: those
+    # beside the decode shares the objective calls for most (by the predictor), and the last rung.
     from harli_train.colocate import colocation as colocation_mod
     from harli_train.colocate.colocation import Colocation
 
     ladder = SMLadder.cpu_standin(132, 16)
     policy = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
-    assert len(policy.trainer_rungs) == 4
-    assert policy.limit_trainer_streams(4) is False  # they fit: nothing dropped
+    weights = policy.share_weights()
+    # 20 ms at 10 % margin: one sequence fits on 16 SMs; the more sequences, the more SMs (the predictor's
+    # profiled batches run to 256, at 256, 1024 and 4096 cached tokens a sequence).
+    assert weights[16] > weights[32] > weights[48] > weights.get(96, 0.0) == 0.0
+    assert len(policy.trainer_rungs) == 8
+    assert policy.limit_trainer_streams(8) is False  # they fit: nothing dropped
     assert policy.limit_trainer_streams(3) is True
-    assert [p.train_sms for p in policy.trainer_rungs] == [100, 52, 4]  # every third, the last one kept
+    assert [p.infer_sms for p in policy.trainer_rungs] == [16, 32, 128]  # the two heaviest, the last kept
     assert policy.limit_trainer_streams(0) is True and [p.train_sms for p in policy.trainer_rungs] == [4]
+    slow = synthetic_predictor(ladder.shares)  # decode on fewer than 64 SMs misses the objective
+    slow.share_params.update({s: [0.03, 0.0, 0.25] for s in ladder.shares if s < 64})
+    slow.__post_init__()
+    tight = HarliPolicy(ladder, slow, 0.02, 0.1)
+    assert max(tight.share_weights().items(), key=lambda kv: kv[1])[0] == 64
+    tight.limit_trainer_streams(3)  # the rungs follow the shares decode needs
+    assert [p.infer_sms for p in tight.trainer_rungs] == [64, 80, 128]
+    spread = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
+    assert spread.rungs.limit(3) is True  # no weights: evenly spread
+    assert [p.train_sms for p in spread.trainer_rungs] == [100, 52, 4]  # every third, the last one kept
     assert StaticPolicy(ladder, 64, 0.02, 0.1).limit_trainer_streams(1) is False  # one stream already
 
     class Hook:
@@ -519,7 +532,7 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     col._fit_trainer_streams(fresh, contextlib.nullcontext)
     assert warmed == [[ladder.full], [fresh.trainer_rungs[0]]]
     assert col._stream_bytes == 4 * 2**30 and col._step_extra_bytes == 2 * 2**30
-    assert len(fresh.trainer_rungs) == 4
+    assert len(fresh.trainer_rungs) == 8
     # Tight: 36 GiB leave 11 after the two streams, 9 past a step's extra: two more streams, three rungs.
     hook, warmed = Hook(36), []
     col = colocation(hook, warmed)

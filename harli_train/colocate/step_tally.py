@@ -91,8 +91,8 @@ class StepTally:
                 str(k): round(v, 4) for k, v in sorted(self.trainer_sm_seconds.items()) if v > 0
             },
             "mean_infer_sms": sum(k * v for k, v in self.shares.items()) / steps,
-            # The SMs decode's share left the trainer that its rung did not take (every other rung, the
-            # trailing window), as a fraction of the GPU over the run.
+            # The SMs decode's share left the trainer that its rung did not take (a rung the memory left
+            # out, the trailing window), as a fraction of the GPU over the run.
             "unused_sm_fraction": (
                 self.unused_sm_seconds / (self.total_sms * self.duration_s)
                 if self.total_sms and self.duration_s > 0

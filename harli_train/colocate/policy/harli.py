@@ -99,7 +99,25 @@ class HarliPolicy(ControlledPolicy):
         return [*self.rungs.rungs, self.ladder.full]
 
     def limit_trainer_streams(self, count: int) -> bool:
-        return self.rungs.limit(count)
+        return self.rungs.limit(count, self.share_weights())
+
+    def share_weights(self, contexts: tuple[int, ...] = (256, 1024, 4096)) -> dict[int, float]:
+        """How much the objective calls for each spatial decode share: over every batch the predictor was
+        profiled for and each of ``contexts`` (cached tokens a sequence), 1 for the least share whose predicted
+        step meets the budget and 1/2 for the share above it (the one a grow, or the trainer's trail of the
+        recent peak, takes the trainer clear of)."""
+        weights: dict[int, float] = {}
+        shares = [p.infer_sms for p in self.ladder.spatial]
+        for batch in range(1, max(self.predictor.batch_max, 1) + 1):
+            for context in contexts:
+                part, _ = self.controller.target(batch, batch * context)
+                if part is None or part.infer_sms not in shares:
+                    continue
+                i = shares.index(part.infer_sms)
+                weights[shares[i]] = weights.get(shares[i], 0.0) + 1.0
+                if i + 1 < len(shares):
+                    weights[shares[i + 1]] = weights.get(shares[i + 1], 0.0) + 0.5
+        return weights
 
     def plan_step(self, preview: StepPreview) -> StepPlan:
         if preview.kind == "prefill":

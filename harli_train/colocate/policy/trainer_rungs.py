@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from harli_train.colocate.sm import Partition, SMLadder
 
 
 class TrainerRungs:
     """Every ``stride``-th spatial rung, counted down from the largest decode share (the rung with the least
-    trainer SMs is always one), and a window of the decode shares of the last ``window_s``.
+    trainer SMs is always one), at most as many as the memory holds streams for, and a window of the decode
+    shares of the last ``window_s``.
 
     Why a subset: torch's caching allocator hands a freed block out again only on the stream that allocated it,
-    so each trainer stream grows its own copy of the trainer's working set. Why trail the window's peak:
+    so each trainer stream grows its own copy of the trainer's working set. Which subset (``limit``): the rungs
+    beside the decode shares the objective calls for most, since a decode share without its rung sends the
+    trainer down to the next rung kept, and at the shares decode holds most of the time that costs it most.
+    Why trail the window's peak:
     autograd runs a chunk's backward on the stream its forward ran on, so a forward launched on SMs decode
     takes back a few steps later strands its backward; the complement of the recent peak keeps the usual ups
-    and downs of the share from doing that. The trainer gives up the SMs between its rung and decode's share
-    (fewer than ``stride`` ladder steps). A mixed step's share stays out of the window (``beside``): a one-step
+    and downs of the share from doing that. The trainer gives up the SMs between its rung and decode's share. A mixed step's share stays out of the window (``beside``): a one-step
     detour moves the trainer for that step only (bench/results/README.md has the H200 steps behind it)."""
 
     def __init__(
@@ -39,14 +42,24 @@ class TrainerRungs:
         self.stride = stride
         self.rungs: list[Partition] = self.ladder.spatial[::-1][::stride][::-1]  # ascending decode share
 
-    def limit(self, count: int) -> bool:
-        """Keep at most ``count`` (>= 1) rungs, evenly spread (the stride grown); whether any was dropped."""
-        n, stride = len(self.ladder.spatial), self.stride
-        while -(-n // stride) > max(count, 1):
-            stride += 1
-        if stride == self.stride:
+    def limit(self, count: int, weights: Mapping[int, float] | None = None) -> bool:
+        """Keep at most ``count`` (>= 1) rungs; whether any was dropped. With ``weights`` (decode share ->
+        how much the load calls for it): the rung with the least trainer SMs (clear of every spatial decode
+        share), then the rungs of the heaviest shares, a larger share first among equals. Without: evenly
+        spread (the stride grown)."""
+        count = max(count, 1)
+        if len(self.rungs) <= count:
             return False
-        self.restride(stride)
+        if weights is None:
+            n, stride = len(self.ladder.spatial), self.stride
+            while -(-n // stride) > count:
+                stride += 1
+            self.restride(stride)
+            return True
+        last, others = self.rungs[-1], self.rungs[:-1]
+        ranked = sorted(others, key=lambda p: (-weights.get(p.infer_sms, 0.0), -p.infer_sms))
+        kept = {p.infer_sms for p in ranked[: count - 1]} | {last.infer_sms}
+        self.rungs = [p for p in self.rungs if p.infer_sms in kept]
         return True
 
     def select(self, decode_sms: int) -> Partition:
