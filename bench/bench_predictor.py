@@ -210,7 +210,14 @@ def fit_and_score(prof, ladder: SMLadder, args) -> dict:
     runs, preds = [], []
     for seed in range(args.seed, args.seed + 5):
         train, held = split_samples(prof.samples, 0.7, seed=seed)
-        preds.append(LatencyPredictor.fit(train, ladder.total_sms, prof.meta["kv_bytes_per_token"]))
+        preds.append(
+            LatencyPredictor.fit(
+                train,
+                ladder.total_sms,
+                prof.meta["kv_bytes_per_token"],
+                mixed_buckets=prof.meta.get("mixed_buckets", ()),
+            )
+        )
         runs.append({"seed": seed, **preds[-1].fit_report, **preds[-1].evaluate(held, prefix="heldout_")})
     first, pred = runs[0], preds[0]
     solo, corun = first["heldout_solo_mape_pct"], first.get("heldout_corun_mape_pct", 0.0)

@@ -33,7 +33,9 @@ def main() -> None:
     rows, runs = [], []
     for seed in range(args.seeds):
         fit_on, held_out = split_samples(samples, 0.7, seed)
-        pred = LatencyPredictor.fit(fit_on, total_sms, meta["kv_bytes_per_token"])
+        pred = LatencyPredictor.fit(
+            fit_on, total_sms, meta["kv_bytes_per_token"], mixed_buckets=meta.get("mixed_buckets", ())
+        )
         ev = pred.evaluate(held_out)
         runs.append(ev)
         rows.append([seed, len(fit_on), len(held_out), ev["solo_mape_pct"], ev["corun_mape_pct"]])

@@ -57,6 +57,46 @@ def test_mixed_model_fits_the_spline_and_holds_out():
     assert model.predict(8, 4096, 128, 0, 16, False) > model.predict(8, 4096, 128, 0, 32, False)
 
 
+def test_the_mixed_model_counts_the_rows_a_graph_bucket_pads_to():
+    # On graphs a mixed step's tokens are padded to its bucket and the projections run over every padded
+    # row: the cost steps up at each bucket and is flat within one. Fitted on the buckets, the model predicts
+    # the small chunks the default grid profiles; fitted on the rows alone, it misses them.
+    from harli_train.colocate.mixed_model import padded_rows
+    from harli_train.colocate.profile_grid import MixedGrid
+
+    buckets = (16, 32, *range(64, 1088, 64))
+    assert [padded_rows(r, buckets) for r in (1, 16, 17, 33, 65, 2000)] == [16, 16, 32, 64, 128, 2000]
+
+    def truth(b, n, pairs):
+        r = padded_rows(b + n, buckets)
+        return 4e-3 + 5e-6 * r + 2.5e-5 * max(r - 64, 0) + 1e-9 * pairs + 2e-8 * b * 512
+
+    grid = MixedGrid()
+    samples = [
+        dict(batch=b, kv_tokens=b * grid.kv_len, prefill_tokens=n, attn_pairs=attention_pairs([(n, c)]),
+             infer_sms=132, corun=False, latency_s=truth(b, n, attention_pairs([(n, c)])))
+        for b, n, c in grid.points()
+    ]  # fmt: skip
+    padded, plain = MixedStepModel.fit(samples, buckets), MixedStepModel.fit(samples)
+    assert padded.fit_report["heldout_mixed_solo_max_ape_pct"] < 1
+    assert plain.fit_report["heldout_mixed_solo_max_ape_pct"] > 5
+    restored = MixedStepModel.from_dict(json.loads(json.dumps(padded.to_dict())))
+    assert restored.buckets == buckets
+    for b, n in ((2, 20), (4, 28), (9, 40), (3, 100)):  # off the grid
+        want = truth(b, n, attention_pairs([(n, 1000)]))
+        assert restored.predict(b, b * 512, n, attention_pairs([(n, 1000)]), 132, False) == pytest.approx(
+            want, rel=0.01
+        )
+    # Within a bucket a chunk costs (nearly) what its bucket costs: the chunk sized to a budget between
+    # two buckets' costs fills the smaller one.
+    pred = synthetic_predictor([132])
+    pred.mixed = padded
+    preview = StepPreview(2, 2 * 512, (PrefillPiece(300, 0, 0),), mixed=True)
+    budget = (truth(2, 62, attention_pairs([(62, 0)])) + truth(2, 63, attention_pairs([(63, 0)]))) / 2
+    n, _, _ = largest_chunk(pred, preview, 132, False, budget)
+    assert n == 62  # 2 decode rows + 62 tokens: the 64-token bucket, full
+
+
 @pytest.mark.parametrize(
     "max_batch,max_tokens,max_len,on_gpu",
     [(64, 4096, 1707, True), (16, 127, 255, True), (16, 96, 255, False)],

@@ -6,7 +6,10 @@ attention covers ``w`` query-key pairs, on ``s`` SMs::
     t_solo = M0[s] + M1[s]*r + M2[s]*max(r - K1, 0) + M3[s]*max(r - K2, 0) + M4[s]*w + M5[s]*kv,  r = b + n
 
 The row terms are a linear spline in the rows the projections process: flat while reading the weights
-dominates, then compute-bound with a slope that depends on the share. ``w`` is the chunks' attention, ``kv``
+dominates, then compute-bound with a slope that depends on the share. Where the engine replays mixed steps
+as CUDA graphs, a step's tokens are padded to its graph's bucket (``buckets``: 16, 32, then multiples of 64)
+and the projections process every padded row, so ``r`` is the bucket's token count: the cost steps up at
+each bucket and is flat within one (but for the attention and KV terms). ``w`` is the chunks' attention, ``kv``
 the decode rows' KV read. Beside the trainer the step runs ``1 + D[s]`` times longer (fitted per share from
 co-run samples of the same points). Each share is fitted on its own by least squares weighted to relative
 error; a share the profile lacks borrows the nearest profiled one scaled by the SM ratio (fewer SMs: slower).
@@ -14,6 +17,7 @@ error; a share the profile lacks borrows the nearest profiled one scaled by the 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +35,17 @@ def attention_pairs(pieces: Sequence[tuple[int, int]]) -> int:
     return sum(n * c + n * (n + 1) // 2 for n, c in pieces)
 
 
-def _features(batch: int, kv_tokens: int, tokens: int, pairs: int) -> tuple[float, ...]:
-    r = float(batch + tokens)
+def padded_rows(rows: int, buckets: Sequence[int]) -> int:
+    """The rows a step of ``rows`` tokens runs the projections over: the smallest of ``buckets`` (ascending)
+    that holds them, or ``rows`` itself past the last (such a step runs eagerly) or without buckets."""
+    i = bisect.bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else rows
+
+
+def _features(
+    batch: int, kv_tokens: int, tokens: int, pairs: int, buckets: Sequence[int] = ()
+) -> tuple[float, ...]:
+    r = float(padded_rows(batch + tokens, buckets))
     return (1.0, r, max(r - KNOTS[0], 0.0), max(r - KNOTS[1], 0.0), float(pairs), float(kv_tokens))
 
 
@@ -43,17 +56,19 @@ class MixedStepModel:
     coef: dict[int, list[float]]  # sms -> M0..M5
     slowdown: dict[int, float]  # sms -> D (co-run)
     fit_report: dict[str, Any] = field(default_factory=dict)
+    buckets: tuple[int, ...] = ()  # the engine's mixed-step token buckets (ascending); () without graphs
 
     @classmethod
-    def fit(cls, samples: Sequence[dict]) -> MixedStepModel:
-        """Fit every share with at least as many solo samples as the terms they pin down (the rest stay 0);
-        ``fit_report`` has the error on the samples and the leave-one-point-out error (``held_out_errors``)."""
-        model = cls._fit_shares(samples)
-        model.fit_report = {**model.evaluate(samples, prefix="fit_"), **held_out_errors(samples)}
+    def fit(cls, samples: Sequence[dict], buckets: Sequence[int] = ()) -> MixedStepModel:
+        """Fit every share with at least as many solo samples as the terms they pin down (the rest stay 0),
+        on the rows of ``buckets`` (the engine's, when it profiled on graphs); ``fit_report`` has the error on
+        the samples and the leave-one-point-out error (``held_out_errors``)."""
+        model = cls._fit_shares(samples, tuple(buckets))
+        model.fit_report = {**model.evaluate(samples, prefix="fit_"), **held_out_errors(samples, buckets)}
         return model
 
     @classmethod
-    def _fit_shares(cls, samples: Sequence[dict]) -> MixedStepModel:
+    def _fit_shares(cls, samples: Sequence[dict], buckets: tuple[int, ...] = ()) -> MixedStepModel:
         solo = [r for r in samples if not r["corun"]]
         by_share: dict[int, list[dict]] = {}
         for r in solo:
@@ -61,7 +76,10 @@ class MixedStepModel:
         coef = {}
         for sms, rows in by_share.items():
             X = np.array(
-                [_features(r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"]) for r in rows]
+                [
+                    _features(r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], buckets)
+                    for r in rows
+                ]
             )
             used = _pinned(X)
             if len(rows) < used.sum():
@@ -70,7 +88,7 @@ class MixedStepModel:
             coef[sms] = [float(c) for c in weighted_lstsq(X * used, y, 1.0 / y)]
         if not coef:
             raise ValueError("no SM share has enough solo mixed-step samples to fit the mixed model")
-        model = cls(coef, {})
+        model = cls(coef, {}, buckets=buckets)
         measured = {_point(r): float(r["latency_s"]) for r in solo}
         ratios: dict[int, list[float]] = {}
         for r in samples:
@@ -94,7 +112,8 @@ class MixedStepModel:
 
     def predict(self, batch: int, kv_tokens: int, tokens: int, pairs: int, sms: int, corun: bool) -> float:
         coef, slow = self._share(sms)
-        t = sum(c * x for c, x in zip(coef, _features(batch, kv_tokens, tokens, pairs), strict=True))
+        features = _features(batch, kv_tokens, tokens, pairs, self.buckets)
+        t = sum(c * x for c, x in zip(coef, features, strict=True))
         return t * (1.0 + slow) if corun else t
 
     def evaluate(self, samples: Sequence[dict], prefix: str = "") -> dict[str, float]:
@@ -123,6 +142,7 @@ class MixedStepModel:
             "coef": {str(s): list(c) for s, c in self.coef.items()},
             "slowdown": {str(s): d for s, d in self.slowdown.items()},
             "fit_report": dict(self.fit_report),
+            "buckets": list(self.buckets),
         }
 
     @classmethod
@@ -131,10 +151,11 @@ class MixedStepModel:
             {int(s): [float(x) for x in c] for s, c in d["coef"].items()},
             {int(s): float(x) for s, x in d.get("slowdown", {}).items()},
             dict(d.get("fit_report", {})),
+            tuple(int(b) for b in d.get("buckets", ())),
         )
 
 
-def held_out_errors(samples: Sequence[dict]) -> dict[str, float]:
+def held_out_errors(samples: Sequence[dict], buckets: Sequence[int] = ()) -> dict[str, float]:
     """Leave-one-point-out error of the mixed model on its own profile: each grid point (its solo and co-run
     samples) predicted by the model of its share fitted without it. ``heldout_mixed_{solo,corun}_{mape,
     max_ape}_pct``; a point whose share cannot be fitted without it is not counted."""
@@ -146,7 +167,7 @@ def held_out_errors(samples: Sequence[dict]) -> dict[str, float]:
         for point in {_point(r) for r in rows}:
             rest = [r for r in rows if _point(r) != point]
             try:
-                model = MixedStepModel._fit_shares(rest)
+                model = MixedStepModel._fit_shares(rest, tuple(buckets))
             except ValueError:
                 continue
             for r in rows:

@@ -94,10 +94,16 @@ class LatencyPredictor(OnlineCorrection):
 
     @classmethod
     def fit(
-        cls, samples: Sequence[dict], total_sms: int, kv_bytes_per_token: float, alpha: float = 0.1
+        cls,
+        samples: Sequence[dict],
+        total_sms: int,
+        kv_bytes_per_token: float,
+        alpha: float = 0.1,
+        mixed_buckets: Sequence[int] = (),
     ) -> LatencyPredictor:
         """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
-        model to mixed samples (those with ``prefill_tokens``) when the profile has them."""
+        model to mixed samples (those with ``prefill_tokens``) when the profile has them, on the token buckets
+        the engine's mixed graphs pad a step to (``mixed_buckets``; the profile's ``meta``)."""
         mixed = [r for r in samples if "prefill_tokens" in r]
         lora = LoRACost.fit(samples)
         samples = [r for r in samples if "prefill_tokens" not in r and not r.get("lora_slots")]
@@ -142,7 +148,7 @@ class LatencyPredictor(OnlineCorrection):
         if corun:
             pred._fit_stage2(solo, corun)
         if mixed:
-            pred.mixed = MixedStepModel.fit(mixed)
+            pred.mixed = MixedStepModel.fit(mixed, mixed_buckets)
         pred.lora = lora
         pred.fit_report = {
             "skipped_shares": skipped,

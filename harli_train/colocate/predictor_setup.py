@@ -117,7 +117,13 @@ def build_predictor(
             kv_lens,
         )
         return build_profile(
-            key, engine.synthetic_decode, corun if on_gpu else None, ladder, engine.kv_bytes_per_token, **grid
+            key,
+            engine.synthetic_decode,
+            corun if on_gpu else None,
+            ladder,
+            engine.kv_bytes_per_token,
+            engine.engine.mixed_token_buckets,
+            **grid,
         )
 
     if path is None and not on_gpu:  # CPU timings depend on the machine's load: measure afresh
@@ -133,6 +139,7 @@ def build_predictor(
         profile.samples,
         ladder.total_sms,
         float(profile.meta.get("kv_bytes_per_token", engine.kv_bytes_per_token)),
+        mixed_buckets=profile.meta.get("mixed_buckets", ()),
     )
     return predictor, profile
 

@@ -22,7 +22,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT, VERSION = "harli-train-profile", 4  # 2: mixed-step samples; 3-4: mixed steps on the decode kernels
+FORMAT, VERSION = "harli-train-profile", 5  # 2: mixed-step samples; 3-4: mixed steps on the decode kernels;
+# 5: mixed steps in every graph bucket, and the buckets in ``meta``
 SAMPLE_FIELDS = {"batch": int, "kv_tokens": int, "infer_sms": int, "corun": bool, "latency_s": float}
 MIXED_FIELDS = {"prefill_tokens": int, "attn_pairs": int}  # and SAMPLE_FIELDS, in a mixed-step sample
 

@@ -33,9 +33,11 @@ class MixedGrid:
     ``corun_batches`` (the slowdown is one factor per share: a few points pin it). Each point is timed
     ``reps`` times after ``warmup`` (a mixed step is long and steady)."""
 
-    batches: tuple[int, ...] = (8, 32)
+    # Decode rows and chunks whose sums fill the mixed graphs' small buckets (16, 32, 64 tokens: 2 + 14, 2 + 30,
+    # 2 + 62, 32 + 30) as well as the larger ones, where the projections turn compute-bound.
+    batches: tuple[int, ...] = (2, 8, 32)
     kv_len: int = 512
-    tokens: tuple[int, ...] = (64, 192, 512)
+    tokens: tuple[int, ...] = (14, 30, 62, 192, 512)
     contexts: tuple[int, ...] = (0, 768)
     corun_batches: tuple[int, ...] = (32,)
     warmup: int = 2
@@ -123,13 +125,16 @@ def build_profile(
     corun_fn: CorunFn | None,
     ladder: SMLadder,
     kv_bytes_per_token: float,
+    mixed_buckets: tuple[int, ...] = (),
     **grid: Any,
 ) -> Profile:
-    """Run the grid and wrap it with what the predictor needs (``kv_bytes_per_token``) and provenance."""
+    """Run the grid and wrap it with what the predictor needs (``kv_bytes_per_token``, ``mixed_buckets``: the
+    token buckets the engine padded the mixed steps to) and provenance."""
     t0 = time.time()
     samples = run_profile_grid(decode_step_fn, corun_fn, ladder, **grid)
     meta = {
         "kv_bytes_per_token": kv_bytes_per_token,
+        "mixed_buckets": list(mixed_buckets),
         "ladder": ladder.describe(),
         "ladder_kind": ladder.kind,
         "created_unix": t0,

@@ -285,6 +285,13 @@ class DecodeEngine:
         """How many adapters one step can serve (0: the engine has no adapter slots)."""
         return 0 if self.runner.lora is None else self.runner.lora.num_slots - 1
 
+    @property
+    def mixed_token_buckets(self) -> tuple[int, ...]:
+        """The token counts a mixed step is padded to (its CUDA graphs' buckets, ascending); () where mixed
+        steps run eagerly, unpadded."""
+        graphs = self.runner.mixed_graphs
+        return () if graphs is None else tuple(graphs.buckets)
+
     def synthetic_mixed(
         self,
         batch: int,
