@@ -14,15 +14,16 @@ class TrainerRungs:
     trainer SMs is always one), at most as many as the memory holds streams for, and a window of the decode
     shares of the last ``window_s``.
 
-    Why a subset: torch's caching allocator hands a freed block out again only on the stream that allocated it,
-    so each trainer stream grows its own copy of the trainer's working set. Which subset (``limit``): the rungs
-    beside the decode shares the objective calls for most, since a decode share without its rung sends the
-    trainer down to the next rung kept, and at the shares decode holds most of the time that costs it most.
-    Why trail the window's peak:
-    autograd runs a chunk's backward on the stream its forward ran on, so a forward launched on SMs decode
-    takes back a few steps later strands its backward; the complement of the recent peak keeps the usual ups
-    and downs of the share from doing that. The trainer gives up the SMs between its rung and decode's share. A mixed step's share stays out of the window (``beside``): a one-step
-    detour moves the trainer for that step only (bench/results/README.md has the H200 steps behind it)."""
+    Why a subset: torch's caching allocator hands a freed block out again only on the stream that allocated
+    it, so each trainer stream grows its own copy of the trainer's working set. Which subset (``limit``): the
+    rungs beside the decode shares the objective calls for most, since a decode share without its rung sends
+    the trainer down to the next rung kept, and at the shares decode holds most of the time that costs it
+    most. Why trail the window's peak: autograd runs a chunk's backward on the stream its forward ran on, so a
+    forward launched on SMs decode takes back a few steps later strands its backward; the complement of the
+    recent peak keeps the usual ups and downs of the share from doing that. The trainer gives up the SMs
+    between its rung and decode's share. A mixed step's share stays out of the window (``beside``): a
+    one-step detour moves the trainer for that step only (bench/results/README.md has the H200 steps behind
+    it)."""
 
     def __init__(
         self,
