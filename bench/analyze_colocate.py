@@ -18,12 +18,15 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
 - the host time between decode steps, split by whether the trainer thread was launching at the time (its host
   work competes with the decode loop's: the GIL, torch's allocator);
 - stalls (a step over twice its prediction), with the step's GPU span where the run recorded it, so a slow
-  GPU shows apart from a host delay.
+  GPU shows apart from a host delay;
+- measured/predicted latency of mixed steps by their prefill tokens (``CHUNK_SIZES``), and the seconds of
+  mixed steps on the whole GPU (the trainer paused): how well the mixed-step model sizes the chunks.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -36,6 +39,7 @@ import common  # noqa: E402
 from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
+CHUNK_SIZES = ((1, 63), (64, 127), (128, 255), (256, None))  # prefill tokens of a mixed step, inclusive
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
 ADDED_COLUMNS = (
     "predicted_s",
@@ -89,6 +93,30 @@ def transitions(rows: list[dict], total_sms: int) -> dict[str, list[float]]:
             out[kind].append(meas / pred)
         prev = row
     return out
+
+
+def chunk_size(tokens: int) -> str:
+    """The ``CHUNK_SIZES`` range ``tokens`` prefill tokens fall in, as 'lo-hi' (or 'lo+')."""
+    for lo, hi in CHUNK_SIZES:
+        if tokens >= lo and (hi is None or tokens <= hi):
+            return f"{lo}+" if hi is None else f"{lo}-{hi}"
+    return "0"
+
+
+def mixed_chunks(rows: list[dict], total_sms: int) -> tuple[dict[str, list[float]], float]:
+    """measured/predicted of every mixed step with a prediction, by ``chunk_size`` of its prefill tokens; and
+    the seconds (token intervals) of mixed steps on the whole GPU."""
+    out: dict[str, list[float]] = defaultdict(list)
+    whole = 0.0
+    for row in rows:
+        if row["kind"] != "mixed" or not row.get("prefill_tokens"):
+            continue
+        pred, meas = row.get("predicted_s"), row.get("measured_s")
+        if pred and meas:
+            out[chunk_size(row["prefill_tokens"])].append(meas / pred)
+        if row["infer_sms"] == total_sms:
+            whole += row.get("interval_s") or meas or 0.0
+    return out, whole
 
 
 def violations(rows: list[dict], tpot_s: float) -> list[list[dict]]:
@@ -179,6 +207,7 @@ def analyze(results: dict) -> dict[str, Any]:
     report: dict[str, Any] = {"objectives": {}, "cells": {}}
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for objective, tpot_s, cells in windows(results):
         report["objectives"][objective] = tpot_s * 1e3
         for cell, policies in cells.items():
@@ -192,12 +221,16 @@ def analyze(results: dict) -> dict[str, Any]:
                     ratios[name][kind] += rs
                 for key, gs in host_gaps(rows).items():
                     gaps[name][key] += gs
+                by_size, whole_gpu_mixed_s = mixed_chunks(rows, total)
+                for size, rs in by_size.items():
+                    chunks[name][size] += rs
                 report["cells"].setdefault(f"{objective} {cell}".strip(), {})[name] = {
                     "tokens_per_s": entry["finetune_tokens_per_s"],
                     "violations": entry["violations"],
                     "trainer_sms": sms,
                     "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
                     "no_trainer_s": idle,
+                    "whole_gpu_mixed_s": whole_gpu_mixed_s,
                     "rebuilt_chunks": feed.get("rebuilt_chunks"),
                     "gpu_busy_s": feed.get("gpu_busy_s"),
                     "launch_host_s": feed.get("launch_host_s"),
@@ -217,6 +250,18 @@ def analyze(results: dict) -> dict[str, Any]:
             for kind, rs in by_kind.items()
         }
         for name, by_kind in ratios.items()
+    }
+    report["mixed_chunks"] = {
+        name: {
+            size: {
+                "steps": len(rs),
+                "median": statistics.median(rs),
+                "p95": sorted(rs)[max(math.ceil(0.95 * len(rs)) - 1, 0)],  # nearest rank
+                "max": max(rs),
+            }
+            for size, rs in by_size.items()
+        }
+        for name, by_size in chunks.items()
     }
     report["host_gaps_ms"] = {
         name: {
@@ -293,6 +338,18 @@ def main() -> None:
         for key, g in sorted(by_key.items())
     ]
     print(common.table(grows, ["policy", "when", "steps", "p50", "p99", "max"]))
+    print("\nmeasured / predicted mixed step, by its prefill tokens")
+    mrows = [
+        [name, f"{lo}-{hi}" if hi else f"{lo}+", m["steps"], m["median"], m["p95"], m["max"]]
+        for name, by_size in report["mixed_chunks"].items()
+        for lo, hi in CHUNK_SIZES
+        if (m := by_size.get(f"{lo}-{hi}" if hi else f"{lo}+"))
+    ]
+    print(common.table(mrows, ["policy", "tokens", "steps", "median", "p95", "max"]))
+    mixed_s = [
+        [cell, name, r["whole_gpu_mixed_s"]] for cell, ps in report["cells"].items() for name, r in ps.items()
+    ]
+    print(common.table(mixed_s, ["cell", "policy", "s of mixed steps on the whole GPU"]))
     for cell, policies in report["cells"].items():
         for name, r in policies.items():
             for ctx in r["violating_steps"]:

@@ -18,7 +18,7 @@ import colocate_matrix  # noqa: E402
 COLUMNS = colocate_matrix.STEP_COLUMNS
 
 
-def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False):
+def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False, prefill=None):
     return [t, kind, 4, sms, 132 - sms if train else 0, "beside" if train else "none"] + [
         predicted,
         measured,
@@ -28,6 +28,10 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         launching,
         "bwd" if launching else None,
         "r",
+        None,
+        None,
+        None,
+        prefill,
     ]
 
 
@@ -41,6 +45,9 @@ def results():
         _row(0.07, "decode", 64, True, 0.007, 0.0077, None),  # after a prefill: 1.1
         _row(0.08, "decode", 48, True, 0.008, 0.024, 0.024),  # shrink: 3.0, a stall and a violation
         _row(0.09, "decode", 48, True, 0.008, 0.008, 0.008),
+        _row(0.10, "mixed", 132, False, 0.008, 0.006, 0.0065, prefill=32),  # 0.75, paused: 6.5 ms
+        _row(0.11, "mixed", 132, False, 0.008, 0.0064, 0.007, prefill=40),  # 0.8
+        _row(0.12, "mixed", 96, True, 0.009, 0.0081, 0.0082, prefill=130),  # 0.9, beside the trainer
     ]
     cell = {
         "harli": {
@@ -60,11 +67,12 @@ def test_analysis_attributes_steps_and_shares():
     (cell,) = report["cells"].values()
     assert list(cell) == ["harli"]
     r = cell["harli"]
-    # Trainer SMs per interval ending at each row: 84, 84, 68, 0 (prefill), 68, 84, 84 over 0.01 s each,
-    # except the 0.03 s before the prefill.
+    # Trainer SMs per interval ending at each row: 84, 84, 68, 0 (prefill), 68, 84, 84, 0, 0 (mixed steps on
+    # the whole GPU), 36 over 0.01 s each, except the 0.03 s before the prefill.
     spans = [(0.01, 84), (0.01, 84), (0.01, 68), (0.03, 0), (0.01, 68), (0.01, 84), (0.01, 84)]
-    assert r["trainer_sms"] == pytest.approx(sum(d * s for d, s in spans) / 0.09)
-    assert r["no_trainer_s"] == pytest.approx(0.03)
+    spans += [(0.01, 0), (0.01, 0), (0.01, 36)]
+    assert r["trainer_sms"] == pytest.approx(sum(d * s for d, s in spans) / 0.12)
+    assert r["no_trainer_s"] == pytest.approx(0.05)
     assert r["tokens_per_s_per_sm"] == pytest.approx(1000.0 / r["trainer_sms"])
     t = report["transitions"]["harli"]
     assert t["exit whole GPU"]["median"] == pytest.approx(1.125)
@@ -81,6 +89,11 @@ def test_analysis_attributes_steps_and_shares():
     assert gaps["trainer launching"]["steps"] == 1 and gaps["trainer launching"]["max"] == pytest.approx(1.5)
     assert gaps["trainer launching bwd"]["steps"] == 1  # and by what it was launching
     assert gaps["trainer idle"]["steps"] == 4 and gaps["trainer idle"]["max"] == pytest.approx(0.0)
+    # Mixed steps by their chunk's prefill tokens, and the whole GPU's mixed seconds (the trainer paused).
+    chunks = report["mixed_chunks"]["harli"]
+    assert chunks["1-63"]["steps"] == 2 and chunks["1-63"]["median"] == pytest.approx(0.775)
+    assert chunks["128-255"]["max"] == pytest.approx(0.9) and "64-127" not in chunks
+    assert r["whole_gpu_mixed_s"] == pytest.approx(0.0135)
 
 
 @pytest.mark.slow
