@@ -530,7 +530,7 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     col = colocation(hook, warmed)
     fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(fresh, contextlib.nullcontext)
-    assert warmed == [[ladder.full], [fresh.trainer_rungs[0]]]
+    assert warmed == [[ladder.full], [fresh.trainer_rungs[-1]]]  # the rung every limit keeps
     assert col._stream_bytes == 4 * 2**30 and col._step_extra_bytes == 2 * 2**30
     assert len(fresh.trainer_rungs) == 8
     # Tight: 36 GiB leave 11 after the two streams, 9 past a step's extra: two more streams, three rungs.
@@ -539,6 +539,9 @@ def test_harli_launches_on_no_more_trainer_streams_than_the_memory_holds(monkeyp
     fresh = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(fresh, contextlib.nullcontext)
     assert len(fresh.trainer_rungs) == 3 and len(warmed) == 2
+    assert (
+        warmed[1][0] in fresh.trainer_rungs
+    )  # the stream measured (and warm) is one the trainer launches on
     again = HarliPolicy(ladder, synthetic_predictor(ladder.shares), 0.02, 0.1)
     col._fit_trainer_streams(again, contextlib.nullcontext)  # measured once: the next policy fits the same
     assert len(warmed) == 2 and len(again.trainer_rungs) == 2  # the room now left: 9 // 4

@@ -158,7 +158,9 @@ class Colocation:
         stream keeps its own copy of the working set (torch's cache, and the page pool's MemPool, never hand
         one stream's freed blocks to another), and a stream warmed past the memory runs set-up or the run out
         of it. The second stream is the one measured: the first also maps what every stream shares (the
-        pool's stashes of saved tensors, the optimizer's state), which is not paid again per stream."""
+        pool's stashes of saved tensors, the optimizer's state), which is not paid again per stream. It is the
+        rung with the fewest trainer SMs, which ``limit_trainer_streams`` always keeps: a dropped rung's warm
+        cache would stay held by a stream nothing launches on."""
         hook = self.memory if self.memory is not None else CacheReleaseHook()
         full = self.ladder.full
         rungs = [p for p in policy.trainer_partitions() if p.infer_sms < full.infer_sms]
@@ -169,7 +171,7 @@ class Colocation:
             if rungs:  # now that the shared state is in: what one more stream and its step take
                 before, peak_before = hook.trainer_bytes(), hook.trainer_peak_bytes()
                 warm_up_trainer(
-                    self.trainer, [rungs[0]], self.ladder.total_sms, release=self._release, scope=scope
+                    self.trainer, [rungs[-1]], self.ladder.total_sms, release=self._release, scope=scope
                 )
                 warmed = 1
             after, peak = hook.trainer_bytes(), hook.trainer_peak_bytes()
