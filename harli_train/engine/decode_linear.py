@@ -253,8 +253,6 @@ def _decode_linear(
         EVEN_N=even_n, EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    lora_args = (la.bt, la.scales, la.sorted_ids, la.slot_start, width)
-    block_s, rank_pow2 = _pow2(la.num_slots), max(2, _pow2(la.rank))
     if add_norm is not None and lora is None:
         residual, norm_weight, eps, y, h = add_norm
         if not partial:
@@ -272,9 +270,10 @@ def _decode_linear(
         block_n = max(16, min(4096 // block_m, _pow2(n_out)))
         n0, n1 = (ns + (0, 0))[:2]
         _split_reduce_lora_kernel[(_cdiv(m, block_m), _cdiv(n_out, block_n))](
-            dest, stride, out, out.stride(0), m, n_out, *lora_args, n0, n1, len(ns), la.rank, la.num_slots,
-            SPLIT_K=split, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, rank_pow2),
-            BLOCK_S=block_s, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            dest, stride, out, out.stride(0), m, n_out, la.bt, la.scales, la.sorted_ids, la.slot_start, width,
+            n0, n1, len(ns), la.rank, la.num_slots, SPLIT_K=split, SWIGLU=swiglu, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_R=max(16, _pow2(la.rank)), BLOCK_S=_pow2(la.num_slots),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
         )  # fmt: skip
     elif partial:
         block = min(1024, _pow2(n_out))
