@@ -212,7 +212,8 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
 _COMPILE_CHECK = """
 import torch
 from harli_train.kernels import compile_check as c
-from harli_train.engine.decode_linear import GemvLoRA, decode_linear, decode_linear_add_rms_norm
+from dataclasses import replace
+from harli_train.engine.decode_linear import GemvLoRA, decode_linear, decode_linear_add_rms_norm, rms_norm_shrink
 
 def meta(*shape, dt=torch.float32):
     return torch.empty(*shape, device="meta", dtype=dt)
@@ -230,7 +231,12 @@ def llama8b(sms, dtype=torch.bfloat16):
                 width = 2 * ns[0] if swiglu else sum(ns)
                 lora = GemvLoRA(meta(len(ns) * 80, k, dt=dtype), meta(5, 16, width, dt=dtype), meta(5),
                                 meta(m, dt=torch.int32), meta(6, dt=torch.int32), 16, 5)
-                for add, lo in ((None, None), (meta(m, sum(ns)), None), (None, lora)):
+                # ... and with the shrink made by the norm before it (q/k/v, gate/up: rms_norm_shrink)
+                pre = replace(lora, shrunk=meta(m, len(ns) * 80, dt=dtype))
+                if len(ns) > 1:
+                    for res in (None, meta(m, k, dt=dtype)):
+                        rms_norm_shrink(x, res, meta(k, dt=dtype), 1e-5, lora, num_sms=sms)
+                for add, lo in ((None, None), (meta(m, sum(ns)), None), (None, lora), (None, pre)):
                     if lo is not None and ns[0] == 128256:
                         continue  # the LM head carries no adapter
                     decode_linear(x, [meta(n, k, dt=dtype) for n in ns], swiglu=swiglu, num_sms=sms,
@@ -249,7 +255,8 @@ assert len(rows) >= 10 and not bad, bad
 @pytest.mark.slow
 def test_decode_linear_compiles_for_sm90():
     """Every decode projection launch of Llama-3-8B (batch buckets 1-64, 132 and 48 SMs, without LoRA, with
-    an addend and with the LoRA in its launches) compiles for sm_90 without spills."""
+    an addend, with the LoRA in its launches and with its shrink made by the norm, and that norm) compiles
+    for sm_90 without spills."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -417,3 +424,91 @@ def test_lora_expand_in_the_split_sum_before_the_residual_add_and_norm(dtype, sl
     base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
     cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
     _check_add_norm(x, w, residual, norm_w, cfg, delta, lora=lora)
+
+
+def _normed_with_shrink(slots, k, ns, dtype, seed, residual, laid_out=None):
+    """(y, h, the GemvLoRA with its `shrunk`, the reference delta of y) from `rms_norm_shrink`, and the
+    norm's reference outputs it must equal exactly."""
+    from harli_train.engine.decode_linear import rms_norm_shrink
+    from harli_train.kernels.rms_norm import rms_norm_fwd
+
+    m = len(slots)
+    lora, _ = _gemv_lora(slots, k, ns, dtype, seed, laid_out=laid_out)
+    x = _randn(m, k, dtype=dtype, seed=seed + 7)
+    res = _randn(m, k, dtype=dtype, seed=seed + 8) if residual else None
+    norm_w = _randn(k, dtype=dtype, seed=seed + 9) * 0.5 + 1
+    y, h, pre = rms_norm_shrink(x, res, norm_w, 1e-5, lora, num_sms=8)
+    want_y, want_h, _ = rms_norm_fwd(x, res, norm_w, 1e-5)  # the Triton norm of the base path
+    return y, h, pre, want_y, want_h
+
+
+def _reference_delta(y, lora, slots, ns, laid_out=None):
+    """The reference delta [M, sum N] fp32 of rows y on `slots` for `lora`'s stacks (rows past `laid_out`
+    are base rows)."""
+    from harli_train.engine.lora_ops import lora_add_reference
+
+    n = len(slots) if laid_out is None else laid_out
+    token_slots = torch.tensor(list(slots[:n]) + [0] * (len(slots) - n), device=DEVICE)
+    s, r = lora.num_slots, lora.rank
+    a = list(lora.a.view(len(ns), s, r, -1).unbind(0))
+    widths = torch.tensor(ns).cumsum(0).tolist()
+    b = [lora.bt[:, :, w - n_i : w].transpose(1, 2) for w, n_i in zip(widths, ns, strict=True)]
+    zeros = torch.zeros(y.shape[0], sum(ns), device=DEVICE)
+    return lora_add_reference(zeros, y, a, b, [w - n_i for w, n_i in zip(widths, ns, strict=True)],
+                              token_slots, lora.scales)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("slots", [[2], [0], [1, 0, 3, 1, 3, 0, 1]])
+def test_rms_norm_shrink_is_the_norm_and_each_rows_scaled_shrink(dtype, residual, slots):
+    """`rms_norm_shrink`: y and h exactly the norm's (kernels.rms_norm / add_rms_norm rounding), and each
+    row's shrink of y for its slot (scaled, rounded to the adapters' dtype) in that slot's columns, zeros in
+    the other adapter slots' columns (slot 0's, which nothing reads, are left alone)."""
+    k, ns = 72, (24, 16, 8)
+    y, h, pre, want_y, want_h = _normed_with_shrink(slots, k, ns, dtype, 3 + len(slots), residual)
+    assert torch.equal(y, want_y) and torch.equal(h, want_h)
+    s, r = pre.num_slots, pre.rank
+    got = pre.shrunk.view(len(slots), len(ns), s, r).float()
+    a = pre.a.view(len(ns), s, r, k).float()
+    for row, slot in enumerate(slots):
+        for j in range(1, s):
+            if j != slot:
+                assert not got[row, :, j].any(), (row, j)
+        if slot:
+            want = ((y[row].float() @ a[:, slot].transpose(1, 2)) * pre.scales[slot]).to(dtype).float()
+            torch.testing.assert_close(got[row, :, slot], want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize(
+    "slots,use_dot,split", [([2], False, 1), ([3], False, 2), ([0], False, 1), ([1], True, 1),
+                            ([1, 0, 3, 1, 3, 0, 1], True, 1), ([1, 0, 3, 1, 3, 0, 1], True, 3)]
+)  # fmt: skip
+def test_a_shrink_made_by_the_norm_is_expanded_by_the_gemv(dtype, swiglu, slots, use_dot, split):
+    """With the shrink from `rms_norm_shrink`, the projection computes none: without split-K the GEMV adds
+    each row's expand in its epilogue (no other launch), with it the split-sum kernel does; both equal the
+    projection of the normed rows plus the reference delta, FMA and dot."""
+    k, n, m, seed = 200, 40, len(slots), 5 * len(slots) + split
+    ns = (n, n) if swiglu else (n, 24, 16)
+    y, _, pre, _, _ = _normed_with_shrink(slots, k, ns, dtype, seed, residual=True)
+    ws = [_randn(rows, k, dtype=dtype, seed=70 + i) for i, rows in enumerate(ns)]
+    want = decode_linear_reference(y, ws, swiglu=swiglu, addend=_reference_delta(y, pre, slots, ns))
+    cfg = _lora_config(m, ns, k, swiglu, y, use_dot, split)
+    got = decode_linear(y, ws, swiglu=swiglu, config=cfg, lora=pre)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    plain = decode_linear_reference(y, ws, swiglu=swiglu).float()
+    assert any(slots) == (not torch.allclose(want.float(), plain, atol=0.1))
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pre_shrunk_rows_past_the_layout_are_base_rows(swiglu):
+    """Padding rows past a mixed graph's layout get a zero shrink and come out as base rows."""
+    k, n, slots = 72, 24, [2, 1, 2, 3, 1, 1]
+    ns = (n, n) if swiglu else (n, 16, 8)
+    y, _, pre, _, _ = _normed_with_shrink(slots, k, ns, torch.float32, 21, residual=False, laid_out=4)
+    ws = [_randn(rows, k, dtype=torch.float32, seed=80 + i) for i, rows in enumerate(ns)]
+    want = decode_linear_reference(y, ws, swiglu=swiglu, addend=_reference_delta(y, pre, slots, ns, 4))
+    got = decode_linear(y, ws, swiglu=swiglu, config=_lora_config(6, ns, k, swiglu, y, True, 1), lora=pre)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])

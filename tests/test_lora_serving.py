@@ -135,7 +135,10 @@ def test_a_decode_step_with_adapters_runs_the_base_launches_plus_the_deltas(mode
 
 def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(models, monkeypatch):
     """With lora_kernel "gemv" an adapter step calls the base step's projections, each given its layer's
-    LoRA (no separate delta kernel), and a base step gives none."""
+    LoRA (no separate delta kernel), and a base step gives none. Where q/k/v and gate/up run without
+    split-K (every projection of this tiny model), the norms before them compute their shrink
+    (`rms_norm_shrink`: one per layer's input norm and post-attention norm), so o and down run without
+    their fused add and norm."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -156,6 +159,7 @@ def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(m
     for module, name in [
         (decode_forward, "decode_linear"),
         (decode_forward, "decode_linear_add_rms_norm"),
+        (decode_forward, "rms_norm_shrink"),
         (lora_fused, "lora_delta_fused"),
         (lora_ops, "lora_delta_split"),
         (lora_ops, "lora_add"),
@@ -166,8 +170,16 @@ def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(m
     base = list(calls)
     calls.clear()
     engine.synthetic_decode(2, 4, "two_sms", lora_slots=2)
-    assert [c.removesuffix("+lora") for c in calls] == base and not any("+lora" in c for c in base)
-    assert sum(c.endswith("+lora") for c in calls) == 4 * engine.model.config.num_layers  # all but the head
+    layers = engine.model.config.num_layers
+    assert not any("+lora" in c or "shrink" in c for c in base)
+    assert calls.count("rms_norm_shrink") == 2 * layers
+    projections = [c.removesuffix("+lora") for c in calls if c != "rms_norm_shrink"]
+    fused = "decode_linear_add_rms_norm"
+    assert [c.replace(fused, "decode_linear") for c in projections] == [
+        c.replace(fused, "decode_linear") for c in base
+    ]
+    assert projections.count(fused) == 1  # the last down projection, before the final norm
+    assert sum(c.endswith("+lora") for c in calls) == 4 * layers  # all but the head
 
 
 def test_lora_kernel_names_the_allowed_values():

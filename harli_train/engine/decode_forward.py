@@ -8,8 +8,10 @@ model, so its output equals `model(...)` up to the order of fp32 sums. The model
 adapter (one would be skipped, so the runner uses it only when none is attached); served adapters come from
 the engine's `LoRASlots`, and each projection adds its rows' deltas to its fp32 sums before its epilogue.
 With lora_kernel "gemv" the projection's own launches compute them (`LoRASlots.gemv`): the shrink as extra
-row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split (q/k/v
-and gate/up at batch 1: one launch more each). Otherwise each delta is computed first (`LoRASlots.delta`:
+row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split. Where
+K is not split for q/k/v or gate/up (batch 1-16 of an 8B model), the norm that makes their input computes
+the shrink instead (`rms_norm_shrink`, in the launch the norm takes anyway) and the GEMV adds the expand in
+its epilogue: those projections then take no launch more than the base's. Otherwise each delta is computed first (`LoRASlots.delta`:
 one launch a projection with "fused", two with "split") and handed to the projection as an addend. A step
 without adapter rows runs exactly the base path.
 """
@@ -25,6 +27,8 @@ from harli_train.engine.decode_linear import (
     GemvLoRA,
     decode_linear,
     decode_linear_add_rms_norm,
+    expands_in_epilogue,
+    rms_norm_shrink,
 )
 from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
@@ -120,11 +124,16 @@ class DecodeForward:
         residual = model.embed(input_ids.view(b))
         layers = model.model.layers
         first = layers[0].input_layernorm
-        h = kernels.rms_norm(residual, first.weight, first.eps)
+        qkv_lora = self._shrink_ahead(residual, self._qkv_weights(0), 0, QKV)
+        if qkv_lora is None:
+            h = kernels.rms_norm(residual, first.weight, first.eps)
+        else:
+            h, _, qkv_lora = rms_norm_shrink(residual, None, first.weight, first.eps, qkv_lora)
         for i, (layer, qkv_bias) in enumerate(zip(layers, self.qkv_bias, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            qkv = _project(h, qkv_w, **self._adapters(h, qkv_w, i, QKV))
+            qkv_w = self._qkv_weights(i)
+            qkv_args = {"lora": qkv_lora} if qkv_lora is not None else self._adapters(h, qkv_w, i, QKV)
+            qkv = _project(h, qkv_w, **qkv_args)
             if qkv_bias is not None:
                 qkv += qkv_bias
             q = qkv[:, : self.q_size].view(b, 1, self.num_heads, self.head_dim)
@@ -132,17 +141,56 @@ class DecodeForward:
             v = qkv[:, self.q_size + self.kv_size :].view(b, 1, self.num_kv_heads, self.head_dim)
             o = attn_ctx.attend(attn.layer_idx, q, k, v, rope=rope).reshape(b, -1)
             o_w, post_norm = attn.o_proj.weight, layer.post_attention_layernorm
-            h, residual = _project_add_norm(o, o_w, residual, post_norm, **self._adapters(o, (o_w,), i, O))
             gate_up_w = (mlp.gate_proj.weight, mlp.up_proj.weight)
-            act = _project(h, gate_up_w, swiglu=True, **self._adapters(h, gate_up_w, i, GATE_UP))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            gate_up_lora = self._shrink_ahead(o, gate_up_w, i, GATE_UP, swiglu=True)
+            h, residual, gate_up_lora = self._project_norm(
+                o, o_w, residual, post_norm, self._adapters(o, (o_w,), i, O), gate_up_lora
+            )
+            gate_up_args = (
+                {"lora": gate_up_lora}
+                if gate_up_lora is not None
+                else self._adapters(h, gate_up_w, i, GATE_UP)
+            )
+            act = _project(h, gate_up_w, swiglu=True, **gate_up_args)
+            last = i + 1 == len(layers)
+            norm = model.model.norm if last else layers[i + 1].input_layernorm
             down_w = mlp.down_proj.weight
-            h, residual = _project_add_norm(
-                act, down_w, residual, norm, **self._adapters(act, (down_w,), i, DOWN)
+            qkv_lora = None if last else self._shrink_ahead(act, self._qkv_weights(i + 1), i + 1, QKV)
+            h, residual, qkv_lora = self._project_norm(
+                act, down_w, residual, norm, self._adapters(act, (down_w,), i, DOWN), qkv_lora
             )
         return h
 
     __call__ = forward
+
+    def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, ...]:
+        attn = self.model.model.layers[layer].self_attn
+        return (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+
+    def _shrink_ahead(
+        self, rows: torch.Tensor, weights: tuple, layer: int, group: tuple[str, ...], swiglu: bool = False
+    ) -> GemvLoRA | None:
+        """The LoRA of `layer`'s projection launch `group` (input: as many rows as `rows`), for the norm
+        before it to compute the shrink of (`rms_norm_shrink`), when that takes a launch off the step: an
+        adapter step on the "gemv" kernel whose projection runs the GEMV without split-K. None otherwise."""
+        slots = self.lora
+        if slots is None or slots.meta is None or slots.kernel != "gemv":
+            return None
+        if not _use_gemv(rows, weights) or not expands_in_epilogue(rows.shape[0], weights, swiglu):
+            return None
+        return slots.gemv(layer, group)
+
+    @staticmethod
+    def _project_norm(
+        x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm, adapters: dict, ahead
+    ) -> tuple[torch.Tensor, torch.Tensor, GemvLoRA | None]:
+        """(norm(x W^T + residual), x W^T + residual, `ahead` with its shrink of the normed rows): the
+        projection with the residual add and norm fused (`_project_add_norm`) without `ahead`; with it the
+        projection, then the add and norm that also shrink for the next projection (`rms_norm_shrink`)."""
+        if ahead is None:
+            return (*_project_add_norm(x, weight, residual, norm, **adapters), None)
+        p = _project(x, (weight,), **adapters)
+        return rms_norm_shrink(p, residual, norm.weight, norm.eps, ahead)
 
     def _adapters(self, x: torch.Tensor, weights: tuple, layer: int, group: tuple[str, ...]) -> dict:
         """The projection's LoRA argument in an adapter step: `lora` (run in the projection's launches)

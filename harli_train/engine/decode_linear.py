@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from harli_train import kernels
 from harli_train.engine.decode_linear_kernels import (
     _decode_linear_kernel,
+    _rms_norm_shrink_kernel,
     _split_reduce_add_rms_norm_kernel,
     _split_reduce_kernel,
     _split_reduce_lora_kernel,
@@ -64,12 +65,17 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True, slots=True)
 class GemvLoRA:
     """A projection's batched LoRA, run by its own launches (`lora_kernel` "gemv"): the shrink as extra row
-    tiles of the GEMV, the expand in the split-sum kernel's epilogue.
+    tiles of the GEMV, the expand in the split-sum kernel's epilogue. With `shrunk` (made by the norm that
+    made the projection's input, `rms_norm_shrink`) the GEMV computes no shrink: without split-K it adds the
+    expand in its own epilogue and writes its output directly (no launch more than the base projection),
+    with split-K the split-sum kernel reads the shrink from `shrunk`.
 
     `a` [n_slices * S * R, K] contiguous: the slices' A stacks (slot 0 the base, unused), rows (slice, slot,
     r); `bt` [S, R, W] contiguous: B transposed, the slices' columns side by side as in the projection's
     output (gate then up with SwiGLU); `scales` [S] fp32; `sorted_ids` [M] and `slot_start` [S + 1] int32
-    (`lora_ops.lora_layout`, every row of the step in a slot)."""
+    (`lora_ops.lora_layout`, every row of the step in a slot); `shrunk` [M, n_slices * S * R] in `a`'s
+    dtype, unit column stride: row m's scaled shrink in its slot's columns (slice, slot, r), zeros in the
+    other adapter slots' columns."""
 
     a: torch.Tensor
     bt: torch.Tensor
@@ -78,6 +84,7 @@ class GemvLoRA:
     slot_start: torch.Tensor
     rank: int
     num_slots: int
+    shrunk: torch.Tensor | None = None
 
 
 @functools.cache
@@ -181,6 +188,66 @@ def decode_linear_add_rms_norm(
     )
 
 
+def expands_in_epilogue(
+    m: int, weights: Sequence[torch.Tensor], swiglu: bool = False, num_sms: int | None = None
+) -> bool:
+    """Whether the projection of `m` rows by `weights` runs its GEMV without split-K, so that a shrink made
+    ahead by the norm (`rms_norm_shrink`) lets the GEMV add the expand in its own epilogue: the projection
+    with LoRA then takes no launch more than without."""
+    ns = tuple(w.shape[0] for w in weights)
+    k = weights[0].shape[1]
+    cfg = decode_linear_config(
+        _pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(), swiglu, weights[0].element_size()
+    )
+    return _cdiv(k, _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k) == 1
+
+
+def rms_norm_shrink(
+    x: torch.Tensor,  # shape [M, K], unit column stride
+    residual: torch.Tensor | None,  # shape [M, K], unit column stride, or None
+    weight: torch.Tensor,  # shape [K]
+    eps: float,
+    lora: GemvLoRA,  # the LoRA of the projection that takes the normed rows as its input
+    num_sms: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, GemvLoRA]:
+    """(y, h, `lora` with `shrunk`): y and h as `kernels.add_rms_norm(x, residual, weight, eps)` gives them
+    (`kernels.rms_norm(x, weight, eps)` and x itself without a residual), and the shrink of y for the
+    projection that reads it, scale_s * (y A_s^T) rounded to the adapters' dtype in each row's slot s, so
+    that its GEMV adds the expand in its own epilogue. One launch: the norm's, whose programs each also
+    compute a few ranks of one slice of the shrink (enough programs a row to spread A's read over the
+    SMs); base rows get zeros."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and weight.shape == (k,), f"x [{m}, {k}] with unit column stride, weight [{k}]"
+    s_slots, rank = lora.num_slots, lora.rank
+    n_a = lora.a.shape[0]
+    assert lora.a.shape[1] == k and n_a % (s_slots * rank) == 0 and lora.a.is_contiguous(), "LoRA A stack"
+    slices = n_a // (s_slots * rank)
+    if residual is not None:
+        assert residual.shape == (m, k) and residual.stride(1) == 1, "residual [M, K], unit column stride"
+        h = torch.empty((m, k), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    else:
+        h = x
+    y = torch.empty((m, k), dtype=torch.promote_types(h.dtype, weight.dtype), device=x.device)
+    shrunk = torch.empty((m, n_a), dtype=lora.a.dtype, device=x.device)
+    if m == 0:
+        return y, h, replace(lora, shrunk=shrunk)
+    block_r = _pow2(rank)
+    # Programs a row: about one per SM over the step (at least one tile of 4 ranks a slice).
+    tiles_wanted = _cdiv(num_sms or current_num_sms(), m)
+    block_a = min(block_r, max(4, block_r // _pow2(_cdiv(tiles_wanted, slices))))
+    r_tiles = _cdiv(rank, block_a)
+    block_h = _pow2(k)
+    _rms_norm_shrink_kernel[(m, slices * r_tiles)](
+        x, x.stride(0), residual if residual is not None else x,
+        residual.stride(0) if residual is not None else 0, h, h.stride(0), weight, y, y.stride(0),
+        lora.a, lora.scales, lora.sorted_ids, lora.slot_start, shrunk, shrunk.stride(0),
+        k, eps, rank, s_slots, r_tiles,
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_A=block_a,
+        BLOCK_K=min(block_h, 512), BLOCK_S=_pow2(s_slots), num_warps=max(4, min(16, block_h // 512)),
+    )  # fmt: skip
+    return y, h, replace(lora, shrunk=shrunk)
+
+
 def _decode_linear(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -223,11 +290,18 @@ def _decode_linear(
     even_n = all(n % cfg.block_n == 0 for n in ns)
     even_k = k % cfg.block_k == 0
     width = 2 * n_out if swiglu else n_out  # the fp32 sums' columns in the workspace
-    partial = split > 1 or lora is not None
+    pre = lora is not None and lora.shrunk is not None  # the shrink came with the input: none here
+    partial = split > 1 or (lora is not None and not pre)
     n_a = 0
     if lora is not None:
         assert addend is None, "a LoRA delta comes as an addend or as `lora`, not both"
         n_a, slices = lora.a.shape[0], lora.a.shape[0] // (lora.num_slots * lora.rank)
+        if pre:
+            assert lora.shrunk.shape[0] >= m and lora.shrunk.shape[1] == n_a, (
+                f"LoRA shrink {tuple(lora.shrunk.shape)} must be [{m}, {n_a}]"
+            )
+            assert lora.shrunk.stride(1) == 1 and lora.shrunk.dtype == lora.bt.dtype, "LoRA shrink layout"
+            n_a = 0
         assert lora.a.shape == (slices * lora.num_slots * lora.rank, k) and lora.a.is_contiguous(), (
             f"LoRA A {tuple(lora.a.shape)} must be [slices x {lora.num_slots} x {lora.rank}, {k}]"
         )
@@ -243,13 +317,16 @@ def _decode_linear(
     # Without an addend (or LoRA) the kernels never read it: x stands in for the pointer.
     add, add_stride = (x, 0) if addend is None else (addend, addend.stride(0))
     la = lora or GemvLoRA(x, x, x, x, x, 1, 1)
+    xa = la.shrunk if pre else x
+    block_r = max(16, _pow2(la.rank))
     n_padded = (ns + (0, 0))[:3]
     _decode_linear_kernel[(grid_n + _cdiv(n_a, cfg.block_n), split)](
         x, x.stride(0), w[0], w[1], w[2], dest, stride, add, add_stride, m, k,
         n_padded[0], n_padded[1], n_padded[2], tiles[0], tiles[0] + tiles[1], width, k_per_split,
-        la.a, n_a, grid_n, la.slot_start, la.rank, la.num_slots,
+        la.a, n_a, grid_n, la.slot_start, la.rank, la.num_slots, xa, xa.stride(0), la.bt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, PARTIAL=partial,
-        SWIGLU=swiglu, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None, USE_DOT=cfg.use_dot,
+        SWIGLU=swiglu, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None and not pre,
+        LORA_EPILOGUE=pre and not partial, BLOCK_R=block_r, USE_DOT=cfg.use_dot,
         EVEN_N=even_n, EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -264,16 +341,16 @@ def _decode_linear(
             num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
         return y, h
-    if lora is not None:
+    if lora is not None and partial:
         # BLOCK_M sorted rows by block_n columns a program, its accumulators (two with SwiGLU) within 4096.
         block_m = min(64, max(16, _pow2(m)))
         block_n = max(16, min(4096 // block_m, _pow2(n_out)))
         n0, n1 = (ns + (0, 0))[:2]
         _split_reduce_lora_kernel[(_cdiv(m, block_m), _cdiv(n_out, block_n))](
             dest, stride, out, out.stride(0), m, n_out, la.bt, la.scales, la.sorted_ids, la.slot_start, width,
-            n0, n1, len(ns), la.rank, la.num_slots, SPLIT_K=split, SWIGLU=swiglu, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_R=max(16, _pow2(la.rank)), BLOCK_S=_pow2(la.num_slots),
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            n0, n1, len(ns), la.rank, la.num_slots, xa, xa.stride(0), SPLIT_K=split, SWIGLU=swiglu,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_S=_pow2(la.num_slots),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRE_SHRUNK=pre, num_warps=4,
         )  # fmt: skip
     elif partial:
         block = min(1024, _pow2(n_out))

@@ -93,6 +93,56 @@ def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexp
         tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+@triton.jit
+def _lora_expand_epilogue(
+    acc,
+    xa_ptr,
+    stride_xa,
+    bt_ptr,
+    bt_cols,
+    col_mask,
+    piece,
+    width,
+    slot_start_ptr,
+    lora_rank,
+    lora_slots,
+    M,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: for every adapter slot with
+    rows in the step, B^T[slot, :, cols]^T @ xa[:, slice `piece`, slot, :]^T, xa's other slots being zero
+    on a row (`rms_norm_shrink`'s layout). acc as the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]
+    (FMA, row 0)."""
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < lora_rank
+    for j in range(1, lora_slots):
+        rows_j = tl.load(slot_start_ptr + j + 1) - tl.load(slot_start_ptr + j)
+        if rows_j > 0:
+            xa_cols = (piece * lora_slots + j) * lora_rank + r
+            b_rows = bt_ptr + (j * lora_rank + r) * width  # < 2**31: S, R and W are small
+            if USE_DOT:
+                offs_m = tl.arange(0, BLOCK_M)
+                b = tl.load(  # B [BLOCK_N, BLOCK_R] of the tile's columns
+                    b_rows[None, :] + bt_cols[:, None], mask=col_mask[:, None] & r_mask[None, :], other=0.0
+                )
+                xat = tl.load(
+                    xa_ptr + offs_m[None, :] * stride_xa + xa_cols[:, None],
+                    mask=r_mask[:, None] & (offs_m < M)[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
+            else:
+                b = tl.load(
+                    b_rows[:, None] + bt_cols[None, :], mask=r_mask[:, None] & col_mask[None, :], other=0.0
+                )
+                xa = tl.load(xa_ptr + xa_cols, mask=r_mask, other=0.0)
+                acc += tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
+    return acc
+
+
 # x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
 # out: [M, N_total] (row stride stride_om) unless PARTIAL, else the fp32 workspace [SPLIT_K, M, stride_om]
 # of each split's sums. Columns: weight g's rows go to [col_g, col_g + N_g); with SWIGLU the workspace holds
@@ -131,6 +181,9 @@ def _decode_linear_kernel(
     slot_start_ptr,
     lora_rank,
     lora_slots,
+    xa_ptr,
+    stride_xa,
+    bt_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -139,6 +192,8 @@ def _decode_linear_kernel(
     SWIGLU: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    LORA_EPILOGUE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -182,6 +237,15 @@ def _decode_linear_kernel(
             if HAS_ADDEND:
                 g += _load_tile(add_ptr, stride_am, rows, col_mask, M, BLOCK_M, USE_DOT)
                 u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
+            if LORA_EPILOGUE:
+                g = _lora_expand_epilogue(
+                    g, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, slot_start_ptr, lora_rank,
+                    lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                )  # fmt: skip
+                u = _lora_expand_epilogue(
+                    u, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, slot_start_ptr, lora_rank,
+                    lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                )  # fmt: skip
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
             _store_tile(part, stride_om, g, rows, col_mask, M, BLOCK_M, USE_DOT)
@@ -192,16 +256,19 @@ def _decode_linear_kernel(
         n_rows = n0
         col0 = 0
         tile = pid
+        piece = 0
         if pid >= tiles_01:
             w_ptr = w2_ptr
             n_rows = n2
             col0 = n0 + n1
             tile = pid - tiles_01
+            piece = 2
         elif pid >= tiles_0:
             w_ptr = w1_ptr
             n_rows = n1
             col0 = n0
             tile = pid - tiles_0
+            piece = 1
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _accumulate(
             x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
@@ -211,6 +278,11 @@ def _decode_linear_kernel(
         if not PARTIAL:
             if HAS_ADDEND:
                 acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
+            if LORA_EPILOGUE:
+                acc = _lora_expand_epilogue(
+                    acc, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2,
+                    slot_start_ptr, lora_rank, lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                )  # fmt: skip
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
             _store_tile(part, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
@@ -287,6 +359,8 @@ def _split_reduce_lora_kernel(
     n_slices,
     lora_rank,
     lora_slots,
+    xa_ptr,
+    stride_xa,
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -294,6 +368,7 @@ def _split_reduce_lora_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PRECISION: tl.constexpr,
+    PRE_SHRUNK: tl.constexpr,
 ):
     p = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = p < M
@@ -326,17 +401,31 @@ def _split_reduce_lora_kernel(
         shrink = a_col0 + j * lora_rank + r
         b_rows = bt_ptr + j * lora_rank * width + r[:, None] * width  # < 2**31: S, R and W are small
         b = tl.load(b_rows + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        s0 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink, r_mask, SPLIT_K) * scale
-        s1 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + step, r_mask1, SPLIT_K) * scale
+        if PRE_SHRUNK:  # scaled and rounded already, zero outside a row's slot (rms_norm_shrink)
+            s0 = _lora_shrink_tile(xa_ptr, stride_xa, 0, rows, sel, j * lora_rank + r, r_mask, 1)
+            s1 = _lora_shrink_tile(xa_ptr, stride_xa, 0, rows, sel, j * lora_rank + r + step, r_mask1, 1)
+        else:
+            s0 = _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink, r_mask, SPLIT_K) * scale
+            s1 = (
+                _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + step, r_mask1, SPLIT_K)
+                * scale
+            )
         if SWIGLU:  # gate is slice 0 on columns [0, N), up slice 1 on [N, 2 N)
             b_up = tl.load(b_rows + N + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
             acc = tl.dot(s0.to(b.dtype), b, acc, input_precision=PRECISION)
             up = tl.dot(s1.to(b.dtype), b_up, up, input_precision=PRECISION)
         else:  # each column's slice: s0 before n0, s1 before n0 + n1, s2 after (zero where absent)
-            s2 = (
-                _lora_shrink_tile(part_ptr, stride_part, M, rows, sel, shrink + 2 * step, r_mask2, SPLIT_K)
-                * scale
-            )
+            if PRE_SHRUNK:
+                s2 = _lora_shrink_tile(
+                    xa_ptr, stride_xa, 0, rows, sel, j * lora_rank + r + 2 * step, r_mask2, 1
+                )
+            else:
+                s2 = (
+                    _lora_shrink_tile(
+                        part_ptr, stride_part, M, rows, sel, shrink + 2 * step, r_mask2, SPLIT_K
+                    )
+                    * scale
+                )
             c = cols[None, :]
             zero = tl.zeros_like(b)
             acc = tl.dot(s0.to(b.dtype), tl.where(c < n0, b, zero), acc, input_precision=PRECISION)
@@ -391,3 +480,84 @@ def _split_reduce_add_rms_norm_kernel(
     normed = (hf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# x, res, h, y: [M, N] (row strides given; h aliases x without a residual); w: [N]; a: the stacked LoRA A
+# [n_slices * S * R, N] contiguous, rows (slice, slot, r); xa: [M, n_slices * S * R] (row stride stride_xa)
+# in the adapters' dtype. Grid (M, n_slices * r_tiles): program (p, t) takes the row at position p of the
+# slot layout (sorted_ids; positions past slot_start[S] are their own base rows). It computes the row's norm
+# as _rms_norm_fwd_kernel does (t == 0 stores h and y), then, over K chunks of the same values, the shrink of
+# slice t // r_tiles, ranks BLOCK_A * (t % r_tiles) + [0, BLOCK_A), of the row's slot: scaled, rounded to
+# the adapters' dtype, stored in that slot's columns, and zeros in the other adapter slots' columns.
+@triton.jit
+def _rms_norm_shrink_kernel(
+    x_ptr,
+    stride_x,
+    res_ptr,
+    stride_r,
+    h_ptr,
+    stride_h,
+    w_ptr,
+    y_ptr,
+    stride_y,
+    a_ptr,
+    scales_ptr,
+    sorted_ids_ptr,
+    slot_start_ptr,
+    xa_ptr,
+    stride_xa,
+    N,
+    eps,
+    lora_rank,
+    lora_slots,
+    r_tiles,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    p = tl.program_id(0)
+    t = tl.program_id(1)
+    laid = p < tl.load(slot_start_ptr + lora_slots)
+    js = tl.arange(0, BLOCK_S)
+    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
+    slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
+    row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        if t == 0:
+            tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    if t == 0:
+        normed = (x * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+    piece = t // r_tiles
+    ra = (t % r_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
+    a_mask = ra < lora_rank
+    acc = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    if slot > 0:
+        a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, N, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < N
+            xk = tl.load(x_ptr + row * stride_x + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                rk = tl.load(res_ptr + row * stride_r + kk, mask=k_mask, other=0.0).to(tl.float32)
+                xk = (xk + rk).to(h_ptr.dtype.element_ty).to(tl.float32)
+            wk = tl.load(w_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            yk = ((xk * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * wk).to(y_ptr.dtype.element_ty)
+            a = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * yk.to(tl.float32)[None, :], axis=1)
+        acc = acc * tl.load(scales_ptr + slot)
+    out = xa_ptr + row * stride_xa + piece * lora_slots * lora_rank + ra
+    for j in range(1, lora_slots):
+        value = tl.where(slot == j, acc, 0.0)
+        tl.store(out + j * lora_rank, value.to(xa_ptr.dtype.element_ty), mask=a_mask)
