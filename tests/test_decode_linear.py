@@ -512,3 +512,27 @@ def test_pre_shrunk_rows_past_the_layout_are_base_rows(swiglu):
     want = decode_linear_reference(y, ws, swiglu=swiglu, addend=_reference_delta(y, pre, slots, ns, 4))
     got = decode_linear(y, ws, swiglu=swiglu, config=_lora_config(6, ns, k, swiglu, y, True, 1), lora=pre)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_a_square_projection_with_lora_stays_on_the_gemv_at_cublas_rows():
+    """At CUBLAS_SQUARE_ROWS rows a square projection (o_proj) goes to cuBLAS in a base step, but with the
+    step's LoRA it runs the GEMV with the LoRA in its launches: the projection plus the reference delta,
+    the residual add and norm after it."""
+    from harli_train.engine.decode_forward import CUBLAS_SQUARE_ROWS, _project_add_norm, _use_gemv
+
+    k = n = 48
+    slots = [1, 0, 2, 3] * (CUBLAS_SQUARE_ROWS // 4)
+    x, w = _randn(len(slots), k, dtype=torch.float32, seed=91), _randn(n, k, dtype=torch.float32, seed=92)
+    assert not _use_gemv(x, (w,)) and _use_gemv(x, (w,), lora=True)
+    lora, _ = _gemv_lora(slots, k, (n,), torch.float32, seed=93)
+    residual, norm_w = (
+        _randn(len(slots), n, dtype=torch.float32, seed=94),
+        _randn(n, dtype=torch.float32, seed=95),
+    )
+    norm = torch.nn.Module()
+    norm.weight, norm.eps = norm_w, 1e-5
+    got_y, got_h = _project_add_norm(x, w, residual, norm, lora=lora)
+    p = decode_linear_reference(x, [w], addend=_reference_delta(x, lora, slots, (n,)))
+    want_y, want_h = kernel_reference.add_rms_norm(p, residual, norm_w, 1e-5)
+    torch.testing.assert_close(got_h, want_h, **TOL[torch.float32])
+    torch.testing.assert_close(got_y, want_y, **TOL[torch.float32])
