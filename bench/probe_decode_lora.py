@@ -8,6 +8,7 @@ kernels they slow.
 
     python bench/probe_decode_lora.py            # H200: $OUT/probe_decode_lora.json, a table last
     python bench/probe_decode_lora.py --dry-run  # CPU: the tiny model, its eager step (the code path only)
+    python bench/probe_decode_lora.py --shrink-ahead-rows 0   # the shrinks in the projections' launches
 """
 
 from __future__ import annotations
@@ -60,8 +61,18 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--shrink-ahead-rows",
+        type=int,
+        default=None,
+        help="decode_forward.SHRINK_AHEAD_ROWS for this run (0: every shrink in its projection's launch)",
+    )
     args = ap.parse_args()
-    from harli_train.engine import DecodeEngine, EngineConfig
+    from harli_train.engine import DecodeEngine, EngineConfig, decode_forward
+
+    if args.shrink_ahead_rows is not None:
+        decode_forward.SHRINK_AHEAD_ROWS = args.shrink_ahead_rows
+    args.shrink_ahead_rows = decode_forward.SHRINK_AHEAD_ROWS
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     bench = Bench(args.dry_run, steps=args.reps)

@@ -38,6 +38,10 @@ from harli_train.model import LlamaForCausalLM
 # 10.6 us, and the whole step; see `tpot_o_gemv` in bench/results).
 CUBLAS_SQUARE_ROWS = 64
 QKV, O, GATE_UP, DOWN = GROUPS  # the LoRA targets of each projection launch, in its column order
+# Up to this many rows an adapter step's norms compute the shrink of the q/k/v and gate/up projections after
+# them (`rms_norm_shrink`), where those run without split-K. Each of a norm's programs re-reads the row, so
+# past a few rows a shrink in the GEMV's own launch costs less. 0: never.
+SHRINK_AHEAD_ROWS = 16
 
 
 def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], lora: bool = False) -> bool:
@@ -175,11 +179,13 @@ class DecodeForward:
     ) -> GemvLoRA | None:
         """The LoRA of `layer`'s projection launch `group` (input: as many rows as `rows`), for the norm
         before it to compute the shrink of (`rms_norm_shrink`), when that takes a launch off the step: an
-        adapter step on the "gemv" kernel whose projection runs the GEMV without split-K. None otherwise."""
+        adapter step of up to SHRINK_AHEAD_ROWS rows on the "gemv" kernel whose projection runs the GEMV
+        without split-K. None otherwise."""
         slots = self.lora
         if slots is None or slots.meta is None or slots.kernel != "gemv":
             return None
-        if not _use_gemv(rows, weights) or not expands_in_epilogue(rows.shape[0], weights, swiglu):
+        m = rows.shape[0]
+        if m > SHRINK_AHEAD_ROWS or not _use_gemv(rows, weights) or not expands_in_epilogue(m, weights, swiglu):
             return None
         return slots.gemv(layer, group)
 

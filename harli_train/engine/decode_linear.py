@@ -231,10 +231,11 @@ def rms_norm_shrink(
     shrunk = torch.empty((m, n_a), dtype=lora.a.dtype, device=x.device)
     if m == 0:
         return y, h, replace(lora, shrunk=shrunk)
-    block_r = _pow2(rank)
-    # Programs a row: about one per SM over the step (at least one tile of 4 ranks a slice).
-    tiles_wanted = _cdiv(num_sms or current_num_sms(), m)
-    block_a = min(block_r, max(4, block_r // _pow2(_cdiv(tiles_wanted, slices))))
+    # A program loads its [block_a, K] tile of A at once beside the row: 2-4 ranks, about one program per
+    # SM over the step (a row's programs re-read it from L2, which costs less than a longer A stream).
+    rows_a = slices * _pow2(rank)
+    per_row = _cdiv(num_sms or current_num_sms(), m)
+    block_a = min(_pow2(rank), 4, max(2, 1 << max(0, (rows_a // per_row).bit_length() - 1)))
     r_tiles = _cdiv(rank, block_a)
     block_h = _pow2(k)
     _rms_norm_shrink_kernel[(m, slices * r_tiles)](
@@ -242,8 +243,8 @@ def rms_norm_shrink(
         residual.stride(0) if residual is not None else 0, h, h.stride(0), weight, y, y.stride(0),
         lora.a, lora.scales, lora.sorted_ids, lora.slot_start, shrunk, shrunk.stride(0),
         k, eps, rank, s_slots, r_tiles,
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_A=block_a,
-        BLOCK_K=min(block_h, 512), BLOCK_S=_pow2(s_slots), num_warps=max(4, min(16, block_h // 512)),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_A=block_a, BLOCK_S=_pow2(s_slots),
+        num_warps=max(4, min(16, block_h // 512)),
     )  # fmt: skip
     return y, h, replace(lora, shrunk=shrunk)
 
@@ -319,6 +320,7 @@ def _decode_linear(
     la = lora or GemvLoRA(x, x, x, x, x, 1, 1)
     xa = la.shrunk if pre else x
     block_r = max(16, _pow2(la.rank))
+    block_sr = max(32, _pow2(la.num_slots * la.rank))  # the epilogue's expand: every slot's ranks at once
     n_padded = (ns + (0, 0))[:3]
     _decode_linear_kernel[(grid_n + _cdiv(n_a, cfg.block_n), split)](
         x, x.stride(0), w[0], w[1], w[2], dest, stride, add, add_stride, m, k,
@@ -326,7 +328,7 @@ def _decode_linear(
         la.a, n_a, grid_n, la.slot_start, la.rank, la.num_slots, xa, xa.stride(0), la.bt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, PARTIAL=partial,
         SWIGLU=swiglu, HAS_ADDEND=addend is not None, HAS_LORA=lora is not None and not pre,
-        LORA_EPILOGUE=pre and not partial, BLOCK_R=block_r, USE_DOT=cfg.use_dot,
+        LORA_EPILOGUE=pre and not partial, BLOCK_SR=block_sr, USE_DOT=cfg.use_dot,
         EVEN_N=even_n, EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

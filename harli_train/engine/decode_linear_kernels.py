@@ -103,43 +103,44 @@ def _lora_expand_epilogue(
     col_mask,
     piece,
     width,
-    slot_start_ptr,
     lora_rank,
     lora_slots,
     M,
     BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_SR: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: for every adapter slot with
-    rows in the step, B^T[slot, :, cols]^T @ xa[:, slice `piece`, slot, :]^T, xa's other slots being zero
-    on a row (`rms_norm_shrink`'s layout). acc as the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N]
-    (FMA, row 0)."""
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < lora_rank
-    for j in range(1, lora_slots):
-        rows_j = tl.load(slot_start_ptr + j + 1) - tl.load(slot_start_ptr + j)
-        if rows_j > 0:
-            xa_cols = (piece * lora_slots + j) * lora_rank + r
-            b_rows = bt_ptr + (j * lora_rank + r) * width  # < 2**31: S, R and W are small
-            if USE_DOT:
-                offs_m = tl.arange(0, BLOCK_M)
-                b = tl.load(  # B [BLOCK_N, BLOCK_R] of the tile's columns
-                    b_rows[None, :] + bt_cols[:, None], mask=col_mask[:, None] & r_mask[None, :], other=0.0
-                )
-                xat = tl.load(
-                    xa_ptr + offs_m[None, :] * stride_xa + xa_cols[:, None],
-                    mask=r_mask[:, None] & (offs_m < M)[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
-            else:
-                b = tl.load(
-                    b_rows[:, None] + bt_cols[None, :], mask=r_mask[:, None] & col_mask[None, :], other=0.0
-                )
-                xa = tl.load(xa_ptr + xa_cols, mask=r_mask, other=0.0)
-                acc += tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
+    """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: one product over every
+    adapter slot's ranks at once, B^T[1:S, :, cols]^T @ xa[:, slice `piece`, 1:S, :]^T, xa being zero on a
+    row outside its slot (`rms_norm_shrink`'s layout), so no load waits on the step's slot layout. acc as
+    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). BLOCK_SR >= S * R, a power of two
+    of at least 32."""
+    if USE_DOT:
+        # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
+        offs_m = tl.arange(0, BLOCK_M)
+        for j0 in tl.static_range(0, BLOCK_SR, 32):
+            j = j0 + tl.arange(0, 32)
+            j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
+            b = tl.load(
+                bt_ptr + j[None, :] * width + bt_cols[:, None],
+                mask=col_mask[:, None] & j_mask[None, :],
+                other=0.0,
+            )
+            xat = tl.load(
+                xa_ptr + offs_m[None, :] * stride_xa + (piece * lora_slots * lora_rank + j)[:, None],
+                mask=j_mask[:, None] & (offs_m < M)[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
+    else:
+        j = tl.arange(0, BLOCK_SR)  # (slot, rank) pairs; slot 0 (the base) is never read
+        j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
+        xa_cols = piece * lora_slots * lora_rank + j
+        b_rows = bt_ptr + j * width  # < 2**31: S, R and W are small
+        b = tl.load(b_rows[:, None] + bt_cols[None, :], mask=j_mask[:, None] & col_mask[None, :], other=0.0)
+        xa = tl.load(xa_ptr + xa_cols, mask=j_mask, other=0.0)
+        acc += tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
     return acc
 
 
@@ -193,7 +194,7 @@ def _decode_linear_kernel(
     HAS_ADDEND: tl.constexpr,
     HAS_LORA: tl.constexpr,
     LORA_EPILOGUE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_SR: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -239,12 +240,12 @@ def _decode_linear_kernel(
                 u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
             if LORA_EPILOGUE:
                 g = _lora_expand_epilogue(
-                    g, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, slot_start_ptr, lora_rank,
-                    lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                    g, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
                 u = _lora_expand_epilogue(
-                    u, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, slot_start_ptr, lora_rank,
-                    lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                    u, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
@@ -280,8 +281,8 @@ def _decode_linear_kernel(
                 acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
             if LORA_EPILOGUE:
                 acc = _lora_expand_epilogue(
-                    acc, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2,
-                    slot_start_ptr, lora_rank, lora_slots, M, BLOCK_M, BLOCK_R, USE_DOT, PRECISION,
+                    acc, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2, lora_rank,
+                    lora_slots, M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
@@ -486,9 +487,10 @@ def _split_reduce_add_rms_norm_kernel(
 # [n_slices * S * R, N] contiguous, rows (slice, slot, r); xa: [M, n_slices * S * R] (row stride stride_xa)
 # in the adapters' dtype. Grid (M, n_slices * r_tiles): program (p, t) takes the row at position p of the
 # slot layout (sorted_ids; positions past slot_start[S] are their own base rows). It computes the row's norm
-# as _rms_norm_fwd_kernel does (t == 0 stores h and y), then, over K chunks of the same values, the shrink of
-# slice t // r_tiles, ranks BLOCK_A * (t % r_tiles) + [0, BLOCK_A), of the row's slot: scaled, rounded to
-# the adapters' dtype, stored in that slot's columns, and zeros in the other adapter slots' columns.
+# as _rms_norm_fwd_kernel does (t == 0 stores h and y), then, from the same registers, the shrink of slice
+# t // r_tiles, ranks BLOCK_A * (t % r_tiles) + [0, BLOCK_A), of the row's slot (one [BLOCK_A, N] tile of A,
+# loaded at once): scaled, rounded to the adapters' dtype, stored in that slot's columns, and zeros in the
+# other adapter slots' columns.
 @triton.jit
 def _rms_norm_shrink_kernel(
     x_ptr,
@@ -514,7 +516,6 @@ def _rms_norm_shrink_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_A: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     p = tl.program_id(0)
@@ -524,8 +525,15 @@ def _rms_norm_shrink_kernel(
     starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
     slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
     row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    piece = t // r_tiles
+    ra = (t % r_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
+    a_mask = ra < lora_rank
     cols = tl.arange(0, BLOCK_H)
     mask = cols < N
+    # The A tile's load does not wait on the norm (base rows load nothing).
+    a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
+    live = a_mask & ((tl.zeros_like(ra) + slot) > 0)  # a tensor: the interpreter's masks want one
+    a = tl.load(a_rows + cols[None, :], mask=live[:, None] & mask[None, :], other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -534,29 +542,12 @@ def _rms_norm_shrink_kernel(
             tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
         x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    normed = (x * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (normed * w).to(y_ptr.dtype.element_ty)
     if t == 0:
-        normed = (x * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
-    piece = t // r_tiles
-    ra = (t % r_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
-    a_mask = ra < lora_rank
-    acc = tl.zeros((BLOCK_A,), dtype=tl.float32)
-    if slot > 0:
-        a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, N, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < N
-            xk = tl.load(x_ptr + row * stride_x + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                rk = tl.load(res_ptr + row * stride_r + kk, mask=k_mask, other=0.0).to(tl.float32)
-                xk = (xk + rk).to(h_ptr.dtype.element_ty).to(tl.float32)
-            wk = tl.load(w_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            yk = ((xk * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * wk).to(y_ptr.dtype.element_ty)
-            a = tl.load(a_rows + kk[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32) * yk.to(tl.float32)[None, :], axis=1)
-        acc = acc * tl.load(scales_ptr + slot)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1) * tl.load(scales_ptr + slot)
     out = xa_ptr + row * stride_xa + piece * lora_slots * lora_rank + ra
     for j in range(1, lora_slots):
         value = tl.where(slot == j, acc, 0.0)
