@@ -185,7 +185,11 @@ class DecodeForward:
         if slots is None or slots.meta is None or slots.kernel != "gemv":
             return None
         m = rows.shape[0]
-        if m > SHRINK_AHEAD_ROWS or not _use_gemv(rows, weights) or not expands_in_epilogue(m, weights, swiglu):
+        if (
+            m > SHRINK_AHEAD_ROWS
+            or not _use_gemv(rows, weights)
+            or not expands_in_epilogue(m, weights, swiglu)
+        ):
             return None
         return slots.gemv(layer, group)
 
