@@ -333,6 +333,12 @@ def test_the_torch_fallback_adds_the_addend_before_swiglu_and_the_add_norm():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+# (the rows' adapter slots, tensor-core dot, split-K) of the LoRA projection tests: FMA and dot, one row and
+# a mix of slots with base rows, with and without split-K.
+LORA_CASES = [([2], False, 1), ([3], False, 2), ([0], False, 1), ([1], True, 1),
+              ([1, 0, 3, 1, 3, 0, 1], True, 1), ([1, 0, 3, 1, 3, 0, 1], True, 3)]  # fmt: skip
+
+
 def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5, laid_out=None):
     """(GemvLoRA, the reference delta [M, sum N] fp32) for rows on `token_slots`: adapters of rank
     `used_rank` in stacks of `rank` (the rest zero), the base's slot 0 poisoned (NaN): nothing may read it.
@@ -373,10 +379,7 @@ def _gemv_lora(token_slots, k, ns, dtype, seed, num_slots=4, rank=8, used_rank=5
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize(
-    "slots,use_dot,split", [([2], False, 1), ([3], False, 2), ([0], False, 1), ([1], True, 1),
-                            ([1, 0, 3, 1, 3, 0, 1], True, 1), ([1, 0, 3, 1, 3, 0, 1], True, 3)]
-)  # fmt: skip
+@pytest.mark.parametrize("slots,use_dot,split", LORA_CASES)
 def test_lora_shrink_rides_the_gemv_and_its_expand_the_split_sum(dtype, swiglu, slots, use_dot, split):
     """`lora`: the shrink as extra row tiles of the projection's launch, the expand in the split-sum
     kernel (run even without split-K), each row on its own slot's adapter (slot 0: the base): equal to
@@ -485,10 +488,7 @@ def test_rms_norm_shrink_is_the_norm_and_each_rows_scaled_shrink(dtype, residual
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize(
-    "slots,use_dot,split", [([2], False, 1), ([3], False, 2), ([0], False, 1), ([1], True, 1),
-                            ([1, 0, 3, 1, 3, 0, 1], True, 1), ([1, 0, 3, 1, 3, 0, 1], True, 3)]
-)  # fmt: skip
+@pytest.mark.parametrize("slots,use_dot,split", LORA_CASES)
 def test_a_shrink_made_by_the_norm_is_expanded_by_the_gemv(dtype, swiglu, slots, use_dot, split):
     """With the shrink from `rms_norm_shrink`, the projection computes none: without split-K the GEMV adds
     each row's expand in its epilogue (no other launch), with it the split-sum kernel does; both equal the
