@@ -11,9 +11,9 @@ With lora_kernel "gemv" the projection's own launches compute them (`LoRASlots.g
 row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split. Where
 K is not split for q/k/v or gate/up (batch 1-16 of an 8B model), the norm that makes their input computes
 the shrink instead (`rms_norm_shrink`, in the launch the norm takes anyway) and the GEMV adds the expand in
-its epilogue: those projections then take no launch more than the base's. Otherwise each delta is computed first (`LoRASlots.delta`:
-one launch a projection with "fused", two with "split") and handed to the projection as an addend. A step
-without adapter rows runs exactly the base path.
+its epilogue: those projections then take no launch more than the base's. Otherwise each delta is computed
+first (`LoRASlots.delta`: one launch a projection with "fused", two with "split") and handed to the
+projection as an addend. A step without adapter rows runs exactly the base path.
 """
 
 from __future__ import annotations
