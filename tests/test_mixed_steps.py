@@ -472,3 +472,28 @@ def test_harli_backward_on_sizes_a_mixed_step_beside_a_trainer_backward_by_the_s
     off = make_policy("harli", ladder, pred, 0.0201, 0.1)
     off.trainer_on_gpu = lambda: ("bwd",)
     assert not off.plan(preview).beside_backward
+
+
+def test_no_mixed_step_takes_more_prefill_than_the_largest_graph_bucket_holds():
+    """With the engine's mixed graphs (buckets up to 128 tokens here), neither a chunk sized to the budget
+    nor a TTFT drain past it takes more prefill tokens than fit the largest bucket beside the decode rows:
+    such a step would run eagerly, slower than the graph's step and the next one together."""
+    from dataclasses import replace
+
+    from harli_train.colocate.policy.base import graph_room
+
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    pieces = (PrefillPiece(400, 0, 0), PrefillPiece(400, 0, 0))
+    due = StepPreview(2, 40, pieces, mixed=True, prefill_waits=(0.175, 0.17))
+    loose = StepPreview(2, 40, pieces, mixed=True)
+    policy = make_policy("static:32", ladder, pred, 0.0201, 0.1)
+    policy.ttft_s = 0.2
+    assert graph_room(pred, due) == 800 and policy.plan(due).prefill_tokens == 800  # no graphs: unbounded
+    fits, _, _ = largest_chunk(pred, loose, TOTAL, False, 1.0)
+    assert fits == 800
+    pred.mixed = replace(pred.mixed, buckets=(16, 32, 64, 128))
+    assert graph_room(pred, due) == 126
+    plan = policy.plan(due)
+    assert plan.reason.startswith("ttft") and plan.prefill_tokens == 126
+    assert largest_chunk(pred, loose, TOTAL, False, 1.0)[0] == 126
