@@ -388,9 +388,11 @@ def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
         policy.ttft_s = 1e-9  # every pending prompt is due at once
         return policy
 
-    # Prompts arriving while the first request decodes: some ride in mixed steps however slow the host.
-    load = requests([(0.0, 2, 120), (0.1, 3, 8), (0.3, 3, 8), (0.5, 3, 8)])
-    opts = RuntimeOptions(until="load", window_s=1.5, quiet=True, finish=False, plots=False)
+    # Prompts arriving while the first requests decode (600 tokens: past the window on any host), spread
+    # over the window: the run's first step comes ~0.2 s in on this machine, after set-up, and prompts that
+    # are all in by then are computed in one prefill step, never in a mixed one.
+    load = requests([(0.0, 2, 600), (0.4, 3, 8), (0.8, 3, 8), (1.2, 3, 8)])
+    opts = RuntimeOptions(until="load", window_s=2.0, quiet=True, finish=False, plots=False)
     small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
     summary = runtime(tmp_path, ladder, make, load, opts, None, None, *small).run()
     due = [r for r in rows(tmp_path) if r["kind"] == "mixed" and r["reason"].startswith("ttft")]
