@@ -188,6 +188,12 @@ def decode_linear_add_rms_norm(
     )
 
 
+def _k_split(k: int, cfg: DecodeLinearConfig) -> tuple[int, int]:
+    """(columns of K a split covers, splits) of a launch with `cfg` over K = `k`: no split is empty."""
+    k_per_split = _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    return k_per_split, _cdiv(k, k_per_split)
+
+
 def expands_in_epilogue(
     m: int, weights: Sequence[torch.Tensor], swiglu: bool = False, num_sms: int | None = None
 ) -> bool:
@@ -199,7 +205,7 @@ def expands_in_epilogue(
     cfg = decode_linear_config(
         _pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(), swiglu, weights[0].element_size()
     )
-    return _cdiv(k, _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k) == 1
+    return _k_split(k, cfg)[1] == 1
 
 
 def rms_norm_shrink(
@@ -286,8 +292,7 @@ def _decode_linear(
     w = list(weights) + [weights[0]] * (3 - len(weights))
     tiles = [_cdiv(n, cfg.block_n) for n in ns] + [0, 0]
     grid_n = tiles[0] if swiglu else sum(tiles[:3])
-    k_per_split = _cdiv(_cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
-    split = _cdiv(k, k_per_split)
+    k_per_split, split = _k_split(k, cfg)
     even_n = all(n % cfg.block_n == 0 for n in ns)
     even_k = k % cfg.block_k == 0
     width = 2 * n_out if swiglu else n_out  # the fp32 sums' columns in the workspace
@@ -319,8 +324,8 @@ def _decode_linear(
     add, add_stride = (x, 0) if addend is None else (addend, addend.stride(0))
     la = lora or GemvLoRA(x, x, x, x, x, 1, 1)
     xa = la.shrunk if pre else x
-    block_r = max(16, _pow2(la.rank))
-    block_sr = max(32, _pow2(la.num_slots * la.rank))  # the epilogue's expand: every slot's ranks at once
+    # The epilogue's expand takes every slot's ranks at once (32 stands in where it does not run).
+    block_sr = max(32, _pow2(la.num_slots * la.rank)) if pre and not partial else 32
     n_padded = (ns + (0, 0))[:3]
     _decode_linear_kernel[(grid_n + _cdiv(n_a, cfg.block_n), split)](
         x, x.stride(0), w[0], w[1], w[2], dest, stride, add, add_stride, m, k,
@@ -351,7 +356,7 @@ def _decode_linear(
         _split_reduce_lora_kernel[(_cdiv(m, block_m), _cdiv(n_out, block_n))](
             dest, stride, out, out.stride(0), m, n_out, la.bt, la.scales, la.sorted_ids, la.slot_start, width,
             n0, n1, len(ns), la.rank, la.num_slots, xa, xa.stride(0), SPLIT_K=split, SWIGLU=swiglu,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_S=_pow2(la.num_slots),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, _pow2(la.rank)), BLOCK_S=_pow2(la.num_slots),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRE_SHRUNK=pre, num_warps=4,
         )  # fmt: skip
     elif partial:

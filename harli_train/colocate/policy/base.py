@@ -185,10 +185,9 @@ class Policy:
             if n == 0:
                 return None
         n = min(n, preview.prefill_tokens)
-        if fit is not None:  # past the graphs' largest bucket the step would run eagerly: slower still
-            n = min(n, graph_room(self.predictor, preview))
         raw = predicted = None
         if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
+            n = min(n, graph_room(self.predictor, preview))  # past the largest graph it would run eagerly
             raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, corun)
             predicted = raw * self.predictor.correction(full.infer_sms, corun, mixed=True)
         due = min(slack) + self.ttft_s * self.margin
