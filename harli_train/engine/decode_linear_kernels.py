@@ -108,51 +108,40 @@ def _lora_expand_epilogue(
     M,
     BLOCK_M: tl.constexpr,
     BLOCK_SR: tl.constexpr,
+    USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc [BLOCK_N, BLOCK_M] plus each row's expand over columns `bt_cols` of B^T [S, R, width]: one
-    product over every adapter slot's ranks at once, B^T[1:S, :, cols]^T @ xa[:, slice `piece`, 1:S, :]^T,
-    xa being zero on a row outside its slot (`rms_norm_shrink`'s layout), so no load waits on the step's
-    slot layout. BLOCK_SR >= S * R, a power of two of at least 32. The dot path's; the one-row (FMA) path
-    loads its operands before the weight stream (`_lora_expand_prefetch`)."""
-    # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
-    offs_m = tl.arange(0, BLOCK_M)
-    for j0 in tl.static_range(0, BLOCK_SR, 32):
-        j = j0 + tl.arange(0, 32)
+    """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: one product over every
+    adapter slot's ranks at once, B^T[1:S, :, cols]^T @ xa[:, slice `piece`, 1:S, :]^T, xa being zero on a
+    row outside its slot (`rms_norm_shrink`'s layout), so no load waits on the step's slot layout. acc as
+    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). BLOCK_SR >= S * R, a power of two
+    of at least 32."""
+    if USE_DOT:
+        # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
+        offs_m = tl.arange(0, BLOCK_M)
+        for j0 in tl.static_range(0, BLOCK_SR, 32):
+            j = j0 + tl.arange(0, 32)
+            j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
+            b = tl.load(
+                bt_ptr + j[None, :] * width + bt_cols[:, None],
+                mask=col_mask[:, None] & j_mask[None, :],
+                other=0.0,
+            )
+            xat = tl.load(
+                xa_ptr + offs_m[None, :] * stride_xa + (piece * lora_slots * lora_rank + j)[:, None],
+                mask=j_mask[:, None] & (offs_m < M)[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
+    else:
+        j = tl.arange(0, BLOCK_SR)  # (slot, rank) pairs; slot 0 (the base) is never read
         j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
-        b = tl.load(
-            bt_ptr + j[None, :] * width + bt_cols[:, None],
-            mask=col_mask[:, None] & j_mask[None, :],
-            other=0.0,
-        )
-        xat = tl.load(
-            xa_ptr + offs_m[None, :] * stride_xa + (piece * lora_slots * lora_rank + j)[:, None],
-            mask=j_mask[:, None] & (offs_m < M)[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
+        xa_cols = piece * lora_slots * lora_rank + j
+        b_rows = bt_ptr + j * width  # < 2**31: S, R and W are small
+        b = tl.load(b_rows[:, None] + bt_cols[None, :], mask=j_mask[:, None] & col_mask[None, :], other=0.0)
+        xa = tl.load(xa_ptr + xa_cols, mask=j_mask, other=0.0)
+        acc += tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
     return acc
-
-
-@triton.jit
-def _lora_expand_prefetch(
-    xa_ptr, bt_ptr, bt_cols, col_mask, piece, width, lora_rank, lora_slots, BLOCK_SR: tl.constexpr
-):
-    """The one-row (FMA) expand's operands, as `_lora_expand_epilogue` lays them out: B^T[:, :, bt_cols]
-    [BLOCK_SR, BLOCK_N] and row 0's xa of slice `piece` [BLOCK_SR]. Loaded before the weight stream, their
-    latency hides behind it (a few registers a thread at one row); `_lora_expand_fma` adds the product."""
-    j = tl.arange(0, BLOCK_SR)  # (slot, rank) pairs; slot 0 (the base) is never read
-    j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
-    b_rows = bt_ptr + j * width  # < 2**31: S, R and W are small
-    b = tl.load(b_rows[:, None] + bt_cols[None, :], mask=j_mask[:, None] & col_mask[None, :], other=0.0)
-    xa = tl.load(xa_ptr + piece * lora_slots * lora_rank + j, mask=j_mask, other=0.0)
-    return b, xa
-
-
-@triton.jit
-def _lora_expand_fma(acc, b, xa):
-    """acc [BLOCK_N] plus the expand of `_lora_expand_prefetch`'s operands."""
-    return acc + tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
 
 
 # x: [M, K] (row stride stride_xm, unit column stride); w0/w1/w2: [N_g, K] contiguous (unused ones alias w0).
@@ -236,14 +225,6 @@ def _decode_linear_kernel(
             return
     if SWIGLU:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = rows < n0
-        if LORA_EPILOGUE and not USE_DOT:  # never PARTIAL: the epilogue runs without split-K
-            gb, gxa = _lora_expand_prefetch(
-                xa_ptr, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, BLOCK_SR
-            )  # fmt: skip
-            ub, uxa = _lora_expand_prefetch(
-                xa_ptr, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, BLOCK_SR
-            )  # fmt: skip
         g = _accumulate(
             x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
@@ -252,21 +233,19 @@ def _decode_linear_kernel(
             x_ptr, stride_xm, w1_ptr, rows, n0, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
+        col_mask = rows < n0
         if not PARTIAL:
             if HAS_ADDEND:
                 g += _load_tile(add_ptr, stride_am, rows, col_mask, M, BLOCK_M, USE_DOT)
                 u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
-            if LORA_EPILOGUE and not USE_DOT:
-                g = _lora_expand_fma(g, gb, gxa)
-                u = _lora_expand_fma(u, ub, uxa)
-            elif LORA_EPILOGUE:
+            if LORA_EPILOGUE:
                 g = _lora_expand_epilogue(
                     g, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M,
-                    BLOCK_M, BLOCK_SR, PRECISION,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
                 u = _lora_expand_epilogue(
                     u, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M,
-                    BLOCK_M, BLOCK_SR, PRECISION,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
@@ -292,25 +271,18 @@ def _decode_linear_kernel(
             tile = pid - tiles_0
             piece = 1
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = rows < n_rows
-        width = n0 + n1 + n2
-        if LORA_EPILOGUE and not USE_DOT:  # never PARTIAL: the epilogue runs without split-K
-            lb, lxa = _lora_expand_prefetch(
-                xa_ptr, bt_ptr, col0 + rows, col_mask, piece, width, lora_rank, lora_slots, BLOCK_SR
-            )  # fmt: skip
         acc = _accumulate(
             x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
+        col_mask = rows < n_rows
         if not PARTIAL:
             if HAS_ADDEND:
                 acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
-            if LORA_EPILOGUE and not USE_DOT:
-                acc = _lora_expand_fma(acc, lb, lxa)
-            elif LORA_EPILOGUE:
+            if LORA_EPILOGUE:
                 acc = _lora_expand_epilogue(
                     acc, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2, lora_rank,
-                    lora_slots, M, BLOCK_M, BLOCK_SR, PRECISION,
+                    lora_slots, M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
