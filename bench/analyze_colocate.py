@@ -287,11 +287,17 @@ def main() -> None:
         "--merge", nargs="+", metavar="RESULT", help="bench_colocate results to merge into one matrix"
     )
     ap.add_argument("--out", help="with --merge: where the matrix goes (.json or .json.gz)")
+    ap.add_argument(
+        "--keep-steps",
+        action="store_true",
+        help="with --merge: keep the rows' step records in the matrix (by default they stay in the results)",
+    )
     args = ap.parse_args()
     if args.merge:
         if not args.out:
             ap.error("--merge needs --out (the matrix file)")
-        matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge])
+        names = [Path(p).name for p in args.merge]
+        matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge], names, args.keep_steps)
         print(f"wrote {colocate_matrix.write(args.out, matrix)} ({len(args.merge)} calls)")
         print(colocate_matrix.table(matrix))
         return

@@ -350,19 +350,28 @@ def finish(matrix: dict[str, Any]) -> dict[str, Any]:
     return matrix
 
 
-def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+STEP_KEYS = ("steps", "step_columns")  # a row's step records (--keep-steps), left in the run's own file
+
+
+def merge(
+    parts: list[dict[str, Any]], names: list[str] | None = None, keep_steps: bool = False
+) -> dict[str, Any]:
     """One matrix from per-call results: their cells side by side; a cell that several calls ran holds the
     policy rows of all of them (a later call's row of the same policy replaces an earlier one, as do its
     cell fields, such as the ideal, where it has them); the standalone rates of the first call that has
     them (calls meant for one matrix share one ``--standalone`` file: ``standalone_differs`` lists the calls
     whose rates were others, whose ideals therefore rest on other rates); each call's set-up kept under
-    ``calls``."""
+    ``calls``, with its file's name from ``names``. The rows' step records stay in the calls' own files
+    unless ``keep_steps`` (the matrix is the summary; a row's steps are in the file its call names)."""
     out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": [], "standalone_differs": []}
     rates = lambda part: {
         k: part.get("standalone", {}).get(k) for k in ("whole_gpu_tokens_per_s", "by_train_sms")
     }
     for i, part in enumerate(parts):
-        out["calls"].append({k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")})
+        call = {k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")}
+        if names is not None:
+            call["file"] = names[i]
+        out["calls"].append(call)
         if not out["standalone"] and part.get("standalone"):
             out["standalone"] = part["standalone"]
         elif part.get("standalone") and rates(part) != rates(out):
@@ -373,7 +382,10 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             for key, cell in obj.get("cells", {}).items():
                 into = dst["cells"].setdefault(key, {"policies": {}})
                 into.update({k: v for k, v in cell.items() if k != "policies" and v is not None})
-                into["policies"].update(cell.get("policies", {}))
+                rows = cell.get("policies", {})
+                if not keep_steps:
+                    rows = {p: {k: v for k, v in r.items() if k not in STEP_KEYS} for p, r in rows.items()}
+                into["policies"].update(rows)
     return finish(out)
 
 

@@ -82,10 +82,15 @@ def test_merge_puts_calls_side_by_side_and_recomputes():
         "setup": {"trace": "bursty"},
         "objectives": {"auto:2": {"tpot_ms": 18.0, "cells": {"bursty/light": cell(harli=row(2.0))}}},
     }
-    merged = cm.merge([a, b])
+    a["objectives"]["auto:2"]["cells"]["steady/light"]["policies"]["harli"]["steps"] = [[0.1, "decode"]]
+    merged = cm.merge([a, b], ["a.json", "b.json.gz"])
     assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["bursty/light", "steady/light"]
     assert merged["standalone"]["by_train_sms"] == {"84": 13000.0} and len(merged["calls"]) == 2
     assert "verdict" in merged and merged["objectives"]["auto:2"]["tpot_ms"] == 18.0
+    assert [c["file"] for c in merged["calls"]] == ["a.json", "b.json.gz"]
+    harli = lambda m: m["objectives"]["auto:2"]["cells"]["steady/light"]["policies"]["harli"]
+    assert "steps" not in harli(merged) and harli(merged)["finetune_tokens_per_s"] == 1.0  # steps stay in a
+    assert harli(cm.merge([a, b], keep_steps=True))["steps"] == [[0.1, "decode"]]
 
 
 def test_the_ideal_gives_each_decode_step_the_sms_its_least_share_leaves():
