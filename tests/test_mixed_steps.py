@@ -218,6 +218,26 @@ def test_chunks_fit_the_budget_on_each_policys_share():
     )
 
 
+def test_a_mixed_step_never_resumes_a_paused_trainer():
+    """After a step that paused the trainer, a mixed step that would fit beside it runs on the whole GPU
+    with the trainer still paused; the next decode step resumes it, and mixed steps ride beside it again."""
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    preview = StepPreview(2, 40, (PrefillPiece(200, 0, 0), PrefillPiece(100, 0, 0)), mixed=True)
+    harli = make_policy("harli", ladder, pred, 0.0201, 0.1)
+    harli.trainer_busy = lambda: False
+    assert not harli.plan(preview).paused  # beside the running trainer: 64 SMs fit 158 tokens
+    harli._held = True  # as after a step that paused it (a prefill, a drain on the whole GPU)
+    plan = harli.plan(preview)
+    assert plan.paused and plan.partition.infer_sms == TOTAL and not plan.corun
+    assert plan.prefill_tokens == 300 and plan.mixed_raw_s is not None  # the whole GPU fits it all
+    assert harli.plan(preview).paused  # still held: still the whole GPU
+    decode = [harli.plan(StepPreview(2, 40, ())) for _ in range(harli.controller.hysteresis_steps + 1)]
+    assert not decode[-1].paused  # decode steps resume the trainer (once the controller's share shrinks)
+    plan = harli.plan(preview)
+    assert not plan.paused and plan.partition.infer_sms == 64 and plan.prefill_tokens == 158
+
+
 def test_harli_bisects_the_chunk_only_on_the_share_it_takes(monkeypatch):
     """A mixed step's planning is host time inside its token interval: a share where even the floor does
     not fit costs one prediction, and the bisection runs once, on the share the plan takes (the same plan
