@@ -131,47 +131,6 @@ def test_the_predictor_separates_and_keeps_mixed_samples():
         synthetic_predictor([16]).predict_mixed(1, 1, 1, 0, 16)
 
 
-def test_each_chunk_size_class_keeps_its_own_floor_and_the_chunk_is_the_largest_that_fits():
-    """The mixed model errs differently by chunk size: the floor a step is corrected by is its chunk-size
-    class's quantile (once that class has enough steps; the pooled one before), and ``largest_chunk``
-    returns the largest chunk whose own class's correction fits the budget, as a scan of every size would."""
-    from harli_train.colocate.correction import mixed_size_class
-    from harli_train.colocate.policy.base import mixed_raw_s
-
-    assert [mixed_size_class(n) for n in (1, 63, 64, 127, 128, 255, 256, 5000)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    ladder = SMLadder.cpu_standin(TOTAL, 16)
-    pred = mixed_predictor(ladder.shares)
-    pred.alpha = 0.1  # the EWMAs decay, as they do by default
-    raw = 0.01
-    for _ in range(pred.mixed_min_samples):  # small chunks ran 1.3x their model, 128-255 tokens 0.9x
-        pred.observe(TOTAL, False, 1.3 * raw, raw, mixed=True, tokens=40)
-    pooled = pred.correction(TOTAL, False, mixed=True)
-    assert pooled == pytest.approx(1.3)  # no class of its own yet: every chunk size's
-    assert pred.correction(TOTAL, False, mixed=True, tokens=200) == pytest.approx(1.3)
-    for _ in range(60):  # enough for the EWMAs to settle near 0.9: the floors decide
-        pred.observe(TOTAL, False, 0.9 * raw, raw, mixed=True, tokens=200)
-    assert pred.correction(TOTAL, False, mixed=True, tokens=40) == pytest.approx(1.3)
-    assert pred.correction(TOTAL, False, mixed=True, tokens=150) == pytest.approx(0.9, abs=2e-3)
-    assert pred.correction(TOTAL, False, mixed=True, tokens=100) == pytest.approx(1.3)  # 64-127: pooled
-    assert pred.correction(TOTAL, True, mixed=True, tokens=150) == 1.0  # co-run steps are their own family
-    preview = StepPreview(2, 40, (PrefillPiece(300, 0, 0),), mixed=True)
-
-    def fits(n, budget):
-        corr = pred.correction(TOTAL, False, mixed=True, tokens=n)
-        return mixed_raw_s(pred, preview, n, TOTAL, False) * corr <= budget
-
-    edge = 1.01 * 0.9 * mixed_raw_s(pred, preview, 128, TOTAL, False)  # 128 tokens fit, 127 do not
-    assert fits(128, edge) and not fits(127, edge)
-    for budget in (edge, 0.5 * edge, 0.8 * edge, 1.2 * edge, 2 * edge):
-        scan = max((n for n in range(MIN_CHUNK, 301) if fits(n, budget)), default=MIN_CHUNK)
-        n, t, r = largest_chunk(pred, preview, TOTAL, False, budget)
-        assert n == scan, budget
-        assert t == pytest.approx(r * pred.correction(TOTAL, False, mixed=True, tokens=n))
-    assert largest_chunk(pred, preview, TOTAL, False, edge)[0] >= 128
-    pred.reset_corrections()
-    assert pred.correction(TOTAL, False, mixed=True, tokens=150) == 1.0
-
-
 def test_chunks_fit_the_budget_on_each_policys_share():
     ladder = SMLadder.cpu_standin(TOTAL, 16)
     pred = mixed_predictor(ladder.shares)

@@ -20,36 +20,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harli_train.colocate.recent_quantile import RecentQuantile
-
 RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
-SIZE_CLASSES = 4  # mixed steps' chunk-size classes: under 64 prefill tokens, 64-127, 128-255, 256 and more
-
-
-def mixed_size_class(tokens: int) -> int:
-    """The chunk-size class of a mixed step of ``tokens`` prefill tokens (0 .. ``SIZE_CLASSES`` - 1). The
-    mixed model's error spreads differently by chunk size (on the H200, measured / raw 0.88-0.89 under 64
-    tokens, 0.82-0.96 at 128-255), so each class keeps its own floor."""
-    return min(max(int(tokens).bit_length() - 6, 0), SIZE_CLASSES - 1)
 
 
 class OnlineCorrection:
     """The online correction of ``LatencyPredictor`` (a mixin over its fields: ``alpha``, ``alpha_up``,
-    ``idle_alpha``, ``mixed``, the ``mixed_*`` quantile settings, ``_glob``, ``_corr``, ``_mixed_q`` and
-    ``_mixed_size_q``)."""
+    ``idle_alpha``, ``mixed``, ``_glob``, ``_corr`` and ``_mixed_q``)."""
 
     __slots__ = ()
     alpha: float
     alpha_up: float
     idle_alpha: float
     mixed: Any
-    mixed_quantile: float
-    mixed_window: int
-    mixed_min_samples: int
     _glob: list[float]
     _corr: dict[int, list[float]]
     _mixed_q: tuple[Any, ...]
-    _mixed_size_q: dict[tuple[int, int], RecentQuantile]
 
     def observe(
         self,
@@ -59,19 +44,17 @@ class OnlineCorrection:
         raw_predicted_s: float,
         mixed: bool = False,
         beside_backward: bool = False,
-        tokens: int | None = None,
     ) -> float:
         """Fold a measured step latency into the share's correction; returns the new correction factor.
 
         ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``, or
         ``predict_mixed`` for a mixed step). ``beside_backward``: a co-run mixed step planned with a trainer
-        backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``). ``tokens``:
-        a mixed step's prefill tokens; its ratio also feeds its chunk-size class's quantile.
+        backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``).
         """
         family = int(corun) + 2 * mixed
         raw = raw_predicted_s
         if not (measured_s > 0 and raw > 0 and math.isfinite(measured_s)):
-            return self.correction(infer_sms, corun, mixed, beside_backward, tokens)
+            return self.correction(infer_sms, corun, mixed, beside_backward)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
@@ -84,17 +67,7 @@ class OnlineCorrection:
             self._mixed_q[int(corun)].add(ratio)
             if corun and beside_backward:
                 self._mixed_q[2].add(ratio)
-            if tokens is not None:
-                self._size_quantile(int(corun), tokens).add(ratio)
-        return self.correction(infer_sms, corun, mixed, beside_backward, tokens)
-
-    def _size_quantile(self, kind: int, tokens: int) -> RecentQuantile:
-        key = (kind, mixed_size_class(tokens))
-        recent = self._mixed_size_q.get(key)
-        if recent is None:
-            recent = RecentQuantile(self.mixed_quantile, self.mixed_window, self.mixed_min_samples)
-            self._mixed_size_q[key] = recent
-        return recent
+        return self.correction(infer_sms, corun, mixed, beside_backward)
 
     def _relax_unused(self, infer_sms: int, family: int) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
@@ -113,16 +86,10 @@ class OnlineCorrection:
                     factors[fam] -= a * (factors[fam] - glob)
 
     def correction(
-        self,
-        infer_sms: int,
-        corun: bool,
-        mixed: bool = False,
-        beside_backward: bool = False,
-        tokens: int | None = None,
+        self, infer_sms: int, corun: bool, mixed: bool = False, beside_backward: bool = False
     ) -> float:
         """The factor ``predict`` (``predict_mixed``) applies on ``infer_sms``: the larger of the share's and
-        the GPU-wide one; a mixed step's (of ``tokens`` prefill tokens, when known) is at least its family's
-        floor for that chunk size (``_mixed_floor``), and a co-run one
+        the GPU-wide one; a mixed step's is at least its family's floor (``_mixed_floor``), and a co-run one
         ``beside_backward`` at least the quantile of the recent steps observed beside a backward, once there
         are enough (a backward's kernels slow a mixed step beside them more than a forward's: on the H200,
         measured / predicted at the 98th percentile 1.28 against 0.99)."""
@@ -131,17 +98,13 @@ class OnlineCorrection:
         factor = max(1.0 if corr is None else corr[family], self._glob[family])
         if not mixed:
             return factor
-        factor = max(factor, self._mixed_floor(int(corun), tokens))
+        factor = max(factor, self._mixed_floor(int(corun)))
         backward = self._mixed_q[2].value if corun and beside_backward else None
         return factor if backward is None else max(factor, backward)
 
-    def _mixed_floor(self, kind: int, tokens: int | None = None) -> float:
-        """The least correction of mixed steps (``kind`` 0: solo, 1: co-run) of ``tokens`` prefill tokens:
-        the quantile of the recent ratios of that chunk-size class once it has enough, else of every recent
-        mixed step once there are enough, before that the mixed fit's largest error on its profile samples."""
-        sized = self._mixed_size_q.get((kind, mixed_size_class(tokens))) if tokens is not None else None
-        if sized is not None and sized.value is not None:
-            return sized.value
+    def _mixed_floor(self, kind: int) -> float:
+        """The least correction of mixed steps (``kind`` 0: solo, 1: co-run): the quantile of the recent
+        ratios once there are enough, before that the mixed fit's largest error on its profile samples."""
         recent = self._mixed_q[kind].value
         if recent is not None:
             return recent
@@ -154,4 +117,3 @@ class OnlineCorrection:
         self._glob[:] = [1.0] * 4
         for recent in self._mixed_q:
             recent.clear()
-        self._mixed_size_q.clear()

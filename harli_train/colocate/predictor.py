@@ -71,9 +71,8 @@ class LatencyPredictor(OnlineCorrection):
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
     # A mixed step's chunk is sized to fill the budget, so the spread of its prediction error (wide beside
     # the trainer), not its mean, is what overruns the objective: the mixed families' correction is at least
-    # this quantile of their last `mixed_window` measured / raw ratios of steps of the same chunk-size class
-    # (`mixed_size_class`; GPU-wide; from `mixed_min_samples`, before that of every chunk size, before that
-    # 1 + the mixed fit's largest relative error on the profile).
+    # this quantile of their last `mixed_window` measured / raw ratios (GPU-wide; from `mixed_min_samples`;
+    # before that, 1 + the mixed fit's largest relative error on the profile).
     mixed_quantile: float = 0.95
     mixed_window: int = 64
     mixed_min_samples: int = 8
@@ -82,8 +81,6 @@ class LatencyPredictor(OnlineCorrection):
     _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
     # solo, co-run, and co-run beside a trainer backward (the backward-aware floor: ``beside_backward``)
     _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)
-    # (solo 0 / co-run 1, chunk-size class) -> the same quantile over that class's steps only
-    _mixed_size_q: dict[tuple[int, int], RecentQuantile] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.shares:
@@ -264,7 +261,7 @@ class LatencyPredictor(OnlineCorrection):
         t = self.mixed.predict(batch, kv_tokens, prefill_tokens, attn_pairs, infer_sms, corun)
         if lora_slots and self.lora is not None:
             t += self.lora.seconds(infer_sms, lora_slots)
-        return t if raw else t * self.correction(infer_sms, corun, mixed=True, tokens=prefill_tokens)
+        return t if raw else t * self.correction(infer_sms, corun, mixed=True)
 
     def predict_all_shares(
         self, batch: int, kv_tokens: int, corun: bool = True, shares: Iterable[int] | None = None

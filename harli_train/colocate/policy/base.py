@@ -7,7 +7,6 @@ from itertools import accumulate
 from typing import Any
 
 from harli_train.colocate.controller import Controller, Decision
-from harli_train.colocate.correction import SIZE_CLASSES
 from harli_train.colocate.mixed_model import attention_pairs
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, Ewma, StepPlan, after, beside, paused, whole_gpu
 from harli_train.colocate.predictor import LatencyPredictor
@@ -59,20 +58,8 @@ def chunk_fits(
 ) -> bool:
     """Whether the mixed step of ``preview`` with ``n`` prefill tokens on ``sms`` is predicted within
     ``budget_s`` (corrected as ``largest_chunk`` corrects it): one prediction."""
-    corr = predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward, tokens=n)
+    corr = predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward)
     return mixed_raw_s(predictor, preview, n, sms, corun) * corr <= budget_s
-
-
-def size_class_spans(lo: int, hi: int) -> list[tuple[int, int]]:
-    """``[lo, hi]`` cut at the chunk-size classes' bounds (``mixed_size_class``): ascending spans of
-    token counts, each within one class, so one correction factor."""
-    spans, start = [], lo
-    for bound in (64 << c for c in range(SIZE_CLASSES - 1)):
-        if start < bound <= hi:
-            spans.append((start, bound - 1))
-            start = bound
-    spans.append((start, hi))
-    return spans
 
 
 def largest_chunk(
@@ -86,32 +73,26 @@ def largest_chunk(
     """The most prefill tokens of ``preview`` whose mixed step on ``sms`` is predicted within ``budget_s``
     (at least ``MIN_CHUNK`` or all that is pending, whichever is less; at most ``graph_room``), with the
     step's corrected and raw prediction (``beside_backward``: corrected as a co-run step beside a trainer
-    backward, see ``LatencyPredictor.correction``). The correction is one factor within a chunk-size class
-    and the raw cost grows with the tokens, so the largest class whose smallest chunk fits holds the answer,
-    and a bisection there finds it: ~log2(pending) predictions."""
-
-    def corr(n: int) -> float:
-        return predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward, tokens=n)
+    backward, see ``LatencyPredictor.correction``). The cost grows with the tokens, so a bisection finds it
+    in ~log2(pending) predictions."""
+    corr = predictor.correction(sms, corun, mixed=True, beside_backward=beside_backward)
 
     def raw(n: int) -> float:
         return mixed_raw_s(predictor, preview, n, sms, corun)
 
-    top = min(preview.prefill_tokens, graph_room(predictor, preview))
-    best = min(MIN_CHUNK, top)  # the floor, whether it fits or not
-    for lo, hi in reversed(size_class_spans(best, top)):
-        factor = corr(lo)
-        if raw(lo) * factor > budget_s:
-            continue
-        while lo < hi:  # invariant: lo fits, hi + 1 does not (or is past the span)
-            mid = (lo + hi + 1) // 2
-            if raw(mid) * factor <= budget_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        best = lo
-        break
-    t = raw(best)
-    return best, t * corr(best), t
+    hi = min(preview.prefill_tokens, graph_room(predictor, preview))
+    lo = min(MIN_CHUNK, hi)
+    if raw(hi) * corr <= budget_s:
+        lo = hi
+    hi -= lo < hi  # hi does not fit
+    while lo < hi:  # invariant: lo fits (or is the floor), hi + 1 does not
+        mid = (lo + hi + 1) // 2
+        if raw(mid) * corr <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    t = raw(lo)
+    return lo, t * corr, t
 
 
 class Policy:
@@ -208,7 +189,7 @@ class Policy:
         if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
             n = min(n, graph_room(self.predictor, preview))  # past the largest graph it would run eagerly
             raw = mixed_raw_s(self.predictor, preview, n, full.infer_sms, corun)
-            predicted = raw * self.predictor.correction(full.infer_sms, corun, mixed=True, tokens=n)
+            predicted = raw * self.predictor.correction(full.infer_sms, corun, mixed=True)
         due = min(slack) + self.ttft_s * self.margin
         plan = paused(full, f"ttft: a prompt due in {due * 1e3:.0f} ms: {n} prefill tokens now", predicted)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, corun
@@ -244,13 +225,7 @@ class Policy:
         """The measured latency of the step ``plan`` planned."""
         if plan.mixed_raw_s is not None and self.predictor is not None:
             self.predictor.observe(
-                plan.partition.infer_sms,
-                plan.corun,
-                measured_s,
-                plan.mixed_raw_s,
-                True,
-                plan.beside_backward,
-                plan.prefill_tokens,
+                plan.partition.infer_sms, plan.corun, measured_s, plan.mixed_raw_s, True, plan.beside_backward
             )
             return
         self.step_estimate.update(measured_s)
