@@ -140,10 +140,8 @@ class HarliPolicy(ControlledPolicy):
     def _mixed(self, preview: StepPreview) -> StepPlan:
         """A decode step carrying prefill chunks; a one-step detour: the controller's decode share and its
         shrink count are left as they are. Beside the trainer only while it runs: a mixed step never resumes
-        a paused trainer (the next decode step does). On the H200 the co-run mixed steps that came right
-        after a paused step ran up to 2.4x their prediction (measured / predicted p95 1.31 over 88 such
-        steps in seven runs, against 1.02 for decode steps after a pause), and they were every violating
-        interval of the light and medium cells."""
+        a paused trainer (the next decode step does), since a chunk that fills the budget beside a trainer
+        that is starting again overruns it (the measurements are in docs/design.md)."""
         b, kv = preview.decode_seqs, preview.decode_kv_tokens
         floor = min(self.prefill_floor, preview.prefill_tokens)
         own, _ = self.controller.target(b, kv, preview.lora_slots)
