@@ -20,7 +20,7 @@ lengthened by its generator where it runs out). Per objective (``--objectives``,
 K x the whole GPU's predicted step at the engine's peak batch) and cell: ``harli`` (keyed ``harli`` whatever
 its ``--harli-options``), then ``static:N`` swept from the split predicted for harli's observed peak (its
 largest decode batch, each step also computing the prompt tokens per step the busiest 10 s of the cell's
-arrivals bring) until the
+arrivals bring; without harli, from ``--sweep-start``, the start a previous run's matrix names) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
 best single split run in the loads that lack it; ``streams`` and ``temporal`` at medium load (the varying
 trace's one cell), and ``temporal`` also in any cell where the sweep ran up to the largest split with a
@@ -187,6 +187,8 @@ def run_objective(
                 arrivals = [(r.arrival_s * cell.time_scale, r.prompt_len or 0) for r in cell.requests]
                 n = prefill_per_step(arrivals, budget_s)
                 start = start_share(steps, shares, step_predictor(col), budget_s, n)
+        if start is None and args.sweep_start is not None:
+            start = sweep_start(shares, args.sweep_start)
         if "static" in args.policies and start is not None:
             entry["sweep_start"] = f"static:{start}"
             static[cell.key] = sweep(
@@ -210,6 +212,12 @@ def run_objective(
         out["single_split_top_ups"] = top_up(
             static, shares, lambda key, s: window(f"static:{s}", by_key[key])[0]
         )
+
+
+def sweep_start(shares: list[int], sms: int) -> int:
+    """The least of the spatial decode ``shares`` (ascending) holding at least ``sms`` SMs (the largest when
+    none does): where ``--sweep-start`` starts the fixed splits."""
+    return next((s for s in shares if s >= sms), shares[-1])
 
 
 def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -348,6 +356,13 @@ def parse_args() -> argparse.Namespace:
     )
     add("--time-budget-s", type=float, default=570.0, help="no window starts that would end past this")
     add(
+        "--sweep-start",
+        type=int,
+        default=None,
+        help="static without harli: the sweep starts at the least split giving decode at least this many SMs "
+        "(a matrix's sweep_start); with harli it starts where harli's peak needs",
+    )
+    add(
         "--memory-pool",
         choices=("on", "off"),
         default="off",
@@ -378,8 +393,12 @@ def parse_args() -> argparse.Namespace:
     args.solo_s = args.solo_s or (0.5 if args.dry_run else 5.0)
     if set(args.policies) - set(POLICIES):
         ap.error(f"--policies: among {', '.join(POLICIES)} or 'none', got {','.join(args.policies)}")
-    if "static" in args.policies and "harli" not in args.policies:
-        ap.error("--policies: static needs harli (the sweep starts at the split harli's peak needs)")
+    if "static" in args.policies and "harli" not in args.policies and args.sweep_start is None:
+        ap.error(
+            "--policies: static needs harli (the sweep starts at the split harli's peak needs) or --sweep-start"
+        )
+    if args.sweep_start is not None and args.sweep_start < 1:
+        ap.error(f"--sweep-start: want decode SMs >= 1, got {args.sweep_start}")
     if not 0 <= args.live_fraction <= 1:
         ap.error(f"--live-fraction: want a share in [0, 1], got {args.live_fraction}")
     for text in args.objectives:

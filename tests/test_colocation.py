@@ -106,3 +106,23 @@ def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeyp
     assert bench[:3] == ("tiny", "tiny", "harli:grow=0.1")
     assert bench[3]["spatial"] and [list(c.requests) for c in cells] == bench[3]["loads"]
     assert graphs == [False, True]  # the bench's --set reaches the recipe
+
+
+def test_the_bench_sweeps_fixed_splits_without_harli_from_a_given_start(monkeypatch, capsys):
+    """``--policies static`` needs harli's peak to start its sweep, or ``--sweep-start`` (a previous
+    matrix's ``sweep_start``): the least split giving decode at least that many SMs."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_colocate
+
+    assert bench_colocate.sweep_start([48, 64, 80], 64) == 64
+    assert bench_colocate.sweep_start([48, 64, 80], 50) == 64
+    assert bench_colocate.sweep_start([48, 64, 80], 120) == 80
+    parse = lambda *args: (
+        monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", *args]),
+        bench_colocate.parse_args(),
+    )[1]
+    assert parse("--policies", "static,temporal", "--sweep-start", "64").sweep_start == 64
+    for bad, message in (((), "static needs harli"), (("--sweep-start", "0"), "--sweep-start")):
+        with pytest.raises(SystemExit):
+            parse("--policies", "static", *bad)
+        assert message in capsys.readouterr().err
