@@ -117,10 +117,11 @@ def test_the_bench_sweeps_fixed_splits_without_harli_from_a_given_start(monkeypa
     assert bench_colocate.sweep_start([48, 64, 80], 64) == 64
     assert bench_colocate.sweep_start([48, 64, 80], 50) == 64
     assert bench_colocate.sweep_start([48, 64, 80], 120) == 80
-    parse = lambda *args: (
-        monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", *args]),
-        bench_colocate.parse_args(),
-    )[1]
+
+    def parse(*args):
+        monkeypatch.setattr(sys, "argv", ["bench_colocate.py", "--dry-run", *args])
+        return bench_colocate.parse_args()
+
     assert parse("--policies", "static,temporal", "--sweep-start", "64").sweep_start == 64
     for bad, message in (((), "static needs harli"), (("--sweep-start", "0"), "--sweep-start")):
         with pytest.raises(SystemExit):
