@@ -228,6 +228,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "trainer_thread": args.trainer_thread != "off",
         "max_in_flight": args.max_in_flight,
         "host_priority": not args.no_host_priority,
+        "scheduled_gc": args.gc == "scheduled",
     }
 
 
@@ -382,6 +383,12 @@ def parse_args() -> argparse.Namespace:
         "--no-host-priority",
         action="store_true",
         help="diagnosis: the trainer's launches never wait for decode's",
+    )
+    add(
+        "--gc",
+        choices=("scheduled", "automatic"),
+        default="scheduled",
+        help="Python's collector: run by the decode thread where it waits (default), or CPython's own (A/B)",
     )
     add("--sample-stalls", action="store_true", help="diagnosis: thread stacks inside decode's host stalls")
     args = ap.parse_args()

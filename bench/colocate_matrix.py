@@ -107,6 +107,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         # Decode rows that ran an adapter (the live one), of every decode row served.
         "adapter_row_fraction": adapter_row_fraction(steps),
         "live_adapter": summary.get("live_adapter"),
+        "gc_pauses": summary.get("gc_pauses"),  # the collector holds the GIL: its pauses stall decode
     }
     if keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)

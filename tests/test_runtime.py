@@ -255,6 +255,7 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
     assert sum(summary["share_histogram"].values()) == summary["serving"]["decode_steps"]
     assert json.loads((col / "summary.json").read_text())["policy"] == "harli"
     assert summary["gc_pauses"]["max_ms"] >= 0 and gc.get_freeze_count() == 0  # unfrozen after the run
+    assert summary["gc_pauses"]["scheduled"] and gc.isenabled()  # the decode thread's while serving only
     step_rows = rows(tmp_path)
     last_decode = [r for r in step_rows if r["kind"] in ("decode", "mixed")][-1]
     assert {
@@ -1251,6 +1252,51 @@ def test_gc_pauses_freeze_setup_objects_and_time_collections():
     assert summary["collections_by_generation"][2] >= 3 and summary["max_ms"] > 0
     assert summary["total_ms"] >= summary["max_ms"]
     assert gc.get_freeze_count() == 0 and len(gc.callbacks) == before
+
+
+def _cycles(n: int) -> None:
+    for _ in range(n):
+        node: dict = {}
+        node["me"] = node  # a reference cycle: only the cyclic collector frees it
+
+
+def test_gc_pauses_leave_collection_to_the_decode_threads_waits():
+    """Serving: no automatic collection; the young generations run in a GPU wait, the full one when idle."""
+    assert gc.isenabled()
+    with GcPauses() as pauses:
+        assert not gc.isenabled()
+        pauses.thresholds = (50, 2, 2)
+        pauses.young_if_due()  # nothing due yet: nothing runs
+        assert pauses.count == [0, 0, 0]
+        _cycles(400)  # far past the threshold: CPython would have collected several times
+        assert pauses.count == [0, 0, 0] and gc.get_count()[0] >= 400
+        for _ in range(40):
+            _cycles(60)
+            pauses.young_if_due()
+        assert pauses.count[0] > 0 and pauses.count[1] > 0 and pauses.count[2] == 0  # a due full one waits
+        assert pauses.forced_full == 0
+        _cycles(60)
+        pauses.full_if_due()  # nothing decoding: the full collection runs
+        assert pauses.count[2] == 1
+        pauses.full_if_due()  # and only when due
+        assert pauses.count[2] == 1
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert pauses.summary()["scheduled"] and pauses.summary()["collections_by_generation"] == pauses.count
+
+
+def test_gc_pauses_force_a_full_collection_deferred_too_long_and_hand_back_to_cpython():
+    with GcPauses(max_defer_s=0.0) as pauses:
+        pauses.thresholds = (50, 1, 1)
+        for _ in range(40):
+            _cycles(60)
+            pauses.young_if_due()
+        assert pauses.count[2] >= 1 and pauses.forced_full == pauses.count[2]
+        pauses.automatic()  # the trainer alone: CPython's own collections
+        assert gc.isenabled()
+        pauses.young_if_due()  # no longer the decode thread's to run
+    assert gc.isenabled()
+    with GcPauses(scheduled=False):
+        assert gc.isenabled()  # CPython's own all along (--gc automatic)
 
 
 def test_cuda_env_gives_streams_their_own_hardware_queues_unless_the_user_chose():

@@ -60,6 +60,7 @@ class AlonePhases:
 
     def _idle(self, replay: TraceReplay, closed: bool) -> None:
         """Nothing to decode: the trainer runs until the next arrival (unless it must wait for the load)."""
+        self.gc_pauses.full_if_due()  # the collector's turn: no token interval is open
         launched = 0
         if not (self.policy.serve_alone or self.worker.done):
             self.worker.tick()

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ class ColocatedRuntime(AlonePhases):
         self.stop_reason = "trained"
         self.tally = StepTally(policy.ladder.total_sms)  # streaming counts (the detail goes to steps.jsonl)
         self.decode_ooms = 0
-        self.gc_pauses = GcPauses()
+        self.gc_pauses = GcPauses(scheduled=self.opts.scheduled_gc)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -117,6 +118,7 @@ class ColocatedRuntime(AlonePhases):
         if threaded is None:
             threaded = self.worker.on_gpu
         switch_interval = sys.getswitchinterval()
+        self.engine.engine.host_yield = self._gpu_wait
         with self.gc_pauses:
             try:
                 if threaded:
@@ -128,6 +130,7 @@ class ColocatedRuntime(AlonePhases):
                 with host_profile("decode-loop"):  # with the trainer inline (no thread), its launches too
                     self._serve()
                     if self._solo_wanted():
+                        self.gc_pauses.automatic()  # nothing left to serve: CPython collects again
                         self._solo()
             except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
                 self.stop_reason, self._hard_stop = "interrupted", True
@@ -136,18 +139,26 @@ class ColocatedRuntime(AlonePhases):
                     self.worker.stop()  # at the next micro-step boundary; the rest of the run is this thread's
                 finally:
                     self._prioritise(False)
+                    self.engine.engine.host_yield = contextlib.nullcontext
                     sys.setswitchinterval(switch_interval)
                     restore()
         return self._finish()
 
     def _prioritise(self, on: bool) -> None:
-        """Install (or remove) the trainer worker's host-priority gate in every Triton launcher and around the engine's
-        waits for the GPU; ``_engine_step`` holds it."""
+        """Install (or remove) the trainer worker's host-priority gate in every Triton launcher; ``_engine_step``
+        holds it, and the engine's waits for the GPU open it (``_gpu_wait``)."""
         gate = self.worker.priority
         gate.release()
         set_launch_gate(gate.wait if on else None)
-        self.engine.engine.host_yield = gate.yielded if on else contextlib.nullcontext
         self._priority = gate if on else None
+
+    @contextlib.contextmanager
+    def _gpu_wait(self) -> Iterator[None]:
+        """The engine's wait for a step it has launched (its ``host_yield``): the collector's turn first (the
+        GPU runs the step meanwhile), then the host is the trainer's until the step's tokens are back."""
+        self.gc_pauses.young_if_due()
+        with self._priority.yielded() if self._priority is not None else contextlib.nullcontext():
+            yield
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0

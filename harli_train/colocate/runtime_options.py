@@ -33,6 +33,9 @@ class RuntimeOptions:
     # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
     # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
     host_priority: bool = True
+    # Python's cyclic collector runs where the decode thread would only wait (a step on the GPU, nothing to
+    # decode) instead of wherever an allocation trips it (harli_train.colocate.gc_pauses); off: CPython's own.
+    scheduled_gc: bool = True
     # HTTP clients' requests enter through this port (serve.engine_loop.RequestPort), drained before every
     # engine step and published after it; with serve_until_stopped the loop serves them until it is stopped,
     # training done or not (``--serve``), else until training is done and they have finished.
