@@ -24,8 +24,7 @@ class GcPauses:
       cannot pile up without bound. ``automatic`` hands collection back to CPython (the trainer alone, after
       serving).
 
-    Left to CPython, a collection triggered by the trainer thread's allocations (an optimizer update) held the
-    GIL for 16.5 ms while decode waited for it (H200, 2026-12-04, ``bench_colocate --sample-stalls``).
+    What a collection cost decode on the H200, left to CPython and scheduled: docs/design.md.
     """
 
     def __init__(self, scheduled: bool = True, max_defer_s: float = 60.0) -> None:
