@@ -1269,7 +1269,9 @@ def test_gc_pauses_leave_collection_to_the_decode_threads_waits():
         pauses.young_if_due()  # nothing due yet: nothing runs
         assert pauses.count == [0, 0, 0]
         _cycles(400)  # far past the threshold: CPython would have collected several times
-        assert pauses.count == [0, 0, 0] and gc.get_count()[0] >= 400
+        # get_count()[0] is allocations less deallocations of tracked objects: the interpreter's own frees
+        # take a few off the 400 cycles, so the check is "several thresholds past", not an exact count
+        assert pauses.count == [0, 0, 0] and gc.get_count()[0] >= 4 * pauses.thresholds[0]
         for _ in range(40):
             _cycles(60)
             pauses.young_if_due()
