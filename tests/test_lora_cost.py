@@ -119,3 +119,39 @@ def test_the_preview_counts_a_steps_distinct_adapters_and_the_profile_times_them
     assert all(r["latency_s"] > 0 and not r["corun"] for r in on_adapters)
     with pytest.raises(Exception, match="3 adapters asked of an engine with 2 slots"):
         engine.synthetic_decode(2, 8, lora_slots=3)
+
+
+def test_a_stored_profile_without_adapter_steps_gains_them_without_the_grid_timed_again(
+    models,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """An engine with adapter slots over a profile made without them: only the adapter points are timed (the
+    base step of each beside them, replacing the stored one); every other sample stays, and it is stored."""
+    import harli_train.colocate.predictor_setup as setup
+    from harli_train.colocate.engine_adapter import EngineAdapter
+    from harli_train.colocate.profile import Profile, ProfileKey, load_profile, save_profile
+
+    engine = _catalog(models).engine
+    ladder = SMLadder.cpu_standin(8, 4)
+    adapter = EngineAdapter(engine, ladder.full)
+    adapter.register(ladder.partitions)
+    path = tmp_path / "profile.json"
+    key = ProfileKey.current("lora-test", sm_count=ladder.total_sms)
+    grid = dict(batches=(1, 2, 4), kv_lens=(8, 16), warmup=0, reps=1)
+    plain = run_profile_grid(adapter.synthetic_decode, None, ladder, **grid)
+    save_profile(path, Profile(key, plain, {"kv_bytes_per_token": 1.0}))
+    monkeypatch.setattr(setup, "build_profile", lambda *a, **k: pytest.fail("the whole grid was timed"))
+    predictor, profile = setup.build_predictor(adapter, ladder, "lora-test", None, 4, path=path, reps=1)
+    on_adapters = [r for r in profile.samples if r.get("lora_slots")]
+    assert {(r["infer_sms"], r["lora_slots"], r["batch"], r["kv_tokens"]) for r in on_adapters} == {
+        (s, n, 2, 16) for s in ladder.shares for n in (1, 2)
+    }
+    point = lambda r: (r["infer_sms"], r["batch"], r["kv_tokens"], r["corun"])  # noqa: E731
+    base = [r for r in profile.samples if not r.get("lora_slots")]
+    assert sorted(map(point, base)) == sorted(map(point, plain))  # one base step per point, as before
+    replaced = {(s, 2, 16, False) for s in ladder.shares}
+    assert [r for r in base if point(r) not in replaced] == [r for r in plain if point(r) not in replaced]
+    assert predictor.lora is not None and set(predictor.lora.params) == set(ladder.shares)
+    stored = load_profile(path, key)
+    assert stored.samples == profile.samples and stored.meta["adapter_steps"]["lora_slots"] == [1, 2]

@@ -21,7 +21,7 @@ from harli_train.colocate.profile import (
     get_or_build_profile,
     save_profile,
 )
-from harli_train.colocate.profile_grid import MixedGrid, build_profile, fastest_step_s
+from harli_train.colocate.profile_grid import MixedGrid, add_adapter_steps, build_profile, fastest_step_s
 from harli_train.colocate.sm import Partition, SMLadder, is_cuda_stream
 from harli_train.config import RecipeConfig, RecipeError
 from harli_train.model import LlamaForCausalLM
@@ -132,8 +132,19 @@ def build_predictor(
         stored = Path(path or default_profile_path(key))
         profile = get_or_build_profile(stored, key, build, shares)
         if grid["lora_slots"] and not any(s.get("lora_slots") for s in profile.samples):
-            log.warning("profile %s has no steps on adapters, which this engine serves: re-profiling", stored)
-            profile = build()
+            log.warning(
+                "profile %s has no steps on adapters, which this engine serves: timing those (the rest stands)",
+                stored,
+            )
+            profile = add_adapter_steps(
+                profile,
+                engine.synthetic_decode,
+                ladder,
+                grid["lora_slots"],
+                shares=[s for s in shares if s in set(profile.shares)],
+                warmup=grid["warmup"],
+                reps=grid["reps"],
+            )
             save_profile(stored, profile)
     predictor = LatencyPredictor.fit(
         profile.samples,

@@ -2,7 +2,8 @@
 
 ``run_profile_grid`` times real engine steps (the median of repeated launches after a warm-up: CUDA events
 on a GPU stream, the host clock on the CPU stand-in) over batch size, KV length and share, and mixed steps
-over a ``MixedGrid``; ``build_profile`` wraps the samples as a ``Profile`` with their provenance.
+over a ``MixedGrid``; ``build_profile`` wraps the samples as a ``Profile`` with their provenance, and
+``add_adapter_steps`` adds the steps on adapters to a profile made without them.
 ``time_calls``, ``median_step_s`` and ``fastest_step_s`` are the timing primitives the benches use too.
 """
 
@@ -146,6 +147,64 @@ def build_profile(
         },
     }
     return Profile(key, samples, meta)
+
+
+def add_adapter_steps(
+    profile: Profile,
+    decode_step_fn: DecodeStepFn,
+    ladder: SMLadder,
+    lora_slots: Sequence[int],
+    shares: Iterable[int] | None = None,
+    warmup: int = 3,
+    reps: int = 10,
+) -> Profile:
+    """``profile`` with the adapter steps ``LoRACost`` needs, timed now, and the rest of it as it was.
+
+    The grid's adapter points (``run_profile_grid``'s ``lora_slots``) over the profile's own solo decode
+    samples: per share (``shares``, default the profile's), decode steps of their middle batch at their
+    shortest KV length on each of ``lora_slots`` adapters, and the base step of that point beside them. The
+    base step timed now replaces the stored one, so that an adapter's cost is the difference of two steps of
+    one run. A few seconds of work, where profiling the whole grid again takes minutes."""
+    solo = [
+        s for s in profile.samples if not s["corun"] and "prefill_tokens" not in s and not s.get("lora_slots")
+    ]
+    if not solo or not any(n > 0 for n in lora_slots):
+        raise ValueError("add_adapter_steps needs solo decode samples and at least one adapter count")
+    batches = sorted({int(s["batch"]) for s in solo})
+    batch = batches[len(batches) // 2]
+    kv_len = min(int(s["kv_tokens"]) // int(s["batch"]) for s in solo if int(s["batch"]) == batch)
+    wanted = sorted(set(shares) if shares is not None else set(profile.shares))
+    t0 = time.time()
+    timed = run_profile_grid(
+        decode_step_fn,
+        None,
+        ladder,
+        batches=(batch,),
+        kv_lens=(kv_len,),
+        shares=wanted,
+        warmup=warmup,
+        reps=reps,
+        lora_slots=lora_slots,
+    )
+    fresh = {(s["infer_sms"], s["batch"], s["kv_tokens"]) for s in timed if not s.get("lora_slots")}
+    kept = [
+        s
+        for s in profile.samples
+        if s["corun"]
+        or "prefill_tokens" in s
+        or s.get("lora_slots")
+        or (s["infer_sms"], s["batch"], s["kv_tokens"]) not in fresh
+    ]
+    meta = dict(profile.meta)
+    meta["adapter_steps"] = {
+        "created_unix": t0,
+        "profile_seconds": time.time() - t0,
+        "batch": batch,
+        "kv_len": kv_len,
+        "lora_slots": [n for n in lora_slots if n > 0],
+        "shares": wanted,
+    }
+    return Profile(profile.key, kept + timed, meta)
 
 
 class Corunner:
