@@ -25,17 +25,24 @@ DEFAULT_TRAINER_STRIDE = 1
 # harli:backward=on: a mixed step planned with a trainer backward on the GPU is sized by the quantile of the
 # recent ones (LatencyPredictor.correction). Off until an A/B on the GPU says otherwise.
 DEFAULT_BACKWARD_AWARE = False
+# harli:floor=N: the least prefill tokens (or the rest of the prompt, when fewer) a mixed step must fit on a
+# share beside the trainer; where none fits that many, the mixed step takes the whole GPU, the trainer paused.
+# A smaller floor keeps the trainer running through more prompts, in smaller chunks (more steps to the first
+# token). At least the least chunk a mixed step takes (policy.base.MIN_CHUNK).
+DEFAULT_PREFILL_FLOOR = 128
+MIN_PREFILL_FLOOR = 32
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
     f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
-    f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'})"
+    f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
+    f"floor=N (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR})"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N`` (any of them, in any
-    order; "" for none) as HarliPolicy keyword arguments."""
+    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``
+    (any of them, in any order; "" for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -53,6 +60,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["trainer_stride"] = int(value)
         elif key == "backward" and value in ("on", "off"):
             out["backward_aware"] = value == "on"
+        elif key == "floor" and re.fullmatch(r"[1-9]\d*", value) and int(value) >= MIN_PREFILL_FLOOR:
+            out["prefill_floor"] = int(value)
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -66,6 +75,7 @@ def harli_name(
     learn_margin: bool = DEFAULT_LEARN_MARGIN,
     trainer_stride: int = DEFAULT_TRAINER_STRIDE,
     backward_aware: bool = DEFAULT_BACKWARD_AWARE,
+    prefill_floor: int = DEFAULT_PREFILL_FLOOR,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -81,6 +91,8 @@ def harli_name(
         options.append(f"stride={trainer_stride}")
     if backward_aware != DEFAULT_BACKWARD_AWARE:
         options.append(f"backward={'on' if backward_aware else 'off'}")
+    if prefill_floor != DEFAULT_PREFILL_FLOOR:
+        options.append(f"floor={prefill_floor}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

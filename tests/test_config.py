@@ -321,6 +321,7 @@ def test_bad_policy(tmp_path, policy):
         "harli:settle=on,margin=learn",
         "harli:stride=1",
         "harli:backward=on",
+        "harli:floor=64",
         "exclusive:48",
     ],
 )

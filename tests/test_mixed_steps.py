@@ -17,6 +17,7 @@ from harli_train.engine.metrics import EngineMetrics
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.engine.sequence import Sequence
+from harli_train.policy_names import MIN_PREFILL_FLOOR
 
 from .test_runtime import TOTAL, requests, rows, runtime, synthetic_predictor
 
@@ -218,6 +219,30 @@ def test_harli_bisects_the_chunk_only_on_the_share_it_takes(monkeypatch):
     assert all(calls.count(s) == 1 for s in below if s >= own)  # the floor ruled each out
     assert calls.count(chosen) <= 1 + 2 + int(np.log2(2000)) + 1  # the floor, then one bisection
     assert set(calls) <= {s for s in ladder.shares if s <= chosen}  # larger shares never looked at
+
+
+def test_harli_floor_sets_the_least_chunk_a_mixed_step_beside_the_trainer_takes():
+    """``harli:floor=N``: a mixed step takes the smallest share (at least decode's own) where N prefill tokens
+    fit beside the trainer; a floor no share fits sends it to the whole GPU, the trainer paused."""
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
+    plans = {}
+    for floor in (64, 128, 1024):
+        harli = make_policy(f"harli:floor={floor}", ladder, pred, 0.0201, 0.1)
+        harli.trainer_busy = lambda: False
+        assert (
+            harli.name == ("harli" if floor == 128 else f"harli:floor={floor}")
+            and harli.prefill_floor == floor
+        )
+        plans[floor] = harli.plan(preview)
+    assert (plans[64].partition.infer_sms, plans[64].prefill_tokens) == (32, 73) and not plans[64].paused
+    assert (plans[128].partition.infer_sms, plans[128].prefill_tokens) == (64, 158) and not plans[128].paused
+    assert plans[1024].paused and plans[1024].prefill_tokens == 0  # first the trainer stops launching
+    for bad in ("harli:floor=16", "harli:floor=0", "harli:floor=x"):
+        with pytest.raises(ValueError, match="unknown harli option"):
+            make_policy(bad, ladder, pred, 0.0201, 0.1)
+    assert MIN_PREFILL_FLOOR == MIN_CHUNK  # the grammar's least floor is the least chunk
 
 
 def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():

@@ -10,6 +10,9 @@ has nothing left on it: a pause launches nothing new, but the micro-steps it que
 decode steps alone on its share, the trainer paused, and the prefill waits (docs/design.md has the
 measurement).
 
+``prefill_floor`` (``harli:floor=N``, default 128) is that least chunk: a smaller one keeps the trainer running
+through more prompts, in more and smaller chunks.
+
 ``backward_aware`` (``harli:backward=on``) sizes a mixed step beside the trainer by the recent mixed steps
 planned with a trainer backward on the GPU, when one is there now (``LatencyPredictor.correction``).
 
@@ -21,7 +24,7 @@ too, since a grow would otherwise land on SMs where the trainer's queued work st
 from __future__ import annotations
 
 from harli_train.colocate.controller import Controller
-from harli_train.colocate.policy.base import ControlledPolicy, Policy, chunk_fits, largest_chunk
+from harli_train.colocate.policy.base import MIN_CHUNK, ControlledPolicy, Policy, chunk_fits, largest_chunk
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, beside, paused
 from harli_train.colocate.policy.prefill_placement import PrefillPlacement
 from harli_train.colocate.policy.trainer_rungs import TrainerRungs
@@ -33,6 +36,7 @@ from harli_train.policy_names import (
     DEFAULT_GROW_HEADROOM,
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
+    DEFAULT_PREFILL_FLOOR,
     DEFAULT_SETTLE,
     DEFAULT_TRAINER_STRIDE,
     PREFILL_MODES,
@@ -58,16 +62,25 @@ class HarliPolicy(ControlledPolicy):
         trainer_stride: int = DEFAULT_TRAINER_STRIDE,
         grow_headroom: float = DEFAULT_GROW_HEADROOM,
         prefill_ahead: bool = DEFAULT_PREFILL_AHEAD,
-        prefill_floor: int = 128,
+        prefill_floor: int = DEFAULT_PREFILL_FLOOR,
         settle: bool = DEFAULT_SETTLE,
         learn_margin: bool = DEFAULT_LEARN_MARGIN,
         backward_aware: bool = DEFAULT_BACKWARD_AWARE,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
+        if prefill_floor < MIN_CHUNK:
+            raise ValueError(f"harli: prefill_floor must be at least {MIN_CHUNK}, got {prefill_floor}")
         super().__init__(ladder, tpot_s, margin, predictor)
         self.name = harli_name(
-            prefill, grow_headroom, prefill_ahead, settle, learn_margin, trainer_stride, backward_aware
+            prefill,
+            grow_headroom,
+            prefill_ahead,
+            settle,
+            learn_margin,
+            trainer_stride,
+            backward_aware,
+            prefill_floor,
         )
         self.backward_aware = backward_aware
         self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
