@@ -42,6 +42,12 @@ median (``--ttft-ms none`` judges TPOT alone).
 served live (model id ``setup``, refreshed from each window's trainer after its optimizer steps): the bench
 of serving the live adapter beside training (each row's ``adapter_row_fraction``, ``live_adapter``).
 
+``--repeats N`` runs every window N times: a row is then the window of median finetune tokens/s when all
+N are clean, else the one that violated most, and lists every window's figures (a light cell's tokens/s
+moved by up to ~10 % between single windows of different sessions on the H200). ``--whole-gpu-now`` measures
+the trainer alone on the whole GPU in the same call (N times, the median), which the light bar (harli's
+tokens/s over the standalone rate) then divides by instead of the ``--standalone`` file's.
+
 The dry run replays 8 of each window's requests (thinned, prompts and outputs clipped) in 1 s on the
 quickstart's tiny model, its trainer at batch 2 x 64 on its own thread (the second core, beside decode):
 it checks the machinery and the layout, its figures mean nothing.
@@ -156,6 +162,7 @@ def run_objective(
     """Every window of objective ``label``, into ``out`` (its part of the result layout, colocate_matrix.py)
     as each ends, so that a call stopped early keeps what ran; harli's timelines under ``timelines``."""
     col = win.col
+    whole_now = (standalone.get("whole_gpu_now") or {}).get("tokens_per_s")
     tpot_s = objective_tpot_s(label, col)
     out["tpot_ms"], out["ttft_ms"] = tpot_s * 1e3, col.cfg.colocation.ttft_ms
     out["cells"] = {c.key: {"window": c.describe(), "policies": {}} for c in cells}
@@ -165,10 +172,43 @@ def run_objective(
     static: dict[str, dict[int, dict]] = {}
 
     def window(name: str, cell: Cell, plot_to: Path | None = None) -> tuple[dict, list[dict]]:
-        row, steps = win.run(
-            name, tpot_s, cell.requests, window_s=cell.window_s, time_scale=cell.time_scale, plot_to=plot_to
-        )
+        """``name``'s row in ``cell``: one window, or ``--repeats`` of them (colocate_matrix.repeated), kept
+        even when the time budget stops the repeats part way (OutOfTime is raised after)."""
+        runs, pngs, stopped = [], [], None
+        for i in range(args.repeats):
+            png = None if plot_to is None else plot_to.with_name(f"{plot_to.stem}-{i}{plot_to.suffix}")
+            try:
+                runs.append(
+                    win.run(
+                        name,
+                        tpot_s,
+                        cell.requests,
+                        window_s=cell.window_s,
+                        time_scale=cell.time_scale,
+                        plot_to=png,
+                    )
+                )
+            except OutOfTime as stop:
+                if not runs:
+                    raise
+                stopped = stop
+                break
+            pngs.append(png)
+        row, steps = colocate_matrix.repeated(runs)
+        for run, png in zip(runs, pngs, strict=True):  # the chosen window's timeline is the cell's
+            if png is None or not png.exists():
+                continue
+            if run[1] is steps:
+                png.replace(plot_to)
+            else:
+                png.unlink()
+        if stopped is not None:
+            row["repeats_cut"] = f"{len(runs)} of {args.repeats}: out of time"
         out["cells"][cell.key]["policies"]["harli" if name == harli_name(args) else name] = row
+        if whole_now is not None:
+            out["cells"][cell.key]["whole_gpu_tokens_per_s"] = whole_now
+        if stopped is not None:
+            raise stopped
         return row, steps
 
     for cell in cells:
@@ -212,6 +252,17 @@ def run_objective(
         out["single_split_top_ups"] = top_up(
             static, shares, lambda key, s: window(f"static:{s}", by_key[key])[0]
         )
+
+
+def whole_gpu_now(win: Windows, args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer alone on the whole GPU in this call (``exclusive``, ``--solo-s`` each, ``--repeats``
+    times): the median, which each cell of the call keeps as the light bar's denominator."""
+    rates = [
+        win.run("exclusive", win.col.tpot_s, solo_s=args.solo_s)[0].get("solo_tokens_per_s")
+        for _ in range(args.repeats)
+    ]
+    ok = sorted(r for r in rates if r)
+    return {"tokens_per_s": ok[(len(ok) - 1) // 2] if ok else None, "runs": rates, "solo_s": args.solo_s}
 
 
 def sweep_start(shares: list[int], sms: int) -> int:
@@ -350,6 +401,19 @@ def parse_args() -> argparse.Namespace:
     )
     add("--keep-steps", type=int, default=0, help="step records kept per window in the JSON")
     add(
+        "--repeats",
+        type=int,
+        default=1,
+        help="windows per policy and cell: the row is the median one by finetune tokens/s when all are clean, "
+        "else the one that violated most (its row lists every window's figures)",
+    )
+    add(
+        "--whole-gpu-now",
+        action="store_true",
+        help="measure the trainer alone on the whole GPU in this call too (--repeats times, the median): the "
+        "light bar divides by it, not by the --standalone file's",
+    )
+    add(
         "--live-fraction",
         type=float,
         default=0.0,
@@ -404,6 +468,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(
             "--policies: static needs harli (the sweep starts at the split harli's peak needs) or --sweep-start"
         )
+    if args.repeats < 1:
+        ap.error(f"--repeats: want at least 1 window, got {args.repeats}")
     if args.sweep_start is not None and args.sweep_start < 1:
         ap.error(f"--sweep-start: want decode SMs >= 1, got {args.sweep_start}")
     if not 0 <= args.live_fraction <= 1:
@@ -449,6 +515,8 @@ def main() -> None:
             col, scratch, t0, args.time_budget_s, runtime_options(args), args.keep_steps, args.sample_stalls
         )
         result["standalone"] = win.standalone(Path(args.standalone) if args.standalone else None, args.solo_s)
+        if args.whole_gpu_now and args.policies:
+            result["standalone"]["whole_gpu_now"] = whole_gpu_now(win, args)
         if args.policies:
             for label in args.objectives:
                 out = result["objectives"][label] = {}

@@ -10,8 +10,9 @@ Layout (one call's file and the merged matrix alike)::
                                  "traces": {"steady": {"best_single_static": "static:64", ..}}}},
      "standalone": {"whole_gpu_tokens_per_s": .., "by_train_sms": {"84": .., ..}}, ...}
 
-A cell also holds its ``window`` (length, time scale, requests) and ``sweep_start`` (the split the fixed
-splits' sweep started from); a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
+A cell also holds its ``window`` (length, time scale, requests), ``sweep_start`` (the split the fixed
+splits' sweep started from) and, when its call measured it (``--whole-gpu-now``), ``whole_gpu_tokens_per_s``:
+the trainer alone on the whole GPU in the same call, which the light bar then divides by; a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
 row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``,
 ``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
 ``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds``, ``share_histogram`` and
@@ -19,7 +20,8 @@ row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``vio
 a cell's ``exclusive`` row (the engine alone on the whole GPU) says whether its objectives can be kept at all
 (``infeasible``, ``keeps``);
 the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
-that failed is a row with ``error``. Every policy is judged by the same bar (``clean``: every token interval
+that failed is a row with ``error``; a policy run several times in a cell (``--repeats``) is one of its
+windows, chosen by ``repeated``, with ``repeats`` listing them all. Every policy is judged by the same bar (``clean``: every token interval
 counted, and with the objective's ``ttft_ms`` every request's TTFT or its wait so far; ``tpot_clean`` is the
 TPOT part alone). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
 ``by_train_sms`` includes the whole GPU's SM count. ``finish`` fills in the derived fields: share
@@ -113,6 +115,52 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)
         row["steps"] = [[r.get(k) for k in STEP_COLUMNS] for r in steps[:keep_steps]]
     return row
+
+
+REPEAT_KEYS = (
+    "finetune_tokens_per_s",
+    "clean",
+    "tpot_attainment",
+    "violation_rate",
+    "violations",
+    "ttft_attainment",
+    "serve_s",
+)
+
+
+def repeated(
+    runs: list[tuple[dict[str, Any], list[dict[str, Any]]]],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One row (and its step records) for the windows of one policy in one cell run several times
+    (``--repeats``): the window of median finetune tokens/s (the lower middle one of an even count) when
+    every window is clean, else the window that
+    violated most (so that a policy is clean only if it was clean in every window); a failed window is
+    the row when any failed. Each row is one window's, whole; ``repeats`` lists every window's figures
+    (``REPEAT_KEYS``) and ``tokens_per_s_spread`` their (min, max)."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [run for run in runs if "error" in run[0]]
+    if failed:
+        row, steps = failed[0]
+    elif all(run[0].get("clean") for run in runs):
+        ranked = sorted(runs, key=lambda run: run[0]["finetune_tokens_per_s"])
+        row, steps = ranked[(len(ranked) - 1) // 2]
+    else:
+        row, steps = max(
+            runs,
+            key=lambda run: (
+                not run[0].get("clean"),
+                run[0].get("violation_rate") or 0.0,
+                -(run[0].get("tpot_attainment") or 0.0),
+                -(run[0].get("ttft_attainment") or 1.0),
+            ),
+        )
+    row = dict(row)
+    row["repeats"] = [{k: run[0].get(k) for k in ("error", *REPEAT_KEYS) if k in run[0]} for run in runs]
+    rates = [run[0]["finetune_tokens_per_s"] for run in runs if "error" not in run[0]]
+    if rates:
+        row["tokens_per_s_spread"] = [min(rates), max(rates)]
+    return row, steps
 
 
 def adapter_row_fraction(steps: list[dict[str, Any]]) -> float:
@@ -315,7 +363,11 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
                 v["vs_best_single_static"] = tok / max(
                     cell["policies"][single]["finetune_tokens_per_s"], 1e-9
                 )
-            solo = matrix.get("standalone", {}).get("whole_gpu_tokens_per_s")
+            # The whole GPU's standalone rate measured in the call that ran the cell (--whole-gpu-now), else
+            # the standalone file's.
+            solo = cell.get("whole_gpu_tokens_per_s") or matrix.get("standalone", {}).get(
+                "whole_gpu_tokens_per_s"
+            )
             if load_name == "light" and solo and tok is not None:
                 v["fraction_of_standalone"] = tok / solo
             beats = (

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,29 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
     merged = colocate_matrix.load(matrix)
     assert sorted(merged["objectives"]["auto:2"]["cells"]) == ["steady/heavy", "steady/light", "varying/1x"]
     assert len(merged["calls"]) == 2 and "varying/1x" in proc.stdout and "verdict" in merged
+
+
+@pytest.mark.slow
+def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_call(tmp_path):
+    """--repeats 2: each policy's row is one of its two windows, listing both, and the cell keeps that
+    window's timeline alone; --whole-gpu-now: the trainer alone on the whole GPU in this call, which the
+    light bar divides by, where the --standalone file's rates serve the rest."""
+    solo = tmp_path / "standalone.json"
+    solo.write_text(json.dumps({"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {"132": 1.0}, "solo_s": 0.5}))
+    args = ["--loads", "light", "--objectives", "auto:2", "--policies", "harli", "--standalone", str(solo)]
+    result = dry_run(tmp_path / "out", *args, "--repeats", "2", "--whole-gpu-now")
+    now = result["standalone"]["whole_gpu_now"]
+    assert len(now["runs"]) == 2 and now["tokens_per_s"] == min(now["runs"]) > 1.0
+    cell = result["objectives"]["auto:2"]["cells"]["steady/light"]
+    harli = cell["policies"]["harli"]
+    assert len(harli["repeats"]) == 2 and harli["finetune_tokens_per_s"] in [
+        r["finetune_tokens_per_s"] for r in harli["repeats"]
+    ]
+    assert cell["whole_gpu_tokens_per_s"] == now["tokens_per_s"]
+    v = result["verdict"]["cells"]["auto:2 steady/light"]
+    assert v["fraction_of_standalone"] == pytest.approx(harli["finetune_tokens_per_s"] / now["tokens_per_s"])
+    with tarfile.open(tmp_path / "out" / "bench_colocate-steady-timelines.tar.gz") as tar:
+        assert tar.getnames() == ["timelines/auto2/steady-light.png"]
 
 
 @pytest.mark.slow

@@ -214,3 +214,40 @@ def test_where_the_engine_alone_breaks_the_objectives_clean_reads_as_clean_as_th
     assert not cm.keeps(infeasible["policies"]["temporal"], infeasible)
     text = cm.table(matrix)
     assert "as alone" in text and "infeasible (alone 0.0500); none clean" in text
+
+
+def test_a_policy_run_several_times_is_its_median_window_when_all_are_clean_else_its_worst():
+    runs = [(row(tok), [{"t": tok}]) for tok in (9000.0, 11000.0, 10000.0)]
+    got, steps = cm.repeated(runs)
+    assert got["finetune_tokens_per_s"] == 10000.0 and steps == [{"t": 10000.0}]  # the window's own records
+    assert [r["finetune_tokens_per_s"] for r in got["repeats"]] == [9000.0, 11000.0, 10000.0]
+    assert got["tokens_per_s_spread"] == [9000.0, 11000.0] and "repeats" not in runs[2][0]
+    assert cm.repeated(runs[:2])[0]["finetune_tokens_per_s"] == 9000.0  # the lower middle of an even count
+    assert cm.repeated(runs[:1]) == runs[0]  # one window: as it ran
+    worse = {**row(8000.0, clean=False), "violation_rate": 0.05}
+    mixed = [*runs, (row(12000.0, clean=False), []), (worse, [])]
+    got, _ = cm.repeated(mixed)
+    assert not got["clean"] and got["violation_rate"] == 0.05  # clean only if clean in every window
+    failed = {"policy": "harli", "error": "RuntimeError: boom"}
+    got, _ = cm.repeated([*runs, (failed, [])])
+    assert got["error"] == failed["error"] and got["repeats"][-1] == {"error": failed["error"]}
+    assert got["tokens_per_s_spread"] == [9000.0, 11000.0]
+
+
+def test_the_light_bar_divides_by_the_whole_gpu_rate_the_cells_own_call_measured():
+    light = cell(harli=row(7500.0), **{"static:48": row(7000.0), "static:64": row(6000.0)})
+    matrix = {
+        "objectives": {"auto:1.5": {"cells": {"steady/light": light}}},
+        "standalone": {
+            "whole_gpu_tokens_per_s": 11000.0,
+            "by_train_sms": {str(k): v for k, v in RATES.items()},
+        },
+    }
+    cm.finish(matrix)
+    assert matrix["verdict"]["cells"]["auto:1.5 steady/light"]["fraction_of_standalone"] == pytest.approx(
+        7500 / 11000
+    )
+    light["whole_gpu_tokens_per_s"] = 10000.0  # measured in the call that ran the cell (--whole-gpu-now)
+    cm.finish(matrix)
+    v = matrix["verdict"]["cells"]["auto:1.5 steady/light"]
+    assert v["fraction_of_standalone"] == pytest.approx(0.75)
