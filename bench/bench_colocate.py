@@ -43,8 +43,9 @@ served live (model id ``setup``, refreshed from each window's trainer after its 
 of serving the live adapter beside training (each row's ``adapter_row_fraction``, ``live_adapter``).
 
 ``--repeats N`` runs every window N times: a row is then the window of median finetune tokens/s when all
-N are clean, else the one that violated most, and lists every window's figures (a light cell's tokens/s
-moved by up to ~10 % between single windows of different sessions on the H200). ``--whole-gpu-now`` measures
+N are clean, else the one that violated most, and lists every window's figures (on the H200 two single
+windows of harli at steady/light on one commit trained 6.5k and 6.8k tokens/s, 5 % apart: the light bar
+is 0.70 of the standalone rate). ``--whole-gpu-now`` measures
 the trainer alone on the whole GPU in the same call (N times, the median), which the light bar (harli's
 tokens/s over the standalone rate) then divides by instead of the ``--standalone`` file's.
 
