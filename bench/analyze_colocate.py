@@ -20,7 +20,9 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
 - stalls (a step over twice its prediction), with the step's GPU span where the run recorded it, so a slow
   GPU shows apart from a host delay;
 - measured/predicted latency of mixed steps by their prefill tokens (``CHUNK_SIZES``), and the seconds of
-  mixed steps on the whole GPU (the trainer paused): how well the mixed-step model sizes the chunks.
+  mixed steps on the whole GPU (the trainer paused): how well the mixed-step model sizes the chunks;
+- harli's grow headroom: the seconds of decode steps predicted within it of the budget (the trainer then
+  kept clear of the next larger share too), and how many of the window's grows came within 5 steps of one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
+
+from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 CHUNK_SIZES = ((1, 63), (64, 127), (128, 255), (256, None))  # prefill tokens of a mixed step, inclusive
@@ -119,6 +123,30 @@ def mixed_chunks(rows: list[dict], total_sms: int) -> tuple[dict[str, list[float
     return out, whole
 
 
+def near_budget(rows: list[dict], budget_s: float, headroom: float, ahead: int = 5) -> dict[str, float]:
+    """What harli's grow headroom held: the seconds of decode steps beside the trainer predicted within
+    ``headroom`` of ``budget_s`` (where the trainer keeps clear of the next larger share too), how many such
+    steps there were, and of the grows (a decode step on a larger share than the decode step before it),
+    how many came within ``ahead`` steps after such a step."""
+    out = {"near_budget_s": 0.0, "near_budget_steps": 0, "grows": 0, "grows_after_near": 0}
+    if not headroom:
+        return out
+    last_near, last_decode = None, None
+    for i, (row, after) in enumerate(zip(rows, rows[1:], strict=False)):
+        if row["kind"] != "decode":
+            continue
+        if last_decode is not None and row["infer_sms"] > last_decode["infer_sms"]:
+            out["grows"] += 1
+            out["grows_after_near"] += last_near is not None and i - last_near <= ahead
+        last_decode = row
+        pred = row.get("predicted_s")
+        if row.get("train") == "beside" and pred and pred > (1 - headroom) * budget_s:
+            out["near_budget_s"] += after["t"] - row["t"]
+            out["near_budget_steps"] += 1
+            last_near = i
+    return out
+
+
 def violations(rows: list[dict], tpot_s: float) -> list[list[dict]]:
     """Each violating decode step with the two steps before it."""
     found = []
@@ -185,6 +213,17 @@ def _step(row: dict) -> str:
     )
 
 
+def grow_headroom(policy: str) -> float:
+    """harli's grow headroom as the policy's name sets it (0 for every other policy)."""
+    base, _, options = policy.partition(":")
+    if base != "harli":
+        return 0.0
+    try:
+        return parse_harli_options(options).get("grow_headroom", DEFAULT_GROW_HEADROOM)
+    except ValueError:
+        return DEFAULT_GROW_HEADROOM
+
+
 def windows(results: dict) -> list[tuple[str, float, dict[str, dict]]]:
     """(objective, TPOT seconds, {cell: {policy: row}}) of a result: one per objective of the matrix layout
     (colocate_matrix.py), or the one of an older single-objective file (its label '')."""
@@ -208,6 +247,7 @@ def analyze(results: dict) -> dict[str, Any]:
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    margin = results.get("setup", {}).get("margin")
     for objective, tpot_s, cells in windows(results):
         report["objectives"][objective] = tpot_s * 1e3
         for cell, policies in cells.items():
@@ -224,7 +264,13 @@ def analyze(results: dict) -> dict[str, Any]:
                 by_size, whole_gpu_mixed_s = mixed_chunks(rows, total)
                 for size, rs in by_size.items():
                     chunks[name][size] += rs
+                held = (
+                    near_budget(rows, tpot_s * (1 - margin), grow_headroom(entry.get("policy") or name))
+                    if margin is not None
+                    else {}
+                )
                 report["cells"].setdefault(f"{objective} {cell}".strip(), {})[name] = {
+                    **held,
                     "tokens_per_s": entry["finetune_tokens_per_s"],
                     "violations": entry["violations"],
                     "trainer_sms": sms,
@@ -356,6 +402,14 @@ def main() -> None:
         [cell, name, r["whole_gpu_mixed_s"]] for cell, ps in report["cells"].items() for name, r in ps.items()
     ]
     print(common.table(mixed_s, ["cell", "policy", "s of mixed steps on the whole GPU"]))
+    print("\nharli's grow headroom: decode steps beside the trainer predicted within it of the budget")
+    near = [
+        [cell, name, r["near_budget_steps"], r["near_budget_s"], r["grows"], r["grows_after_near"]]
+        for cell, ps in report["cells"].items()
+        for name, r in ps.items()
+        if r.get("near_budget_steps")
+    ]
+    print(common.table(near, ["cell", "policy", "steps", "seconds", "grows", "within 5 steps of one"]))
     for cell, policies in report["cells"].items():
         for name, r in policies.items():
             for ctx in r["violating_steps"]:

@@ -120,6 +120,37 @@ def dry_run(out: Path, *args: str) -> dict:
     return colocate_matrix.load(result)
 
 
+def test_analysis_counts_what_harlis_grow_headroom_held_and_the_grows_it_came_before():
+    # Budget 10 ms x (1 - 0.2) = 8 ms; within the 5 % headroom: predicted over 7.6 ms, beside the trainer.
+    rows = [
+        dict(zip(COLUMNS, r, strict=True))
+        for r in (
+            _row(0.00, "decode", 48, True, 0.0070, 0.007),
+            _row(0.01, "decode", 48, True, 0.0078, 0.007),  # near the budget
+            _row(0.02, "decode", 48, True, 0.0079, 0.007),  # near the budget
+            _row(0.03, "decode", 64, True, 0.0070, 0.007),  # a grow, within 5 steps of one
+            _row(0.04, "decode", 48, False, 0.0079, 0.007),  # the trainer paused: nothing held
+            _row(0.05, "decode", 48, True, 0.0070, 0.007),
+            _row(0.07, "decode", 80, True, 0.0070, 0.007),  # a grow, not within 5 steps of one
+            _row(0.08, "decode", 80, True, 0.0070, 0.007),
+        )
+    ]
+    rows[6]["t"] = 0.16
+    for i in range(7):
+        rows.insert(6, {**rows[5], "t": 0.06 + 0.01 * i})
+    got = analyze_colocate.near_budget(rows, 0.008, 0.05)
+    assert got["near_budget_steps"] == 2 and got["near_budget_s"] == pytest.approx(0.02)
+    assert got["grows"] == 2 and got["grows_after_near"] == 1
+    assert analyze_colocate.near_budget(rows, 0.008, 0.0)["near_budget_steps"] == 0
+    assert analyze_colocate.grow_headroom("harli") == 0.05
+    assert (
+        analyze_colocate.grow_headroom("harli:grow=0.1") == 0.1
+        and analyze_colocate.grow_headroom("static:48") == 0
+    )
+    report = analyze_colocate.analyze({**results(), "setup": {"objective_tpot_ms": 10.0, "margin": 0.2}})
+    assert report["cells"]["bursty/heavy"]["harli"]["near_budget_steps"] == 4  # predicted 8.0 ms > 7.6
+
+
 @pytest.mark.slow
 def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
     """The bench on the assembly (CPU stand-ins): every cell's harli, at least three fixed splits, the best of
