@@ -15,6 +15,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import analyze_colocate  # noqa: E402
 import colocate_matrix  # noqa: E402
+import replan_mixed  # noqa: E402
+
+from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 
 COLUMNS = colocate_matrix.STEP_COLUMNS
 
@@ -149,6 +152,30 @@ def test_analysis_counts_what_harlis_grow_headroom_held_and_the_grows_it_came_be
     )
     report = analyze_colocate.analyze({**results(), "setup": {"objective_tpot_ms": 10.0, "margin": 0.2}})
     assert report["cells"]["bursty/heavy"]["harli"]["near_budget_steps"] == 4  # predicted 8.0 ms > 7.6
+
+
+def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_floor_fits():
+    """bench/replan_mixed.py on the stored H200 profile: a mixed step of 3 decode rows that ran on the whole
+    GPU (its chunk capped at 61 prefill tokens by the 64-row graph) fits 32 tokens, and the same 61-62, on 112
+    SMs beside the trainer within an 8.8 ms budget, but not 64 (a 128-row graph) on any share."""
+    profile = colocate_matrix.load(
+        BENCH / "profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz"
+    )
+    meta = profile["meta"]
+    predictor = LatencyPredictor.fit(
+        profile["samples"], 132, meta["kv_bytes_per_token"], mixed_buckets=meta["mixed_buckets"]
+    )
+    rows = [
+        dict(zip(COLUMNS, r, strict=True))
+        for r in (_row(0.0, "mixed", 132, False, 0.008, 0.007, prefill=61),)
+    ]
+    for row in rows:
+        row["batch"], row["kv_tokens"] = 3, 1450
+    shares = [16, 32, 48, 64, 80, 96, 112, 132]
+    got = replan_mixed.replan(rows, predictor, shares, 0.0088, [32, 64, 128], 256)
+    assert got["moves"][32] == {112: 1} and got["chunks"][(32, 112)][0] >= 61
+    assert got["moves"][64] == {None: 1} and got["moves"][128] == {None: 1}
+    assert replan_mixed.replan(rows, predictor, shares, 0.0088, [32], 256, 1.2)["moves"][32] == {None: 1}
 
 
 @pytest.mark.slow
