@@ -28,21 +28,24 @@ DEFAULT_BACKWARD_AWARE = False
 # harli:floor=N: the least prefill tokens (or the rest of the prompt, when fewer) a mixed step must fit on a
 # share beside the trainer; where none fits that many, the mixed step takes the whole GPU, the trainer paused.
 # A smaller floor keeps the trainer running through more prompts, in smaller chunks (more steps to the first
-# token). At least the least chunk a mixed step takes (policy.base.MIN_CHUNK).
+# token). At least the least chunk a mixed step takes (policy.base.MIN_CHUNK). harli:floor=match: the floor is
+# at most what the whole GPU itself would fit in the step (a share beside the trainer that fits as much
+# prefill as the whole GPU is taken rather than pausing the trainer).
 DEFAULT_PREFILL_FLOOR = 128
 MIN_PREFILL_FLOOR = 32
+DEFAULT_FLOOR_MATCH = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
     f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
-    f"floor=N (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR})"
+    f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR})"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
     """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``
-    (any of them, in any order; "" for none) as HarliPolicy keyword arguments."""
+    and ``floor=match`` (any of them, in any order; "" for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -62,6 +65,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["backward_aware"] = value == "on"
         elif key == "floor" and re.fullmatch(r"[1-9]\d*", value) and int(value) >= MIN_PREFILL_FLOOR:
             out["prefill_floor"] = int(value)
+        elif key == "floor" and value == "match":
+            out["floor_match"] = True
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -76,6 +81,7 @@ def harli_name(
     trainer_stride: int = DEFAULT_TRAINER_STRIDE,
     backward_aware: bool = DEFAULT_BACKWARD_AWARE,
     prefill_floor: int = DEFAULT_PREFILL_FLOOR,
+    floor_match: bool = DEFAULT_FLOOR_MATCH,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -93,6 +99,8 @@ def harli_name(
         options.append(f"backward={'on' if backward_aware else 'off'}")
     if prefill_floor != DEFAULT_PREFILL_FLOOR:
         options.append(f"floor={prefill_floor}")
+    if floor_match != DEFAULT_FLOOR_MATCH:
+        options.append("floor=match")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

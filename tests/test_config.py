@@ -322,6 +322,7 @@ def test_bad_policy(tmp_path, policy):
         "harli:stride=1",
         "harli:backward=on",
         "harli:floor=64",
+        "harli:floor=match,floor=96",
         "exclusive:48",
     ],
 )

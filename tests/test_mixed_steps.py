@@ -2,7 +2,9 @@
 objective accounting over every token interval, and a co-located run that rides prefill in decode steps."""
 
 import dataclasses
+import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from harli_train.engine.sequence import Sequence
 from harli_train.policy_names import MIN_PREFILL_FLOOR
 
 from .test_runtime import TOTAL, requests, rows, runtime, synthetic_predictor
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def mixed_predictor(shares):
@@ -243,6 +247,45 @@ def test_harli_floor_sets_the_least_chunk_a_mixed_step_beside_the_trainer_takes(
         with pytest.raises(ValueError, match="unknown harli option"):
             make_policy(bad, ladder, pred, 0.0201, 0.1)
     assert MIN_PREFILL_FLOOR == MIN_CHUNK  # the grammar's least floor is the least chunk
+
+
+def test_harli_floor_match_runs_beside_the_trainer_where_a_share_fits_what_the_whole_gpu_would():
+    """On the stored H200 profile, 3 decode rows over 1,450 cached tokens and a 512-token prompt, budget
+    8.8 ms, with whole-GPU mixed steps measured at 1.32x their raw prediction (as in the H200's light cells):
+    the whole GPU's chunk is capped at the 64-row graph (128 rows miss the budget), and no share fits the
+    128-token floor beside the trainer. harli pauses the trainer for the whole GPU; harli:floor=match runs
+    the step on 112 SMs beside it, with as many tokens as the whole GPU would take."""
+    profile = json.loads(
+        gzip.decompress(
+            (ROOT / "bench/profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz").read_bytes()
+        )
+    )
+    meta = profile["meta"]
+    pred = LatencyPredictor.fit(
+        profile["samples"], 132, meta["kv_bytes_per_token"], mixed_buckets=meta["mixed_buckets"]
+    )
+    ladder = SMLadder.cpu_standin(132, 16)
+    preview = StepPreview(3, 1450, (PrefillPiece(512, 0, 0),), mixed=True)
+    raw = pred.predict_mixed(3, 1450, 61, attention_pairs([(61, 0)]), 132, False, raw=True)
+    for _ in range(64):
+        pred.observe(132, False, 1.32 * raw, raw, mixed=True)
+    tpot, margin = 0.0088 / 0.85, 0.15
+    whole, _, _ = largest_chunk(pred, preview, 132, False, 0.0088)
+    assert 32 <= whole < 64
+    plain = make_policy("harli", ladder, pred, tpot, margin)
+    plain.trainer_busy = lambda: False
+    assert plain.plan(preview).paused  # the trainer is told to stop, for the whole GPU next
+    match = make_policy("harli:floor=match", ladder, pred, tpot, margin)
+    match.trainer_busy = lambda: False
+    plan = match.plan(preview)
+    assert match.name == "harli:floor=match" and match.floor_match
+    assert not plan.paused and plan.partition.infer_sms == 112 and plan.prefill_tokens >= whole
+    assert plan.train_from_sm >= 112 and plan.transient and "as many as the whole GPU" in plan.reason
+    # Beside-the-trainer steps measured slower than that: no share fits the whole GPU's chunk any more.
+    raw_112 = pred.predict_mixed(3, 1450, whole, attention_pairs([(whole, 0)]), 112, True, raw=True)
+    for _ in range(64):
+        pred.observe(112, True, 1.4 * raw_112, raw_112, mixed=True)
+    assert match.plan(preview).paused
 
 
 def test_a_ttft_objective_runs_a_due_prompt_whole_on_the_whole_gpu():

@@ -11,7 +11,10 @@ decode steps alone on its share, the trainer paused, and the prefill waits (docs
 measurement).
 
 ``prefill_floor`` (``harli:floor=N``, default 128) is that least chunk: a smaller one keeps the trainer running
-through more prompts, in more and smaller chunks.
+through more prompts, in more and smaller chunks. ``floor_match`` (``harli:floor=match``): where no share
+fits the floor, a share that fits as many prefill tokens as the whole GPU would (its graphs' token buckets
+can cap the whole GPU's chunk below the floor) is taken, the trainer running beside it, rather than pausing
+the trainer for no larger a chunk.
 
 ``backward_aware`` (``harli:backward=on``) sizes a mixed step beside the trainer by the recent mixed steps
 planned with a trainer backward on the GPU, when one is there now (``LatencyPredictor.correction``).
@@ -33,6 +36,7 @@ from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.engine.scheduler import StepPreview
 from harli_train.policy_names import (
     DEFAULT_BACKWARD_AWARE,
+    DEFAULT_FLOOR_MATCH,
     DEFAULT_GROW_HEADROOM,
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
@@ -66,6 +70,7 @@ class HarliPolicy(ControlledPolicy):
         settle: bool = DEFAULT_SETTLE,
         learn_margin: bool = DEFAULT_LEARN_MARGIN,
         backward_aware: bool = DEFAULT_BACKWARD_AWARE,
+        floor_match: bool = DEFAULT_FLOOR_MATCH,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
@@ -81,9 +86,10 @@ class HarliPolicy(ControlledPolicy):
             trainer_stride,
             backward_aware,
             prefill_floor,
+            floor_match,
         )
         self.backward_aware = backward_aware
-        self.grow_headroom, self.prefill_floor = grow_headroom, prefill_floor
+        self.grow_headroom, self.prefill_floor, self.floor_match = grow_headroom, prefill_floor, floor_match
         self._held = False  # the last plan paused the trainer
         self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
         self.controller = Controller(
@@ -155,36 +161,18 @@ class HarliPolicy(ControlledPolicy):
         shrink count are left as they are. Beside the trainer only while it runs: a mixed step never resumes
         a paused trainer (the next decode step does), since a chunk that fills the budget beside a trainer
         that is starting again overruns it (the measurements are in docs/design.md)."""
-        b, kv = preview.decode_seqs, preview.decode_kv_tokens
-        floor = min(self.prefill_floor, preview.prefill_tokens)
-        own, _ = self.controller.target(b, kv, preview.lora_slots)
-        start = own.infer_sms if own is not None else self.ladder.total_sms
-        backward = self.backward_aware and any(k in ("bwd", "rebuild") for k in self.trainer_on_gpu())
         if not self.ladder.time_sliced and not self._held:
-            for part in self.ladder.spatial:
-                # One prediction rules out a share where even the floor does not fit; the bisection runs on
-                # the share chosen (a mixed step's planning is host time inside its token interval).
-                if part.infer_sms < start or not chunk_fits(
-                    self.predictor, preview, floor, part.infer_sms, True, self.budget_s, backward
-                ):
-                    continue
-                n, t, raw = largest_chunk(
-                    self.predictor, preview, part.infer_sms, True, self.budget_s, backward
+            floor = min(self.prefill_floor, preview.prefill_tokens)
+            plan = self._beside(preview, floor)
+            if plan is None and self.floor_match:
+                # No share beside the trainer fits the floor: would the whole GPU fit more than one does?
+                whole, _, _ = largest_chunk(
+                    self.predictor, preview, self.ladder.total_sms, False, self.budget_s
                 )
-                if n >= floor and t <= self.budget_s:
-                    trainer = self.rungs.beside(part.infer_sms)
-                    if trainer is None or trainer.exclusive:
-                        break
-                    plan = beside(
-                        part,
-                        trainer,
-                        t,
-                        t,
-                        f"mixed: {part.infer_sms} SMs fit {n} prefill tokens",
-                        transient=True,
-                    )
-                    plan.prefill_tokens, plan.mixed_raw_s, plan.beside_backward = n, raw, backward
-                    return plan
+                if whole < floor:
+                    plan = self._beside(preview, whole, matched=True)
+            if plan is not None:
+                return plan
         if not self.ladder.time_sliced and (not self._held or self.trainer_busy()):
             return self._clear_gpu(preview)
         full = self.ladder.full
@@ -192,6 +180,38 @@ class HarliPolicy(ControlledPolicy):
         plan = paused(full, f"mixed: whole GPU for {n} prefill tokens (trainer paused)", t)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
         return plan
+
+    def _beside(self, preview: StepPreview, floor: int, matched: bool = False) -> StepPlan | None:
+        """The mixed step on the smallest share (at least decode's own) that fits ``floor`` prefill tokens
+        beside the running trainer, filled with as many as fit there; None where none does."""
+        own, _ = self.controller.target(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
+        start = own.infer_sms if own is not None else self.ladder.total_sms
+        backward = self.backward_aware and any(k in ("bwd", "rebuild") for k in self.trainer_on_gpu())
+        for part in self.ladder.spatial:
+            # One prediction rules out a share where even the floor does not fit; the bisection runs on the
+            # share chosen (a mixed step's planning is host time inside its token interval).
+            if part.infer_sms < start or not chunk_fits(
+                self.predictor, preview, floor, part.infer_sms, True, self.budget_s, backward
+            ):
+                continue
+            n, t, raw = largest_chunk(self.predictor, preview, part.infer_sms, True, self.budget_s, backward)
+            if n < floor or t > self.budget_s:
+                continue
+            trainer = self.rungs.beside(part.infer_sms)
+            if trainer is None or trainer.exclusive:
+                return None
+            reason = f"mixed: {part.infer_sms} SMs fit {n} prefill tokens"
+            plan = beside(
+                part,
+                trainer,
+                t,
+                t,
+                reason + (" (as many as the whole GPU)" if matched else ""),
+                transient=True,
+            )
+            plan.prefill_tokens, plan.mixed_raw_s, plan.beside_backward = n, raw, backward
+            return plan
+        return None
 
     def _clear_gpu(self, preview: StepPreview) -> StepPlan:
         """Decode alone on its own share with the trainer paused and no prefill, while the trainer's queued
