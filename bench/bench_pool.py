@@ -12,7 +12,8 @@ its policy fixed (``--policy static:N``) so that the runs compare. Phases (``--p
 - ``loss``: the assembly on the pool (``colocation.memory_gib=--memory-gib``), two runs of ``--steps``
   training steps each on a fresh adapter: without pressure (no load) and with it (recipes/traces/longctx.jsonl,
   whose bursts want more KV cache than the pool has free beside the trainer). Per run: the loss curve, the
-  pool's report (reclaims: count, pages, bytes spilled, spill bandwidth, grow latency; grows, shrinks,
+  pool's report (reclaims: count, pages, bytes spilled, spill bandwidth, and of the spills' seconds those
+  pinning host buffers and those the copies took on the GPU, grow latency; grows, shrinks,
   refusals), out-of-memory recoveries, requests served, and the decode steps over the objective within 5
   steps after each reclaim. The two loss curves must be equal, step for step.
 - ``pool``: the same throughput windows as ``plain``, on the pool at the recipe's default budget (what is
@@ -279,12 +280,14 @@ def finish(result: dict[str, Any], path: Path) -> None:
                     rec["pages"],
                     f"{rec['bytes_spilled'] / 2**20:.1f}",
                     "-" if rec["spill_gib_per_s"] is None else f"{rec['spill_gib_per_s']:.1f}",
+                    f"{rec.get('pin_seconds', 0.0):.2f}/{rec.get('copy_gpu_seconds', 0.0):.2f}/{rec['seconds']:.2f}",
                     "-" if rec["grow_ms"]["p50"] is None else f"{rec['grow_ms']['p50']:.1f}",
                     f"{r['after_reclaim']['violations']}/{r['after_reclaim']['steps_judged']}",
                     r["oom_recoveries"],
                 ]
             )
-    header = ["run", "steps", "reclaims", "pages", "spilled MiB", "GiB/s", "grow ms p50", "viol.<=5", "OOM"]
+    header = ["run", "steps", "reclaims", "pages", "spilled MiB", "GiB/s", "pin/copy/all s", "grow ms p50"]
+    header += ["viol.<=5", "OOM"]
     if rows:
         print(common.table(rows, header))
         print(f"loss curves equal: {loss.get('losses_equal')}")

@@ -58,7 +58,9 @@ def test_a_colocated_quickstart_runs_on_the_pool_and_reports_both_tenants(tmp_pa
     assert kv["peak"] > 0 and trainer["peak"] > 0 and 0 < kv["mean"] <= kv["peak"]
     assert trainer["now"] > 0 and pool["trainer"]["stashed_bytes"] > 0 and pool["trainer"]["placed_bytes"] > 0
     assert pool["grows"]["count"] >= 1 and pool["refusals"] == 0
-    assert {"count", "pages", "bytes_spilled", "seconds"} <= pool["reclaims"].keys()
+    assert {"count", "pages", "bytes_spilled", "seconds", "pin_seconds", "copy_gpu_seconds"} <= pool[
+        "reclaims"
+    ].keys()
     saved = json.loads((tmp_path / "pool" / "colocate" / "summary.json").read_text())
     assert saved["memory"]["pool"]["tenants"] == pool["tenants"]
     step_rows = rows(tmp_path / "pool")

@@ -50,6 +50,10 @@ def pool_report(pm: Any, st: dict[str, Any]) -> dict[str, Any]:
             "bytes_spilled": st["reclaim_spilled_bytes"],
             "seconds": round(copy_s, 6),
             "spill_gib_per_s": st["reclaim_spilled_bytes"] / copy_s / 2**30 if copy_s > 0 else None,
+            # Of those seconds (GPU): pinning the host buffers, and the copies' own GPU time; the rest waited
+            # for the trainer's queued work (the copies are ordered after it) or unmapped.
+            "pin_seconds": round(st["reclaim_pin_seconds"], 6),
+            "copy_gpu_seconds": round(st["reclaim_copy_gpu_seconds"], 6),
             # KV grows that took pages from the trainer: order to mapped, the spill included.
             "grow_ms": percentiles([1e3 * t for t in pm.reclaim_grow_s]),
         },

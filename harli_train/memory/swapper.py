@@ -120,6 +120,12 @@ class ActivationSwapper:
             "reclaim_pages": 0,
             "reclaim_spilled_bytes": 0,
             "reclaim_copy_seconds": 0.0,
+            # Of the spills' host seconds (CUDA): pinning host buffers, and the copies' own GPU time (the
+            # rest is the wait for the trainer's queued work, which the copies are ordered after, and unmaps).
+            "spill_pin_seconds": 0.0,
+            "spill_copy_gpu_seconds": 0.0,
+            "reclaim_pin_seconds": 0.0,
+            "reclaim_copy_gpu_seconds": 0.0,
         }
         pool.register_reclaimer(tenant, self.reclaim, self.reclaimable_pages)
 
@@ -305,14 +311,17 @@ class ActivationSwapper:
         """Pool callback: spill stashes of layers outside the window until n_pages are free; returns pages
         freed. Blocks until the copies (and the trainer's queued work) are done."""
         with self._lock:
-            before = self.stats["swap_out_bytes"], self.stats["reclaim_seconds"]
+            st = self.stats
+            before = [st[k] for k in ("swap_out_bytes", "reclaim_seconds", "spill_pin_seconds")]
+            before.append(st["spill_copy_gpu_seconds"])
             pages = self._spill(n_pages, protect=self._window())
             if pages:
-                st = self.stats
                 st["reclaims"] += 1
                 st["reclaim_pages"] += pages
                 st["reclaim_spilled_bytes"] += st["swap_out_bytes"] - before[0]
                 st["reclaim_copy_seconds"] += st["reclaim_seconds"] - before[1]
+                st["reclaim_pin_seconds"] += st["spill_pin_seconds"] - before[2]
+                st["reclaim_copy_gpu_seconds"] += st["spill_copy_gpu_seconds"] - before[3]
             return pages
 
     def release_idle(self) -> int:
@@ -346,13 +355,20 @@ class ActivationSwapper:
             side = self._side_stream()
             # Also orders the unmap after every queued trainer kernel that may still read the pages.
             side.wait_stream(self._last_stream())
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(side)  # reached once the trainer's queued work is done
+            pin_s = 0.0
             with torch.cuda.stream(side):
                 for s in copies:
+                    t_pin = time.perf_counter()
                     s.host = torch.empty(s.used, dtype=torch.uint8, pin_memory=True)
+                    pin_s += time.perf_counter() - t_pin
                     s.host.copy_(s.flat[: s.used], non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(side)
             done.synchronize()
+            self.stats["spill_pin_seconds"] += pin_s
+            self.stats["spill_copy_gpu_seconds"] += started.elapsed_time(done) / 1e3
         else:
             for s in copies:
                 s.host = s.flat[: s.used].clone()
