@@ -298,3 +298,25 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
     for row in result["rows"].values():
         assert row["total_us"] > 0 and all(k["launches"] > 0 for k in row["kernels"].values())
     assert set(result["diffs"]) == {f"b{b}_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")}
+
+
+@pytest.mark.slow
+def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_path):
+    """bench/device_call.sh (what a device call runs): an unknown step refused before anything runs; a
+    dry-run bench step, then one skipped for want of time; everything in one archive, nothing else under
+    $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "100", "DEVICE_CALL_INSTALL": "0"}
+    call = ["bash", str(BENCH / "device_call.sh")]
+    dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
+    typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
+    assert typo.returncode == 2 and "unknown step 'smoek'" in typo.stderr and not any(tmp_path.iterdir())
+    proc = subprocess.run(
+        [*call, "colocate", dry, "colocate", dry], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "=== 1 colocate: exit 0" in proc.stdout and "=== 2 colocate: skipped" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.tar.gz"]
+    with tarfile.open(tmp_path / "c1.tar.gz") as tar:
+        names = tar.getnames()
+    assert "c1/1-colocate/bench_colocate-steady.json" in names and "c1/profile.json" in names
+    assert not any(n.endswith("-timelines.tar.gz") for n in names)

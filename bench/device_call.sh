@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# One call of the `device` tool: install once, then run STEPs in turn within the call's time, and pack what
+# they wrote into one archive ($OUT/$TAG.tar.gz; a call returns at most 8 files).
+#
+#   bash bench/device_call.sh colocate "--trace steady --loads light --policies harli --repeats 3" smoke
+#   TAG=call2 CALL_S=570 bash bench/device_call.sh pool "--window-s 15 --windows 3"
+#
+# STEPs:
+#   colocate "ARGS"  python bench/bench_colocate.py --objectives auto:1.5 --profile P --standalone S
+#                    --keep-steps 3000 --time-budget-s <what is left> ARGS (ARGS may override any of them)
+#   pool "ARGS"      python bench/bench_pool.py --profile P ARGS (under `timeout` for what is left)
+#   smoke            bash bench/smoke_gpu.sh, SMOKE_BUDGET_S set to what is left
+# P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
+# steps of a --live-fraction cell, rewrites it, and it comes back in the archive); S is the standalone rates
+# file of the matrix (STANDALONE, default bench/results/2026-12-02-bench_colocate-standalone.json).
+# CALL_S is the call's own limit (default 570 s, under the tool's 600); a step starts only with 60 s left.
+# Each step writes under $OUT/$TAG/<n>-<step>/; the tables each prints last are echoed at the end.
+set -u
+export PYTHONUNBUFFERED=1
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo" || exit 1
+OUT="${OUT:-$repo/bench_out}"
+TAG="${TAG:-call}"
+CALL_S="${CALL_S:-570}"
+STANDALONE="${STANDALONE:-$repo/bench/results/2026-12-02-bench_colocate-standalone.json}"
+start=$(date +%s)
+# The steps are checked before anything runs: a typo must not cost a device call's set-up.
+rest=("$@")
+i=0
+while [ $i -lt ${#rest[@]} ]; do
+  case ${rest[$i]} in
+    colocate | pool) i=$((i + 2)) ;;
+    smoke) i=$((i + 1)) ;;
+    *)
+      echo "unknown step '${rest[$i]}' (colocate \"ARGS\", pool \"ARGS\", smoke)" >&2
+      exit 2
+      ;;
+  esac
+done
+work="$OUT/$TAG"
+mkdir -p "$work"
+log="$work/call.log"
+left() { echo $((CALL_S - ($(date +%s) - start))); }
+
+# DEVICE_CALL_INSTALL=0: the project is installed already (the tests)
+if [ "${DEVICE_CALL_INSTALL:-1}" != 0 ] && ! python -m pip install -q --no-deps --no-build-isolation -e . >>"$log" 2>&1; then
+  echo "install failed"
+  tail -n 30 "$log"
+  exit 1
+fi
+git rev-parse HEAD >>"$log" 2>&1
+bash bench/tree_hash.sh >>"$log" 2>&1
+profile="$work/profile.json"
+stored=$(ls bench/profiles/*.json.gz 2>/dev/null | head -n 1)
+if [ -n "$stored" ]; then
+  gunzip -c "$stored" >"$profile"
+fi
+
+n=0
+tables=()
+while [ $# -gt 0 ]; do
+  step=$1
+  shift
+  args=""
+  if [ "$step" != smoke ]; then
+    args=${1:-}
+    shift || true
+  fi
+  n=$((n + 1))
+  dir="$work/$n-$step"
+  mkdir -p "$dir"
+  budget=$(($(left) - 30))
+  if [ "$budget" -lt 60 ]; then
+    echo "=== $n $step: skipped, ${budget}s left ===" | tee -a "$log"
+    continue
+  fi
+  echo "=== $n $step $args (${budget}s left) ===" | tee -a "$log"
+  t0=$(date +%s)
+  case $step in
+    colocate)
+      # shellcheck disable=SC2086  # ARGS are words
+      OUT="$dir" timeout -s INT -k 20 "$((budget + 20))s" python bench/bench_colocate.py \
+        --objectives auto:1.5 --profile "$profile" --standalone "$STANDALONE" --keep-steps 3000 \
+        --time-budget-s "$budget" $args >"$dir/log" 2>&1
+      ;;
+    pool)
+      # shellcheck disable=SC2086
+      OUT="$dir" timeout -s INT -k 20 "${budget}s" python bench/bench_pool.py --profile "$profile" \
+        --out "$dir/bench_pool.json" $args >"$dir/log" 2>&1
+      ;;
+    smoke)
+      OUT="$dir" SMOKE_BUDGET_S="$budget" bash bench/smoke_gpu.sh >"$dir/log" 2>&1
+      ;;
+  esac
+  rc=$?
+  echo "=== $n $step: exit $rc after $(($(date +%s) - t0))s ===" | tee -a "$log"
+  tables+=("$dir/log")
+done
+
+find "$work" -name '*-timelines.tar.gz' -delete
+tar czf "$OUT/$TAG.tar.gz" -C "$OUT" "$TAG"
+for t in "${tables[@]}"; do
+  echo "--- ${t#"$OUT"/}"
+  tail -n 12 "$t"
+done
+rm -rf "$work"  # what comes back is the archive
+echo "packed $OUT/$TAG.tar.gz ($(du -h "$OUT/$TAG.tar.gz" | cut -f1)) in $(($(date +%s) - start))s"
