@@ -127,23 +127,30 @@ def near_budget(rows: list[dict], budget_s: float, headroom: float, ahead: int =
     """What harli's grow headroom held: the seconds of decode steps beside the trainer predicted within
     ``headroom`` of ``budget_s`` (where the trainer keeps clear of the next larger share too), how many such
     steps there were, and of the grows (a decode step on a larger share than the decode step before it),
-    how many came within ``ahead`` steps after such a step."""
+    how many came within ``ahead`` steps after such a step, against ``grows_by_chance``: as many as would if
+    grows fell on decode steps at random (the share of decode steps within ``ahead`` after such a step)."""
     out = {"near_budget_s": 0.0, "near_budget_steps": 0, "grows": 0, "grows_after_near": 0}
+    out["grows_by_chance"] = 0.0
     if not headroom:
         return out
     last_near, last_decode = None, None
+    decode = covered = 0
     for i, (row, after) in enumerate(zip(rows, rows[1:], strict=False)):
         if row["kind"] != "decode":
             continue
+        decode += 1
+        near_before = last_near is not None and i - last_near <= ahead
+        covered += near_before
         if last_decode is not None and row["infer_sms"] > last_decode["infer_sms"]:
             out["grows"] += 1
-            out["grows_after_near"] += last_near is not None and i - last_near <= ahead
+            out["grows_after_near"] += near_before
         last_decode = row
         pred = row.get("predicted_s")
         if row.get("train") == "beside" and pred and pred > (1 - headroom) * budget_s:
             out["near_budget_s"] += after["t"] - row["t"]
             out["near_budget_steps"] += 1
             last_near = i
+    out["grows_by_chance"] = out["grows"] * covered / decode if decode else 0.0
     return out
 
 
@@ -404,12 +411,21 @@ def main() -> None:
     print(common.table(mixed_s, ["cell", "policy", "s of mixed steps on the whole GPU"]))
     print("\nharli's grow headroom: decode steps beside the trainer predicted within it of the budget")
     near = [
-        [cell, name, r["near_budget_steps"], r["near_budget_s"], r["grows"], r["grows_after_near"]]
+        [
+            cell,
+            name,
+            r["near_budget_steps"],
+            r["near_budget_s"],
+            r["grows"],
+            r["grows_after_near"],
+            r["grows_by_chance"],
+        ]
         for cell, ps in report["cells"].items()
         for name, r in ps.items()
         if r.get("near_budget_steps")
     ]
-    print(common.table(near, ["cell", "policy", "steps", "seconds", "grows", "within 5 steps of one"]))
+    head = ["cell", "policy", "steps", "seconds", "grows", "within 5 steps of one", "by chance"]
+    print(common.table(near, head))
     for cell, policies in report["cells"].items():
         for name, r in policies.items():
             for ctx in r["violating_steps"]:

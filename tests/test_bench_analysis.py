@@ -144,6 +144,8 @@ def test_analysis_counts_what_harlis_grow_headroom_held_and_the_grows_it_came_be
     got = analyze_colocate.near_budget(rows, 0.008, 0.05)
     assert got["near_budget_steps"] == 2 and got["near_budget_s"] == pytest.approx(0.02)
     assert got["grows"] == 2 and got["grows_after_near"] == 1
+    # 14 decode steps before the last, 6 of them within 5 steps after a near one (rows 2-7)
+    assert got["grows_by_chance"] == pytest.approx(2 * 6 / 14)
     assert analyze_colocate.near_budget(rows, 0.008, 0.0)["near_budget_steps"] == 0
     assert analyze_colocate.grow_headroom("harli") == 0.05
     assert (
