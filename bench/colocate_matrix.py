@@ -414,17 +414,20 @@ def merge(
     cell fields, such as the ideal, where it has them); the standalone rates of the first call that has
     them (calls meant for one matrix share one ``--standalone`` file: ``standalone_differs`` lists the calls
     whose rates were others, whose ideals therefore rest on other rates); each call's set-up kept under
-    ``calls``, with its file's name from ``names``. The rows' step records stay in the calls' own files
+    ``calls``, with its file's name from ``names`` (a matrix merged before brings its own calls). The rows' step records stay in the calls' own files
     unless ``keep_steps`` (the matrix is the summary; a row's steps are in the file its call names)."""
     out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": [], "standalone_differs": []}
     rates = lambda part: {
         k: part.get("standalone", {}).get(k) for k in ("whole_gpu_tokens_per_s", "by_train_sms")
     }
     for i, part in enumerate(parts):
-        call = {k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")}
-        if names is not None:
-            call["file"] = names[i]
-        out["calls"].append(call)
+        if "calls" in part and "setup" not in part:  # a matrix merged before: its calls, as they were
+            out["calls"].extend(part["calls"])
+        else:
+            call = {k: part.get(k) for k in ("env", "setup", "args", "total_s", "out_of_time")}
+            if names is not None:
+                call["file"] = names[i]
+            out["calls"].append(call)
         if not out["standalone"] and part.get("standalone"):
             out["standalone"] = part["standalone"]
         elif part.get("standalone") and rates(part) != rates(out):

@@ -176,8 +176,13 @@ def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_b
     text = cm.table(matrix)
     assert "none clean; temporal" in text and "none clean; temporal not run" in text
     assert "none clean; no training" in text
-    # A merged matrix finds the ladder in its calls' set-ups.
+    # A merged matrix finds the ladder in its calls' set-ups, and merged again (alone, or with more calls)
+    # it keeps them: the verdict stands.
     assert cm.top_split({"calls": [{"setup": None}, {"setup": {"ladder": {"rungs": rungs}}}]}) == "static:112"
+    once = cm.merge([matrix], ["call0.json"])
+    again = cm.merge([json.loads(json.dumps(once))], ["matrix.json.gz"])
+    assert again["calls"] == once["calls"] and again["calls"][0]["file"] == "call0.json"
+    assert again["verdict"] == once["verdict"] and again["verdict"]["cells"]["auto:2 bursty/medium"]["pass"]
 
 
 def test_where_the_engine_alone_breaks_the_objectives_clean_reads_as_clean_as_the_engine_alone():
