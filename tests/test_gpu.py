@@ -144,7 +144,8 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     update's own graph on the graphed one). Three steps give the eager steps' losses, gradient norms,
     gradients and adapter (same kernels, same configurations: each replay reads the masters as the optimizer
     left them), and so do steps whose forwards replay on one green-context rung and whose backwards and
-    update replay on another."""
+    update replay on another: with the saved-tensor arena (the default) each backward reads what the other
+    rung's forward saved, without it each backward's forward is replayed on its rung first."""
     from harli_train.colocate.sm import SMLadder
     from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
     from harli_train.train.batch_buffers import BatchBuffers
@@ -154,7 +155,7 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     batches = [graphs_batch(1), graphs_batch(2)]
 
-    def steps(graphed: bool, rungs=None):
+    def steps(graphed: bool, rungs=None, arena: bool = True):
         """Three steps, each followed by an AdamW update: the losses, the last step's gradients, the adapter.
         With ``rungs``, a micro-step after a forward replays on rungs[0]'s trainer stream, after the loss or
         a backward on rungs[1]'s."""
@@ -162,7 +163,7 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
         params = list(m.lora_parameters())
         opt = torch.optim.AdamW(params, lr=2e-2, fused=True)
         make_optimizer_state(opt)  # as the trainer makes it
-        graphs = StepGraphs(params) if graphed else None
+        graphs = StepGraphs(params, arena=arena) if graphed else None
         update = AdapterUpdate(opt, 0.5) if graphed else None
         prev, losses, norms = torch.cuda.current_stream(), [], []
         for i in range(3):
@@ -192,8 +193,9 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
         torch.cuda.synchronize()
         assert graphs is None or graphs.captures == (1 if rungs is None else 2)  # a set per rung
         assert update is None or len(update._captured) == 1  # the update ran on one stream: one graph
-        # Each backward after a forward on the other rung was rebuilt.
-        assert graphs is None or rungs is None or graphs.rebuilds > 0
+        # Each backward after a forward on the other rung read the arena, or, without it, was rebuilt.
+        assert graphs is None or rungs is None or (graphs.rebuilds == 0) == arena
+        assert graphs is None or (graphs.arena_bytes > 0) == arena
         return losses, norms, grads, [p.detach().float().clone() for p in params]
 
     want, want_norms, want_grads, want_params = steps(False)
@@ -202,9 +204,11 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     assert abs(want[2] - want[0]) > 20 * 1e-3 * abs(want[0]) and want_norms[0] > 0.5
     ladder = SMLadder.create(step=32)
     try:
+        rungs = [ladder.spatial[0], ladder.spatial[-1]]
         for got, got_norms, grads, params in (
             steps(True),
-            steps(True, [ladder.spatial[0], ladder.spatial[-1]]),
+            steps(True, rungs),
+            steps(True, rungs, arena=False),
         ):
             torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
             torch.testing.assert_close(got_norms, want_norms, rtol=1e-2, atol=0)

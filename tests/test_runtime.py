@@ -821,9 +821,10 @@ class ScriptedPolicy(Policy):
         )
 
 
-def graphed_runtime(out: Path, script) -> ColocatedRuntime:
-    """A runtime on ``train.cuda_graphs`` under ScriptedPolicy(``script``): decode's share per decision."""
-    return runtime(
+def graphed_runtime(out: Path, script, arena: bool = True) -> ColocatedRuntime:
+    """A runtime on ``train.cuda_graphs`` under ScriptedPolicy(``script``): decode's share per decision;
+    ``arena=False``: its graphs without the saved-tensor arena."""
+    rt = runtime(
         out,
         SMLadder.cpu_standin(TOTAL, 8),
         lambda ladder: ScriptedPolicy(ladder, script),
@@ -833,6 +834,9 @@ def graphed_runtime(out: Path, script) -> ColocatedRuntime:
         None,
         "train.cuda_graphs=true",
     )
+    assert not rt.trainer.graphs.shapes  # no graphs made yet: the arena is still to choose
+    rt.trainer.graphs.arena = arena
+    return rt
 
 
 def test_the_runtime_shows_a_prefill_the_decode_step_after_it(tmp_path):
@@ -920,39 +924,51 @@ def test_every_micro_step_kind_runs_on_any_rung_and_the_result_equals_standalone
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
-def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, standalone):
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "no-arena"])
+def test_captured_micro_steps_run_on_any_rung_and_equal_standalone(tmp_path, standalone, arena):
     # train.cuda_graphs: one set of graphs per rung; a share that jumps to a random rung at every decision
-    # makes backwards rebuild their chunk's forward on their own rung's set (counted with the eager
-    # rebuilds); the result is still bit-identical to training alone.
+    # runs backwards on other rungs' sets than their forwards. With the saved-tensor arena they read what
+    # the forwards saved there; without it they rebuild their chunk's forward on their own rung's set
+    # (counted with the eager rebuilds). The result is bit-identical to training alone either way.
     rng = random.Random(0)
     shares = [p.infer_sms for p in SMLadder.cpu_standin(TOTAL, 8).spatial]
-    rt = graphed_runtime(tmp_path, lambda: rng.choice(shares))
+    rt = graphed_runtime(tmp_path, lambda: rng.choice(shares), arena)
     summary = rt.run()
     bwd = {sms for phase, _, sms in rt.worker.side.launches if phase == "bwd"}
     graphs = rt.trainer.graphs
     assert graphs is not None and graphs.captures >= 2 and len(bwd) >= 2
-    assert summary["finetune"]["rebuilt_backward_chunks"] == graphs.rebuilds > 0
+    assert summary["finetune"]["rebuilt_backward_chunks"] == graphs.rebuilds
+    assert (graphs.rebuilds == 0) == arena
     assert summary["finetune"]["abandoned_steps"] == 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 
 
-def test_captured_steps_stay_on_their_rung_until_the_micro_batch_ends_when_decode_shrinks(
-    tmp_path, standalone
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "no-arena"])
+def test_captured_steps_move_with_decode_or_stay_on_their_rung_until_the_micro_batch_ends(
+    tmp_path, standalone, arena
 ):
-    # Decode holds 96 SMs for the first two micro-steps, then drops to 16: a trainer on graphs finishes the
-    # micro-batch under way on its 36-SM rung (still clear of decode; moving would replay its forwards on
-    # the larger rung's graphs), then moves to 116 SMs; nothing is rebuilt and the result is unchanged.
+    # Decode holds 96 SMs for the first two micro-steps, then drops to 16. On the saved-tensor arena the
+    # trainer moves to 116 SMs at once (a backward reads its forward's tensors on any set). Without it the
+    # trainer finishes the micro-batch under way on its 36-SM rung (still clear of decode; moving would
+    # replay its forwards on the larger rung's graphs), then moves. Nothing is rebuilt either way and the
+    # result is unchanged.
     holder = {}
     script = lambda: 96 if holder["rt"].worker.side.launched_total < 2 else 16  # noqa: E731
-    rt = holder["rt"] = graphed_runtime(tmp_path, script)
+    rt = holder["rt"] = graphed_runtime(tmp_path, script, arena)
     summary = rt.run()
     side = rt.worker.side
     first = [(phase, sms) for phase, _, sms in side.launches][: side.tracker.micro_per_step + 1]
     per_step = side.tracker.micro_per_step
-    assert [sms for _, sms in first[:-2]] == [TOTAL - 96] * (per_step - 1), first  # the first micro-batch
-    assert first[-1][1] == TOTAL - 16  # the next step starts on the larger rung
-    assert side.stayed > 0 and summary["finetune"]["rebuilt_backward_chunks"] == 0
+    if arena:
+        assert [sms for _, sms in first[:2]] == [TOTAL - 96] * 2, first
+        assert [sms for _, sms in first[2:]] == [TOTAL - 16] * (len(first) - 2), first
+        assert side.stayed == 0
+    else:
+        assert [sms for _, sms in first[:-2]] == [TOTAL - 96] * (per_step - 1), first  # the first micro-batch
+        assert first[-1][1] == TOTAL - 16  # the next step starts on the larger rung
+        assert side.stayed > 0
+    assert summary["finetune"]["rebuilt_backward_chunks"] == 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 

@@ -54,16 +54,18 @@ def test_graphed_steps_equal_the_eager_step_bit_for_bit(per_chunk, make):
         assert torch.equal(got, ref)
 
 
-def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_unchanged():
-    # One set of graphs per (stream, SM budget): forwards under one budget, backwards under another. Every
-    # chunk's backward then finds its forward's saved tensors in the other set, so the set it runs on
-    # replays the chunk's forward first; the gradients and loss are the eager step's.
+@pytest.mark.parametrize("arena", [True, False], ids=["arena", "no-arena"])
+def test_a_backward_on_another_set_reads_the_arena_or_rebuilds_and_the_result_is_unchanged(arena):
+    # One set of graphs per (stream, SM budget): forwards under one budget, backwards under another. With the
+    # saved-tensor arena every set saves into the same slots, so each backward reads what the other set's
+    # forward saved; without it the set a backward runs on replays the chunk's forward first. Either way the
+    # gradients and loss are the eager step's.
     from harli_train import kernels
 
     batches = [_packed(1), _packed(2)]
     want_grads, want, _ = _eager(batches, 1)
     m = _seeded_model()
-    graphs = StepGraphs(m.lora_parameters())
+    graphs = StepGraphs(m.lora_parameters(), arena=arena)
     gen, budget = train_step(m, batches, 1, buffers=BatchBuffers("cpu"), graphs=graphs), 64
     try:
         while True:
@@ -74,10 +76,37 @@ def test_a_backward_on_another_set_rebuilds_its_forward_there_and_the_result_is_
         result = stop.value
     chunks = m.config.num_layers
     # The first micro-batch's backwards come after a loss on 64; the second's after its forwards on 32.
-    assert graphs.captures == 2 and graphs.rebuilds == 2 * chunks
+    assert graphs.captures == 2 and graphs.rebuilds == (0 if arena else 2 * chunks)
+    assert graphs.rebuilds_on_move != arena and (graphs.arena_bytes > 0) == arena
     assert torch.equal(result.loss_sum, want.loss_sum)
     for got, ref in zip(_grads(m), want_grads, strict=True):
         assert torch.equal(got, ref)
+
+
+def test_the_arena_holds_each_chunks_saved_tensors_once_and_never_the_weights():
+    """The slots are made on the first pass and reused by every later one and every set; the model's
+    weights, the adapter's parameters and the static tensors are saved where they are; a capture that would
+    need a new slot is refused (the slot would live in one set's memory)."""
+    from harli_train.train.step_graphs import _SavedArena
+
+    m = _seeded_model()
+    graphs = StepGraphs(m.lora_parameters())
+    buffers = BatchBuffers("cpu")
+    _drain(train_step(m, [_packed(1)], 1, buffers=buffers, graphs=graphs))
+    (shape,) = graphs.shapes.values()
+    arena = shape.arena
+    slots = dict(arena.slots)
+    assert {chunk for chunk, _ in slots} == set(range(m.config.num_layers))
+    weights = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *shape._static()]}
+    assert not weights & {t.untyped_storage().data_ptr() for t in slots.values()}
+    _drain(train_step(m, [_packed(2), _packed(3)], 1, buffers=buffers, graphs=graphs))
+    assert arena.slots.keys() == slots.keys() and all(arena.slots[k] is slots[k] for k in slots)
+    frozen = _SavedArena(set())
+    frozen.frozen = True
+    with pytest.raises(GraphCaptureError, match="no earlier pass saved"):
+        with frozen.chunk(0), torch.enable_grad():
+            x = torch.ones(3, requires_grad=True)
+            (x * 2).exp()  # exp saves its result: a slot the frozen arena does not have
 
 
 def test_graphs_need_the_buffers_and_no_stash():
@@ -143,7 +172,8 @@ def test_a_colocated_run_with_cuda_graphs_keeps_the_pool_off_and_says_why(tmp_pa
     assert not pool["enabled"] and "train.cuda_graphs" in pool["reason"]
     assert summary["finetune"]["steps_run"] == 6
     graphs = summary["finetune"]["feed"]["graphs"]
-    assert graphs["sets"] >= 1 and graphs["rebuilds"] == summary["finetune"]["rebuilt_backward_chunks"]
+    assert graphs["sets"] >= 1 and graphs["rebuilds"] == summary["finetune"]["rebuilt_backward_chunks"] == 0
+    assert graphs["arena_bytes"] > 0
 
 
 def _failing_capture(monkeypatch, fail):

@@ -231,14 +231,17 @@ class TrainerSide:
 
     def _rung_for(self, plan: StepPlan, first_sm: int) -> tuple[Any, int, int]:
         """(stream, SM budget, first SM) to launch the next micro-step on for ``plan``: its own, except that
-        a trainer on graphs stays on its last rung until its micro-batch ends when ``plan`` only offers a
-        larger one (decode shrank): its SMs are still clear of decode's, and moving would replay the
-        micro-batch's forwards again on the larger rung's graphs (`StepGraphs`)."""
+        a trainer on graphs whose sets do not share saved tensors stays on its last rung until its
+        micro-batch ends when ``plan`` only offers a larger one (decode shrank): its SMs are still clear of
+        decode's, and moving would replay the micro-batch's forwards again on the larger rung's graphs
+        (`StepGraphs.rebuilds_on_move`)."""
         last = self._last_rung
+        graphs = self.trainer.step_graphs
         if (
             last is not None
             and plan.isolated
-            and self.trainer.rebuilds_itself
+            and graphs is not None
+            and graphs.rebuilds_on_move
             and self.tracker.mid_micro_batch
             and last[0] is not plan.train_stream
             and plan.partition.infer_sms <= last[2]
@@ -426,11 +429,12 @@ class TrainerSide:
         self.gen.close()
 
     def _graph_stats(self) -> dict[str, int] | None:
-        """train.cuda_graphs: the sets of graphs captured and the chunks rebuilt (None: eager)."""
+        """train.cuda_graphs: the sets of graphs captured, the chunks rebuilt and the bytes of the
+        saved-tensor arena (None: eager)."""
         graphs = self.trainer.graphs
         if graphs is None:
             return None
-        return {"sets": graphs.captures, "rebuilds": graphs.rebuilds}
+        return {"sets": graphs.captures, "rebuilds": graphs.rebuilds, "arena_bytes": graphs.arena_bytes}
 
     def stats(self) -> dict[str, Any]:
         """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from harli_train.saved_tensors import stays_in_place, storages
+
 from .native import PagePool, PoolExhausted, Region, Tenant
 
 # torch's allocator aligns blocks to 512 bytes; stashed tensors get the same alignment, so kernels that pick
@@ -94,7 +96,7 @@ class ActivationSwapper:
         self.pool, self.tenant = pool, tenant
         self.layer_pages = -(-layer_bytes // pool.page_bytes)
         self.window, self.lookahead, self.min_bytes = window, lookahead, min_bytes
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = storages(exclude)
         self._cuda = pool.backend == "cuda"
         self._stashes: dict[int, _Stash] = {}
         self._seen: dict[int, tuple[Any, int, Any]] = {}  # id(tensor) -> (ref, version, ref to _Saved)
@@ -148,20 +150,12 @@ class ActivationSwapper:
     # -- autograd hooks ---------------------------------------------------------------------------------
     def _pack(self, layer: int, t: torch.Tensor) -> Any:
         # Cheapest checks first: this runs for every tensor autograd saves (hundreds per trainer micro-step,
-        # on the thread that launches it). Parameters are leaves that require grad or, frozen, in `exclude`;
-        # the isinstance checks (a Python __instancecheck__) only matter for a tensor of another class.
+        # on the thread that launches it).
         nbytes = t.nbytes
         if (
             nbytes < max(self.min_bytes, 1)
-            or (t.requires_grad and t.is_leaf)
             or t.device != self.pool.device
-            or t.untyped_storage().data_ptr() in self._exclude
-            or (type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter))
-            or (
-                t._base is not None
-                and type(t._base) is not torch.Tensor
-                and isinstance(t._base, torch.nn.Parameter)
-            )
+            or stays_in_place(t, self._exclude)
         ):
             # Parameters (and views of them, like a frozen weight's transpose) stay where they are; detached,
             # since autograd must not get back a tensor that refers to its own graph (a reference cycle).

@@ -8,7 +8,8 @@ The graphs of one batch shape form a chain over static tensors allocated once:
 - ``fwd[0]`` reads the batch buffers (`BatchBuffers`: token ids, labels, positions, document ids) and writes
   the embeddings, rope tables and attention mask to static tensors, then runs chunk 0;
 - ``fwd[i]`` runs chunk i from the static boundary tensors ``h[i], r[i]`` under autograd and copies its
-  outputs into ``h[i+1], r[i+1]``; the tensors it saves for backward stay in the graphs' memory pool;
+  outputs into ``h[i+1], r[i+1]``; the tensors it saves for backward are copied into the saved-tensor
+  arena's slots of chunk i (`_SavedArena`);
 - ``loss`` takes ``h[C], r[C]`` through the final norm and the fused head loss, divides by the step's target
   tokens (a static tensor) and writes the boundary gradients ``gh[C], gr[C]`` and the summed loss;
 - ``bwd[i]`` is autograd's backward of chunk i, captured: it reads ``gh[i+1], gr[i+1]`` and the saved
@@ -17,14 +18,17 @@ The graphs of one batch shape form a chain over static tensors allocated once:
 A graph runs on the SMs of the stream it was captured on (a green context's stream confines it), and its
 kernels keep the grids of the SM budget it was captured under. So there is one set of graphs per (stream,
 SM budget) the trainer launches on: a partition's stream, or a side stream for the default one. The sets of
-one shape share the static tensors and one memory pool. Within a set, every replay order is its capture order
-(fwd 0..C-1, loss, bwd C-1..0 per micro-batch). A replay from another set may reuse the memory where a set
-keeps the tensors its forwards saved, so a chunk whose backward runs on another set than its forward (the
-trainer's SMs moved) is rebuilt there first: that set's forward of the chunk again, from the static boundary
-tensors, then its backward (`GraphedChunks`). (Sets never keep a chunk's saved tensors at the same
-addresses by chance: torch's allocator reuses a freed block only on the stream that freed it, and every set
-captures on its own stream.) The numbers equal the eager path's (`EagerChunks`) under the same budget: the same
-kernels on the same inputs, the adapter gradients accumulated micro-batch by micro-batch in the same order.
+one shape share the static tensors, one memory pool and the arena. Within a set, every replay order is its
+capture order (fwd 0..C-1, loss, bwd C-1..0 per micro-batch). Every set saves the same tensors into the same
+slots, so a chunk's backward may run on another set than its forward (the trainer's SMs moved mid-micro-batch)
+and read what that forward saved; a set's pool holds only what its graphs use while they run. Without the
+arena (``StepGraphs(arena=False)``) a set keeps its forwards' saved tensors in the shared pool, where
+another set's replays may reuse their memory, so such a backward is rebuilt first: that set's forward of the
+chunk again, from the static boundary tensors, then its backward (`GraphedChunks`). (Sets never keep a
+chunk's saved tensors at the same addresses by chance: torch's allocator reuses a freed block only on the
+stream that freed it, and every set captures on its own stream.) The numbers equal the eager path's
+(`EagerChunks`) under the same budget: the same kernels on the same inputs, the adapter gradients
+accumulated micro-batch by micro-batch in the same order.
 
 A set is captured the first time its (stream, budget) is met: an eager pass over the current micro-batch
 (it compiles the kernels and sets up cuBLAS on that stream; the static tensors and sums it touches are put
@@ -35,14 +39,16 @@ trainer then goes on without graphs. A recipe with LoRA dropout is refused (`che
 would replay its random masks differently from the eager path). The adapter's masters are cast to the
 compute dtype inside the graphs (`kernels.lora_linear`), so every replay reads them as the optimizer left
 them. On a CPU the graphs are stand-ins that run the captured function again over the same static tensors,
-one set per SM budget, each replay dropping what another set's forwards left (`_StandIn`): the chain, the
-accumulation, the order and the rebuilds are what the CPU tests check.
+one set per SM budget, each replay (without the arena) dropping what another set's forwards left
+(`_StandIn`): the chain, the accumulation, the order, the arena's slots and the rebuilds are what the CPU
+tests check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +58,7 @@ from harli_train import kernels
 from harli_train.kernels.launch_config import launch_gate
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
+from harli_train.saved_tensors import stays_in_place, storages
 from harli_train.train.batch_buffers import KEYS, BatchBuffers
 from harli_train.train.step import IGNORE_INDEX, model_inputs
 
@@ -65,21 +72,79 @@ class GraphCaptureError(RuntimeError):
     (the trainer goes on without graphs: `Trainer.drop_graphs`)."""
 
 
+class _SavedArena:
+    """What each chunk's forward saves for backward, in buffers of fixed addresses that every set of graphs
+    of a shape shares, written through saved-tensor hooks.
+
+    A chunk's forward copies each tensor it saves (except the model's weights, the static tensors and
+    parameters: ``stays_in_place``) into the buffer of its (chunk, order) slot, and its backward reads it
+    there. Every set saves the same tensors in the same order, so whichever set replays a chunk's forward,
+    any set's backward finds them: the trainer may move between sets mid-micro-batch without replaying a
+    forward, and a set's own memory pool holds only what its graphs use while they run. Slots are made on
+    the eager pass before a set's first capture (``frozen`` while capturing: a slot made then would live in
+    the graphs' pool, where other sets' replays overwrite it, so it is a ``GraphCaptureError``)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.slots: dict[tuple[int, int], torch.Tensor] = {}
+        self.frozen = False
+        self._chunk, self._next = 0, 0
+        self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (ref, version, slot) this chunk
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.slots.values())
+
+    @contextlib.contextmanager
+    def chunk(self, chunk: int):
+        """Save what chunk ``chunk``'s forward saves in its slots."""
+        self._chunk, self._next, self._seen = chunk, 0, {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+        self._seen = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if stays_in_place(t, self.exclude):
+            return t.detach()
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]  # the same tensor saved twice (by two ops of the chunk)
+        key = (self._chunk, self._next)
+        self._next += 1
+        slot = self.slots.get(key)
+        if slot is None or slot.shape != t.shape or slot.dtype != t.dtype or slot.device != t.device:
+            if self.frozen:
+                raise GraphCaptureError(
+                    f"chunk {key[0]}'s forward saved a tensor no earlier pass saved at place {key[1]} "
+                    f"({tuple(t.shape)}, {t.dtype}): the sets of graphs would not share it"
+                )
+            slot = self.slots[key] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with torch.no_grad():
+            slot.copy_(t)
+        self._seen[id(t)] = (weakref.ref(t), t._version, slot)
+        return slot
+
+
+def _unpack(slot: torch.Tensor) -> torch.Tensor:
+    return slot
+
+
 class _StandIn:
     """A CPU stand-in for a captured CUDA graph of set ``key``: `replay()` runs the captured function again.
 
-    Like a real replay it may overwrite the memory where another set keeps its saved tensors: it drops every
-    chunk output another set's forward left (`_ShapeGraphs.outs`), so that a backward replayed without its
-    rebuild fails on the CPU as it would compute garbage on the GPU."""
+    Without the saved-tensor arena, like a real replay it may overwrite the memory where another set keeps
+    its saved tensors: it drops every chunk output another set's forward left (`_ShapeGraphs.outs`), so that
+    a backward replayed without its rebuild fails on the CPU as it would compute garbage on the GPU."""
 
     def __init__(self, fn: Callable[[], None], shape: _ShapeGraphs, key: tuple[int, int]) -> None:
         self.fn, self.shape, self.key = fn, shape, key
 
     def replay(self) -> None:
         shape = self.shape
-        for chunk, key in enumerate(shape.outs_key):
-            if key is not None and key != self.key:
-                shape.outs[chunk] = shape.outs_key[chunk] = None
+        if shape.arena is None:  # the sets' saved tensors share no memory: another set's are lost
+            for chunk, key in enumerate(shape.outs_key):
+                if key is not None and key != self.key:
+                    shape.outs[chunk] = shape.outs_key[chunk] = None
         shape.replaying = self.key
         self.fn()
 
@@ -98,6 +163,7 @@ class _ShapeGraphs:
         autocast: Callable[[], contextlib.AbstractContextManager],
         inputs: dict,
         grads: dict[int, torch.Tensor],
+        arena: bool = True,
     ) -> None:
         self.model, self.bounds, self.autocast, self.inputs = model, bounds, autocast, inputs
         self.ptrs = _pointers(inputs)
@@ -129,6 +195,8 @@ class _ShapeGraphs:
         self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
+        weights = [*model.parameters(), *model.buffers()]
+        self.arena = _SavedArena(storages([*weights, *self._static()])) if arena else None
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -151,7 +219,8 @@ class _ShapeGraphs:
                 self.sin.copy_(sin)
                 if mask is not None:
                     self.mask.copy_(mask)
-        with torch.enable_grad():
+        saving = contextlib.nullcontext() if self.arena is None else self.arena.chunk(chunk)
+        with torch.enable_grad(), saving:
             out = self._run(chunk, self.h[chunk], self.r[chunk], self.cos, self.sin, self.attn)
         self.outs[chunk], self.outs_key[chunk] = out, self.replaying
         with torch.no_grad():
@@ -232,7 +301,6 @@ class _ShapeGraphs:
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graphs: dict[str, Any] = {}
         with kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
             kept = [t.detach().clone() for t in self._static()]
@@ -241,23 +309,35 @@ class _ShapeGraphs:
             with torch.no_grad():
                 torch._foreach_copy_([t.detach() for t in self._static()], kept)
             del kept
-            for name, fn in self.order():
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: the decode thread goes on with its own CUDA calls while the trainer captures.
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    fn()
-                except BaseException:
-                    # End the stream's capture; the first error is the one that says why.
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
-                graphs[name] = graph
+            if self.arena is not None:
+                self.arena.frozen = True
+            try:
+                graphs = self._capture_each()
+            finally:
+                if self.arena is not None:
+                    self.arena.frozen = False
         current.wait_stream(stream)
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
             stream.synchronize()
             torch.cuda.empty_cache()
+        return graphs
+
+    def _capture_each(self) -> dict[str, Any]:
+        """One graph per micro-step of ``order()``, captured on the current stream into the shape's pool."""
+        graphs: dict[str, Any] = {}
+        for name, fn in self.order():
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the decode thread goes on with its own CUDA calls while the trainer captures.
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            except BaseException:
+                # End the stream's capture; the first error is the one that says why.
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+            graphs[name] = graph
         return graphs
 
     def fits(self, inputs: dict) -> bool:
@@ -292,15 +372,28 @@ class StepGraphs:
     `step(...)` hands `train_step` the executor of one step. The adapter's gradients are accumulated in
     buffers of their own and handed to the parameters' ``.grad`` when the step's last backward has been
     launched; the buffers are zeroed at the next step's start, so the caller may clip, step and set the
-    gradients to None as usual. ``rebuilds`` counts the chunks whose forward was replayed again before their
-    backward (their forward ran on another set).
+    gradients to None as usual. ``arena`` (the default): what the forwards save lives in a ``_SavedArena``
+    every set shares, so no forward is ever replayed twice; without it ``rebuilds`` counts the chunks whose
+    forward was replayed again before their backward (their forward ran on another set).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], arena: bool = True) -> None:
         self.params = list(params)
         self.grads = {id(p): torch.zeros_like(p) for p in self.params}
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
+        self.arena = arena
+
+    @property
+    def rebuilds_on_move(self) -> bool:
+        """Whether a backward on another set than its chunk's forward replays that forward first (without
+        the saved-tensor arena); with it the trainer may move between sets mid-micro-batch for free."""
+        return not self.arena
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the saved-tensor arenas (one per batch shape)."""
+        return sum(s.arena.nbytes for s in self.shapes.values() if s.arena is not None)
 
     @property
     def captures(self) -> int:
@@ -320,7 +413,7 @@ class StepGraphs:
             raise GraphCaptureError(
                 f"a batch of a new shape after {MAX_SHAPES} (each shape keeps its own graphs and activations)"
             )
-        self.shapes[key] = found = _ShapeGraphs(model, bounds, autocast, inputs, self.grads)
+        self.shapes[key] = found = _ShapeGraphs(model, bounds, autocast, inputs, self.grads, self.arena)
         log.info(
             "trainer step as CUDA graphs: %d micro-steps a micro-batch (batch %s)", len(found.order()), key[1]
         )
@@ -355,8 +448,10 @@ class GraphedChunks:
     def _graphs(self) -> dict[str, Any]:
         key = set_key()
         graphs = self.shape.set_for(key)
-        if key != self.key:  # another set's replays may have reused the memory of the saved tensors
-            self.key, self.saved = key, set()
+        if key != self.key:
+            self.key = key
+            if self.shape.arena is None:  # another set's replays may have reused the saved tensors' memory
+                self.saved = set()
         launch_gate()
         return graphs
 
