@@ -10,6 +10,7 @@
 #                    --keep-steps 3000 --time-budget-s <what is left> ARGS (ARGS may override any of them)
 #   pool "ARGS"      python bench/bench_pool.py --profile P ARGS (under `timeout` for what is left)
 #   smoke            bash bench/smoke_gpu.sh, SMOKE_BUDGET_S set to what is left
+#   cmd "COMMAND"    bash -c COMMAND (e.g. a co-located main job), with OUT set to the step's folder
 # P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
 # steps of a --live-fraction cell, rewrites it, and it comes back in the archive); S is the standalone rates
 # file of the matrix (STANDALONE, default bench/results/2026-12-02-bench_colocate-standalone.json).
@@ -29,10 +30,10 @@ rest=("$@")
 i=0
 while [ $i -lt ${#rest[@]} ]; do
   case ${rest[$i]} in
-    colocate | pool) i=$((i + 2)) ;;
+    colocate | pool | cmd) i=$((i + 2)) ;;
     smoke) i=$((i + 1)) ;;
     *)
-      echo "unknown step '${rest[$i]}' (colocate \"ARGS\", pool \"ARGS\", smoke)" >&2
+      echo "unknown step '${rest[$i]}' (colocate \"ARGS\", pool \"ARGS\", cmd \"COMMAND\", smoke)" >&2
       exit 2
       ;;
   esac
@@ -90,6 +91,9 @@ while [ $# -gt 0 ]; do
       ;;
     smoke)
       OUT="$dir" SMOKE_BUDGET_S="$budget" bash bench/smoke_gpu.sh >"$dir/log" 2>&1
+      ;;
+    cmd)
+      OUT="$dir" timeout -s INT -k 20 "${budget}s" bash -c "$args" >"$dir/log" 2>&1
       ;;
   esac
   rc=$?

@@ -312,13 +312,14 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
     assert typo.returncode == 2 and "unknown step 'smoek'" in typo.stderr and not any(tmp_path.iterdir())
-    proc = subprocess.run(
-        [*call, "colocate", dry, "colocate", dry], env=env, capture_output=True, text=True, timeout=300
-    )
+    steps = ["cmd", 'echo made > "$OUT/made.txt"', "colocate", dry, "colocate", dry]
+    proc = subprocess.run([*call, *steps], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "=== 1 colocate: exit 0" in proc.stdout and "=== 2 colocate: skipped" in proc.stdout
+    assert "=== 1 cmd: exit 0" in proc.stdout and "=== 2 colocate: exit 0" in proc.stdout
+    assert "=== 3 colocate: skipped" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.tar.gz"]
     with tarfile.open(tmp_path / "c1.tar.gz") as tar:
         names = tar.getnames()
-    assert "c1/1-colocate/bench_colocate-steady.json" in names and "c1/profile.json" in names
+    assert "c1/2-colocate/bench_colocate-steady.json" in names and "c1/profile.json" in names
+    assert "c1/1-cmd/made.txt" in names
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
