@@ -87,7 +87,7 @@ def test_the_arena_holds_each_chunks_saved_tensors_once_and_never_the_weights():
     """The slots are made on the first pass and reused by every later one and every set; the model's
     weights, the adapter's parameters and the static tensors are saved where they are; a capture that would
     need a new slot is refused (the slot would live in one set's memory)."""
-    from harli_train.train.step_graphs import _SavedArena
+    from harli_train.train.saved_arena import SavedArena, SlotMissing
 
     m = _seeded_model()
     graphs = StepGraphs(m.lora_parameters())
@@ -101,9 +101,9 @@ def test_the_arena_holds_each_chunks_saved_tensors_once_and_never_the_weights():
     assert not weights & {t.untyped_storage().data_ptr() for t in slots.values()}
     _drain(train_step(m, [_packed(2), _packed(3)], 1, buffers=buffers, graphs=graphs))
     assert arena.slots.keys() == slots.keys() and all(arena.slots[k] is slots[k] for k in slots)
-    frozen = _SavedArena(set())
+    frozen = SavedArena(set())
     frozen.frozen = True
-    with pytest.raises(GraphCaptureError, match="no earlier pass saved"):
+    with pytest.raises(SlotMissing, match="no earlier pass saved"):
         with frozen.chunk(0), torch.enable_grad():
             x = torch.ones(3, requires_grad=True)
             (x * 2).exp()  # exp saves its result: a slot the frozen arena does not have

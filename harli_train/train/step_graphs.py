@@ -9,7 +9,7 @@ The graphs of one batch shape form a chain over static tensors allocated once:
   the embeddings, rope tables and attention mask to static tensors, then runs chunk 0;
 - ``fwd[i]`` runs chunk i from the static boundary tensors ``h[i], r[i]`` under autograd and copies its
   outputs into ``h[i+1], r[i+1]``; the tensors it saves for backward are copied into the saved-tensor
-  arena's slots of chunk i (`_SavedArena`);
+  arena's slots of chunk i (`SavedArena`);
 - ``loss`` takes ``h[C], r[C]`` through the final norm and the fused head loss, divides by the step's target
   tokens (a static tensor) and writes the boundary gradients ``gh[C], gr[C]`` and the summed loss;
 - ``bwd[i]`` is autograd's backward of chunk i, captured: it reads ``gh[i+1], gr[i+1]`` and the saved
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,8 +57,9 @@ from harli_train import kernels
 from harli_train.kernels.launch_config import launch_gate
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
-from harli_train.saved_tensors import stays_in_place, storages
+from harli_train.saved_tensors import storages
 from harli_train.train.batch_buffers import KEYS, BatchBuffers
+from harli_train.train.saved_arena import SavedArena
 from harli_train.train.step import IGNORE_INDEX, model_inputs
 
 log = logging.getLogger(__name__)
@@ -70,63 +70,6 @@ MAX_SHAPES = 2
 class GraphCaptureError(RuntimeError):
     """The trainer's step cannot run on graphs: a capture failed, or a batch shape the graphs cannot take
     (the trainer goes on without graphs: `Trainer.drop_graphs`)."""
-
-
-class _SavedArena:
-    """What each chunk's forward saves for backward, in buffers of fixed addresses that every set of graphs
-    of a shape shares, written through saved-tensor hooks.
-
-    A chunk's forward copies each tensor it saves (except the model's weights, the static tensors and
-    parameters: ``stays_in_place``) into the buffer of its (chunk, order) slot, and its backward reads it
-    there. Every set saves the same tensors in the same order, so whichever set replays a chunk's forward,
-    any set's backward finds them: the trainer may move between sets mid-micro-batch without replaying a
-    forward, and a set's own memory pool holds only what its graphs use while they run. Slots are made on
-    the eager pass before a set's first capture (``frozen`` while capturing: a slot made then would live in
-    the graphs' pool, where other sets' replays overwrite it, so it is a ``GraphCaptureError``)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.slots: dict[tuple[int, int], torch.Tensor] = {}
-        self.frozen = False
-        self._chunk, self._next = 0, 0
-        self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (ref, version, slot) this chunk
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.slots.values())
-
-    @contextlib.contextmanager
-    def chunk(self, chunk: int):
-        """Save what chunk ``chunk``'s forward saves in its slots."""
-        self._chunk, self._next, self._seen = chunk, 0, {}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            yield
-        self._seen = {}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if stays_in_place(t, self.exclude):
-            return t.detach()
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]  # the same tensor saved twice (by two ops of the chunk)
-        key = (self._chunk, self._next)
-        self._next += 1
-        slot = self.slots.get(key)
-        if slot is None or slot.shape != t.shape or slot.dtype != t.dtype or slot.device != t.device:
-            if self.frozen:
-                raise GraphCaptureError(
-                    f"chunk {key[0]}'s forward saved a tensor no earlier pass saved at place {key[1]} "
-                    f"({tuple(t.shape)}, {t.dtype}): the sets of graphs would not share it"
-                )
-            slot = self.slots[key] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        with torch.no_grad():
-            slot.copy_(t)
-        self._seen[id(t)] = (weakref.ref(t), t._version, slot)
-        return slot
-
-
-def _unpack(slot: torch.Tensor) -> torch.Tensor:
-    return slot
 
 
 class _StandIn:
@@ -196,7 +139,7 @@ class _ShapeGraphs:
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
         weights = [*model.parameters(), *model.buffers()]
-        self.arena = _SavedArena(storages([*weights, *self._static()])) if arena else None
+        self.arena = SavedArena(storages([*weights, *self._static()])) if arena else None
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -372,7 +315,7 @@ class StepGraphs:
     `step(...)` hands `train_step` the executor of one step. The adapter's gradients are accumulated in
     buffers of their own and handed to the parameters' ``.grad`` when the step's last backward has been
     launched; the buffers are zeroed at the next step's start, so the caller may clip, step and set the
-    gradients to None as usual. ``arena`` (the default): what the forwards save lives in a ``_SavedArena``
+    gradients to None as usual. ``arena`` (the default): what the forwards save lives in a ``SavedArena``
     every set shares, so no forward is ever replayed twice; without it ``rebuilds`` counts the chunks whose
     forward was replayed again before their backward (their forward ran on another set).
     """

@@ -1,0 +1,74 @@
+"""SavedArena: the tensors a training step's forwards save for backward, in slots of fixed addresses that
+every set of the step's CUDA graphs shares (``step_graphs``)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+
+from harli_train.saved_tensors import stays_in_place
+
+
+class SlotMissing(RuntimeError):
+    """A forward saved a tensor while capturing that no eager pass saved at that place."""
+
+
+class SavedArena:
+    """What each chunk's forward saves for backward, in buffers of fixed addresses that every set of graphs
+    of a shape shares, written through saved-tensor hooks.
+
+    A chunk's forward copies each tensor it saves (except the model's weights, the static tensors and
+    parameters: ``stays_in_place``) into the buffer of its (chunk, order) slot, and its backward reads it
+    there. Every set saves the same tensors in the same order, so whichever set replays a chunk's forward,
+    any set's backward finds them: the trainer may move between sets mid-micro-batch without replaying a
+    forward, and a set's own memory pool holds only what its graphs use while they run. Slots are made on
+    the eager pass before a set's first capture (``frozen`` while capturing: a slot made then would live in
+    the graphs' pool, where other sets' replays overwrite it, so it is a ``SlotMissing`` error, which the
+    capture reports as a ``GraphCaptureError``)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.slots: dict[tuple[int, int], torch.Tensor] = {}
+        self.frozen = False
+        self._chunk, self._next = 0, 0
+        self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (ref, version, slot) this chunk
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.slots.values())
+
+    @contextlib.contextmanager
+    def chunk(self, chunk: int):
+        """Save what chunk ``chunk``'s forward saves in its slots."""
+        self._chunk, self._next, self._seen = chunk, 0, {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+        self._seen = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if stays_in_place(t, self.exclude):
+            return t.detach()
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]  # the same tensor saved twice (by two ops of the chunk)
+        key = (self._chunk, self._next)
+        self._next += 1
+        slot = self.slots.get(key)
+        if slot is None or slot.shape != t.shape or slot.dtype != t.dtype or slot.device != t.device:
+            if self.frozen:
+                raise SlotMissing(
+                    f"chunk {key[0]}'s forward saved a tensor no earlier pass saved at place {key[1]} "
+                    f"({tuple(t.shape)}, {t.dtype}): the sets of graphs would not share it"
+                )
+            slot = self.slots[key] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with torch.no_grad():
+            slot.copy_(t)
+        self._seen[id(t)] = (weakref.ref(t), t._version, slot)
+        return slot
+
+
+def _unpack(slot: torch.Tensor) -> torch.Tensor:
+    return slot
