@@ -173,38 +173,23 @@ def run_objective(
     static: dict[str, dict[int, dict]] = {}
 
     def window(name: str, cell: Cell, plot_to: Path | None = None) -> tuple[dict, list[dict]]:
-        """``name``'s row in ``cell``: one window, or ``--repeats`` of them (colocate_matrix.repeated), kept
-        even when the time budget stops the repeats part way (OutOfTime is raised after)."""
-        runs, pngs, stopped = [], [], None
-        for i in range(args.repeats):
-            png = None if plot_to is None else plot_to.with_name(f"{plot_to.stem}-{i}{plot_to.suffix}")
-            try:
-                runs.append(
-                    win.run(
-                        name,
-                        tpot_s,
-                        cell.requests,
-                        window_s=cell.window_s,
-                        time_scale=cell.time_scale,
-                        plot_to=png,
-                    )
-                )
-            except OutOfTime as stop:
-                if not runs:
-                    raise
-                stopped = stop
-                break
-            pngs.append(png)
-        row, steps = colocate_matrix.repeated(runs)
-        for run, png in zip(runs, pngs, strict=True):  # the chosen window's timeline is the cell's
-            if png is None or not png.exists():
-                continue
-            if run[1] is steps:
-                png.replace(plot_to)
-            else:
-                png.unlink()
-        if stopped is not None:
-            row["repeats_cut"] = f"{len(runs)} of {args.repeats}: out of time"
+        """``name``'s row in ``cell`` (``--repeats`` windows: ``Windows.repeated``), kept in ``out`` even
+        when the time budget stops the repeats part way (OutOfTime is raised after)."""
+        stopped = None
+        try:
+            row, steps = win.repeated(
+                args.repeats,
+                name,
+                tpot_s,
+                cell.requests,
+                window_s=cell.window_s,
+                time_scale=cell.time_scale,
+                plot_to=plot_to,
+            )
+        except OutOfTime as stop:
+            if stop.kept is None:
+                raise
+            (row, steps), stopped = stop.kept, stop
         out["cells"][cell.key]["policies"]["harli" if name == harli_name(args) else name] = row
         if whole_now is not None:
             out["cells"][cell.key]["whole_gpu_tokens_per_s"] = whole_now
@@ -253,17 +238,6 @@ def run_objective(
         out["single_split_top_ups"] = top_up(
             static, shares, lambda key, s: window(f"static:{s}", by_key[key])[0]
         )
-
-
-def whole_gpu_now(win: Windows, args: argparse.Namespace) -> dict[str, Any]:
-    """The trainer alone on the whole GPU in this call (``exclusive``, ``--solo-s`` each, ``--repeats``
-    times): the median, which each cell of the call keeps as the light bar's denominator."""
-    rates = [
-        win.run("exclusive", win.col.tpot_s, solo_s=args.solo_s)[0].get("solo_tokens_per_s")
-        for _ in range(args.repeats)
-    ]
-    ok = sorted(r for r in rates if r)
-    return {"tokens_per_s": ok[(len(ok) - 1) // 2] if ok else None, "runs": rates, "solo_s": args.solo_s}
 
 
 def sweep_start(shares: list[int], sms: int) -> int:
@@ -517,7 +491,7 @@ def main() -> None:
         )
         result["standalone"] = win.standalone(Path(args.standalone) if args.standalone else None, args.solo_s)
         if args.whole_gpu_now and args.policies:
-            result["standalone"]["whole_gpu_now"] = whole_gpu_now(win, args)
+            result["standalone"]["whole_gpu_now"] = win.whole_gpu_now(args.repeats, args.solo_s)
         if args.policies:
             for label in args.objectives:
                 out = result["objectives"][label] = {}

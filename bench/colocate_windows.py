@@ -32,7 +32,12 @@ log = logging.getLogger("bench_colocate")
 
 
 class OutOfTime(Exception):
-    """The next window would end past the call's time budget."""
+    """The next window would end past the call's time budget; ``kept``: the row (and step records) of the
+    windows of a ``Windows.repeated`` that did run before it, if any."""
+
+    def __init__(self, name: str, kept: tuple[dict[str, Any], list[dict[str, Any]]] | None = None) -> None:
+        super().__init__(name)
+        self.kept = kept
 
 
 class Windows:
@@ -107,6 +112,49 @@ class Windows:
         shutil.rmtree(run_dir, ignore_errors=True)
         self.overheads.append(time.perf_counter() - started - window_s - solo_s)
         return row, steps
+
+    def repeated(
+        self, repeats: int, name: str, tpot_s: float, requests: tuple[TraceRequest, ...], **window: Any
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """``repeats`` windows of ``run``'s arguments, as one row (``colocate_matrix.repeated``: the median
+        window when all are clean, else the one that violated most) with that window's step records and
+        timeline (``plot_to``). When the time budget stops the repeats part way, ``OutOfTime.kept`` holds
+        the row of those that ran."""
+        plot_to: Path | None = window.pop("plot_to", None)
+        runs, pngs = [], []
+        stopped: OutOfTime | None = None
+        for i in range(repeats):
+            png = None if plot_to is None else plot_to.with_name(f"{plot_to.stem}-{i}{plot_to.suffix}")
+            try:
+                runs.append(self.run(name, tpot_s, requests, plot_to=png, **window))
+            except OutOfTime as stop:
+                if not runs:
+                    raise
+                stopped = stop
+                break
+            pngs.append(png)
+        row, steps = colocate_matrix.repeated(runs)
+        for run, png in zip(runs, pngs, strict=True):  # the chosen window's timeline is the cell's
+            if png is None or not png.exists():
+                continue
+            if run[1] is steps:
+                png.replace(plot_to)
+            else:
+                png.unlink()
+        if stopped is not None:
+            row["repeats_cut"] = f"{len(runs)} of {repeats}: out of time"
+            raise OutOfTime(str(stopped), (row, steps))
+        return row, steps
+
+    def whole_gpu_now(self, repeats: int, solo_s: float) -> dict[str, Any]:
+        """The trainer alone on the whole GPU now (``exclusive``, ``solo_s`` each, ``repeats`` times): the
+        median, which each cell of the call keeps as the light bar's denominator."""
+        rates = [
+            self.run("exclusive", self.col.tpot_s, solo_s=solo_s)[0].get("solo_tokens_per_s")
+            for _ in range(repeats)
+        ]
+        ok = sorted(r for r in rates if r)
+        return {"tokens_per_s": ok[(len(ok) - 1) // 2] if ok else None, "runs": rates, "solo_s": solo_s}
 
     def standalone(self, path: Path | None, solo_s: float) -> dict[str, Any]:
         """The trainer alone, ``solo_s`` each, on the whole GPU (``exclusive``) and on the trainer side of

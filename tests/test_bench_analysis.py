@@ -323,3 +323,28 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     assert "c1/2-colocate/bench_colocate-steady.json" in names and "c1/profile.json" in names
     assert "c1/1-cmd/made.txt" in names
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
+
+
+def test_repeats_cut_short_by_the_time_budget_keep_the_windows_that_ran(tmp_path):
+    import colocate_windows
+
+    win = colocate_windows.Windows(None, tmp_path, 0.0, 1.0)
+    calls = []
+
+    def run(name, tpot_s, requests=(), **window):
+        calls.append(window)
+        if len(calls) > 2:
+            raise colocate_windows.OutOfTime(name)
+        return {"finetune_tokens_per_s": 10.0 * len(calls), "clean": True}, [len(calls)]
+
+    win.run = run
+    with pytest.raises(colocate_windows.OutOfTime) as stop:
+        win.repeated(3, "harli", 0.01, (), window_s=1.0)
+    row, steps = stop.value.kept
+    assert row["repeats_cut"] == "2 of 3: out of time" and len(row["repeats"]) == 2
+    assert row["finetune_tokens_per_s"] == 10.0 and steps == [1]  # the lower middle of two
+    assert all(c["window_s"] == 1.0 and c["plot_to"] is None for c in calls)
+    calls[:] = [{}, {}]  # the next window is past the budget
+    with pytest.raises(colocate_windows.OutOfTime) as first:
+        win.repeated(1, "harli", 0.01, (), window_s=1.0)
+    assert first.value.kept is None  # nothing ran: nothing kept
