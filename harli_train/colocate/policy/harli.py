@@ -162,15 +162,18 @@ class HarliPolicy(ControlledPolicy):
         a paused trainer (the next decode step does), since a chunk that fills the budget beside a trainer
         that is starting again overruns it (the measurements are in docs/design.md)."""
         if not self.ladder.time_sliced and not self._held:
+            own, _ = self.controller.target(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
+            start = own.infer_sms if own is not None else self.ladder.total_sms
+            backward = self.backward_aware and any(k in ("bwd", "rebuild") for k in self.trainer_on_gpu())
             floor = min(self.prefill_floor, preview.prefill_tokens)
-            plan = self._beside(preview, floor)
+            plan = self._beside(preview, floor, start, backward)
             if plan is None and self.floor_match:
                 # No share beside the trainer fits the floor: would the whole GPU fit more than one does?
                 whole, _, _ = largest_chunk(
                     self.predictor, preview, self.ladder.total_sms, False, self.budget_s
                 )
                 if whole < floor:
-                    plan = self._beside(preview, whole, matched=True)
+                    plan = self._beside(preview, whole, start, backward, matched=True)
             if plan is not None:
                 return plan
         if not self.ladder.time_sliced and (not self._held or self.trainer_busy()):
@@ -181,12 +184,12 @@ class HarliPolicy(ControlledPolicy):
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
         return plan
 
-    def _beside(self, preview: StepPreview, floor: int, matched: bool = False) -> StepPlan | None:
-        """The mixed step on the smallest share (at least decode's own) that fits ``floor`` prefill tokens
-        beside the running trainer, filled with as many as fit there; None where none does."""
-        own, _ = self.controller.target(preview.decode_seqs, preview.decode_kv_tokens, preview.lora_slots)
-        start = own.infer_sms if own is not None else self.ladder.total_sms
-        backward = self.backward_aware and any(k in ("bwd", "rebuild") for k in self.trainer_on_gpu())
+    def _beside(
+        self, preview: StepPreview, floor: int, start: int, backward: bool, matched: bool = False
+    ) -> StepPlan | None:
+        """The mixed step on the smallest share of at least ``start`` SMs (decode's own) that fits ``floor``
+        prefill tokens beside the running trainer (``backward``: sized as beside a trainer backward), filled
+        with as many as fit there; None where none does."""
         for part in self.ladder.spatial:
             # One prediction rules out a share where even the floor does not fit; the bisection runs on the
             # share chosen (a mixed step's planning is host time inside its token interval).
