@@ -21,6 +21,13 @@ from .native import PagePool, PoolExhausted, Region, Tenant
 # torch's allocator aligns blocks to 512 bytes; stashed tensors get the same alignment, so kernels that pick
 # code paths by pointer alignment (cuBLAS, MKL) take the same ones and results stay bit-identical.
 _STASH_ALIGN = 512
+# The counters of the spills a reclaim (another tenant's request) made, and the spill counters they take from.
+_RECLAIM_SHARE = {
+    "reclaim_spilled_bytes": "swap_out_bytes",
+    "reclaim_copy_seconds": "reclaim_seconds",
+    "reclaim_pin_seconds": "spill_pin_seconds",
+    "reclaim_copy_gpu_seconds": "spill_copy_gpu_seconds",
+}
 
 
 @dataclass(slots=True, eq=False)
@@ -306,16 +313,13 @@ class ActivationSwapper:
         freed. Blocks until the copies (and the trainer's queued work) are done."""
         with self._lock:
             st = self.stats
-            before = [st[k] for k in ("swap_out_bytes", "reclaim_seconds", "spill_pin_seconds")]
-            before.append(st["spill_copy_gpu_seconds"])
+            before = {spill: st[spill] for spill in _RECLAIM_SHARE.values()}
             pages = self._spill(n_pages, protect=self._window())
             if pages:
                 st["reclaims"] += 1
                 st["reclaim_pages"] += pages
-                st["reclaim_spilled_bytes"] += st["swap_out_bytes"] - before[0]
-                st["reclaim_copy_seconds"] += st["reclaim_seconds"] - before[1]
-                st["reclaim_pin_seconds"] += st["spill_pin_seconds"] - before[2]
-                st["reclaim_copy_gpu_seconds"] += st["spill_copy_gpu_seconds"] - before[3]
+                for reclaim, spill in _RECLAIM_SHARE.items():
+                    st[reclaim] += st[spill] - before[spill]
             return pages
 
     def release_idle(self) -> int:
