@@ -129,8 +129,13 @@ def near_budget(rows: list[dict], budget_s: float, headroom: float, ahead: int =
     steps there were, and of the grows (a decode step on a larger share than the decode step before it),
     how many came within ``ahead`` steps after such a step, against ``grows_by_chance``: as many as would if
     grows fell on decode steps at random (the share of decode steps within ``ahead`` after such a step)."""
-    out = {"near_budget_s": 0.0, "near_budget_steps": 0, "grows": 0, "grows_after_near": 0}
-    out["grows_by_chance"] = 0.0
+    out = {
+        "near_budget_s": 0.0,
+        "near_budget_steps": 0,
+        "grows": 0,
+        "grows_after_near": 0,
+        "grows_by_chance": 0.0,
+    }
     if not headroom:
         return out
     last_near, last_decode = None, None

@@ -45,9 +45,9 @@ of serving the live adapter beside training (each row's ``adapter_row_fraction``
 ``--repeats N`` runs every window N times: a row is then the window of median finetune tokens/s when all
 N are clean, else the one that violated most, and lists every window's figures (on the H200 two single
 windows of harli at steady/light on one commit trained 6.5k and 6.8k tokens/s, 5 % apart: the light bar
-is 0.70 of the standalone rate). ``--whole-gpu-now`` measures
-the trainer alone on the whole GPU in the same call (N times, the median), which the light bar (harli's
-tokens/s over the standalone rate) then divides by instead of the ``--standalone`` file's.
+is 0.70 of the standalone rate). ``--whole-gpu-now`` measures the trainer alone on the whole GPU in the
+same call (N times, the median), which the light bar (harli's tokens/s over the standalone rate) then
+divides by instead of the ``--standalone`` file's.
 
 The dry run replays 8 of each window's requests (thinned, prompts and outputs clipped) in 1 s on the
 quickstart's tiny model, its trainer at batch 2 x 64 on its own thread (the second core, beside decode):
@@ -167,6 +167,9 @@ def run_objective(
     tpot_s = objective_tpot_s(label, col)
     out["tpot_ms"], out["ttft_ms"] = tpot_s * 1e3, col.cfg.colocation.ttft_ms
     out["cells"] = {c.key: {"window": c.describe(), "policies": {}} for c in cells}
+    if whole_now is not None:  # the light bar's denominator, measured in this call
+        for entry in out["cells"].values():
+            entry["whole_gpu_tokens_per_s"] = whole_now
     shares = [p.infer_sms for p in col.ladder.spatial]
     by_sms = {int(k): v for k, v in standalone.get("by_train_sms", {}).items() if v is not None}
     baseline_cell = next((c for c in cells if c.load == "medium"), cells[0])
@@ -191,8 +194,6 @@ def run_objective(
                 raise
             (row, steps), stopped = stop.kept, stop
         out["cells"][cell.key]["policies"]["harli" if name == harli_name(args) else name] = row
-        if whole_now is not None:
-            out["cells"][cell.key]["whole_gpu_tokens_per_s"] = whole_now
         if stopped is not None:
             raise stopped
         return row, steps

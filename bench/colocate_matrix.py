@@ -11,8 +11,9 @@ Layout (one call's file and the merged matrix alike)::
      "standalone": {"whole_gpu_tokens_per_s": .., "by_train_sms": {"84": .., ..}}, ...}
 
 A cell also holds its ``window`` (length, time scale, requests), ``sweep_start`` (the split the fixed
-splits' sweep started from) and, when its call measured it (``--whole-gpu-now``), ``whole_gpu_tokens_per_s``:
-the trainer alone on the whole GPU in the same call, which the light bar then divides by; a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
+splits' sweep started from) and, when its call measured it (``--whole-gpu-now``),
+``whole_gpu_tokens_per_s``: the trainer alone on the whole GPU in the same call, which the light bar then
+divides by; a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
 row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``,
 ``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
 ``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds``, ``share_histogram`` and
@@ -21,9 +22,9 @@ a cell's ``exclusive`` row (the engine alone on the whole GPU) says whether its 
 (``infeasible``, ``keeps``);
 the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
 that failed is a row with ``error``; a policy run several times in a cell (``--repeats``) is one of its
-windows, chosen by ``repeated``, with ``repeats`` listing them all. Every policy is judged by the same bar (``clean``: every token interval
-counted, and with the objective's ``ttft_ms`` every request's TTFT or its wait so far; ``tpot_clean`` is the
-TPOT part alone). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
+windows, chosen by ``repeated``, with ``repeats`` listing them all. Every policy is judged by the same bar
+(``clean``: every token interval counted, and with the objective's ``ttft_ms`` every request's TTFT or its
+wait so far; ``tpot_clean`` is the TPOT part alone). With ``--keep-steps N`` a row also holds its first N step records, as lists of ``STEP_COLUMNS``.
 ``by_train_sms`` includes the whole GPU's SM count. ``finish`` fills in the derived fields: share
 efficiencies, fractions of the ideal, ``best_static``, ``best_single_static`` and the ``verdict``.
 """
@@ -133,10 +134,10 @@ def repeated(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One row (and its step records) for the windows of one policy in one cell run several times
     (``--repeats``): the window of median finetune tokens/s (the lower middle one of an even count) when
-    every window is clean, else the window that
-    violated most (so that a policy is clean only if it was clean in every window); a failed window is
-    the row when any failed. Each row is one window's, whole; ``repeats`` lists every window's figures
-    (``REPEAT_KEYS``) and ``tokens_per_s_spread`` their (min, max)."""
+    every window is clean, else the window that violated most (so that a policy is clean only if it was
+    clean in every window); a failed window is the row when any failed. Each row is one window's, whole;
+    ``repeats`` lists every window's figures (``REPEAT_KEYS``) and ``tokens_per_s_spread`` their (min,
+    max)."""
     if len(runs) == 1:
         return runs[0]
     failed = [run for run in runs if "error" in run[0]]
@@ -414,8 +415,9 @@ def merge(
     cell fields, such as the ideal, where it has them); the standalone rates of the first call that has
     them (calls meant for one matrix share one ``--standalone`` file: ``standalone_differs`` lists the calls
     whose rates were others, whose ideals therefore rest on other rates); each call's set-up kept under
-    ``calls``, with its file's name from ``names`` (a matrix merged before brings its own calls). The rows' step records stay in the calls' own files
-    unless ``keep_steps`` (the matrix is the summary; a row's steps are in the file its call names)."""
+    ``calls``, with its file's name from ``names`` (a matrix merged before brings its own calls). The rows'
+    step records stay in the calls' own files unless ``keep_steps`` (the matrix is the summary; a row's
+    steps are in the file its call names)."""
     out: dict[str, Any] = {"objectives": {}, "standalone": {}, "calls": [], "standalone_differs": []}
     rates = lambda part: {
         k: part.get("standalone", {}).get(k) for k in ("whole_gpu_tokens_per_s", "by_train_sms")

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import shutil
+import statistics
 import tempfile
 import time
 import traceback
@@ -153,8 +154,8 @@ class Windows:
             self.run("exclusive", self.col.tpot_s, solo_s=solo_s)[0].get("solo_tokens_per_s")
             for _ in range(repeats)
         ]
-        ok = sorted(r for r in rates if r)
-        return {"tokens_per_s": ok[(len(ok) - 1) // 2] if ok else None, "runs": rates, "solo_s": solo_s}
+        ok = [r for r in rates if r]
+        return {"tokens_per_s": statistics.median_low(ok) if ok else None, "runs": rates, "solo_s": solo_s}
 
     def standalone(self, path: Path | None, solo_s: float) -> dict[str, Any]:
         """The trainer alone, ``solo_s`` each, on the whole GPU (``exclusive``) and on the trainer side of
