@@ -40,9 +40,10 @@ def replan(
     floors: list[int],
     pending: int,
     corun_correction: float = 1.0,
-) -> dict[int, Counter]:
-    """Per floor, how many of the whole-GPU mixed steps in ``rows`` would have gone to each spatial share
-    (``None``: still the whole GPU), and the chunks they would have taken there."""
+) -> dict[str, dict]:
+    """``moves``: per floor, how many of the whole-GPU mixed steps in ``rows`` would have gone to each
+    spatial share (``None``: still the whole GPU); ``chunks``: per (floor, share), the prefill tokens each
+    such step would have taken there."""
     total = max(shares) if shares else 0
     out: dict[int, Counter] = {f: Counter() for f in floors}
     chunks: dict[tuple[int, int | None], list[int]] = defaultdict(list)
