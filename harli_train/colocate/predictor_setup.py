@@ -141,7 +141,7 @@ def build_predictor(
                 engine.synthetic_decode,
                 ladder,
                 grid["lora_slots"],
-                shares=[s for s in shares if s in set(profile.shares)],
+                shares=set(shares) & set(profile.shares),
                 warmup=grid["warmup"],
                 reps=grid["reps"],
             )
