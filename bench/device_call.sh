@@ -102,6 +102,9 @@ while [ $# -gt 0 ]; do
 done
 
 find "$work" -name '*-timelines.tar.gz' -delete
+# Weights a main job writes (the adapter, checkpoints) would outgrow what a call brings back: files over
+# 4 MiB stay behind, named in the call's log.
+find "$work" -type f -size +4M -print -delete | sed 's/^/left behind (over 4 MiB): /' | tee -a "$log"
 tar czf "$OUT/$TAG.tar.gz" -C "$OUT" "$TAG"
 for t in "${tables[@]}"; do
   echo "--- ${t#"$OUT"/}"

@@ -109,6 +109,30 @@ def test_the_arena_holds_each_chunks_saved_tensors_once_and_never_the_weights():
             (x * 2).exp()  # exp saves its result: a slot the frozen arena does not have
 
 
+def test_once_frozen_the_arena_refuses_a_pass_that_saves_other_tensors_or_fewer():
+    """After the first capture every pass must save what the first saved, chunk by chunk: a slot of another
+    shape would be replaced (freeing memory the captured graphs still write), one saved fewer would leave a
+    slot another set's backward reads without this set's forward writing it."""
+    from harli_train.train.saved_arena import SavedArena, SlotMissing
+
+    def forward(arena, sizes):
+        with arena.chunk(0), torch.enable_grad():
+            for n in sizes:
+                (torch.ones(n, requires_grad=True) * 2).exp()  # one saved tensor (exp's result) each
+
+    arena = SavedArena(set())
+    forward(arena, [3, 4])
+    slots = dict(arena.slots)
+    arena.frozen = True
+    forward(arena, [3, 4])  # the same saves: the same slots
+    assert arena.slots == slots
+    with pytest.raises(SlotMissing, match="no earlier pass saved"):
+        forward(arena, [3, 5])
+    with pytest.raises(SlotMissing, match="saved 1 tensors where the first pass saved 2"):
+        forward(arena, [3])
+    assert arena.slots == slots
+
+
 def test_graphs_need_the_buffers_and_no_stash():
     m = _model()
     graphs = StepGraphs(m.lora_parameters())

@@ -13,7 +13,8 @@ from harli_train.saved_tensors import stays_in_place
 
 
 class SlotMissing(RuntimeError):
-    """A forward saved a tensor while capturing that no eager pass saved at that place."""
+    """A forward after the first capture saved other tensors than the first pass did (another shape or
+    dtype at a place, or more or fewer of them)."""
 
 
 class SavedArena:
@@ -25,14 +26,18 @@ class SavedArena:
     there. Every set saves the same tensors in the same order, so whichever set replays a chunk's forward,
     any set's backward finds them: the trainer may move between sets mid-micro-batch without replaying a
     forward, and a set's own memory pool holds only what its graphs use while they run. Slots are made on
-    the eager pass before a set's first capture (``frozen`` while capturing: a slot made then would live in
-    the graphs' pool, where other sets' replays overwrite it, so it is a ``SlotMissing`` error, which the
-    capture reports as a ``GraphCaptureError``)."""
+    the eager pass before the first set's capture; from that capture on the arena is ``frozen``: every later
+    pass (a capture, another set's eager pass) must save, chunk by chunk, as many tensors of the same shapes
+    and dtypes into the very slots the graphs already captured read and write. A pass that would make,
+    replace or leave out a slot is a ``SlotMissing`` error (the capture reports it as a
+    ``GraphCaptureError``): a slot made while capturing would live in one set's pool, where other sets'
+    replays overwrite it, and a slot replaced after a capture would free memory that graph goes on using."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude = exclude
         self.slots: dict[tuple[int, int], torch.Tensor] = {}
         self.frozen = False
+        self.counts: dict[int, int] = {}  # chunk -> tensors its forward saves into slots
         self._chunk, self._next = 0, 0
         self._seen: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id -> (ref, version, slot) this chunk
 
@@ -47,6 +52,14 @@ class SavedArena:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
         self._seen = {}
+        held = self.counts.get(chunk)
+        if not self.frozen:
+            self.counts[chunk] = self._next
+        elif held != self._next:
+            raise SlotMissing(
+                f"chunk {chunk}'s forward saved {self._next} tensors where the first pass saved {held}: "
+                "the sets of graphs would not share its slots"
+            )
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if stays_in_place(t, self.exclude):

@@ -252,13 +252,9 @@ class _ShapeGraphs:
             with torch.no_grad():
                 torch._foreach_copy_([t.detach() for t in self._static()], kept)
             del kept
-            if self.arena is not None:
+            if self.arena is not None:  # from the first capture on, no pass may change the slots
                 self.arena.frozen = True
-            try:
-                graphs = self._capture_each()
-            finally:
-                if self.arena is not None:
-                    self.arena.frozen = False
+            graphs = self._capture_each()
         current.wait_stream(stream)
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
             stream.synchronize()
