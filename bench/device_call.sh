@@ -13,7 +13,7 @@
 #   cmd "COMMAND"    bash -c COMMAND (e.g. a co-located main job), with OUT set to the step's folder
 # P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
 # steps of a --live-fraction cell, rewrites it, and it comes back in the archive); S is the standalone rates
-# file of the matrix (STANDALONE, default bench/results/2026-12-02-bench_colocate-standalone.json).
+# file of the matrix (STANDALONE, default bench/results/2026-12-04-bench_colocate-standalone.json).
 # CALL_S is the call's own limit (default 570 s, under the tool's 600); a step starts only with 60 s left.
 # Each step writes under $OUT/$TAG/<n>-<step>/; the tables each prints last are echoed at the end.
 set -u
@@ -23,7 +23,7 @@ cd "$repo" || exit 1
 OUT="${OUT:-$repo/bench_out}"
 TAG="${TAG:-call}"
 CALL_S="${CALL_S:-570}"
-STANDALONE="${STANDALONE:-$repo/bench/results/2026-12-02-bench_colocate-standalone.json}"
+STANDALONE="${STANDALONE:-$repo/bench/results/2026-12-04-bench_colocate-standalone.json}"
 start=$(date +%s)
 # The steps are checked before anything runs: a typo must not cost a device call's set-up.
 rest=("$@")

@@ -269,3 +269,24 @@ def test_an_interrupted_run_on_graphs_resumes_to_the_same_loss_curve(tmp_path):
     resumed.setup(resume=tmp_path / "run")
     resumed.train()
     assert resumed.graphs is not None and _losses(tmp_path / "run") == _losses(tmp_path / "full" / "run")
+
+
+def test_a_replaced_trainer_gives_its_graphs_back_even_while_a_step_in_flight_holds_them(tmp_path):
+    """A bench's windows replace the trainer (`Colocation.new_trainer`); what the old one's graphs hold (the
+    arena, the static tensors, the sets) goes then, though its unfinished step still refers to the shape."""
+    from harli_train.colocate.assembly import assemble
+    from tests.test_colocation import recipe
+
+    col = assemble(recipe(tmp_path / "setup", "train.cuda_graphs=true"), "tiny", spatial=True)
+    try:
+        old = col.new_trainer(tmp_path / "a")
+        buffers = BatchBuffers("cpu")
+        in_flight = train_step(old.model, [_packed(1)], 1, buffers=buffers, graphs=old.graphs)
+        next(in_flight)  # the first forward: its shape's set and arena made
+        (shape,) = old.graphs.shapes.values()
+        assert shape.sets and shape.arena.slots
+        new = col.new_trainer(tmp_path / "b")
+        assert old.graphs is None and not shape.sets and not shape.arena.slots and not shape.h
+        assert new.graphs is not None and not new.graphs.shapes and col.trainer is new
+    finally:
+        col.close()

@@ -104,6 +104,9 @@ class Colocation:
         the adapter's initialisation, the optimizer's state), not a load of the weights."""
         cfg = copy.deepcopy(self.cfg)
         cfg.output.dir = str(out_dir)
+        # The replaced trainer's graphs go first, whatever still refers to it: their pools and arena are
+        # as large as a working set, and the new trainer captures its own.
+        self.trainer.release_graphs()
         trainer = Trainer(cfg, model=self.trainer.model, quiet=True)
         trainer.setup()
         self.trainer.metrics.close()  # the replaced trainer's log, if it never ran

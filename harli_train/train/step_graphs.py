@@ -279,6 +279,15 @@ class _ShapeGraphs:
             graphs[name] = graph
         return graphs
 
+    def release(self) -> None:
+        """Let go of the graphs, their pool, the arena's slots and the static tensors (`StepGraphs.clear`)."""
+        self.sets.clear()
+        self.pool = None
+        if self.arena is not None:
+            self.arena.slots.clear()
+        self.outs = [None] * len(self.outs)
+        self.h, self.r, self.gh, self.gr = [], [], [], []
+
     def fits(self, inputs: dict) -> bool:
         """Whether ``inputs`` are the very buffers these graphs read."""
         return _pointers(inputs) == self.ptrs
@@ -322,6 +331,13 @@ class StepGraphs:
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
         self.arena = arena
+
+    def clear(self) -> None:
+        """Drop every shape's graphs, static tensors and arena, also where a step in flight still refers to
+        its shape (that step cannot go on); the next step captures afresh."""
+        for shape in self.shapes.values():
+            shape.release()
+        self.shapes.clear()
 
     @property
     def rebuilds_on_move(self) -> bool:

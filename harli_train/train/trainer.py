@@ -218,6 +218,17 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self.graphs = None
 
+    def release_graphs(self) -> None:
+        """Give back what the step's graphs hold (their memory pools, the saved-tensor arena) now, whoever
+        still refers to this trainer: for a trainer that is replaced (`Colocation.new_trainer`). It trains on
+        without graphs if it runs again. Waits for the device first: queued replays still use that memory."""
+        if self.graphs is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graphs = None
+
     @property
     def rebuilds_itself(self) -> bool:
         """Whether the step rebuilds a chunk whose backward runs elsewhere than its forward by itself (the
