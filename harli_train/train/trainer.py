@@ -56,6 +56,9 @@ from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
 log = logging.getLogger(__name__)
+# Whether train.cuda_graphs keeps what the forwards save in the graphs' shared arena (`StepGraphs`): off
+# until its GPU test (tests/test_gpu.py, the graphed steps against the eager ones) passes.
+GRAPHS_ARENA = False
 
 
 class Trainer:
@@ -140,7 +143,10 @@ class Trainer:
         self.tokens_seen = 0
         self.buffers = BatchBuffers(self.device)
         if cfg.train.cuda_graphs:
-            self.graphs = StepGraphs(self.params)
+            # Without the saved-tensor arena: on the H200 the arena's graphed steps trained away from the
+            # eager ones (docs/design.md, "The trainer's step as CUDA graphs"); a backward on another set
+            # than its forward replays the forward first instead.
+            self.graphs = StepGraphs(self.params, arena=GRAPHS_ARENA)
         if state is None:
             # Now, not at the first step: co-located, that would allocate a tensor or more per LoRA
             # parameter (~1300 for Llama-3-8B) while decode serves.
