@@ -305,14 +305,15 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
 @pytest.mark.slow
 def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_path):
     """bench/device_call.sh (what a device call runs): an unknown step refused before anything runs; a
-    dry-run bench step, then one skipped for want of time; everything in one archive, nothing else under
-    $OUT."""
+    dry-run bench step, then one skipped for want of time; everything in one archive (but a file over 4 MiB,
+    such as a main job's adapter, left behind and named), nothing else under $OUT."""
     env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "100", "DEVICE_CALL_INSTALL": "0"}
     call = ["bash", str(BENCH / "device_call.sh")]
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
     assert typo.returncode == 2 and "unknown step 'smoek'" in typo.stderr and not any(tmp_path.iterdir())
-    steps = ["cmd", 'echo made > "$OUT/made.txt"', "colocate", dry, "colocate", dry]
+    made = 'echo made > "$OUT/made.txt" && head -c 5000000 /dev/zero > "$OUT/weights.bin"'
+    steps = ["cmd", made, "colocate", dry, "colocate", dry]
     proc = subprocess.run([*call, *steps], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "=== 1 cmd: exit 0" in proc.stdout and "=== 2 colocate: exit 0" in proc.stdout
@@ -321,7 +322,8 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     with tarfile.open(tmp_path / "c1.tar.gz") as tar:
         names = tar.getnames()
     assert "c1/2-colocate/bench_colocate-steady.json" in names and "c1/profile.json" in names
-    assert "c1/1-cmd/made.txt" in names
+    assert "c1/1-cmd/made.txt" in names and "c1/1-cmd/weights.bin" not in names
+    assert "left behind (over 4 MiB): " in proc.stdout and "weights.bin" in proc.stdout
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
 
 
