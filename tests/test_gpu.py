@@ -138,14 +138,31 @@ def graphs_batch(seed, b=4, t=256, two_docs=True):
     }
 
 
-def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung():
+ARENA_OPEN = (
+    "the saved-tensor arena's graphed steps differ from the eager ones on the H200 (NaN at the second step "
+    "here, another loss curve in the co-located main job): train.cuda_graphs runs without it"
+)
+
+
+@pytest.mark.parametrize(
+    "rungs_used, arena",
+    [
+        (False, False),
+        (True, False),
+        pytest.param(False, True, marks=pytest.mark.xfail(reason=ARENA_OPEN)),
+        pytest.param(True, True, marks=pytest.mark.xfail(reason=ARENA_OPEN)),
+    ],
+    ids=["one-set", "two-rungs", "one-set-arena", "two-rungs-arena"],
+)
+def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung(rungs_used, arena):
     """train.cuda_graphs on the GPU: real graphs, bf16 autocast over fp32 adapter masters, two micro-batches of
     packed rows, a clipped AdamW update after each step (torch's clip and fused AdamW on the eager path, the
     update's own graph on the graphed one). Three steps give the eager steps' losses, gradient norms,
     gradients and adapter (same kernels, same configurations: each replay reads the masters as the optimizer
     left them), and so do steps whose forwards replay on one green-context rung and whose backwards and
-    update replay on another: with the saved-tensor arena (the default) each backward reads what the other
-    rung's forward saved, without it each backward's forward is replayed on its rung first."""
+    update replay on another: without the saved-tensor arena (what train.cuda_graphs runs) each backward's
+    forward is replayed on its rung first, with it each backward reads what the other rung's forward saved
+    (expected to fail until the arena is fixed: an XPASS says it is)."""
     from harli_train.colocate.sm import SMLadder
     from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
     from harli_train.train.batch_buffers import BatchBuffers
@@ -204,27 +221,17 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     assert abs(want[2] - want[0]) > 20 * 1e-3 * abs(want[0]) and want_norms[0] > 0.5
     ladder = SMLadder.create(step=32)
     try:
-        rungs = [ladder.spatial[0], ladder.spatial[-1]]
-        variants = {
-            "one set, arena": lambda: steps(True),
-            "two rungs, arena": lambda: steps(True, rungs),
-            "two rungs, rebuilds": lambda: steps(True, rungs, arena=False),
-        }
-        for name, run in variants.items():  # each checked as it runs: a failure names its variant
-            got, got_norms, grads, params = run()
-            torch.testing.assert_close(
-                got, want, rtol=1e-3, atol=0, msg=lambda m, name=name: f"{name}: losses {m}"
-            )
-            torch.testing.assert_close(
-                got_norms, want_norms, rtol=1e-2, atol=0, msg=lambda m, name=name: f"{name}: norms {m}"
-            )
-            # Another rung's kernels split their sums differently: whole tensors agree, element by element
-            # Adam may step a near-zero gradient either way.
-            for i, (a, b) in enumerate(
-                (*zip(grads, want_grads, strict=True), *zip(params, want_params, strict=True))
-            ):
-                err = torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)
-                assert err <= 2e-2, f"{name}: tensor {i} (gradients, then parameters) off by {err:.3g}"
+        rungs = [ladder.spatial[0], ladder.spatial[-1]] if rungs_used else None
+        got, got_norms, grads, params = steps(True, rungs, arena)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=lambda m: f"losses: {m}")
+        torch.testing.assert_close(got_norms, want_norms, rtol=1e-2, atol=0, msg=lambda m: f"norms: {m}")
+        # Another rung's kernels split their sums differently: whole tensors agree, element by element
+        # Adam may step a near-zero gradient either way.
+        for i, (a, b) in enumerate(
+            (*zip(grads, want_grads, strict=True), *zip(params, want_params, strict=True))
+        ):
+            err = torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)
+            assert err <= 2e-2, f"tensor {i} (gradients, then parameters) off by {err:.3g}"
     finally:
         ladder.close()
 
