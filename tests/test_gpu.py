@@ -138,20 +138,9 @@ def graphs_batch(seed, b=4, t=256, two_docs=True):
     }
 
 
-ARENA_OPEN = (
-    "the saved-tensor arena's graphed steps differ from the eager ones on the H200 (NaN at the second step "
-    "here, another loss curve in the co-located main job): train.cuda_graphs runs without it"
-)
-
-
 @pytest.mark.parametrize(
     "rungs_used, arena",
-    [
-        (False, False),
-        (True, False),
-        pytest.param(False, True, marks=pytest.mark.xfail(reason=ARENA_OPEN)),
-        pytest.param(True, True, marks=pytest.mark.xfail(reason=ARENA_OPEN)),
-    ],
+    [(False, False), (True, False), (False, True), (True, True)],
     ids=["one-set", "two-rungs", "one-set-arena", "two-rungs-arena"],
 )
 def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung(rungs_used, arena):
@@ -160,9 +149,9 @@ def test_captured_steps_equal_eager_steps_and_a_backward_replays_on_another_rung
     update's own graph on the graphed one). Three steps give the eager steps' losses, gradient norms,
     gradients and adapter (same kernels, same configurations: each replay reads the masters as the optimizer
     left them), and so do steps whose forwards replay on one green-context rung and whose backwards and
-    update replay on another: without the saved-tensor arena (what train.cuda_graphs runs) each backward's
-    forward is replayed on its rung first, with it each backward reads what the other rung's forward saved
-    (expected to fail until the arena is fixed: an XPASS says it is)."""
+    update replay on another: with the saved-tensor arena (what train.cuda_graphs runs) each backward reads
+    what the other rung's forward saved (among them the rows a LoRA kernel saves, a view of its input), without
+    it each backward's forward is replayed on its rung first."""
     from harli_train.colocate.sm import SMLadder
     from harli_train.train.adapter_update import AdapterUpdate, make_optimizer_state
     from harli_train.train.batch_buffers import BatchBuffers

@@ -109,6 +109,53 @@ def test_the_arena_holds_each_chunks_saved_tensors_once_and_never_the_weights():
             (x * 2).exp()  # exp saves its result: a slot the frozen arena does not have
 
 
+class _SavesAView(torch.autograd.Function):
+    """A custom Function that saves a view of its input made in its forward, as the LoRA kernels save the
+    rows of theirs: inside a forward (grad mode off) a view of an activation that requires grad reads as a
+    leaf that requires grad."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, w, w.t())
+        ctx.x_shape = x.shape
+        return rows @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, _, w_t = ctx.saved_tensors
+        return (dy @ w_t).view(ctx.x_shape), rows.t() @ dy
+
+
+def test_a_view_of_an_activation_saved_by_a_custom_function_is_moved_and_a_parameter_stays():
+    """The arena (and the page pool's stashes) copy what a Function saves unless it is a parameter, a view of
+    one or a static tensor: a view of the activation the Function was given is copied like the activation (a
+    set of graphs that left it in its own pool would have another set's backward read stale memory), the
+    parameter and its transpose stay where they are."""
+    from harli_train.saved_tensors import stays_in_place
+    from harli_train.train.saved_arena import SavedArena
+
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    seen = []
+
+    class Probe(_SavesAView):
+        @staticmethod
+        def forward(ctx, x, w):
+            rows = x.reshape(-1, x.shape[-1])
+            assert rows.requires_grad and rows.is_leaf  # what torch reports inside a forward
+            seen.append((stays_in_place(rows, set()), stays_in_place(w, set()), stays_in_place(w.t(), set())))
+            return _SavesAView.forward(ctx, x, w)
+
+    arena = SavedArena(set())
+    with arena.chunk(0), torch.enable_grad():
+        x = torch.randn(2, 3, 4, requires_grad=True)
+        y = Probe.apply(x * 1.0, w)
+    assert seen == [(False, True, True)]
+    assert [tuple(t.shape) for t in arena.slots.values()] == [(6, 4)]  # the rows only
+    y.sum().backward()
+    assert torch.allclose(w.grad, (x.detach().reshape(-1, 4)).t() @ torch.ones(6, 5))
+
+
 def test_once_frozen_the_arena_refuses_a_pass_that_saves_other_tensors_or_fewer():
     """After the first capture every pass must save what the first saved, chunk by chunk: a slot of another
     shape would be replaced (freeing memory the captured graphs still write), one saved fewer would leave a

@@ -56,9 +56,9 @@ from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
 log = logging.getLogger(__name__)
-# Whether train.cuda_graphs keeps what the forwards save in the graphs' shared arena (`StepGraphs`): off
-# until its GPU test (tests/test_gpu.py, the graphed steps against the eager ones) passes.
-GRAPHS_ARENA = False
+# Whether train.cuda_graphs keeps what the forwards save in the graphs' shared arena (`StepGraphs`), so that
+# a backward on another rung reads its forward's saved tensors instead of replaying that forward first.
+GRAPHS_ARENA = True
 
 
 class Trainer:
