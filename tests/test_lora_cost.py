@@ -155,3 +155,134 @@ def test_a_stored_profile_without_adapter_steps_gains_them_without_the_grid_time
     assert predictor.lora is not None and set(predictor.lora.params) == set(ladder.shares)
     stored = load_profile(path, key)
     assert stored.samples == profile.samples and stored.meta["adapter_steps"]["lora_slots"] == [1, 2]
+
+
+G = {32: 6e-4, 64: 3e-4}  # one adapter in a mixed step: fixed part ...
+Q = {32: 2e-5, 64: 1e-5}  # ... and per padded row
+BUCKETS = (16, 32, 64, 128)
+
+
+def mixed_samples():
+    """Base mixed steps over the grid, and the middle batch's chunks again with every row on one adapter."""
+    out = []
+    for sms in (32, 64):
+        for batch in (2, 8, 32):
+            for n in (6, 24, 56, 100):
+                rows = next(b for b in BUCKETS if b >= batch + n) if batch + n <= 128 else batch + n
+                t = 1e-3 + 4e-5 * rows * 32 / sms + 1e-7 * batch * 256
+                base = dict(batch=batch, kv_len=256, kv_tokens=batch * 256, infer_sms=sms, prefill_tokens=n,
+                            prefill_context=0, attn_pairs=n * (n + 1) // 2)  # fmt: skip
+                out.append({**base, "corun": False, "latency_s": t})
+                out.append({**base, "corun": True, "latency_s": t * 1.3})
+                if batch == 8:
+                    out.append(
+                        {**base, "corun": False, "latency_s": t + G[sms] + Q[sms] * rows, "lora_slots": 1}
+                    )
+    return out
+
+
+def test_a_chunk_on_an_adapter_is_priced_by_the_steps_rows_and_the_base_mixed_fit_is_untouched():
+    """MixedLoRACost recovers one adapter's fixed and per-row parts per share from mixed steps on an adapter
+    beside the same steps on the base; the predictor's mixed step adds them (with LoRACost's part for each
+    further adapter, and the co-run slowdown over all), fits the base mixed model without those samples,
+    and keeps them through to_dict."""
+    from harli_train.colocate.lora_cost import MixedLoRACost
+
+    mixed = mixed_samples()
+    cost = MixedLoRACost.fit(mixed, BUCKETS)
+    for sms in (32, 64):
+        g, q = cost.params[sms]
+        assert g == pytest.approx(G[sms], rel=1e-6) and q == pytest.approx(Q[sms], rel=1e-6)
+        assert cost.seconds(sms, 8 + 40) == pytest.approx(G[sms] + Q[sms] * 64, rel=1e-6)  # padded to 64
+    assert cost.seconds(48, 40) < cost.seconds(32, 40)
+    assert MixedLoRACost.from_dict(cost.to_dict()) == cost
+    assert MixedLoRACost.fit([r for r in mixed if not r.get("lora_slots")], BUCKETS) is None
+
+    both = LatencyPredictor.fit(samples() + mixed, 132, 1.0, mixed_buckets=BUCKETS)
+    base_only = LatencyPredictor.fit(
+        samples() + [r for r in mixed if not r.get("lora_slots")], 132, 1.0, mixed_buckets=BUCKETS
+    )
+    assert both.mixed.coef == base_only.mixed.coef and base_only.mixed_lora is None
+    args = (8, 2048, 100, 5050, 64)
+    base = both.predict_mixed(*args, corun=False, raw=True)
+    one = both.predict_mixed(*args, corun=False, raw=True, lora_slots=1)
+    assert one == pytest.approx(base + G[64] + Q[64] * 128, rel=1e-4)
+    three = both.predict_mixed(*args, corun=False, raw=True, lora_slots=3)
+    assert three == pytest.approx(one + 2 * P[64], rel=1e-4)
+    co, co_one = (both.predict_mixed(*args, corun=True, raw=True, lora_slots=n) for n in (0, 1))
+    assert co_one / one == pytest.approx(co / base, rel=1e-6)
+    # Without mixed adapter steps the adapters are priced as in a decode step, whatever the chunk.
+    assert base_only.predict_mixed(*args, corun=False, raw=True, lora_slots=1) == pytest.approx(
+        base_only.predict_mixed(*args, corun=False, raw=True) + F[64], rel=1e-6
+    )
+    again = LatencyPredictor.from_dict(both.to_dict())
+    assert again.predict_mixed(*args, lora_slots=2) == both.predict_mixed(*args, lora_slots=2)
+
+
+def test_the_preview_counts_the_adapters_of_the_chunks_a_step_takes():
+    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+
+    pieces = (PrefillPiece(40, 0, 0, 2), PrefillPiece(30, 0, 10, 0), PrefillPiece(20, 0, 0, 3))
+    preview = StepPreview(4, 400, pieces, True, 1, (), frozenset({1}))
+    assert preview.adapters(0) == 1  # the decode rows' alone
+    assert preview.adapters(40) == 2 and preview.adapters(70) == 2  # slot 2's chunk; the base's adds none
+    assert preview.adapters(None) == 3
+    assert [p.lora_slot for p in preview.take(50)] == [2, 0]
+    assert StepPreview(4, 400, pieces[:1], True, 0).adapters(None) == 1
+    same = StepPreview(4, 400, pieces[:1], True, 1, (), frozenset({2}))
+    assert same.adapters(None) == 1  # the chunk's adapter already runs in the decode rows
+
+
+def test_a_stored_profile_without_mixed_adapter_steps_gains_them_and_the_preview_sees_a_chunks_adapter(
+    models,  # noqa: F811
+    tmp_path,
+):
+    """A profile with mixed steps and decode steps on adapters but no mixed step on one: the adapter points
+    are timed again, the mixed ones included (every chunk size of the mixed grid's middle batch, all rows
+    on one adapter, beside the same steps on the base), and the predictor prices a chunk on an adapter. A
+    waiting request's adapter rides with its chunk in the engine's preview."""
+    import harli_train.colocate.predictor_setup as setup
+    from harli_train.colocate.engine_adapter import EngineAdapter
+    from harli_train.colocate.profile import Profile, ProfileKey, load_profile, save_profile
+    from harli_train.colocate.profile_grid import MixedGrid
+
+    engine = _catalog(models).engine
+    ladder = SMLadder.cpu_standin(8, 4)
+    adapter = EngineAdapter(engine, ladder.full)
+    adapter.register(ladder.partitions)
+    path = tmp_path / "profile.json"
+    key = ProfileKey.current("lora-test", sm_count=ladder.total_sms)
+    grid = MixedGrid(
+        batches=(1, 2, 3), kv_len=8, tokens=(3, 6, 12), contexts=(0, 4), corun_batches=(), reps=1
+    )
+    stored = run_profile_grid(
+        adapter.synthetic_decode, None, ladder, batches=(1, 2, 4), kv_lens=(8, 16), warmup=0, reps=1,
+        lora_slots=(1,), mixed_step_fn=adapter.synthetic_mixed, mixed_grid=grid,
+    )  # fmt: skip
+    stored = [r for r in stored if not (r.get("lora_slots") and "prefill_tokens" in r)]  # an older profile
+    assert setup.lacks_adapter_steps(stored)
+    save_profile(path, Profile(key, stored, {"kv_bytes_per_token": 1.0}))
+    predictor, profile = setup.build_predictor(adapter, ladder, "lora-test", None, 4, path=path, reps=1)
+    on_adapter = {
+        (r["infer_sms"], r["batch"], r["prefill_tokens"], r["prefill_context"])
+        for r in profile.samples
+        if r.get("lora_slots") and "prefill_tokens" in r
+    }
+    assert on_adapter == {(s, 2, n, 0) for s in ladder.shares for n in (3, 6, 12)}
+    assert not setup.lacks_adapter_steps(profile.samples)
+    assert predictor.mixed_lora is not None and set(predictor.mixed_lora.params) == set(ladder.shares)
+    assert load_profile(path, key).meta["adapter_steps"]["mixed_points"] == [[2, n, 0] for n in (3, 6, 12)]
+    # One sample per point and kind: the re-timed base points replaced, not repeated.
+    kinds = [(r["infer_sms"], r["batch"], r["kv_tokens"], r.get("prefill_tokens"), r.get("prefill_context"),
+              r["corun"], r.get("lora_slots", 0)) for r in profile.samples]  # fmt: skip
+    assert len(kinds) == len(set(kinds))
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params)
+    while engine.peek().kind != "decode":
+        engine.step()
+    engine.add_request(PROMPTS[1], params, lora_slot=2)
+    preview = engine.peek()
+    assert preview.lora_slots == 0  # the decode rows' only
+    assert [p.lora_slot for p in preview.pieces] == [2] and preview.adapters(None) == 1
+    engine.run_until_done()

@@ -174,8 +174,17 @@ class EngineAdapter:
         self.engine.synthetic_decode(batch, kv_len, self.key(partition), lora_slots)
 
     def synthetic_mixed(
-        self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: Partition
+        self,
+        batch: int,
+        kv_len: int,
+        prefill_tokens: int,
+        prefill_context: int,
+        partition: Partition,
+        lora_slots: int = 0,
     ) -> None:
         """One mixed step (``batch`` decode rows over ``kv_len`` tokens, a prefill chunk of ``prefill_tokens``
-        after ``prefill_context``) on ``partition``, for profiling (launched, not waited for, on a GPU)."""
-        self.engine.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, self.key(partition))
+        after ``prefill_context``, the rows on ``lora_slots`` adapters) on ``partition``, for profiling
+        (launched, not waited for, on a GPU)."""
+        self.engine.synthetic_mixed(
+            batch, kv_len, prefill_tokens, prefill_context, self.key(partition), lora_slots
+        )

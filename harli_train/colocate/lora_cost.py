@@ -9,6 +9,15 @@ GEMV each, which at decode batch sizes is noise beside the weight reads, so the 
 
 ``F`` and ``P`` are fitted per profiled share from solo steps of one batch at 0, 1 and k adapters; shares in
 between are interpolated in ``1 / s`` like the base model's terms.
+
+A mixed step's adapter rows are not a few decode rows: a prefill chunk on an adapter puts tens to hundreds of
+rows through the shrink and expand, and past the GEMV's 64 rows the deltas take launches of their own. So
+``MixedLoRACost`` prices one adapter in a mixed step by the rows the step's projections process (its token
+bucket, as the mixed model counts them):
+
+    t_lora_mixed(s, r) = G[s] + Q[s] * r     (one adapter; each further one adds LoRACost's P[s])
+
+fitted per share from mixed steps timed with every row on one adapter beside the same steps on the base.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from harli_train.colocate.mixed_model import padded_rows
 
 
 @dataclass(slots=True)
@@ -57,20 +68,7 @@ class LoRACost:
         return f + p * (adapters - 1)
 
     def _at(self, sms: int) -> tuple[float, float]:
-        params, shares = self.params, sorted(self.params)
-        if sms in params:
-            return params[sms]
-        if sms <= shares[0]:
-            f, p = params[shares[0]]
-            scale = shares[0] / sms  # fewer SMs than profiled: the reads slow down in proportion
-            return f * scale, p * scale
-        if sms >= shares[-1]:
-            return params[shares[-1]]
-        hi = bisect.bisect_left(shares, sms)
-        lo_s, hi_s = shares[hi - 1], shares[hi]
-        w = (1 / sms - 1 / hi_s) / (1 / lo_s - 1 / hi_s)
-        (f0, p0), (f1, p1) = params[lo_s], params[hi_s]
-        return w * f0 + (1 - w) * f1, w * p0 + (1 - w) * p1
+        return _interpolated(self.params, sms)
 
     def to_dict(self) -> dict[str, Any]:
         return {str(s): list(fp) for s, fp in sorted(self.params.items())}
@@ -78,3 +76,82 @@ class LoRACost:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoRACost:
         return cls({int(s): (float(fp[0]), float(fp[1])) for s, fp in d.items()})
+
+
+@dataclass(slots=True)
+class MixedLoRACost:
+    """Per-share (G, Q): one adapter in a mixed step whose projections process ``r`` rows adds G + Q r
+    seconds (see the module docstring); ``buckets``: the mixed graphs' token buckets ``r`` is padded to."""
+
+    params: dict[int, tuple[float, float]]  # sms -> (G, Q)
+    buckets: tuple[int, ...] = ()
+
+    @classmethod
+    def fit(cls, samples: Sequence[dict], buckets: Sequence[int] = ()) -> MixedLoRACost | None:
+        """From profile samples: solo mixed samples (with ``prefill_tokens``) on one adapter (``lora_slots``
+        1) and the base sample of the same point. Per share a least-squares line in the padded rows (both
+        terms at least 0; one row count: G alone). None when no share has both."""
+        solo = [r for r in samples if not r.get("corun") and "prefill_tokens" in r]
+        key = lambda r: (  # noqa: E731
+            int(r["infer_sms"]), int(r["batch"]), int(r["kv_tokens"]), int(r["prefill_tokens"]),
+            int(r.get("prefill_context", 0)),
+        )  # fmt: skip
+        base = {key(r): float(r["latency_s"]) for r in solo if not r.get("lora_slots")}
+        points: dict[int, list[tuple[float, float]]] = {}
+        for r in solo:
+            if r.get("lora_slots") == 1 and key(r) in base:
+                rows = float(padded_rows(int(r["batch"]) + int(r["prefill_tokens"]), tuple(buckets)))
+                points.setdefault(int(r["infer_sms"]), []).append(
+                    (rows, float(r["latency_s"]) - base[key(r)])
+                )
+        params: dict[int, tuple[float, float]] = {}
+        for sms, pts in points.items():
+            rows = [p[0] for p in pts]
+            extra = [max(p[1], 0.0) for p in pts]
+            mean_r, mean_e = sum(rows) / len(rows), sum(extra) / len(extra)
+            var = sum((x - mean_r) ** 2 for x in rows)
+            q = (
+                sum((x - mean_r) * (e - mean_e) for x, e in zip(rows, extra, strict=True)) / var
+                if var
+                else 0.0
+            )
+            q = max(q, 0.0)
+            params[sms] = (max(mean_e - q * mean_r, 0.0), q)
+        return cls(params, tuple(int(b) for b in buckets)) if params else None
+
+    def seconds(self, sms: int, rows: int) -> float:
+        """Extra seconds of one adapter in a mixed step of ``rows`` tokens (padded to its bucket here)."""
+        g, q = _interpolated(self.params, sms)
+        return g + q * padded_rows(rows, self.buckets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params": {str(s): list(gq) for s, gq in sorted(self.params.items())},
+            "buckets": list(self.buckets),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MixedLoRACost:
+        return cls(
+            {int(s): (float(gq[0]), float(gq[1])) for s, gq in d["params"].items()},
+            tuple(int(b) for b in d.get("buckets", ())),
+        )
+
+
+def _interpolated(params: dict[int, tuple[float, float]], sms: int) -> tuple[float, float]:
+    """A share's two terms: its own, interpolated in ``1 / s`` between profiled shares, scaled up below the
+    smallest (fewer SMs: the reads slow down in proportion), the largest's above it."""
+    shares = sorted(params)
+    if sms in params:
+        return params[sms]
+    if sms <= shares[0]:
+        f, p = params[shares[0]]
+        scale = shares[0] / sms
+        return f * scale, p * scale
+    if sms >= shares[-1]:
+        return params[shares[-1]]
+    hi = bisect.bisect_left(shares, sms)
+    lo_s, hi_s = shares[hi - 1], shares[hi]
+    w = (1 / sms - 1 / hi_s) / (1 / lo_s - 1 / hi_s)
+    (f0, p0), (f1, p1) = params[lo_s], params[hi_s]
+    return w * f0 + (1 - w) * f1, w * p0 + (1 - w) * p1

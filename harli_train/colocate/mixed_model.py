@@ -110,6 +110,10 @@ class MixedStepModel:
             return 0.0
         return self.slowdown[min(self.slowdown, key=lambda s: abs(s - sms))]
 
+    def slowdown_at(self, sms: int) -> float:
+        """D at ``sms``: a step beside the trainer runs ``1 + D`` times longer than alone."""
+        return self._share(sms)[1]
+
     def predict(self, batch: int, kv_tokens: int, tokens: int, pairs: int, sms: int, corun: bool) -> float:
         coef, slow = self._share(sms)
         features = _features(batch, kv_tokens, tokens, pairs, self.buckets)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from harli_train.colocate.correction import OnlineCorrection
-from harli_train.colocate.lora_cost import LoRACost
+from harli_train.colocate.lora_cost import LoRACost, MixedLoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
 from harli_train.colocate.regression import weighted_lstsq
@@ -68,6 +68,7 @@ class LatencyPredictor(OnlineCorrection):
     fit_report: dict[str, Any] = field(default_factory=dict)
     mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled
     lora: LoRACost | None = None  # what adapters add to a decode step; None: not profiled (no adapter slots)
+    mixed_lora: MixedLoRACost | None = None  # what one adapter adds to a mixed step; None: not profiled
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
     # A mixed step's chunk is sized to fill the budget, so the spread of its prediction error (wide beside
     # the trainer), not its mean, is what overruns the objective: the mixed families' correction is at least
@@ -104,8 +105,9 @@ class LatencyPredictor(OnlineCorrection):
         """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
         model to mixed samples (those with ``prefill_tokens``) when the profile has them, on the token buckets
         the engine's mixed graphs pad a step to (``mixed_buckets``; the profile's ``meta``)."""
-        mixed = [r for r in samples if "prefill_tokens" in r]
+        mixed = [r for r in samples if "prefill_tokens" in r and not r.get("lora_slots")]
         lora = LoRACost.fit(samples)
+        mixed_lora = MixedLoRACost.fit(samples, mixed_buckets)
         samples = [r for r in samples if "prefill_tokens" not in r and not r.get("lora_slots")]
         solo = [r for r in samples if not r["corun"]]
         corun = [r for r in samples if r["corun"]]
@@ -149,7 +151,7 @@ class LatencyPredictor(OnlineCorrection):
             pred._fit_stage2(solo, corun)
         if mixed:
             pred.mixed = MixedStepModel.fit(mixed, mixed_buckets)
-        pred.lora = lora
+        pred.lora, pred.mixed_lora = lora, mixed_lora
         pred.fit_report = {
             "skipped_shares": skipped,
             "n_solo": len(solo),
@@ -254,12 +256,19 @@ class LatencyPredictor(OnlineCorrection):
         lora_slots: int = 0,
     ) -> float:
         """Seconds for one mixed step: ``batch`` decode rows reading ``kv_tokens`` cached tokens and prefill
-        chunks of ``prefill_tokens`` tokens whose attention covers ``attn_pairs`` query-key pairs, the decode
-        rows on ``lora_slots`` adapters. Needs a profile with mixed samples (``self.mixed``)."""
+        chunks of ``prefill_tokens`` tokens whose attention covers ``attn_pairs`` query-key pairs, its rows
+        (decode rows and chunks) on ``lora_slots`` distinct adapters. Needs a profile with mixed samples
+        (``self.mixed``). The adapters' part is ``mixed_lora``'s, priced by the step's rows, plus LoRACost's
+        per further adapter; a profile without mixed adapter steps prices them as in a decode step."""
         if self.mixed is None:
             raise ValueError("this profile has no mixed-step samples: re-profile to predict mixed steps")
         t = self.mixed.predict(batch, kv_tokens, prefill_tokens, attn_pairs, infer_sms, corun)
-        if lora_slots and self.lora is not None:
+        if lora_slots and self.mixed_lora is not None:
+            extra = self.mixed_lora.seconds(infer_sms, batch + prefill_tokens)
+            if self.lora is not None and lora_slots > 1:
+                extra += self.lora.seconds(infer_sms, lora_slots) - self.lora.seconds(infer_sms, 1)
+            t += extra * (1.0 + self.mixed.slowdown_at(infer_sms)) if corun else extra
+        elif lora_slots and self.lora is not None:
             t += self.lora.seconds(infer_sms, lora_slots)
         return t if raw else t * self.correction(infer_sms, corun, mixed=True)
 
@@ -317,6 +326,7 @@ class LatencyPredictor(OnlineCorrection):
             "gpu_correction": list(self._glob),
             "mixed": None if self.mixed is None else self.mixed.to_dict(),
             "lora": None if self.lora is None else self.lora.to_dict(),
+            "mixed_lora": None if self.mixed_lora is None else self.mixed_lora.to_dict(),
         }
 
     @classmethod
@@ -341,6 +351,7 @@ class LatencyPredictor(OnlineCorrection):
             fit_report=dict(d.get("fit_report", {})),
             mixed=MixedStepModel.from_dict(d["mixed"]) if d.get("mixed") else None,
             lora=LoRACost.from_dict(d["lora"]) if d.get("lora") else None,
+            mixed_lora=MixedLoRACost.from_dict(d["mixed_lora"]) if d.get("mixed_lora") else None,
         )
         pad = lambda c: [float(x) for x in c] + [1.0] * (4 - len(c))  # files of two families (decode only)
         pred._corr = {int(s): pad(c) for s, c in d.get("corrections", {}).items()}

@@ -131,10 +131,11 @@ def build_predictor(
     else:
         stored = Path(path or default_profile_path(key))
         profile = get_or_build_profile(stored, key, build, shares)
-        if grid["lora_slots"] and not any(s.get("lora_slots") for s in profile.samples):
+        if grid["lora_slots"] and lacks_adapter_steps(profile.samples):
             log.warning(
-                "profile %s has no steps on adapters, which this engine serves: timing those (the rest stands)",
+                "profile %s has no %s on adapters, which this engine serves: timing those (the rest stands)",
                 stored,
+                "steps" if not any(s.get("lora_slots") for s in profile.samples) else "mixed steps",
             )
             profile = add_adapter_steps(
                 profile,
@@ -144,6 +145,7 @@ def build_predictor(
                 shares=set(shares) & set(profile.shares),
                 warmup=grid["warmup"],
                 reps=grid["reps"],
+                mixed_step_fn=engine.synthetic_mixed,
             )
             save_profile(stored, profile)
     predictor = LatencyPredictor.fit(
@@ -153,6 +155,15 @@ def build_predictor(
         mixed_buckets=profile.meta.get("mixed_buckets", ()),
     )
     return predictor, profile
+
+
+def lacks_adapter_steps(samples: list[dict]) -> bool:
+    """Whether a profile lacks the adapter steps an engine with adapter slots needs: decode steps on
+    adapters, and mixed steps on them where it has mixed steps."""
+    if not any(s.get("lora_slots") for s in samples):
+        return True
+    has_mixed = any("prefill_tokens" in s for s in samples)
+    return has_mixed and not any(s.get("lora_slots") and "prefill_tokens" in s for s in samples)
 
 
 def fastest_decode_s(

@@ -47,10 +47,16 @@ class MixedGrid:
     def points(self) -> list[tuple[int, int, int]]:
         return [(b, n, c) for b in self.batches for n in self.tokens for c in self.contexts]
 
+    def adapter_points(self) -> list[tuple[int, int, int]]:
+        """The points timed again on adapters (``MixedLoRACost``): the middle batch's chunks of every size
+        after the first context, so the adapters' cost is seen at every token bucket the chunks fill."""
+        b = self.batches[len(self.batches) // 2]
+        return [(b, n, self.contexts[0]) for n in self.tokens]
+
 
 DecodeStepFn = Callable[[int, int, Partition], Any]  # (batch, kv_len, partition): enqueue one decode step
-# (batch, kv_len, prefill tokens, prefill context, partition): enqueue one mixed step
-MixedStepFn = Callable[[int, int, int, int, Partition], Any]
+# (batch, kv_len, prefill tokens, prefill context, partition[, adapters]): enqueue one mixed step
+MixedStepFn = Callable[..., Any]
 CorunFn = Callable[[Partition], Any]  # (partition): enqueue one trainer micro-step on partition.train_stream
 
 
@@ -70,7 +76,9 @@ def run_profile_grid(
     """Median latency of decode steps per (partition, batch, kv_len), and of mixed steps per (partition,
     ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer. With ``lora_slots``
     (adapter counts, e.g. (1, 2)): decode steps of the middle batch at the shortest KV length whose rows run
-    on that many adapters, alone (``decode_step_fn(b, kv, partition, n)``), for ``LoRACost``.
+    on that many adapters, alone (``decode_step_fn(b, kv, partition, n)``), for ``LoRACost``; and, with
+    mixed steps, the grid's ``adapter_points`` with every row on one adapter, alone
+    (``mixed_step_fn(b, kv, n, c, partition, 1)``), for ``MixedLoRACost``.
 
     ``decode_step_fn`` and ``mixed_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on
     ``train_stream``
@@ -93,6 +101,10 @@ def run_profile_grid(
                 (b, g.kv_len, (n, c), g.reps, g.warmup, corun and b in g.corun_batches)
                 for b, n, c in g.points()
             ]
+            if any(n > 0 for n in lora_slots):
+                points += [
+                    (b, g.kv_len, (n, c, 1), g.reps, g.warmup, False) for b, n, c in g.adapter_points()
+                ]
         for b, kv, chunk, n_reps, n_warm, beside in points:
             base = {
                 "batch": b,
@@ -107,8 +119,12 @@ def run_profile_grid(
                 step = lambda b=b, kv=kv, p=p, n=chunk[1]: decode_step_fn(b, kv, p, n)
                 base["lora_slots"] = chunk[1]
             else:
-                n, c = chunk
-                step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
+                n, c, *adapters = chunk
+                if adapters:
+                    step = lambda b=b, kv=kv, n=n, c=c, p=p, a=adapters[0]: mixed_step_fn(b, kv, n, c, p, a)
+                    base["lora_slots"] = adapters[0]
+                else:
+                    step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
                 base.update(prefill_tokens=n, prefill_context=c, attn_pairs=attention_pairs([(n, c)]))
             t_solo = median(time_calls(step, p.infer_stream, n_warm, n_reps))
             samples.append({**base, "corun": False, "latency_s": t_solo})
@@ -157,14 +173,18 @@ def add_adapter_steps(
     shares: Iterable[int] | None = None,
     warmup: int = 3,
     reps: int = 10,
+    mixed_step_fn: MixedStepFn | None = None,
 ) -> Profile:
-    """``profile`` with the adapter steps ``LoRACost`` needs, timed now, and the rest of it as it was.
+    """``profile`` with the adapter steps ``LoRACost`` and ``MixedLoRACost`` need, timed now, and the rest of
+    it as it was.
 
-    The grid's adapter points (``run_profile_grid``'s ``lora_slots``) over the profile's own solo decode
-    samples: per share (``shares``, default the profile's), decode steps of their middle batch at their
-    shortest KV length on each of ``lora_slots`` adapters, and the base step of that point beside them. The
-    base step timed now replaces the stored one, so that an adapter's cost is the difference of two steps of
-    one run. A few seconds of work, where profiling the whole grid again takes minutes."""
+    The grid's adapter points (``run_profile_grid``'s ``lora_slots``) over the profile's own solo samples: per
+    share (``shares``, default the profile's), decode steps of their middle batch at their shortest KV length
+    on each of ``lora_slots`` adapters, and with ``mixed_step_fn`` (where the profile has mixed steps) its
+    mixed grid's middle batch with every chunk size after the first context, every row on one adapter; and
+    the base steps of those points beside them. The base steps timed now replace the stored ones, so that an
+    adapter's cost is the difference of two steps of one run. Seconds of work, where profiling the whole grid
+    again takes minutes."""
     solo = [
         s for s in profile.samples if not s["corun"] and "prefill_tokens" not in s and not s.get("lora_slots")
     ]
@@ -174,6 +194,21 @@ def add_adapter_steps(
     batch = batches[len(batches) // 2]
     kv_len = min(int(s["kv_tokens"]) // int(s["batch"]) for s in solo if int(s["batch"]) == batch)
     wanted = sorted(set(shares) if shares is not None else set(profile.shares))
+    mixed = [
+        s for s in profile.samples if not s["corun"] and "prefill_tokens" in s and not s.get("lora_slots")
+    ]
+    grid = None
+    if mixed_step_fn is not None and mixed:
+        mixed_batches = sorted({int(s["batch"]) for s in mixed})
+        grid = MixedGrid(
+            batches=(mixed_batches[len(mixed_batches) // 2],),
+            kv_len=int(mixed[0]["kv_len"]),
+            tokens=tuple(sorted({int(s["prefill_tokens"]) for s in mixed})),
+            contexts=(min(int(s["prefill_context"]) for s in mixed),),
+            corun_batches=(),
+            warmup=max(warmup // 2, 1),
+            reps=max(reps // 2, 1),
+        )
     t0 = time.time()
     timed = run_profile_grid(
         decode_step_fn,
@@ -185,15 +220,15 @@ def add_adapter_steps(
         warmup=warmup,
         reps=reps,
         lora_slots=lora_slots,
+        mixed_step_fn=mixed_step_fn if grid is not None else None,
+        mixed_grid=grid,
     )
-    fresh = {(s["infer_sms"], s["batch"], s["kv_tokens"]) for s in timed if not s.get("lora_slots")}
+    # The adapter steps are all timed again (the old ones would repeat them), and so are their base points.
+    fresh = {_sample_point(s) for s in timed if not s.get("lora_slots")}
     kept = [
         s
         for s in profile.samples
-        if s["corun"]
-        or "prefill_tokens" in s
-        or s.get("lora_slots")
-        or (s["infer_sms"], s["batch"], s["kv_tokens"]) not in fresh
+        if s["corun"] or (not s.get("lora_slots") and _sample_point(s) not in fresh)
     ]
     meta = dict(profile.meta)
     meta["adapter_steps"] = {
@@ -203,8 +238,20 @@ def add_adapter_steps(
         "kv_len": kv_len,
         "lora_slots": [n for n in lora_slots if n > 0],
         "shares": wanted,
+        "mixed_points": [] if grid is None else [list(p) for p in grid.adapter_points()],
     }
     return Profile(profile.key, kept + timed, meta)
+
+
+def _sample_point(s: dict) -> tuple:
+    """A solo sample's grid point: what a sample timed again replaces."""
+    return (
+        s["infer_sms"],
+        s["batch"],
+        s["kv_tokens"],
+        s.get("prefill_tokens"),
+        s.get("prefill_context"),
+    )
 
 
 class Corunner:

@@ -299,10 +299,12 @@ class DecodeEngine:
         prefill_tokens: int,
         prefill_context: int = 0,
         partition: str = DEFAULT_PARTITION,
+        lora_slots: int = 0,
     ) -> None:
         """A mixed step (`batch` decode rows over `kv_len` tokens each, one prefill piece of `prefill_tokens`
-        after `prefill_context` cached ones) that touches no request and no cached value: for profiling."""
-        self.runner.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, partition)
+        after `prefill_context` cached ones, the rows on `lora_slots` adapter slots in turn) that touches no
+        request and no cached value: for profiling."""
+        self.runner.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, partition, lora_slots)
 
     # ---- stepping -----------------------------------------------------------------------------------------
     def step(self, partition: str = DEFAULT_PARTITION, prefill_tokens: int | None = None) -> StepResult:

@@ -366,18 +366,33 @@ class ModelRunner:
                 self._eager_decode(ids_t, step.positions, step.slots, step.context_lens, step.tables, part)
 
     def synthetic_mixed(
-        self, batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, partition: str
+        self,
+        batch: int,
+        kv_len: int,
+        prefill_tokens: int,
+        prefill_context: int,
+        partition: str,
+        lora_slots: int = 0,
     ) -> None:
-        """One mixed step for timing (``synthetic.mixed_step``) on the varlen path, as a served mixed step
-        runs, the LM head over every row; launched on the partition's stream and not waited for on a GPU."""
+        """One mixed step for timing (``synthetic.mixed_step``, its rows on ``lora_slots`` adapters) on the
+        varlen path, as a served mixed step runs, the LM head over every row; launched on the partition's
+        stream and not waited for on a GPU."""
+        slots_have = 0 if self.lora is None else self.lora.num_slots
         step = synthetic.mixed_step(
-            batch, kv_len, prefill_tokens, prefill_context, self.config, self.block_manager
+            batch,
+            kv_len,
+            prefill_tokens,
+            prefill_context,
+            self.config,
+            self.block_manager,
+            lora_slots,
+            slots_have,
         )
         part = self.partitions[partition]
         with self._on(part):
             rows = list(range(batch + 1))
             self._varlen_forward(step.ids, step.positions, step.slots, step.context_lens.tolist(),
-                                 step.num_tokens, step.tables, rows, partition, part)  # fmt: skip
+                                 step.num_tokens, step.tables, rows, partition, part, step.adapters)  # fmt: skip
 
     def follow(self, inputs: StepInputs, stream: torch.cuda.Stream | None = None) -> None:
         """Run the forward rank 0 published (its logits unused: rank 0 samples); 'partition' registers

@@ -46,11 +46,13 @@ class ScheduledBatch:
 @dataclass(frozen=True, slots=True)
 class PrefillPiece:
     """Part of a prompt a step would compute: `tokens` new tokens after `context` cached ones, `left` still
-    pending after it (0: the sequence draws its first token in that step)."""
+    pending after it (0: the sequence draws its first token in that step), on adapter slot `lora_slot` (0:
+    the base)."""
 
     tokens: int
     context: int
     left: int
+    lora_slot: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class StepPreview:
     mixed: bool = False
     lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
     prefill_waits: tuple[float, ...] = ()  # how long each piece's request has waited (peek's `now` given)
+    decode_adapters: frozenset[int] = frozenset()  # the decode rows' adapter slots (0 left out)
 
     @property
     def prefill_wait_s(self) -> float | None:
@@ -94,9 +97,17 @@ class StepPreview:
             if room <= 0:
                 break
             n = min(p.tokens, room)
-            out.append(PrefillPiece(n, p.context, p.left + p.tokens - n))
+            out.append(PrefillPiece(n, p.context, p.left + p.tokens - n, p.lora_slot))
             room -= n
         return tuple(out)
+
+    def adapters(self, budget: int | None = None) -> int:
+        """Distinct adapters a step with a prefill budget of `budget` tokens runs: the decode rows' and
+        those of the chunks it takes."""
+        chunks = {p.lora_slot for p in self.take(budget)} - {0}
+        if not chunks:
+            return self.lora_slots
+        return len(self.decode_adapters | chunks) if self.decode_adapters else self.lora_slots + len(chunks)
 
     def decode_after(self, budget: int | None = None) -> tuple[int, int]:
         """(sequences, KV tokens) of the decode step after this one with a prefill budget of `budget`: the
@@ -228,10 +239,12 @@ class Scheduler:
         need = sum(bm.blocks_needed(s, len(s)) for s in decoding) if mixed else 0
         budget = self._budget(len(decoding) if mixed else 0, self.config.max_num_batched_tokens)
         plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
-        pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n) for s, n, _ in plan)
-        adapters = len({s.lora_slot for s in decoding} - {0})
+        pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n, s.lora_slot) for s, n, _ in plan)
+        adapters = frozenset(s.lora_slot for s in decoding) - {0}
         waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
-        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, waits)
+        return StepPreview(
+            len(decoding), sum(len(s) for s in decoding), pieces, mixed, len(adapters), waits, adapters
+        )
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,

@@ -22,12 +22,25 @@ class SyntheticStep:
     context_lens: np.ndarray
     num_tokens: list[int]
     tables: np.ndarray
-    adapters: np.ndarray | None = None  # decode rows' adapter slots (None: the base)
+    adapters: np.ndarray | None = (
+        None  # adapter slots (None: the base): a decode step's per row, a mixed step's per token
+    )
 
 
 def _tables(rows: int, max_len: int, bm: BlockManager) -> np.ndarray:
     width = bm.blocks_for(max_len)
     return (np.arange(rows * width).reshape(rows, width) % bm.num_blocks).astype(np.int32)
+
+
+def _adapter_rows(what: str, rows: int, lora_slots: int, slots_have: int) -> np.ndarray | None:
+    """``rows`` rows' adapter slots, ``lora_slots`` adapters in turn (None: the base only)."""
+    if not lora_slots:
+        return None
+    if lora_slots >= slots_have:
+        raise EngineError(
+            f"{what}: {lora_slots} adapters asked of an engine with {max(slots_have - 1, 0)} slots"
+        )
+    return (1 + np.arange(rows) % lora_slots).astype(np.int64)
 
 
 def decode_step(
@@ -40,13 +53,7 @@ def decode_step(
             f"synthetic_decode: batch {batch} must be in 1..{cfg.max_num_seqs} and "
             f"kv_len {kv_len} in 1..{cfg.max_model_len}"
         )
-    adapters = None
-    if lora_slots:
-        if lora_slots >= slots_have:
-            raise EngineError(
-                f"synthetic_decode: {lora_slots} adapters asked of an engine with {max(slots_have - 1, 0)} slots"
-            )
-        adapters = (1 + np.arange(batch) % lora_slots).astype(np.int64)
+    adapters = _adapter_rows("synthetic_decode", batch, lora_slots, slots_have)
     lens = np.full(batch, kv_len, dtype=np.int64)
     return SyntheticStep(
         ids=[0] * batch,
@@ -60,10 +67,18 @@ def decode_step(
 
 
 def mixed_step(
-    batch: int, kv_len: int, prefill_tokens: int, prefill_context: int, cfg: EngineConfig, bm: BlockManager
+    batch: int,
+    kv_len: int,
+    prefill_tokens: int,
+    prefill_context: int,
+    cfg: EngineConfig,
+    bm: BlockManager,
+    lora_slots: int = 0,
+    slots_have: int = 0,
 ) -> SyntheticStep:
     """``batch`` decode rows over ``kv_len`` cached tokens each, then one prefill piece of ``prefill_tokens``
-    new tokens after ``prefill_context`` cached ones (the varlen path's layout)."""
+    new tokens after ``prefill_context`` cached ones (the varlen path's layout); with ``lora_slots`` the rows
+    (the piece one row) run on that many adapter slots in turn, each token on its row's."""
     total = prefill_context + prefill_tokens
     if not (0 <= batch <= cfg.max_num_seqs - 1 and 1 <= prefill_tokens <= cfg.max_num_batched_tokens):
         raise EngineError(
@@ -73,6 +88,7 @@ def mixed_step(
     if not (1 <= kv_len <= cfg.max_model_len and total <= cfg.max_model_len):
         raise EngineError(f"synthetic_mixed: kv_len {kv_len} and context {total} exceed max_model_len")
     context_lens = np.array([kv_len] * batch + [total], dtype=np.int64)
+    rows = _adapter_rows("synthetic_mixed", batch + 1, lora_slots, slots_have)
     return SyntheticStep(
         ids=[0] * (batch + prefill_tokens),
         positions=np.concatenate([np.full(batch, kv_len - 1), np.arange(prefill_context, total)]),
@@ -80,4 +96,5 @@ def mixed_step(
         context_lens=context_lens,
         num_tokens=[1] * batch + [prefill_tokens],
         tables=_tables(batch + 1, int(context_lens.max()), bm),
+        adapters=None if rows is None else np.repeat(rows, [1] * batch + [prefill_tokens]),
     )

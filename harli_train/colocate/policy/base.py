@@ -22,7 +22,8 @@ DRAIN_HEADROOM = 2.0
 
 
 def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: int, corun: bool) -> float:
-    """The uncorrected predicted seconds of ``preview``'s mixed step on ``sms`` with ``n`` prefill tokens."""
+    """The uncorrected predicted seconds of ``preview``'s mixed step on ``sms`` with ``n`` prefill tokens (its
+    adapters: the decode rows' and those of the chunks it takes)."""
     pairs = attention_pairs([(p.tokens, p.context) for p in preview.take(n)])
     return predictor.predict_mixed(
         preview.decode_seqs,
@@ -32,7 +33,7 @@ def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: 
         sms,
         corun,
         raw=True,
-        lora_slots=preview.lora_slots,
+        lora_slots=preview.adapters(n),
     )
 
 
