@@ -121,6 +121,19 @@ def test_the_preview_counts_a_steps_distinct_adapters_and_the_profile_times_them
         engine.synthetic_decode(2, 8, lora_slots=3)
 
 
+def _profiling_engine(models, tmp_path):  # noqa: F811
+    """(engine with adapter slots, a CPU ladder of 8 SMs, its EngineAdapter with the rungs registered, a
+    profile path, the profile key)."""
+    from harli_train.colocate.engine_adapter import EngineAdapter
+    from harli_train.colocate.profile import ProfileKey
+
+    engine = _catalog(models).engine
+    ladder = SMLadder.cpu_standin(8, 4)
+    adapter = EngineAdapter(engine, ladder.full)
+    adapter.register(ladder.partitions)
+    return engine, ladder, adapter, tmp_path / "profile.json", ProfileKey.current("lora-test", sm_count=8)
+
+
 def test_a_stored_profile_without_adapter_steps_gains_them_without_the_grid_timed_again(
     models,  # noqa: F811
     tmp_path,
@@ -129,15 +142,9 @@ def test_a_stored_profile_without_adapter_steps_gains_them_without_the_grid_time
     """An engine with adapter slots over a profile made without them: only the adapter points are timed (the
     base step of each beside them, replacing the stored one); every other sample stays, and it is stored."""
     import harli_train.colocate.predictor_setup as setup
-    from harli_train.colocate.engine_adapter import EngineAdapter
-    from harli_train.colocate.profile import Profile, ProfileKey, load_profile, save_profile
+    from harli_train.colocate.profile import Profile, load_profile, save_profile
 
-    engine = _catalog(models).engine
-    ladder = SMLadder.cpu_standin(8, 4)
-    adapter = EngineAdapter(engine, ladder.full)
-    adapter.register(ladder.partitions)
-    path = tmp_path / "profile.json"
-    key = ProfileKey.current("lora-test", sm_count=ladder.total_sms)
+    engine, ladder, adapter, path, key = _profiling_engine(models, tmp_path)
     grid = dict(batches=(1, 2, 4), kv_lens=(8, 16), warmup=0, reps=1)
     plain = run_profile_grid(adapter.synthetic_decode, None, ladder, **grid)
     save_profile(path, Profile(key, plain, {"kv_bytes_per_token": 1.0}))
@@ -242,16 +249,10 @@ def test_a_stored_profile_without_mixed_adapter_steps_gains_them_and_the_preview
     on one adapter, beside the same steps on the base), and the predictor prices a chunk on an adapter. A
     waiting request's adapter rides with its chunk in the engine's preview."""
     import harli_train.colocate.predictor_setup as setup
-    from harli_train.colocate.engine_adapter import EngineAdapter
-    from harli_train.colocate.profile import Profile, ProfileKey, load_profile, save_profile
+    from harli_train.colocate.profile import Profile, load_profile, save_profile
     from harli_train.colocate.profile_grid import MixedGrid
 
-    engine = _catalog(models).engine
-    ladder = SMLadder.cpu_standin(8, 4)
-    adapter = EngineAdapter(engine, ladder.full)
-    adapter.register(ladder.partitions)
-    path = tmp_path / "profile.json"
-    key = ProfileKey.current("lora-test", sm_count=ladder.total_sms)
+    engine, ladder, adapter, path, key = _profiling_engine(models, tmp_path)
     grid = MixedGrid(
         batches=(1, 2, 3), kv_len=8, tokens=(3, 6, 12), contexts=(0, 4), corun_batches=(), reps=1
     )
