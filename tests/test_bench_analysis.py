@@ -307,17 +307,19 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     """bench/device_call.sh (what a device call runs): an unknown step refused before anything runs; a
     dry-run bench step, then one skipped for want of time; everything in one archive (but a file over 4 MiB,
     such as a main job's adapter, left behind and named), nothing else under $OUT."""
-    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "100", "DEVICE_CALL_INSTALL": "0"}
+    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "125", "DEVICE_CALL_INSTALL": "0"}
     call = ["bash", str(BENCH / "device_call.sh")]
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
     assert typo.returncode == 2 and "unknown step 'smoek'" in typo.stderr and not any(tmp_path.iterdir())
     made = 'echo made > "$OUT/made.txt" && head -c 5000000 /dev/zero > "$OUT/weights.bin"'
-    steps = ["cmd", made, "colocate", dry, "colocate", dry]
+    # A step starts only with 90 s of the call's 125 left: the sleep (step 3, reached within 35 s) puts the
+    # last step past that, whatever the dry run's own time.
+    steps = ["cmd", made, "colocate", dry, "cmd", "sleep 36", "colocate", dry]
     proc = subprocess.run([*call, *steps], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "=== 1 cmd: exit 0" in proc.stdout and "=== 2 colocate: exit 0" in proc.stdout
-    assert "=== 3 colocate: skipped" in proc.stdout
+    assert "=== 3 cmd: exit 0" in proc.stdout and "=== 4 colocate: skipped" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.tar.gz"]
     with tarfile.open(tmp_path / "c1.tar.gz") as tar:
         names = tar.getnames()
