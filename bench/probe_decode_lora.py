@@ -9,6 +9,13 @@ kernels they slow.
     python bench/probe_decode_lora.py            # H200: $OUT/probe_decode_lora.json, a table last
     python bench/probe_decode_lora.py --dry-run  # CPU: the tiny model, its eager step (the code path only)
     python bench/probe_decode_lora.py --shrink-ahead-rows 0   # the shrinks in the projections' launches
+    python bench/probe_decode_lora.py --mixed 24,56,120        # mixed steps: each batch plus a chunk of N
+
+``--mixed``: instead of decode steps, mixed steps of each batch's decode rows plus one prefill chunk of each
+token count (the engine's synthetic mixed step, which replays its token bucket's graph on the GPU), every
+row (the chunk one row) on the variant's adapters: a chunk on an adapter costs far more than a decode row
+(2 ms at the 32-token bucket and ~5 ms at the 128-token one on the H200, 2026-12-04), and the kernel table
+says where. Rows are keyed ``b{batch}_n{tokens}_{variant}``.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument(
+        "--mixed", default="", help="prefill chunk sizes: time mixed steps instead of decode steps"
+    )
+    ap.add_argument(
         "--shrink-ahead-rows",
         type=int,
         default=None,
@@ -77,65 +87,81 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     bench = Bench(args.dry_run, steps=args.reps)
     batches = [int(b) for b in args.batches.split(",")] if not args.dry_run else [1, 4]
+    chunks = [int(n) for n in args.mixed.split(",") if n] if args.mixed else []
     model = bench.load_model(device)
     adapters = decode_lora.random_adapters(model, decode_lora.ADAPTERS, decode_lora.RANK)
     cfg = EngineConfig(
-        max_num_seqs=max(batches),
+        max_num_seqs=max(batches) + (1 if chunks else 0),  # a mixed step's chunk is a row of its own
         max_model_len=bench.ctx + 4 * args.reps + 64,
-        graph_batch_sizes=tuple(batches),
+        graph_batch_sizes=tuple(sorted({*batches, max(batches) + (1 if chunks else 0)})),
         gpu_memory_utilization=0.6,
         num_kv_blocks=256 if args.dry_run else None,
         max_loras=decode_lora.ADAPTERS,
         max_lora_rank=decode_lora.RANK,
         lora_kernel="gemv",
+        mixed_prefill=bool(chunks),
+        max_num_batched_tokens=max([512, *(max(batches) + n for n in chunks)]),
     )
     engine = DecodeEngine(model, cfg)
     for slot, pairs in enumerate(adapters, start=1):
         engine.load_lora(slot, pairs, decode_lora.RANK, 2.0)
     results: dict = {"env": common.environment(), "args": vars(args), "ctx": bench.ctx, "rows": {}}
     table = []
-    for batch in batches:
+    cases = [(b, n) for b in batches for n in chunks] if chunks else [(b, None) for b in batches]
+    names = [f"b{b}" if n is None else f"b{b}_n{n}" for b, n in cases]
+    for (batch, chunk), case in zip(cases, names, strict=True):
         for label, slots in VARIANTS.items():
-            prime(engine, batch, bench.ctx, 4 * args.reps + 16, slots)
-            for _ in range(3):  # compile, settle
-                engine.step("default")
-            graphs = engine.runner.graphs
-            if graphs is not None:
-                graph = graphs.graphs[("default", graphs.bucket(batch), any(slots))]
-                stream = engine.runner.partitions["default"].stream
+            key = f"{case}_{label}"
+            if chunk is not None:
+                adapters = len(slots) if any(slots) else 0
 
-                def run(graph=graph, stream=stream):
-                    with torch.cuda.stream(stream):
-                        graph.replay()
+                def run(batch=batch, chunk=chunk, n=adapters):
+                    engine.synthetic_mixed(batch, bench.ctx, chunk, 0, "default", n)
+
+                for _ in range(3):  # compile, settle
+                    run()
             else:
-
-                def run():
+                prime(engine, batch, bench.ctx, 4 * args.reps + 16, slots)
+                for _ in range(3):  # compile, settle
                     engine.step("default")
+                graphs = engine.runner.graphs
+                if graphs is not None:
+                    graph = graphs.graphs[("default", graphs.bucket(batch), any(slots))]
+                    stream = engine.runner.partitions["default"].stream
+
+                    def run(graph=graph, stream=stream):
+                        with torch.cuda.stream(stream):
+                            graph.replay()
+                else:
+
+                    def run():
+                        engine.step("default")
 
             rows, total = kernel_times(run, args.reps)
-            drain(engine)
-            results["rows"][f"b{batch}_{label}"] = {"total_us": total, "kernels": rows}
-            table.append((batch, label, total, sum(r["launches"] for r in rows.values())))
-            print(f"b{batch} {label}: {total:.1f} us of kernels a step", flush=True)
+            if chunk is None:
+                drain(engine)
+            results["rows"][key] = {"total_us": total, "kernels": rows}
+            table.append((case, label, total, sum(r["launches"] for r in rows.values())))
+            print(f"{key}: {total:.1f} us of kernels a step", flush=True)
     engine.close()
-    # Per batch: each kernel's time with adapters minus without (what the adapters add or slow).
+    # Per case: each kernel's time with adapters minus without (what the adapters add or slow).
     diffs = {}
-    for batch in batches:
-        base = results["rows"][f"b{batch}_base"]["kernels"]
+    for case in names:
+        base = results["rows"][f"{case}_base"]["kernels"]
         for label in ("lora_1", "lora_mix4"):
-            lora = results["rows"][f"b{batch}_{label}"]["kernels"]
+            lora = results["rows"][f"{case}_{label}"]["kernels"]
             d = {
                 k: lora.get(k, {"us": 0.0})["us"] - base.get(k, {"us": 0.0})["us"]
                 for k in set(base) | set(lora)
             }
-            diffs[f"b{batch}_{label}"] = dict(sorted(d.items(), key=lambda kv: -abs(kv[1]))[:12])
+            diffs[f"{case}_{label}"] = dict(sorted(d.items(), key=lambda kv: -abs(kv[1]))[:12])
     results["diffs"] = diffs
     path = common.write_json("probe_decode_lora.json", results)
     print(f"wrote {path}")
-    print(f"{'batch':>5} {'variant':<10} {'kernel us':>10} {'launches':>9} {'x base':>7}")
-    base_us = {b: t for b, label, t, _ in table if label == "base"}
-    for batch, label, total, launches in table:
-        print(f"{batch:>5} {label:<10} {total:>10.1f} {launches:>9.0f} {total / base_us[batch]:>7.3f}")
+    print(f"{'case':>9} {'variant':<10} {'kernel us':>10} {'launches':>9} {'x base':>7}")
+    base_us = {case: t for case, label, t, _ in table if label == "base"}
+    for case, label, total, launches in table:
+        print(f"{case:>9} {label:<10} {total:>10.1f} {launches:>9.0f} {total / base_us[case]:>7.3f}")
     for key, d in diffs.items():
         print(key, ", ".join(f"{k[:48]} {v:+.1f}" for k, v in list(d.items())[:6]))
 

@@ -300,6 +300,22 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
     for row in result["rows"].values():
         assert row["total_us"] > 0 and all(k["launches"] > 0 for k in row["kernels"].values())
     assert set(result["diffs"]) == {f"b{b}_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")}
+    # --mixed: mixed steps of each batch plus a chunk of each size, every row on the variant's adapters.
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "probe_decode_lora.py"), "--dry-run", "--reps", "1", "--mixed", "6"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mixed = json.loads((tmp_path / "probe_decode_lora.json").read_text())
+    assert sorted(mixed["rows"]) == sorted(
+        f"b{b}_n6_{v}" for b in (1, 4) for v in ("base", "lora_1", "lora_mix4")
+    )
+    assert mixed["args"]["mixed"] == "6" and set(mixed["diffs"]) == {
+        f"b{b}_n6_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")
+    }
 
 
 @pytest.mark.slow
