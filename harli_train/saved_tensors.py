@@ -13,15 +13,16 @@ def storages(tensors) -> set[int]:
 
 
 def stays_in_place(t: torch.Tensor, exclude: set[int]) -> bool:
-    """Whether a saved ``t`` is left where it is: a leaf that requires grad and is no view (a trainable
-    parameter, an input of the chunk), a tensor whose storage is one of ``exclude`` (frozen weights, static
-    tensors), a parameter, or a view of one (a frozen weight's transpose). A view made inside a custom
-    Function's forward (grad mode off) of an activation that requires grad also reads as a leaf that requires
-    grad: its ``_base`` tells it apart, and it is moved like the activation it views. The cheapest checks come
-    first: this runs for every tensor autograd saves."""
-    if (t.requires_grad and t.is_leaf and t._base is None) or t.untyped_storage().data_ptr() in exclude:
-        return True
-    if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+    """Whether a saved ``t`` is left where it is: a tensor whose storage is one of ``exclude`` (frozen weights,
+    static tensors); a leaf that requires grad (a trainable parameter, an input of the chunk) or a view of
+    one; a parameter or a view of one (a frozen weight's transpose). A view is judged by its base: inside a
+    custom Function's forward (grad mode off) a view of an activation also reads as a leaf that requires
+    grad, and it is moved like the activation it views. The cheapest checks come first: this runs for every
+    tensor autograd saves."""
+    if t.untyped_storage().data_ptr() in exclude:
         return True
     base = t._base
-    return base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
+    root = t if base is None else base
+    if root.requires_grad and root.is_leaf:
+        return True
+    return isinstance(root, torch.nn.Parameter)

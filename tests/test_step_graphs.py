@@ -128,10 +128,10 @@ class _SavesAView(torch.autograd.Function):
 
 
 def test_a_view_of_an_activation_saved_by_a_custom_function_is_moved_and_a_parameter_stays():
-    """The arena (and the page pool's stashes) copy what a Function saves unless it is a parameter, a view of
-    one or a static tensor: a view of the activation the Function was given is copied like the activation (a
-    set of graphs that left it in its own pool would have another set's backward read stale memory), the
-    parameter and its transpose stay where they are."""
+    """The arena (and the page pool's stashes) copy what a Function saves unless it is a parameter, a leaf that
+    requires grad, a view of either, or a static tensor: a view of the activation the Function was given is
+    copied like the activation (a set of graphs that left it in its own pool would have another set's
+    backward read stale memory); the parameter, its transpose and the rows of a leaf input stay."""
     from harli_train.saved_tensors import stays_in_place
     from harli_train.train.saved_arena import SavedArena
 
@@ -154,6 +154,10 @@ def test_a_view_of_an_activation_saved_by_a_custom_function_is_moved_and_a_param
     assert [tuple(t.shape) for t in arena.slots.values()] == [(6, 4)]  # the rows only
     y.sum().backward()
     assert torch.allclose(w.grad, (x.detach().reshape(-1, 4)).t() @ torch.ones(6, 5))
+    # The rows of a leaf that requires grad (a chunk's input, alive for its backward anyway) stay.
+    with SavedArena(set()).chunk(0), torch.enable_grad():
+        Probe.apply(x, w)
+    assert seen[-1] == (True, True, True)
 
 
 def test_once_frozen_the_arena_refuses_a_pass_that_saves_other_tensors_or_fewer():
