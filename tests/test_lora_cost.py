@@ -287,3 +287,23 @@ def test_a_stored_profile_without_mixed_adapter_steps_gains_them_and_the_preview
     assert preview.lora_slots == 0  # the decode rows' only
     assert [p.lora_slot for p in preview.pieces] == [2] and preview.adapters(None) == 1
     engine.run_until_done()
+
+
+def test_a_chunk_on_an_adapter_is_cut_to_the_bucket_that_fits_where_the_same_chunk_on_the_base_fits_whole():
+    """The mixed step's chunking prices the chunks it takes: with a budget between a 100-token chunk's step on
+    the base and on an adapter, the base chunk goes whole (the 128-row graph) and the adapter's is cut to
+    what the 64-row graph holds beside the 8 decode rows."""
+    from harli_train.colocate.policy.base import largest_chunk
+    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+
+    pred = LatencyPredictor.fit(samples() + mixed_samples(), 132, 1.0, mixed_buckets=BUCKETS)
+    on_base, on_adapter = (
+        StepPreview(8, 8 * 256, (PrefillPiece(100, 0, 0, slot),), True, 0) for slot in (0, 1)
+    )
+    pairs = 100 * 101 // 2
+    base_s = pred.predict_mixed(8, 8 * 256, 100, pairs, 64, corun=False)
+    adapter_s = pred.predict_mixed(8, 8 * 256, 100, pairs, 64, corun=False, lora_slots=1)
+    budget = (base_s + adapter_s) / 2
+    assert largest_chunk(pred, on_base, 64, False, budget)[0] == 100
+    n, t, _ = largest_chunk(pred, on_adapter, 64, False, budget)
+    assert n == 64 - 8 and t <= budget
