@@ -210,6 +210,8 @@ def test_a_chunk_on_an_adapter_is_priced_by_the_steps_rows_and_the_base_mixed_fi
         samples() + [r for r in mixed if not r.get("lora_slots")], 132, 1.0, mixed_buckets=BUCKETS
     )
     assert both.mixed.coef == base_only.mixed.coef and base_only.mixed_lora is None
+    # The base model's error is reported on base steps only (a step on an adapter is not its to predict).
+    assert both.evaluate(mixed) == base_only.evaluate([r for r in mixed if not r.get("lora_slots")])
     args = (8, 2048, 100, 5050, 64)
     base = both.predict_mixed(*args, corun=False, raw=True)
     one = both.predict_mixed(*args, corun=False, raw=True, lora_slots=1)
