@@ -25,4 +25,5 @@ def stays_in_place(t: torch.Tensor, exclude: set[int]) -> bool:
     root = t if base is None else base
     if root.requires_grad and root.is_leaf:
         return True
-    return isinstance(root, torch.nn.Parameter)
+    # The exact-type test first: Parameter's isinstance goes through a Python metaclass check.
+    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
