@@ -285,15 +285,19 @@ def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(t
 def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differences(tmp_path):
     """probe_decode_lora.py on the tiny model: per batch, the step's ops for base rows, one adapter and four,
     and what the adapters add, in one JSON."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "probe_decode_lora.py"), "--dry-run", "--reps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "probe_decode_lora.json").read_text())
+
+    def probe(*args: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "probe_decode_lora.py"), "--dry-run", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OUT": str(tmp_path)},
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads((tmp_path / "probe_decode_lora.json").read_text())
+
+    result = probe("--reps", "2")
     assert sorted(result["rows"]) == sorted(
         f"b{b}_{v}" for b in (1, 4) for v in ("base", "lora_1", "lora_mix4")
     )
@@ -301,15 +305,7 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
         assert row["total_us"] > 0 and all(k["launches"] > 0 for k in row["kernels"].values())
     assert set(result["diffs"]) == {f"b{b}_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")}
     # --mixed: mixed steps of each batch plus a chunk of each size, every row on the variant's adapters.
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "probe_decode_lora.py"), "--dry-run", "--reps", "1", "--mixed", "6"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    mixed = json.loads((tmp_path / "probe_decode_lora.json").read_text())
+    mixed = probe("--reps", "1", "--mixed", "6")
     assert sorted(mixed["rows"]) == sorted(
         f"b{b}_n6_{v}" for b in (1, 4) for v in ("base", "lora_1", "lora_mix4")
     )

@@ -232,13 +232,13 @@ def test_the_preview_counts_the_adapters_of_the_chunks_a_step_takes():
     from harli_train.engine.scheduler import PrefillPiece, StepPreview
 
     pieces = (PrefillPiece(40, 0, 0, 2), PrefillPiece(30, 0, 10, 0), PrefillPiece(20, 0, 0, 3))
-    preview = StepPreview(4, 400, pieces, True, 1, (), frozenset({1}))
+    preview = StepPreview(4, 400, pieces, True, frozenset({1}))
     assert preview.adapters(0) == 1  # the decode rows' alone
     assert preview.adapters(40) == 2 and preview.adapters(70) == 2  # slot 2's chunk; the base's adds none
     assert preview.adapters(None) == 3
     assert [p.lora_slot for p in preview.take(50)] == [2, 0]
-    assert StepPreview(4, 400, pieces[:1], True, 0).adapters(None) == 1
-    same = StepPreview(4, 400, pieces[:1], True, 1, (), frozenset({2}))
+    assert StepPreview(4, 400, pieces[:1], True).adapters(None) == 1
+    same = StepPreview(4, 400, pieces[:1], True, frozenset({2}))
     assert same.adapters(None) == 1  # the chunk's adapter already runs in the decode rows
 
 
@@ -299,9 +299,7 @@ def test_a_chunk_on_an_adapter_is_cut_to_the_bucket_that_fits_where_the_same_chu
     from harli_train.engine.scheduler import PrefillPiece, StepPreview
 
     pred = LatencyPredictor.fit(samples() + mixed_samples(), 132, 1.0, mixed_buckets=BUCKETS)
-    on_base, on_adapter = (
-        StepPreview(8, 8 * 256, (PrefillPiece(100, 0, 0, slot),), True, 0) for slot in (0, 1)
-    )
+    on_base, on_adapter = (StepPreview(8, 8 * 256, (PrefillPiece(100, 0, 0, slot),), True) for slot in (0, 1))
     pairs = 100 * 101 // 2
     base_s = pred.predict_mixed(8, 8 * 256, 100, pairs, 64, corun=False)
     adapter_s = pred.predict_mixed(8, 8 * 256, 100, pairs, 64, corun=False, lora_slots=1)

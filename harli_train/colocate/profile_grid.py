@@ -119,12 +119,10 @@ def run_profile_grid(
                 step = lambda b=b, kv=kv, p=p, n=chunk[1]: decode_step_fn(b, kv, p, n)
                 base["lora_slots"] = chunk[1]
             else:
-                n, c, *adapters = chunk
+                n, c, *adapters = chunk  # (tokens, context[, adapters])
+                step = lambda b=b, kv=kv, n=n, c=c, p=p, a=tuple(adapters): mixed_step_fn(b, kv, n, c, p, *a)
                 if adapters:
-                    step = lambda b=b, kv=kv, n=n, c=c, p=p, a=adapters[0]: mixed_step_fn(b, kv, n, c, p, a)
                     base["lora_slots"] = adapters[0]
-                else:
-                    step = lambda b=b, kv=kv, n=n, c=c, p=p: mixed_step_fn(b, kv, n, c, p)
                 base.update(prefill_tokens=n, prefill_context=c, attn_pairs=attention_pairs([(n, c)]))
             t_solo = median(time_calls(step, p.infer_stream, n_warm, n_reps))
             samples.append({**base, "corun": False, "latency_s": t_solo})

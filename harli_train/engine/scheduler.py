@@ -68,9 +68,13 @@ class StepPreview:
     decode_kv_tokens: int = 0
     pieces: tuple[PrefillPiece, ...] = ()
     mixed: bool = False
-    lora_slots: int = 0  # distinct adapters the decode rows run on (0: the base only)
-    prefill_waits: tuple[float, ...] = ()  # how long each piece's request has waited (peek's `now` given)
     decode_adapters: frozenset[int] = frozenset()  # the decode rows' adapter slots (0 left out)
+    prefill_waits: tuple[float, ...] = ()  # how long each piece's request has waited (peek's `now` given)
+
+    @property
+    def lora_slots(self) -> int:
+        """Distinct adapters the decode rows run on (0: the base only)."""
+        return len(self.decode_adapters)
 
     @property
     def prefill_wait_s(self) -> float | None:
@@ -104,10 +108,9 @@ class StepPreview:
     def adapters(self, budget: int | None = None) -> int:
         """Distinct adapters a step with a prefill budget of `budget` tokens runs: the decode rows' and
         those of the chunks it takes."""
-        chunks = {p.lora_slot for p in self.take(budget)} - {0}
-        if not chunks:
-            return self.lora_slots
-        return len(self.decode_adapters | chunks) if self.decode_adapters else self.lora_slots + len(chunks)
+        if not any(p.lora_slot for p in self.pieces):  # the common case: no prompt on an adapter
+            return len(self.decode_adapters)
+        return len(self.decode_adapters | ({p.lora_slot for p in self.take(budget)} - {0}))
 
     def decode_after(self, budget: int | None = None) -> tuple[int, int]:
         """(sequences, KV tokens) of the decode step after this one with a prefill budget of `budget`: the
@@ -242,9 +245,7 @@ class Scheduler:
         pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n, s.lora_slot) for s, n, _ in plan)
         adapters = frozenset(s.lora_slot for s in decoding) - {0}
         waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
-        return StepPreview(
-            len(decoding), sum(len(s) for s in decoding), pieces, mixed, len(adapters), waits, adapters
-        )
+        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, waits)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,
