@@ -304,33 +304,23 @@ def test_projection_past_gemv_rows_falls_back_to_torch():
     )
 
 
-def test_the_torch_fallback_adds_the_addend_before_swiglu_and_the_add_norm():
-    """Past MAX_GEMV_ROWS (and o_proj at CUBLAS_SQUARE_ROWS) the LoRA delta joins F.linear's output before
-    the SwiGLU and the residual add + norm, as in the GEMV's epilogue."""
+def test_the_cublas_path_takes_no_addend():
+    """Past MAX_GEMV_ROWS (and o_proj at CUBLAS_SQUARE_ROWS) F.linear computes the projection: an adapter's
+    deltas come as `adds` (tested with the engine's slots in test_lora_serving), an fp32 addend is refused."""
     from harli_train.engine.decode_forward import CUBLAS_SQUARE_ROWS, _project, _project_add_norm, _use_gemv
-    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
 
     f32 = dict(dtype=torch.float32)
     x64, w64 = _randn(CUBLAS_SQUARE_ROWS, 48, seed=61, **f32), _randn(48, 48, seed=62, **f32)
     res, norm = _randn(CUBLAS_SQUARE_ROWS, 48, seed=63, **f32), torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)
-    add = _randn(CUBLAS_SQUARE_ROWS, 48, seed=64, **f32)
     assert not _use_gemv(x64, (w64,))
-    y, h = _project_add_norm(x64, w64, res, norm, add)
+    y, h = _project_add_norm(x64, w64, res, norm)
     want_y, want_h = kernel_reference.add_rms_norm(
-        decode_linear_reference(x64, [w64], addend=add), res, norm.weight, 1e-5
+        decode_linear_reference(x64, [w64]), res, norm.weight, 1e-5
     )
     torch.testing.assert_close(h, want_h, **TOL[torch.float32])
     torch.testing.assert_close(y, want_y, **TOL[torch.float32])
-
-    x = _randn(MAX_GEMV_ROWS + 3, 48, seed=65, **f32)
-    ws = [_randn(n, 48, seed=66 + n, **f32) for n in (32, 16, 16)]
-    add = _randn(x.shape[0], 64, seed=67, **f32)
-    want = decode_linear_reference(x, ws, addend=add)
-    torch.testing.assert_close(_project(x, tuple(ws), addend=add), want, **TOL[torch.float32])
-    gate_up = (ws[0], ws[0].flip(0).contiguous())
-    got = _project(x, gate_up, swiglu=True, addend=add)
-    want = decode_linear_reference(x, list(gate_up), swiglu=True, addend=add)
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    with pytest.raises(AssertionError, match="cuBLAS path"):
+        _project(x64, (w64,), addend=torch.zeros(CUBLAS_SQUARE_ROWS, 48, device=DEVICE))
 
 
 # (the rows' adapter slots, tensor-core dot, split-K) of the LoRA projection tests: FMA and dot, one row and

@@ -264,3 +264,81 @@ def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph
         table[key] = Spy(key, table[key])
     assert _run(graphs.engine, [(PROMPTS[0], 0)]) == _run(eager.engine, [(PROMPTS[0], 0)])
     assert replayed and all(not with_lora for _, _, with_lora in replayed)
+
+
+@pytest.mark.parametrize("lora_kernel", ["gemv", "split"])
+def test_past_the_gemv_rows_the_deltas_are_added_into_cublas_outputs_in_place(
+    models, monkeypatch, lora_kernel
+):
+    """A step past MAX_GEMV_ROWS (a mixed step with a prefill chunk) computes each projection with cuBLAS and
+    adds its adapter rows' deltas in place: one shrink + expand pair (`lora_add`) for q/k/v side by side,
+    one per output of gate/up, one for down before its residual add + norm, no fp32 delta; the outputs
+    equal the torch reference slot by slot."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import numpy as np
+
+    from harli_train import kernels
+    from harli_train.engine import decode_forward, lora_fused, lora_ops
+    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+    from harli_train.engine.lora_ops import lora_add_reference
+
+    engine = _catalog(models, kernels="triton", lora_kernel=lora_kernel).engine
+    fwd, slots = engine.runner.decode_forward, engine.lora
+    calls = []
+    for module, name in [
+        (lora_ops, "lora_add"),
+        (lora_fused, "lora_delta_fused"),
+        (lora_ops, "lora_delta_split"),
+    ]:
+        fn = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k)
+        )
+    rows = MAX_GEMV_ROWS + 6
+    token_slots = np.random.default_rng(0).integers(0, 3, rows)
+    x = torch.randn(rows, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    layer = engine.model.model.layers[1]
+    cases = [
+        (decode_forward.QKV, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), False),
+        (decode_forward.GATE_UP, (layer.mlp.gate_proj, layer.mlp.up_proj), True),
+    ]
+    slots_t = torch.from_numpy(token_slots)
+    with slots.active(token_slots):
+        for group, mods, swiglu in cases:
+            weights = tuple(m.weight for m in mods)
+            calls.clear()
+            got = decode_forward._project(x, weights, swiglu=swiglu, **fwd._adapters(x, weights, 1, group))
+            assert calls == ["lora_add"] * (2 if swiglu else 1)
+            ys = [
+                lora_add_reference(
+                    torch.nn.functional.linear(x, w),
+                    x,
+                    [slots.a[t][1]],
+                    [slots.b[t][1]],
+                    [0],
+                    slots_t,
+                    slots.scales,
+                )
+                for w, t in zip(weights, group, strict=True)
+            ]
+            want = kernels.swiglu(*ys) if swiglu else torch.cat(ys, dim=-1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            base = token_slots == 0
+            plain = [torch.nn.functional.linear(x, w) for w in weights]
+            plain = kernels.swiglu(*plain) if swiglu else torch.cat(plain, dim=-1)
+            assert torch.equal(got[torch.from_numpy(base)], plain[torch.from_numpy(base)])  # the base's rows
+        down, norm = layer.mlp.down_proj, engine.model.model.norm
+        act = torch.randn(rows, down.weight.shape[1], generator=torch.Generator().manual_seed(2))
+        calls.clear()
+        adds = fwd._adapters(act, (down.weight,), 1, decode_forward.DOWN)
+        y, h = decode_forward._project_add_norm(act, down.weight, x, norm, **adds)
+        assert calls == ["lora_add"]
+        p = torch.nn.functional.linear(act, down.weight)
+        p = lora_add_reference(
+            p, act, [slots.a["down_proj"][1]], [slots.b["down_proj"][1]], [0], slots_t, slots.scales
+        )
+        want_y, want_h = kernels.add_rms_norm(p, x, norm.weight, norm.eps)
+        torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)

@@ -13,10 +13,14 @@ K is not split for q/k/v or gate/up (batch 1-16 of an 8B model), the norm that m
 the shrink instead (`rms_norm_shrink`, in the launch the norm takes anyway) and the GEMV adds the expand in
 its epilogue: those projections then take no launch more than the base's. Otherwise each delta is computed
 first (`LoRASlots.delta`: one launch a projection with "fused", two with "split") and handed to the
-projection as an addend. A step without adapter rows runs exactly the base path.
+projection as an addend. Past the GEMV's rows (mixed steps with a prefill chunk), cuBLAS computes the
+projection and the deltas are added into its outputs in place (`LoRAAdds`). A step without adapter rows
+runs exactly the base path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,21 +58,45 @@ def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], lora: bool = F
     return m <= MAX_GEMV_ROWS and not (square and m >= CUBLAS_SQUARE_ROWS and not lora)
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAAdds:
+    """A projection's adapter deltas added into its cuBLAS outputs in place (`LoRASlots.add`: a shrink and an
+    expand launch per output, the fp32 add before the one cast; the base's rows untouched), the path of
+    steps past the GEMV's rows. The same values as the fp32 delta added by torch's casts, without a
+    [rows, N] fp32 buffer or an elementwise launch (docs/design.md: what those cost a mixed step)."""
+
+    slots: LoRASlots
+    layer: int
+    group: tuple[str, ...]  # the targets of the projection's weights, in their order
+
+    def __call__(self, x: torch.Tensor, ys: list[torch.Tensor], joined: torch.Tensor | None) -> list:
+        """`ys` (one output per weight) with their deltas; `joined` (the outputs side by side, when the
+        projection concatenates them) takes all of them in one pair of launches instead."""
+        if joined is not None:
+            return [self.slots.add(joined, x, self.layer, self.group)]
+        return [self.slots.add(y, x, self.layer, (t,)) for y, t in zip(ys, self.group, strict=True)]
+
+
 def _project(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, ...],
     swiglu: bool = False,
     out: torch.Tensor | None = None,
-    addend: torch.Tensor | None = None,  # fp32 [M, sum N]: added before the SwiGLU (see decode_linear)
+    addend: torch.Tensor | None = None,  # fp32 [M, sum N], the GEMV path only: added before the SwiGLU
     lora: GemvLoRA | None = None,  # the GEMV path only (see DecodeForward._adapters)
+    adds: LoRAAdds | None = None,  # the cuBLAS path only (see DecodeForward._adapters)
 ) -> torch.Tensor:
     if _use_gemv(x, weights, lora is not None):
+        assert adds is None, "the GEMV path takes its LoRA as `lora` or an `addend`"
         return decode_linear(x, weights, swiglu=swiglu, out=out, addend=addend, lora=lora)
+    assert addend is None and lora is None, "the cuBLAS path takes its LoRA as `adds`"
     ys = [F.linear(x, w) for w in weights]
-    if addend is not None:
-        parts = addend.split([w.shape[0] for w in weights], dim=1)
-        ys = [(y.float() + a).to(y.dtype) for y, a in zip(ys, parts, strict=True)]
-    y = kernels.swiglu(ys[0], ys[1]) if swiglu else torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+    if swiglu:
+        y = kernels.swiglu(*(adds(x, ys, None) if adds is not None else ys))
+    else:
+        y = torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+        if adds is not None:
+            (y,) = adds(x, ys, y)
     if out is None:
         return y
     return out.copy_(y)
@@ -81,13 +109,15 @@ def _project_add_norm(
     norm,
     addend: torch.Tensor | None = None,
     lora: GemvLoRA | None = None,
+    adds: LoRAAdds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # (norm(x W^T (+ delta) + residual), x W^T (+ delta) + residual): with split-K, one kernel after the GEMV.
     if _use_gemv(x, (weight,), lora is not None):
         return decode_linear_add_rms_norm(
             x, weight, residual, norm.weight, norm.eps, addend=addend, lora=lora
         )
-    return kernels.add_rms_norm(_project(x, (weight,), addend=addend), residual, norm.weight, norm.eps)
+    projected = _project(x, (weight,), addend=addend, lora=lora, adds=adds)
+    return kernels.add_rms_norm(projected, residual, norm.weight, norm.eps)
 
 
 class DecodeForward:
@@ -206,13 +236,15 @@ class DecodeForward:
         return rms_norm_shrink(p, residual, norm.weight, norm.eps, ahead)
 
     def _adapters(self, x: torch.Tensor, weights: tuple, layer: int, group: tuple[str, ...]) -> dict:
-        """The projection's LoRA argument in an adapter step: `lora` (run in the projection's launches)
-        with the "gemv" kernel on the GEMV path, else the delta computed first as an `addend`; {} (no
-        work) in a base step."""
+        """The projection's LoRA argument in an adapter step: on the GEMV path `lora` (run in the
+        projection's launches) with the "gemv" kernel, else the delta computed first as an `addend`; past
+        the GEMV's rows `adds` (added into cuBLAS's outputs in place); {} (no work) in a base step."""
         slots = self.lora
         if slots is None or slots.meta is None:
             return {}
-        if slots.kernel == "gemv" and _use_gemv(x, weights, lora=True):
+        if not _use_gemv(x, weights, lora=slots.kernel == "gemv"):
+            return {"adds": LoRAAdds(slots, layer, group)}
+        if slots.kernel == "gemv":
             return {"lora": slots.gemv(layer, group)}
         return {"addend": slots.delta(x, layer, group)}
 
