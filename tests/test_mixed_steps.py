@@ -353,6 +353,47 @@ def test_a_ttft_objective_drains_a_burst_on_the_whole_gpu_within_the_budget_befo
         monkeypatch.undo()
 
 
+def test_a_drain_that_would_overrun_beside_the_trainers_queue_waits_for_it_while_the_prompts_can():
+    # Beside the trainer's queued work (mixed steps measured at 3x their raw prediction co-run) even the
+    # least chunk overruns the TPOT budget, which it fits once that work is gone. With time for the drain at
+    # that pace and a step to spare, the step decodes alone with no prefill (the trainer launching nothing
+    # new) on decode's own SMs; once the trainer's work has left, the prefill goes on within the budget; a
+    # prompt    # too close to its deadline for a step more is drained at once, past the budget.
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    full = ladder.full.infer_sms
+    margin = 0.1
+    for name, own in (("harli", None), ("static:32", 32)):
+        pred = mixed_predictor(ladder.shares)
+        preview = StepPreview(2, 40, (PrefillPiece(300, 0, 0),), mixed=True, prefill_waits=(0.0,))
+        raw = pred.predict_mixed(2, 40, MIN_CHUNK, attention_pairs([(MIN_CHUNK, 0)]), full, True, raw=True)
+        for _ in range(64):
+            pred.observe(full, True, 3 * raw, raw, mixed=True)
+        solo = pred.predict_mixed(2, 40, MIN_CHUNK, attention_pairs([(MIN_CHUNK, 0)]), full, False)
+        budget = 1.5 * solo
+        assert budget < 3 * raw * 0.99  # co-run, the least chunk overruns it
+        policy = make_policy(name, ladder, pred, budget / (1 - margin), margin)
+        policy.ttft_s = 1.0
+        co_period = largest_chunk(pred, preview, full, True, budget)[1]
+        steps = -(-300 // MIN_CHUNK)
+        # The drain is due (twice its steps do not fit) and the step more fits: wait.
+        wait = 0.9 - (steps + 3) * co_period
+        assert (2 * steps + 1) * co_period > 0.9 - wait
+        busy = StepPreview(2, 40, preview.pieces, mixed=True, prefill_waits=(wait,))
+        policy.trainer_busy = lambda: True
+        plan = policy.plan(busy)
+        assert plan.paused and plan.prefill_tokens == 0 and "decode alone" in plan.reason
+        assert own is None or plan.partition.infer_sms == own
+        policy.trainer_busy = lambda: False
+        plan = policy.plan(busy)  # the drain's pace, or the policy's own plan where that keeps up
+        assert plan.prefill_tokens >= MIN_CHUNK
+        assert own is not None or plan.predicted_s <= budget  # (static:32's own SMs fit no chunk in it)
+        # No step to spare: the drain goes now, beside the queue, past the budget.
+        policy.trainer_busy = lambda: True
+        late = StepPreview(2, 40, preview.pieces, mixed=True, prefill_waits=(0.9 - (steps + 1) * co_period,))
+        plan = policy.plan(late)
+        assert plan.prefill_tokens >= MIN_CHUNK and plan.corun and plan.predicted_s > budget
+
+
 def test_a_ttft_objective_reaches_a_prompt_due_further_down_the_line_past_the_budget():
     # Two prompts of 400 tokens, both within 10 ms of their deadline: no whole-GPU step ends in time, so the
     # step computes both, past the TPOT budget.

@@ -146,6 +146,9 @@ class Policy:
     def ttft_plan(self, preview: StepPreview) -> StepPlan | None:
         """With a TTFT objective (``ttft_s``): the step that keeps every pending prompt's first token within
         the objective less the margin (its deadline), when the policy's own plan might not; None otherwise.
+        A drain whose least chunk would overrun the TPOT budget beside the trainer's queued work waits for
+        that work to leave (``_drain_waits``) while every prompt's drain, at that overrunning pace, would
+        still end a step before its deadline.
 
         Prompts are computed in line (``preview.pieces``, their waits in ``prefill_waits``). The whole GPU,
         the trainer launching nothing new (what it queued runs on: the step is predicted as co-run while
@@ -176,15 +179,18 @@ class Policy:
         else:
             period = max(period, 1e-4)
             self._full_prefill_rate = fit / period
-            n = 0
+            n, wait = 0, corun and period > self.budget_s
             for s, c in zip(slack, reach, strict=True):
                 steps = -(-c // fit)
                 if s >= (DRAIN_HEADROOM * steps + 1) * period:
                     continue  # in time even if this step computed none of it
                 left = int(s // period)  # whole-GPU steps that end before its deadline, this one included
                 n = max(n, fit if left >= steps else -(-c // max(left, 1)))
+                wait = wait and s >= (steps + 2) * period  # this step, the drain's, and one to spare
             if n == 0:
                 return None
+            if wait:
+                return self._drain_waits(preview, min(slack) + self.ttft_s * self.margin)
         n = min(n, preview.prefill_tokens)
         raw = predicted = None
         if fit is not None:  # a mixed model: the step's prediction, for the record and the correction
@@ -194,6 +200,20 @@ class Policy:
         due = min(slack) + self.ttft_s * self.margin
         plan = paused(full, f"ttft: a prompt due in {due * 1e3:.0f} ms: {n} prefill tokens now", predicted)
         plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, corun
+        return plan
+
+    def decode_alone(self) -> Partition:
+        """Where decode runs while the trainer's queued work leaves the GPU: the whole GPU here; a policy
+        whose decode has SMs of its own, there (clear of that work)."""
+        return self.ladder.full
+
+    def _drain_waits(self, preview: StepPreview, due: float) -> StepPlan:
+        """The step before a drain whose least chunk overruns the TPOT budget beside the trainer's queued
+        work (``ttft_plan``): decode alone (``decode_alone``), no prefill, the trainer launching nothing new,
+        so that the drain starts once that work has left the GPU."""
+        reason = f"ttft: a prompt due in {due * 1e3:.0f} ms: decode alone until the trainer's queue ends"
+        plan = paused(self.decode_alone(), reason)
+        plan.prefill_tokens = 0
         return plan
 
     def idle_plan(self) -> StepPlan:

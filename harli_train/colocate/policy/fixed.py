@@ -51,6 +51,9 @@ class StaticPolicy(Policy):
             beside(self.part, self.part, self.step_estimate.value, None, "static"), preview
         )
 
+    def decode_alone(self) -> Partition:
+        return self.part
+
     def idle_plan(self) -> StepPlan:
         return beside(self.part, self.part, IDLE_HORIZON_S, None, "idle (static)", strict=False)
 

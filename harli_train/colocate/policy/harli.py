@@ -230,6 +230,9 @@ class HarliPolicy(ControlledPolicy):
         plan.prefill_tokens = 0
         return plan
 
+    def _drain_waits(self, preview: StepPreview, due: float) -> StepPlan:
+        return self._clear_gpu(preview)
+
     def plan(self, preview: StepPreview) -> StepPlan:
         plan = super().plan(preview)
         self._held = plan.paused  # the trainer has been told to launch nothing more
