@@ -307,3 +307,35 @@ def test_a_chunk_on_an_adapter_is_cut_to_the_bucket_that_fits_where_the_same_chu
     assert largest_chunk(pred, on_base, 64, False, budget)[0] == 100
     n, t, _ = largest_chunk(pred, on_adapter, 64, False, budget)
     assert n == 64 - 8 and t <= budget
+
+
+def test_the_gemv_and_cublas_row_ranges_get_a_line_each():
+    """Mixed steps up to MAX_GEMV_ROWS rows run the LoRA inside the GEMV's launches, past them in launches of
+    their own: each range gets its own line, so a step of either is priced by its own path's cost; a share
+    with one range only prices the other by it, and a saved cost without the second line still loads."""
+    from harli_train.colocate.lora_cost import MixedLoRACost
+    from harli_train.engine.engine_config import MAX_GEMV_ROWS
+
+    buckets = (16, 32, 64, 128, 192, 256)
+    narrow, wide = (4e-4, 6e-6), (1.5e-3, 1e-6)  # (G, Q): the cuBLAS path's launches cost a step more
+    samples = []
+    for batch, n in ((8, 6), (8, 24), (8, 56), (8, 100), (8, 180), (8, 240)):
+        rows = next(b for b in buckets if b >= batch + n)
+        g, q = narrow if rows <= MAX_GEMV_ROWS else wide
+        base = dict(batch=batch, kv_len=256, kv_tokens=batch * 256, infer_sms=64, prefill_tokens=n,
+                    prefill_context=0, attn_pairs=n * (n + 1) // 2, corun=False)  # fmt: skip
+        samples.append({**base, "latency_s": 5e-3 + 2e-5 * rows})
+        samples.append({**base, "latency_s": 5e-3 + 2e-5 * rows + g + q * rows, "lora_slots": 1})
+    cost = MixedLoRACost.fit(samples, buckets)
+    assert cost.params[64] == pytest.approx(narrow, rel=1e-6) and cost.wide[64] == pytest.approx(
+        wide, rel=1e-6
+    )
+    assert cost.seconds(64, 8 + 40) == pytest.approx(narrow[0] + narrow[1] * 64, rel=1e-6)
+    assert cost.seconds(64, 8 + 100) == pytest.approx(wide[0] + wide[1] * 128, rel=1e-6)
+    assert MixedLoRACost.from_dict(cost.to_dict()) == cost
+    only_narrow = MixedLoRACost.fit([r for r in samples if r["prefill_tokens"] <= 56], buckets)
+    assert only_narrow.wide == {} and only_narrow.seconds(64, 108) == pytest.approx(
+        narrow[0] + narrow[1] * 128
+    )
+    old = {"params": {"64": list(narrow)}, "buckets": list(buckets)}  # saved before the second line
+    assert MixedLoRACost.from_dict(old).seconds(64, 108) == pytest.approx(narrow[0] + narrow[1] * 128)

@@ -17,17 +17,22 @@ bucket, as the mixed model counts them):
 
     t_lora_mixed(s, r) = G[s] + Q[s] * r     (one adapter; each further one adds LoRACost's P[s])
 
-fitted per share from mixed steps timed with every row on one adapter beside the same steps on the base.
+fitted per share from mixed steps timed with every row on one adapter beside the same steps on the base,
+one line for the steps the GEMV serves (r <= MAX_GEMV_ROWS: the LoRA runs inside its launches) and one for
+the steps past it (cuBLAS, the deltas in launches of their own): the two paths cost differently (on the
+H200, 2026-12-04, one adapter added 0.65 / 0.82 ms at 32 / 64 rows and 1.68 / 1.81 / 1.89 ms at 128 / 256 /
+576 rows on the whole GPU), which one line over both misses by up to 0.5 ms.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harli_train.colocate.mixed_model import padded_rows
+from harli_train.engine.engine_config import MAX_GEMV_ROWS
 
 
 @dataclass(slots=True)
@@ -81,61 +86,67 @@ class LoRACost:
 @dataclass(slots=True)
 class MixedLoRACost:
     """Per-share (G, Q): one adapter in a mixed step whose projections process ``r`` rows adds G + Q r
-    seconds (see the module docstring); ``buckets``: the mixed graphs' token buckets ``r`` is padded to."""
+    seconds (see the module docstring): ``params`` up to ``MAX_GEMV_ROWS`` rows, ``wide`` past them (a
+    share that has no line of one range uses the other's); ``buckets``: the mixed graphs' token buckets ``r``
+    is padded to."""
 
-    params: dict[int, tuple[float, float]]  # sms -> (G, Q)
+    params: dict[int, tuple[float, float]]  # sms -> (G, Q), steps of up to MAX_GEMV_ROWS rows
     buckets: tuple[int, ...] = ()
+    wide: dict[int, tuple[float, float]] = field(default_factory=dict)  # sms -> (G, Q), past them
 
     @classmethod
     def fit(cls, samples: Sequence[dict], buckets: Sequence[int] = ()) -> MixedLoRACost | None:
         """From profile samples: solo mixed samples (with ``prefill_tokens``) on one adapter (``lora_slots``
-        1) and the base sample of the same point. Per share a least-squares line in the padded rows (both
-        terms at least 0; one row count: G alone). None when no share has both."""
+        1) and the base sample of the same point. Per share and row range a least-squares line in the padded
+        rows (both terms at least 0; one row count: G alone). None when no share has both."""
         solo = [r for r in samples if not r.get("corun") and "prefill_tokens" in r]
         key = lambda r: (  # noqa: E731
             int(r["infer_sms"]), int(r["batch"]), int(r["kv_tokens"]), int(r["prefill_tokens"]),
             int(r.get("prefill_context", 0)),
         )  # fmt: skip
         base = {key(r): float(r["latency_s"]) for r in solo if not r.get("lora_slots")}
-        points: dict[int, list[tuple[float, float]]] = {}
+        points: tuple[dict[int, list], dict[int, list]] = ({}, {})
         for r in solo:
             if r.get("lora_slots") == 1 and key(r) in base:
-                rows = float(padded_rows(int(r["batch"]) + int(r["prefill_tokens"]), tuple(buckets)))
-                points.setdefault(int(r["infer_sms"]), []).append(
-                    (rows, float(r["latency_s"]) - base[key(r)])
+                rows = padded_rows(int(r["batch"]) + int(r["prefill_tokens"]), tuple(buckets))
+                points[rows > MAX_GEMV_ROWS].setdefault(int(r["infer_sms"]), []).append(
+                    (float(rows), float(r["latency_s"]) - base[key(r)])
                 )
-        params: dict[int, tuple[float, float]] = {}
-        for sms, pts in points.items():
-            rows = [p[0] for p in pts]
-            extra = [max(p[1], 0.0) for p in pts]
-            mean_r, mean_e = sum(rows) / len(rows), sum(extra) / len(extra)
-            var = sum((x - mean_r) ** 2 for x in rows)
-            q = (
-                sum((x - mean_r) * (e - mean_e) for x, e in zip(rows, extra, strict=True)) / var
-                if var
-                else 0.0
-            )
-            q = max(q, 0.0)
-            params[sms] = (max(mean_e - q * mean_r, 0.0), q)
-        return cls(params, tuple(int(b) for b in buckets)) if params else None
+        narrow, wide = ({sms: _line(pts) for sms, pts in side.items()} for side in points)
+        if not narrow and not wide:
+            return None
+        return cls(narrow, tuple(int(b) for b in buckets), wide)
 
     def seconds(self, sms: int, rows: int) -> float:
         """Extra seconds of one adapter in a mixed step of ``rows`` tokens (padded to its bucket here)."""
-        g, q = _interpolated(self.params, sms)
-        return g + q * padded_rows(rows, self.buckets)
+        padded = padded_rows(rows, self.buckets)
+        first, other = (self.wide, self.params) if padded > MAX_GEMV_ROWS else (self.params, self.wide)
+        g, q = _interpolated(first or other, sms)
+        return g + q * padded
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": {str(s): list(gq) for s, gq in sorted(self.params.items())},
+            "wide": {str(s): list(gq) for s, gq in sorted(self.wide.items())},
             "buckets": list(self.buckets),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MixedLoRACost:
-        return cls(
-            {int(s): (float(gq[0]), float(gq[1])) for s, gq in d["params"].items()},
-            tuple(int(b) for b in d.get("buckets", ())),
-        )
+        lines = lambda m: {int(s): (float(gq[0]), float(gq[1])) for s, gq in m.items()}  # noqa: E731
+        return cls(lines(d["params"]), tuple(int(b) for b in d.get("buckets", ())), lines(d.get("wide", {})))
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(G, Q) of the least-squares line through (rows, extra seconds), both at least 0 (one row count: G
+    alone)."""
+    rows = [p[0] for p in points]
+    extra = [max(p[1], 0.0) for p in points]
+    mean_r, mean_e = sum(rows) / len(rows), sum(extra) / len(extra)
+    var = sum((x - mean_r) ** 2 for x in rows)
+    q = sum((x - mean_r) * (e - mean_e) for x, e in zip(rows, extra, strict=True)) / var if var else 0.0
+    q = max(q, 0.0)
+    return max(mean_e - q * mean_r, 0.0), q
 
 
 def _interpolated(params: dict[int, tuple[float, float]], sms: int) -> tuple[float, float]:

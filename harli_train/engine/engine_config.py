@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+# decode_linear's bandwidth-shaped GEMV serves steps of up to this many rows (tokens); past it cuBLAS does, and
+# an adapter's deltas take launches of their own (decode_forward.LoRAAdds).
+MAX_GEMV_ROWS = 64
+
 GIB = 1 << 30
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 LORA_KERNELS = ("gemv", "fused", "split")
