@@ -272,7 +272,7 @@ def test_decode_linear_compiles_for_sm90():
 def test_projection_past_gemv_rows_falls_back_to_torch():
     """Batches over MAX_GEMV_ROWS (graph buckets 128, 256) take F.linear, with the same grouping semantics."""
     from harli_train.engine.decode_forward import CUBLAS_SQUARE_ROWS, _project, _project_add_norm, _use_gemv
-    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+    from harli_train.engine.engine_config import MAX_GEMV_ROWS
 
     # A single small square projection at CUBLAS_SQUARE_ROWS rows (o_proj at batch 64) also goes to cuBLAS,
     # with the residual add and the norm after it.

@@ -281,7 +281,7 @@ def test_past_the_gemv_rows_the_deltas_are_added_into_cublas_outputs_in_place(
 
     from harli_train import kernels
     from harli_train.engine import decode_forward, lora_fused, lora_ops
-    from harli_train.engine.decode_linear import MAX_GEMV_ROWS
+    from harli_train.engine.engine_config import MAX_GEMV_ROWS
     from harli_train.engine.lora_ops import lora_add_reference
 
     engine = _catalog(models, kernels="triton", lora_kernel=lora_kernel).engine

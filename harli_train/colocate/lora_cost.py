@@ -19,9 +19,8 @@ bucket, as the mixed model counts them):
 
 fitted per share from mixed steps timed with every row on one adapter beside the same steps on the base,
 one line for the steps the GEMV serves (r <= MAX_GEMV_ROWS: the LoRA runs inside its launches) and one for
-the steps past it (cuBLAS, the deltas in launches of their own): the two paths cost differently (on the
-H200, 2026-12-04, one adapter added 0.65 / 0.82 ms at 32 / 64 rows and 1.68 / 1.81 / 1.89 ms at 128 / 256 /
-576 rows on the whole GPU), which one line over both misses by up to 0.5 ms.
+the steps past it (cuBLAS, the deltas in launches of their own): the two paths cost differently, a step
+apart at the boundary (docs/design.md has the figures).
 """
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 
 from harli_train import kernels
 from harli_train.engine.decode_linear import (
-    MAX_GEMV_ROWS,
     GemvLoRA,
     decode_linear,
     decode_linear_add_rms_norm,
     expands_in_epilogue,
     rms_norm_shrink,
 )
+from harli_train.engine.engine_config import MAX_GEMV_ROWS
 from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
 

@@ -35,7 +35,6 @@ from harli_train.engine.decode_linear_kernels import (
     _split_reduce_kernel,
     _split_reduce_lora_kernel,
 )
-from harli_train.engine.engine_config import MAX_GEMV_ROWS  # noqa: F401 (the configs are made up to here)
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 SMEM_PER_SM = 228 * 1024
