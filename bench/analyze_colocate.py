@@ -53,6 +53,8 @@ ADDED_COLUMNS = (
     "trainer_phase",
     "launch_s",
     "trainer_queue",
+    "adapter_rows",
+    "mixed_raw_s",
 )
 
 

@@ -63,6 +63,8 @@ STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/ana
     "trainer_queue",
     "kv_tokens",
     "prefill_tokens",
+    "adapter_rows",
+    "mixed_raw_s",
 )
 
 

@@ -36,6 +36,8 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         None,
         None,
         prefill,
+        0,
+        None,
     ]
 
 

@@ -118,6 +118,7 @@ def step_row(
         "train": plan.train,
         "paused": plan.paused,
         "predicted_s": plan.predicted_s,
+        "mixed_raw_s": plan.mixed_raw_s,  # a mixed step's uncorrected prediction (predicted_s / correction)
         "measured_s": measured_s,
         "gpu_s": result.gpu_s,
         "launch_s": result.launch_s,
