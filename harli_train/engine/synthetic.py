@@ -22,9 +22,8 @@ class SyntheticStep:
     context_lens: np.ndarray
     num_tokens: list[int]
     tables: np.ndarray
-    adapters: np.ndarray | None = (
-        None  # adapter slots (None: the base): a decode step's per row, a mixed step's per token
-    )
+    # Adapter slots (None: the base): a decode step's per row, a mixed step's per token.
+    adapters: np.ndarray | None = None
 
 
 def _tables(rows: int, max_len: int, bm: BlockManager) -> np.ndarray:

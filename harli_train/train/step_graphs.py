@@ -320,10 +320,10 @@ class StepGraphs:
     `step(...)` hands `train_step` the executor of one step. The adapter's gradients are accumulated in
     buffers of their own and handed to the parameters' ``.grad`` when the step's last backward has been
     launched; the buffers are zeroed at the next step's start, so the caller may clip, step and set the
-    gradients to None as usual. ``arena`` (this class's default; the trainer passes
-    ``trainer.GRAPHS_ARENA``): what the forwards save lives in a
-    ``SavedArena`` every set shares, so no forward is ever replayed twice; without it ``rebuilds`` counts
-    the chunks whose forward was replayed again before their backward (their forward ran on another set).
+    gradients to None as usual. ``arena`` (this class's default; the trainer passes ``trainer.GRAPHS_ARENA``):
+    what the forwards save lives in a ``SavedArena`` every set shares, so no forward is ever replayed twice;
+    without it ``rebuilds`` counts the chunks whose forward was replayed again before their backward (their
+    forward ran on another set).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], arena: bool = True) -> None:
