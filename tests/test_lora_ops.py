@@ -85,6 +85,40 @@ def test_three_slices_of_uneven_widths(dtype):
     _run([1, 0, 3, 3, 1, 2, 0], k=96, ns=[64, 24, 24], rank=16, dtype=dtype, seed=3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_slice_into_its_own_output(dtype):
+    """gate/up: two slices sharing x, each adding into a tensor of its own (one of them a column slice of a
+    wider one, so the row strides differ) in one shrink + expand pair; base rows and other columns untouched."""
+    token_slots = [2, 0, 1, 2, 2, 0, 4, 1, 3]
+    t, k, ns, num_slots = len(token_slots), 56, [48, 48], 5
+    x = _randn(t, k, dtype=dtype, seed=20)
+    a, b = _stacks(num_slots, 16, k, ns, dtype, seed=21)
+    scales = torch.rand(num_slots, generator=torch.Generator().manual_seed(2)).to(DEVICE) + 0.5
+    sorted_ids, slot_start = lora_layout(np.array(token_slots), num_slots)
+    slots_t = torch.tensor(token_slots, device=DEVICE)
+    gate = _randn(t, ns[0], dtype=dtype, seed=22)
+    wide = _randn(t, ns[1] + 7, dtype=dtype, seed=23)
+    up = wide[:, 5 : 5 + ns[1]]
+    want = [
+        lora_add_reference(y, x, [ai], [bi], [0], slots_t, scales)
+        for y, ai, bi in zip((gate, up), a, b, strict=True)
+    ]
+    got = [gate.clone(), wide.clone()]
+    outs = lora_add(
+        [got[0], got[1][:, 5 : 5 + ns[1]]], x, a, b, [0, 0],
+        torch.from_numpy(sorted_ids).to(DEVICE), torch.from_numpy(slot_start).to(DEVICE), scales,
+        int(np.bincount(token_slots).max()),
+    )  # fmt: skip
+    assert [o.data_ptr() for o in outs] == [got[0].data_ptr(), got[1][:, 5:].data_ptr()]  # in place
+    torch.testing.assert_close(got[0].float(), want[0].float(), **TOL[dtype])
+    torch.testing.assert_close(got[1][:, 5 : 5 + ns[1]].float(), want[1].float(), **TOL[dtype])
+    base = slots_t == 0
+    assert torch.equal(got[0][base], gate[base]) and torch.equal(got[1][base], wide[base])
+    assert torch.equal(got[1][:, :5], wide[:, :5]) and torch.equal(
+        got[1][:, 5 + ns[1] :], wide[:, 5 + ns[1] :]
+    )
+
+
 def test_many_rows_per_slot_span_several_row_tiles():
     slots = [int(s) for s in np.random.default_rng(0).integers(0, 4, 77)]
     _run(slots, k=40, ns=[33, 33], rank=16, dtype=torch.float32, num_slots=4, seed=5)

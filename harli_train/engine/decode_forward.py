@@ -60,9 +60,9 @@ def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], lora: bool = F
 
 @dataclass(frozen=True, slots=True)
 class LoRAAdds:
-    """A projection's adapter deltas added into its cuBLAS outputs in place (`LoRASlots.add`: a shrink and an
-    expand launch per output, the fp32 add before the one cast; the base's rows untouched), the path of
-    steps past the GEMV's rows. The same values as the fp32 delta added by torch's casts, without a
+    """A projection's adapter deltas added into its cuBLAS outputs in place (`LoRASlots.add`: one shrink and
+    one expand launch for all its outputs, the fp32 add before the one cast; the base's rows untouched), the
+    path of steps past the GEMV's rows. The same values as the fp32 delta added by torch's casts, without a
     [rows, N] fp32 buffer or an elementwise launch (docs/design.md: what those cost a mixed step)."""
 
     slots: LoRASlots
@@ -70,11 +70,11 @@ class LoRAAdds:
     group: tuple[str, ...]  # the targets of the projection's weights, in their order
 
     def __call__(self, x: torch.Tensor, ys: list[torch.Tensor], joined: torch.Tensor | None) -> list:
-        """`ys` (one output per weight) with their deltas; `joined` (the outputs side by side, when the
-        projection concatenates them) takes all of them in one pair of launches instead."""
+        """`ys` (one output per weight) with their deltas, or `joined` (the outputs side by side, when the
+        projection concatenates them) with all of them; one pair of launches either way."""
         if joined is not None:
             return [self.slots.add(joined, x, self.layer, self.group)]
-        return [self.slots.add(y, x, self.layer, (t,)) for y, t in zip(ys, self.group, strict=True)]
+        return list(self.slots.add(list(ys), x, self.layer, self.group))
 
 
 def _project(

@@ -8,9 +8,11 @@ token rows slot by slot and `slot_start[s]` is where slot s's rows begin. Two ke
     long K); programs of slot 0, and past a slot's rows, return at once.
   * expand: y[t, col_i : col_i + N_i] += (sum over splits of part[split, i, t, :]) B_s^T, the splits summed in
     a fixed order (deterministic) and the add done in fp32 before the one cast to y's dtype.
-Up to three slices share x (q/k/v, gate/up), each with its own A and B stacks and its own column range of y.
-`lora_add` adds into y (the model's own forward, through hooks); `lora_delta_split` stores the delta into an
-fp32 buffer instead (zeros on the base's rows), as `lora_fused.lora_delta_fused` does in one launch.
+Up to three slices share x (q/k/v, gate/up), each with its own A and B stacks and its own output: a column
+range of one y (the projections side by side), or a tensor of its own (gate and up, which the SwiGLU reads
+apart). `lora_add` adds into y (the model's own forward, through hooks; cuBLAS's outputs past the GEMV's
+rows); `lora_delta_split` stores the delta into an fp32 buffer instead (zeros on the base's rows), as
+`lora_fused.lora_delta_fused` does in one launch.
 The grids are sized by `max_rows` (the most rows one slot may hold), not by the step's content, so a CUDA
 graph captured for a bucket replays for any mix of adapters; the kernels read the buffers by address, so
 writing an adapter's weights needs no re-capture. Block sizes come from `lora_config` (no autotune).
@@ -146,18 +148,23 @@ def _lora_shrink_kernel(
     tl.store(out + rows[:, None] * R + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-# part: as the shrink wrote it; b0..b2: B stacks [S, N_i, R] contiguous (unused ones alias b0); y: [T, *]
-# (row stride stride_ym, unit column stride), slice i adding into columns [col_i, col_i + N_i); with STORE,
-# y is an fp32 delta that the delta is stored into instead, zeros on slot 0's rows.
-# Grid (cdiv(max_rows, BLOCK_M) * n_tiles, n_slices, S), n_tiles = cdiv(max N_i, BLOCK_N).
+# part: as the shrink wrote it; b0..b2: B stacks [S, N_i, R] contiguous (unused ones alias b0); y0..y2: [T, *]
+# (row strides stride_y0..2, unit column stride), slice i adding into columns [col_i, col_i + N_i) of y_i (the
+# slices' outputs may be one tensor); with STORE, y is an fp32 delta that the delta is stored into instead,
+# zeros on slot 0's rows. Grid (cdiv(max_rows, BLOCK_M) * n_tiles, n_slices, S), n_tiles = cdiv(max N_i,
+# BLOCK_N).
 @triton.jit
 def _lora_expand_kernel(
     part_ptr,
     b0_ptr,
     b1_ptr,
     b2_ptr,
-    y_ptr,
-    stride_ym,
+    y0_ptr,
+    y1_ptr,
+    y2_ptr,
+    stride_y0,
+    stride_y1,
+    stride_y2,
     sorted_ids_ptr,
     slot_start_ptr,
     T,
@@ -166,6 +173,7 @@ def _lora_expand_kernel(
     n0,
     n1,
     n2,
+    col0_,
     col1,
     col2,
     n_tiles,
@@ -187,14 +195,20 @@ def _lora_expand_kernel(
     start = tl.load(slot_start_ptr + slot)
     count = tl.load(slot_start_ptr + slot + 1) - start
     b_ptr = b0_ptr
+    y_ptr = y0_ptr
+    stride_ym = stride_y0
     n = n0
-    col0 = 0
+    col0 = col0_
     if piece == 1:
         b_ptr = b1_ptr
+        y_ptr = y1_ptr
+        stride_ym = stride_y1
         n = n1
         col0 = col1
     elif piece == 2:
         b_ptr = b2_ptr
+        y_ptr = y2_ptr
+        stride_ym = stride_y2
         n = n2
         col0 = col2
     if m_tile * BLOCK_M >= count or n_tile * BLOCK_N >= n:
@@ -236,24 +250,28 @@ def _lora_expand_kernel(
             tl.store(y_ptrs, delta, mask=mask)
         else:
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, (y + delta).to(y0_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_add(
-    y: torch.Tensor,  # shape [T, N_out], unit column stride: updated in place
+    y: torch.Tensor | Sequence[torch.Tensor],  # [T, N_out] (or one per slice), unit column stride: in place
     x: torch.Tensor,  # shape [T, K], unit column stride
     a_stacks: Sequence[torch.Tensor],  # 1-3 tensors, shape [S, R, K] contiguous, x's dtype
     b_stacks: Sequence[torch.Tensor],  # one per A, shape [S, N_i, R] contiguous
-    columns: Sequence[int],  # first column of y each slice adds into
+    columns: Sequence[int],  # first column of its output each slice adds into
     sorted_ids: torch.Tensor,  # shape [T] int32 (lora_layout)
     slot_start: torch.Tensor,  # shape [S + 1] int32 (lora_layout)
     scales: torch.Tensor,  # shape [S] fp32
     max_rows: int,  # the most rows one slot may hold (the grid's bound)
     config: LoRAConfig | None = None,
-) -> torch.Tensor:
-    """y[:, col_i : col_i + N_i] += scale_s * (x A_i,s^T) B_i,s^T for each token of an adapter slot s != 0
-    (slot 0's rows of y are not touched); returns y. Two launches (shrink, expand) whatever the mix."""
-    _shrink_expand(y, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, False)
+) -> torch.Tensor | list[torch.Tensor]:
+    """y_i[:, col_i : col_i + N_i] += scale_s * (x A_i,s^T) B_i,s^T for each token of an adapter slot s != 0
+    (slot 0's rows are not touched), where y_i is `y` itself, or `y[i]` when a sequence gives each slice its
+    own output (of one dtype); returns `y`. Two launches (shrink, expand) whatever the mix."""
+    outs = [y] * len(a_stacks) if isinstance(y, torch.Tensor) else list(y)
+    _shrink_expand(
+        outs, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, False
+    )
     return y
 
 
@@ -276,29 +294,43 @@ def lora_delta_split(
     assert out.shape == (t, sum(ns)) and out.dtype == torch.float32, f"delta must be fp32 [{t}, {sum(ns)}]"
     columns = [sum(ns[:i]) for i in range(len(ns))]
     _shrink_expand(
-        out, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, True
+        [out] * len(ns),
+        x,
+        a_stacks,
+        b_stacks,
+        columns,
+        sorted_ids,
+        slot_start,
+        scales,
+        max_rows,
+        config,
+        True,
     )
     return out
 
 
 def _shrink_expand(
-    y, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, store
+    outs, x, a_stacks, b_stacks, columns, sorted_ids, slot_start, scales, max_rows, config, store
 ):
-    # The launches of lora_add (store False: y += delta) and lora_delta_split (store True: y = delta).
+    # The launches of lora_add (store False: y_i += delta_i) and lora_delta_split (store True: y = delta).
     n_slices = len(a_stacks)
-    assert 1 <= n_slices <= 3 and len(b_stacks) == n_slices == len(columns), "1-3 slices, A/B/column each"
-    assert x.dim() == 2 and x.stride(1) == 1 and y.dim() == 2 and y.stride(1) == 1, "x [T, K], y [T, N]"
+    assert 1 <= n_slices <= 3 and len(b_stacks) == n_slices == len(columns) == len(outs), (
+        "1-3 slices, an A, B, column and output each"
+    )
+    assert x.dim() == 2 and x.stride(1) == 1, "x [T, K], unit column stride"
     t, k = x.shape
     s, r, _ = a_stacks[0].shape
-    assert y.shape[0] == t and sorted_ids.shape == (t,), "one sorted id per token"
+    assert sorted_ids.shape == (t,), "one sorted id per token"
     assert slot_start.shape == (s + 1,) and scales.shape == (s,), "slot_start [S + 1], scales [S]"
     ns = []
-    for a, b, col in zip(a_stacks, b_stacks, columns, strict=True):
+    for a, b, col, y in zip(a_stacks, b_stacks, columns, outs, strict=True):
         assert a.shape == (s, r, k) and a.is_contiguous() and a.dtype == x.dtype, f"A {tuple(a.shape)}"
         assert b.dim() == 3 and b.shape[0] == s and b.shape[2] == r and b.is_contiguous(), (
             f"B {tuple(b.shape)}"
         )
-        assert 0 <= col and col + b.shape[1] <= y.shape[1], "a slice's columns must lie inside y"
+        assert y.dim() == 2 and y.shape[0] == t and y.stride(1) == 1, "an output [T, N], unit column stride"
+        assert y.dtype == outs[0].dtype, "the slices' outputs share one dtype"
+        assert 0 <= col and col + b.shape[1] <= y.shape[1], "a slice's columns must lie inside its output"
         ns.append(int(b.shape[1]))
     if t == 0 or (max_rows == 0 and not store):
         return
@@ -310,10 +342,12 @@ def _shrink_expand(
     split = _cdiv(k, k_per_split)  # no empty range
     part = torch.empty((split, n_slices, t, r), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    a = list(a_stacks) + [a_stacks[0]] * (3 - n_slices)
-    b = list(b_stacks) + [b_stacks[0]] * (3 - n_slices)
-    n = ns + [0] * (3 - n_slices)
-    col = [int(c) for c in columns] + [0] * (3 - n_slices)  # Triton specializes Python ints only
+    pad = 3 - n_slices  # unused slices alias the first (Triton specializes Python ints only)
+    a = list(a_stacks) + [a_stacks[0]] * pad
+    b = list(b_stacks) + [b_stacks[0]] * pad
+    y = list(outs) + [outs[0]] * pad
+    n = ns + [0] * pad
+    col = [int(c) for c in columns] + [0] * pad
     _lora_shrink_kernel[(m_tiles * split, n_slices, s)](
         x, x.stride(0), a[0], a[1], a[2], part, sorted_ids, slot_start, scales, t, k, r, n_slices,
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, SPLIT_K=split,
@@ -321,9 +355,10 @@ def _shrink_expand(
     )  # fmt: skip
     n_tiles = _cdiv(max(ns), cfg.block_n)
     _lora_expand_kernel[(m_tiles * n_tiles, n_slices, s)](
-        part, b[0], b[1], b[2], y, y.stride(0), sorted_ids, slot_start, t, r, n_slices, n[0], n[1], n[2],
-        col[1], col[2], n_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        SPLIT_K=split, STORE=store, PRECISION=precision, num_warps=cfg.num_warps,
+        part, b[0], b[1], b[2], y[0], y[1], y[2], y[0].stride(0), y[1].stride(0), y[2].stride(0),
+        sorted_ids, slot_start, t, r, n_slices, n[0], n[1], n[2], col[0], col[1], col[2], n_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT_K=split, STORE=store,
+        PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 

@@ -215,23 +215,32 @@ class LoRASlots:
         finally:
             self.meta = None
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, targets: Sequence[str]) -> torch.Tensor:
-        """y [T, N] (the projections `targets` of x [T, K] side by side, in that order) plus each adapter
-        row's delta; y itself (updated in place) on the Triton path, a new tensor on the torch one. No
-        work when the step has no adapter row."""
+    def add(self, y: torch.Tensor | list[torch.Tensor], x: torch.Tensor, layer: int, targets: Sequence[str]):
+        """y [T, N] (the projections `targets` of x [T, K] side by side, in that order), or a list of one output
+        per target, plus each adapter row's delta: one shrink and one expand launch either way. Returns y
+        itself (updated in place) on the Triton path, new tensors on the torch one. No work when the step has
+        no adapter row."""
         meta = self.meta
         if meta is None:
             return y
         a = [self.a[t][layer] for t in targets]
         b = [self.b[t][layer] for t in targets]
-        columns = np.cumsum([0] + [self.shapes[t][1] for t in targets[:-1]]).tolist()
+        joined = isinstance(y, torch.Tensor)
+        columns = (
+            np.cumsum([0] + [self.shapes[t][1] for t in targets[:-1]]).tolist() if joined else [0] * len(a)
+        )
         if self.use_triton:
             from harli_train.engine.lora_ops import lora_add
 
             return lora_add(y, x, a, b, columns, meta.sorted_ids, meta.slot_start, self.scales, meta.max_rows)
         from harli_train.engine.lora_ops import lora_add_reference
 
-        return lora_add_reference(y, x, a, b, columns, meta.token_slots, self.scales)
+        if joined:
+            return lora_add_reference(y, x, a, b, columns, meta.token_slots, self.scales)
+        return [
+            lora_add_reference(yi, x, [ai], [bi], [0], meta.token_slots, self.scales)
+            for yi, ai, bi in zip(y, a, b, strict=True)
+        ]
 
     def gemv(self, layer: int, group: tuple[str, ...]) -> GemvLoRA | None:
         """The step's LoRA of `layer`'s projection launch `group` (one of `GROUPS`) for `decode_linear` to
