@@ -70,8 +70,8 @@ class LoRAAdds:
     group: tuple[str, ...]  # the targets of the projection's weights, in their order
 
     def __call__(self, x: torch.Tensor, ys: list[torch.Tensor], joined: torch.Tensor | None) -> list:
-        """`ys` (one output per weight) with their deltas, or `joined` (the outputs side by side, when the
-        projection concatenates them) with all of them; one pair of launches either way."""
+        """`ys` (one output per weight) with their deltas, or, when `joined` is given (the outputs side by
+        side in one tensor), `joined` with all of them; one pair of launches either way."""
         if joined is not None:
             return [self.slots.add(joined, x, self.layer, self.group)]
         return list(self.slots.add(list(ys), x, self.layer, self.group))
@@ -90,16 +90,29 @@ def _project(
         assert adds is None, "the GEMV path takes its LoRA as `lora` or an `addend`"
         return decode_linear(x, weights, swiglu=swiglu, out=out, addend=addend, lora=lora)
     assert addend is None and lora is None, "the cuBLAS path takes its LoRA as `adds`"
-    ys = [F.linear(x, w) for w in weights]
     if swiglu:
+        ys = [F.linear(x, w) for w in weights]
         y = kernels.swiglu(*(adds(x, ys, None) if adds is not None else ys))
     else:
-        y = torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+        y = _gemms_side_by_side(x, weights)
         if adds is not None:
-            (y,) = adds(x, ys, y)
+            (y,) = adds(x, [], y)
     if out is None:
         return y
     return out.copy_(y)
+
+
+def _gemms_side_by_side(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """[x W_1^T, x W_2^T, ...] in one [M, sum N] tensor: each GEMM writes its own columns (cuBLAS takes the
+    joined row stride as its leading dimension), so no concatenation copies them afterwards."""
+    if len(weights) == 1:
+        return F.linear(x, weights[0])
+    y = torch.empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=x.dtype, device=x.device)
+    col = 0
+    for w in weights:
+        torch.mm(x, w.t(), out=y[:, col : col + w.shape[0]])
+        col += w.shape[0]
+    return y
 
 
 def _project_add_norm(
