@@ -440,6 +440,34 @@ def test_swapping_activations_under_reclaim_leaves_training_bit_identical():
         pool.check()
 
 
+def test_spills_reuse_their_host_slabs_and_a_stash_spans_several():
+    """Spilled bytes go to host slabs kept for the run: slabs of a page each (a stash spans several, copied
+    out and back slab by slab), a second run of the same bursts makes no new slab, and training stays
+    bit-identical; a reserve makes them up front."""
+    losses, params = _train(3)
+    with host_pool(150) as pool:
+        trainer = pool.add_tenant("trainer")
+        swapper = ActivationSwapper(
+            pool, trainer, layer_bytes=32 * PAGE, slab_bytes=PAGE, host_reserve=3 * PAGE
+        )
+        assert swapper.host.count == 3 and swapper.host.nbytes == 3 * PAGE
+        kv = PooledKVStorage(pool, Spec(1, (1024,), torch.float32), max_blocks=60)
+
+        def decode_burst() -> None:
+            kv.grow(kv.num_blocks + (pool.free_pages + 20) // 2)
+            kv.shrink(1)
+
+        got_losses, got_params = _train(3, swapper, after_forward=decode_burst, mid_backward=decode_burst)
+        assert got_losses == losses
+        assert all(torch.equal(a, b) for a, b in zip(got_params, params, strict=True))
+        spilled, made = swapper.stats["swap_out_bytes"], swapper.host.count
+        assert spilled > 0 and made > 3
+        again, _ = _train(3, swapper, after_forward=decode_burst, mid_backward=decode_burst)
+        assert again == losses
+        assert swapper.stats["swap_out_bytes"] > spilled and swapper.host.count == made  # reused, none made
+        pool.check()
+
+
 def test_release_idle_gives_back_only_empty_stashes_and_training_stays_identical():
     losses, params = _train(3)
     with host_pool(150) as pool:

@@ -54,6 +54,8 @@ def pool_report(pm: Any, st: dict[str, Any]) -> dict[str, Any]:
             # for the trainer's queued work (the copies are ordered after it) or unmapped.
             "pin_seconds": round(st["reclaim_pin_seconds"], 6),
             "copy_gpu_seconds": round(st["reclaim_copy_gpu_seconds"], 6),
+            # The host slabs spills go to (pinned on a GPU), made at set-up or by a larger spill, and kept.
+            "host_slab_bytes": pm.swapper.host.nbytes,
             # KV grows that took pages from the trainer: order to mapped, the spill included.
             "grow_ms": percentiles([1e3 * t for t in pm.reclaim_grow_s]),
         },

@@ -30,6 +30,65 @@ _RECLAIM_SHARE = {
 }
 
 
+# Spilled bytes go to host slabs of this size, kept for the run and reused (`HostSlabs`).
+SLAB_BYTES = 64 << 20
+
+
+class HostSlabs:
+    """Host staging for spilled stashes: slabs of ``slab_bytes`` (pinned on CUDA) taken for a spill, given
+    back once its bytes are on the device again, and kept for the run. Pinning host memory page-locks it
+    and registers it with the driver (a few GB/s, the driver busy meanwhile), so only a spill larger than
+    any before pays it; ``reserve`` pays it ahead, at set-up.
+
+    On CUDA every copy into or out of a slab runs on the swapper's side stream, so a slab given back while
+    a copy out of it is still queued is safe to take again: the next copy into it is queued after."""
+
+    def __init__(self, slab_bytes: int = SLAB_BYTES, pinned: bool = False) -> None:
+        self.slab_bytes, self.pinned = slab_bytes, pinned
+        self._free: list[torch.Tensor] = []
+        self.count = 0  # slabs made, free or taken
+        self.pin_seconds = 0.0  # host seconds spent making them
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.slab_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        """Make slabs until ``nbytes`` are held (free or taken)."""
+        while self.nbytes < nbytes:
+            self._free.append(self._make())
+
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        """Slabs that hold ``nbytes`` together (the first ones full, the last one part)."""
+        need = -(-nbytes // self.slab_bytes)
+        while len(self._free) < need:
+            self._free.append(self._make())
+        taken, self._free = self._free[:need], self._free[need:]
+        return taken
+
+    def give(self, slabs: list[torch.Tensor]) -> None:
+        self._free.extend(slabs)
+
+    def copy_out(self, src: torch.Tensor, slabs: list[torch.Tensor]) -> None:
+        """``src`` (uint8) into ``slabs``, slab by slab (asynchronous from the device)."""
+        for i, slab in enumerate(slabs):
+            part = src[i * self.slab_bytes : (i + 1) * self.slab_bytes]
+            slab[: part.numel()].copy_(part, non_blocking=True)
+
+    def copy_in(self, slabs: list[torch.Tensor], dst: torch.Tensor) -> None:
+        """``slabs`` back into ``dst`` (uint8), as ``copy_out`` laid them."""
+        for i, slab in enumerate(slabs):
+            part = dst[i * self.slab_bytes : (i + 1) * self.slab_bytes]
+            part.copy_(slab[: part.numel()], non_blocking=True)
+
+    def _make(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.pin_seconds += time.perf_counter() - t0
+        self.count += 1
+        return slab
+
+
 @dataclass(slots=True, eq=False)
 class _Stash:
     """One layer's saved activations: a reserved range filled front to back, mapped as a prefix."""
@@ -40,7 +99,7 @@ class _Stash:
     used: int = 0  # bytes filled
     mapped: int = 0  # pages mapped: [0, mapped)
     live: int = 0  # saved tensors autograd still holds
-    host: torch.Tensor | None = None  # the spilled bytes while the pages are unmapped, or until `ready`
+    host: list[torch.Tensor] | None = None  # the host slabs of the spilled bytes while the pages are unmapped
     ready: Any = None  # event of an in-flight copy back to the device
 
 
@@ -76,7 +135,9 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 class ActivationSwapper:
     """Saved activations of layer i live in layer i's stash in pool pages; `reclaim` spills whole stashes
-    of layers outside the window to (pinned) host memory on a side stream and unmaps their pages.
+    of layers outside the window to host slabs (pinned on CUDA, kept and reused for the run: `HostSlabs`)
+    on a side stream and unmaps their pages; `host_reserve` bytes of slabs are made at construction
+    (`slab_bytes` each; default: `SLAB_BYTES`, or one layer's stash when that is smaller).
 
     Wrap each layer's forward in ``with swapper.layer(i):``. Every saved tensor there that is not a
     parameter (nor one of `exclude`'s storages) and has at least `min_bytes` is copied into the stash and
@@ -99,6 +160,8 @@ class ActivationSwapper:
         lookahead: int = 1,
         exclude: Iterable[torch.Tensor] = (),
         min_bytes: int = 4096,
+        host_reserve: int = 0,
+        slab_bytes: int | None = None,
     ):
         self.pool, self.tenant = pool, tenant
         self.layer_pages = -(-layer_bytes // pool.page_bytes)
@@ -114,6 +177,10 @@ class ActivationSwapper:
         # less than making a torch.cuda.Stream each call (the hooks run for every saved tensor).
         self._stream: tuple[int, int, int] | None = None
         self._side: Any = None
+        # A stash's bytes fill whole slabs but the last; a small model's stashes take one small slab each.
+        slab = slab_bytes or min(SLAB_BYTES, self.layer_pages * pool.page_bytes)
+        self.host = HostSlabs(slab, pinned=self._cuda)
+        self.host.reserve(host_reserve)
         self._device_index = pool.device.index or 0
         self.stats = {
             "stashed_bytes": 0,
@@ -213,6 +280,8 @@ class ActivationSwapper:
             stash = self._stashes[layer]
             stash.live -= 1
             if stash.live == 0:  # nothing refers to the bytes any more: refill from the start
+                if stash.host is not None:
+                    self.host.give(stash.host)
                 stash.used, stash.host = 0, None
                 self._seen = {k: v for k, v in self._seen.items() if v[2]() is not None}
 
@@ -277,12 +346,13 @@ class ActivationSwapper:
         if self._cuda:
             side = self._side_stream()
             with torch.cuda.stream(side):
-                dst.copy_(stash.host, non_blocking=True)
+                self.host.copy_in(stash.host, dst)
                 stash.ready = torch.cuda.Event()
                 stash.ready.record(side)
         else:
-            dst.copy_(stash.host)
-            stash.host = None
+            self.host.copy_in(stash.host, dst)
+        self.host.give(stash.host)  # a later copy into them is queued after this one (HostSlabs)
+        stash.host = None
         self.stats["swap_in_bytes"] += stash.used
         self.stats["swap_ins"] += 1
 
@@ -294,7 +364,7 @@ class ActivationSwapper:
             self._bring_back(layer)
         if stash.ready is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(stash.ready)
-            stash.ready, stash.host = None, None
+            stash.ready = None
 
     def _side_stream(self) -> Any:
         if self._side is None:
@@ -355,13 +425,12 @@ class ActivationSwapper:
             side.wait_stream(self._last_stream())
             started = torch.cuda.Event(enable_timing=True)
             started.record(side)  # reached once the trainer's queued work is done
-            pin_s = 0.0
+            pinned = self.host.pin_seconds
             with torch.cuda.stream(side):
                 for s in copies:
-                    t_pin = time.perf_counter()
-                    s.host = torch.empty(s.used, dtype=torch.uint8, pin_memory=True)
-                    pin_s += time.perf_counter() - t_pin
-                    s.host.copy_(s.flat[: s.used], non_blocking=True)
+                    s.host = self.host.take(s.used)
+                    self.host.copy_out(s.flat[: s.used], s.host)
+            pin_s = self.host.pin_seconds - pinned
             done = torch.cuda.Event(enable_timing=True)
             done.record(side)
             done.synchronize()
@@ -369,7 +438,8 @@ class ActivationSwapper:
             self.stats["spill_copy_gpu_seconds"] += started.elapsed_time(done) / 1e3
         else:
             for s in copies:
-                s.host = s.flat[: s.used].clone()
+                s.host = self.host.take(s.used)
+                self.host.copy_out(s.flat[: s.used], s.host)
         for s in chosen:
             s.region.unmap(range(s.mapped))
             s.mapped, s.ready = 0, None
