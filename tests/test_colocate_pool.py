@@ -220,7 +220,7 @@ def test_the_trainer_tenant_gives_its_input_buffers_back_when_detached():
         {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long)}
     )
     assert buffers.num_buffers == 2
-    trainer = SimpleNamespace(stash_chunk=object(), buffers=buffers)
+    trainer = SimpleNamespace(stash_chunk=object(), buffers=buffers, graphs=None)
     memory = PoolMemory.__new__(PoolMemory)
     memory._trainer, memory._placement = trainer, None
     memory.detach()

@@ -73,10 +73,16 @@ def test_the_trainer_thread_runs_its_cpu_ops_on_itself_alone():
     assert seen == [1] and (torch.get_num_threads() > 1 or (os.cpu_count() or 1) == 1)
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], tmp_path: Path, timeout: int = 300, prelude: str | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m harli_train ARGS`` in ``tmp_path`` (``prelude``: Python run first, in the same process)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = ["-m", "harli_train"]
+    if prelude is not None:
+        command = ["-c", f"{prelude}; import sys; from harli_train.cli import main; main(sys.argv[1:])"]
     return subprocess.run(
-        [sys.executable, "-m", "harli_train", *args],
+        [sys.executable, *command, *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -267,7 +273,9 @@ def test_the_cuda_pool_takes_stash_pages_back_mid_step_and_training_stays_bit_id
         pool.check()
 
 
-def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]]:
+def _pool_run(
+    tmp_path: Path, name: str, *extra: str, graphs_on_pool: bool = False
+) -> tuple[dict, list[float]]:
     """A co-located quickstart on the CUDA page pool under static:64 (the same SM budgets every run, so the
     kernels take the same configurations); its memory.pool (with the trainer's OOM recoveries) and its
     losses. The load is 8 bursts, 0.25 s apart, each of 64 requests of 1024 + 64 tokens (what the engine runs
@@ -290,7 +298,11 @@ def _pool_run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[float]
         overrides.append("colocation.memory_gib=16")
     overrides += [f"output.dir={run}", *extra]
     args = [recipe, "--colocate-with", "tiny", "--policy", "static:64", "--quiet", *overrides]
-    _assert_clean_exit(_run(args, tmp_path))
+    if graphs_on_pool:  # the command line's main, the assembly's GPU gate for graphs on the pool open
+        gate = "import harli_train.colocate.assembly as a; a.GRAPHS_ON_CUDA_POOL = True"
+        _assert_clean_exit(_run(args, tmp_path, prelude=gate))
+    else:
+        _assert_clean_exit(_run(args, tmp_path))
     summary = json.loads((run / "colocate" / "summary.json").read_text())
     pool = {**summary["memory"]["pool"], "trainer_oom_recoveries": summary["finetune"]["oom_recoveries"]}
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -321,6 +333,30 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     pressed, pressed_losses = _pool_run(tmp_path, "pressed", f"colocation.memory_gib={budget_gib}")
     report = json.dumps(pressed, indent=1)
     assert pressed["budget_pages"] == trainer + kv - group, report
+    assert pressed["reclaims"]["count"] + pressed["trainer_oom_recoveries"] > 0, report
+    assert pressed["refusals"] == 0, report
+    assert pressed_losses == losses
+
+
+def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(tmp_path, monkeypatch):
+    """train.cuda_graphs beside the CUDA page pool (the assembly's gate opened for these runs): the graphs
+    capture into the trainer tenant's MemPool and their saved-tensor arena lives in its stashes; the run
+    trains what the same graphed run without the pool trains, and under a budget one page group short of
+    both peaks the pressure resolves (a reclaim of arena pages, or a recovery) with the same losses."""
+    monkeypatch.setenv("HARLI_PROFILE_DIR", str(tmp_path / "profiles"))
+    graphs = "train.cuda_graphs=true"
+    _, plain_losses = _pool_run(tmp_path, "plain", graphs, "colocation.memory_pool=false")
+    pool, losses = _pool_run(tmp_path, "roomy", graphs, graphs_on_pool=True)
+    report = json.dumps(pool, indent=1)
+    assert pool["enabled"] and pool["backend"] == "cuda", report
+    assert pool["trainer"]["stashed_bytes"] > 0 and pool["tenants"]["trainer"]["peak"] > 0, report
+    assert losses == plain_losses
+    kv, trainer = pool["tenants"]["kv"]["peak"], pool["tenants"]["trainer"]["peak"]
+    budget_gib = (trainer + kv - pool["kv"]["pages_per_group"]) * (2 << 20) / 2**30
+    pressed, pressed_losses = _pool_run(
+        tmp_path, "pressed", graphs, f"colocation.memory_gib={budget_gib}", graphs_on_pool=True
+    )
+    report = json.dumps(pressed, indent=1)
     assert pressed["reclaims"]["count"] + pressed["trainer_oom_recoveries"] > 0, report
     assert pressed["refusals"] == 0, report
     assert pressed_losses == losses

@@ -238,17 +238,81 @@ def test_cuda_graphs_with_lora_dropout_is_a_recipe_error(tmp_path):
         Trainer(cfg, quiet=True).setup()
 
 
-def test_a_colocated_run_with_cuda_graphs_keeps_the_pool_off_and_says_why(tmp_path):
+@pytest.mark.slow
+def test_a_colocated_run_with_cuda_graphs_places_the_arena_in_the_pool_and_trains_the_same(tmp_path):
+    """On the host pool the graphs' saved-tensor arena lives in the trainer tenant's stashes; the run trains
+    the adapter the eager run on the pool trains (a GPU keeps the pool off with graphs, and says why)."""
     from harli_train.colocate.commands import run_colocated
-    from tests.test_runtime import recipe
+    from tests.test_runtime import adapter, assert_same_adapter, losses, recipe
 
-    summary = run_colocated(recipe(tmp_path, "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True)
+    summary = run_colocated(
+        recipe(tmp_path / "graphs", "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True
+    )
     pool = summary["memory"]["pool"]
-    assert not pool["enabled"] and "train.cuda_graphs" in pool["reason"]
+    assert pool["enabled"] and pool["backend"] == "host"
+    assert pool["tenants"]["trainer"]["peak"] > 0 and pool["trainer"]["stashed_bytes"] > 0
     assert summary["finetune"]["steps_run"] == 6
     graphs = summary["finetune"]["feed"]["graphs"]
     assert graphs["sets"] >= 1 and graphs["rebuilds"] == summary["finetune"]["rebuilt_backward_chunks"] == 0
-    assert (graphs["arena_bytes"] > 0) == GRAPHS_ARENA
+    assert graphs["arena_bytes"] > 0 and GRAPHS_ARENA
+    run_colocated(recipe(tmp_path / "eager"), "tiny", policy="harli", quiet=True)
+    assert losses(tmp_path / "graphs") == losses(tmp_path / "eager")
+    assert_same_adapter(adapter(tmp_path / "graphs"), adapter(tmp_path / "eager"))
+
+
+def test_the_arena_in_pool_stashes_gives_pages_back_mid_step_and_the_step_is_unchanged():
+    """The arena's slots in an ActivationSwapper's stashes on a host pool: a KV grow past the free pages
+    mid-step (after each forward, after each backward) spills the live chunks' bytes and unmaps the dead
+    ones without a copy; the backward gets its bytes back; every step's gradients and loss are the eager
+    step's, bit for bit."""
+    from harli_train.memory import ActivationSwapper, PooledKVStorage
+    from tests.test_allocator import PAGE, Spec, host_pool
+
+    batches = [[_packed(1), _packed(2)], [_packed(3), _packed(4)]]
+    want = []
+    for pair in batches:
+        want_grads, want_result, _ = _eager(pair, 1)
+        want.append((want_grads, want_result))
+    m = _seeded_model()
+    graphs, buffers = StepGraphs(m.lora_parameters()), BatchBuffers("cpu")
+    with host_pool(2000) as pool:
+        trainer = pool.add_tenant("trainer")
+        swapper = ActivationSwapper(pool, trainer, layer_bytes=400 * PAGE, slab_bytes=64 * PAGE)
+        graphs.use_memory(swapper)
+        kv = PooledKVStorage(pool, Spec(1, (1024,), torch.float32), max_blocks=1000)  # 2 pages a block
+        taken = []
+
+        def burst() -> None:  # the KV cache takes what the trainer could give back, then frees it again
+            extra = swapper.reclaimable_pages() // 2 * 2
+            if not extra:
+                return
+            before = trainer.stats()["used_pages"]
+            kv.grow(kv.num_blocks + (pool.free_pages + extra) // 2)
+            taken.append(before - trainer.stats()["used_pages"])
+            kv.shrink(1)
+
+        for pair, (want_grads, want_result) in zip(batches, want, strict=True):
+            # Each step from the same adapter as its eager reference: the adapter is not stepped here.
+            m.zero_grad(set_to_none=True)
+            gen = train_step(m, pair, 1, buffers=buffers, graphs=graphs)
+            try:
+                while True:
+                    if next(gen).phase in ("fwd", "bwd"):
+                        burst()
+            except StopIteration as stop:
+                result = stop.value
+            assert torch.equal(result.loss_sum, want_result.loss_sum)
+            for got, ref in zip(_grads(m), want_grads, strict=True):
+                assert torch.equal(got, ref)
+        assert len(taken) >= 4 and all(n > 0 for n in taken)  # each burst took pages from the arena
+        stats = swapper.stats
+        assert stats["swap_out_bytes"] > 0 and stats["swap_in_bytes"] > 0 and stats["passthrough_bytes"] == 0
+        # A dead chunk (its backward run) is unmapped, never copied: what was spilled is less than what the
+        # reclaims freed.
+        assert stats["swap_out_bytes"] < stats["reclaim_pages"] * pool.page_bytes
+        graphs.use_memory(None)  # the arena's slots go: its stashes fill from the start again
+        assert all(not s.fixed and s.used == 0 for s in swapper._stashes.values())
+        pool.check()
 
 
 def _failing_capture(monkeypatch, fail):

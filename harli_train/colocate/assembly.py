@@ -156,6 +156,12 @@ def kv_reserve_blocks(requests: Sequence[TraceRequest], col: Any, block_size: in
     return math.ceil(col.max_batch * mean / block_size)
 
 
+# With train.cuda_graphs the trainer's saved-tensor arena lives in its tenant's stashes (PoolMemory.attach):
+# on the host backend always; on a GPU, where its graphs also capture into the tenant's MemPool, only once
+# this is True (tests/test_gpu.py sets it in a run of its own to validate it).
+GRAPHS_ON_CUDA_POOL = False
+
+
 def open_pool(
     cfg: RecipeConfig, trainer: Trainer, device: torch.device
 ) -> tuple[PoolMemory | None, Callable[[KVCacheSpec, EngineConfig], Any] | None, dict[str, Any]]:
@@ -165,9 +171,10 @@ def open_pool(
     col = cfg.colocation
     if not col.memory_pool:
         return None, None, {"pool": pool_disabled("colocation.memory_pool is false")}
-    if cfg.train.cuda_graphs:
-        # The graphs hold the trainer's working set in their own memory, allocated at capture.
-        reason = "train.cuda_graphs keeps the trainer's working set in its graphs' memory"
+    if cfg.train.cuda_graphs and device.type == "cuda" and not GRAPHS_ON_CUDA_POOL:
+        reason = (
+            "train.cuda_graphs on a GPU runs without the page pool (its graphs in pool pages: not validated)"
+        )
         log.info("running without the page pool: %s", reason)
         return None, None, {"pool": pool_disabled(reason)}
     budget = pool_budget(cfg, device)

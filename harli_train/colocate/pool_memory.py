@@ -153,10 +153,16 @@ class PoolMemory(CacheReleaseHook):
         self._swap0 = self.swapper.stats_snapshot()
 
     def attach(self, trainer: Any) -> None:
-        """Make ``trainer`` the trainer tenant: its chunks' saved tensors go to the swapper's stashes, and
-        on a CPU its optimizer state into pool pages (the previous trainer's is given back first)."""
+        """Make ``trainer`` the trainer tenant: its chunks' saved tensors go to the swapper's stashes (with
+        ``train.cuda_graphs``, the graphs' saved-tensor arena is placed there, and on a GPU the graphs
+        capture into the tenant's MemPool), and on a CPU its optimizer state into pool pages (the previous
+        trainer's is given back first)."""
         self.detach()
-        trainer.stash_chunk = self.swapper.layer
+        if trainer.graphs is not None:
+            capture = self.trainer_memory.capture if self.trainer_memory is not None else None
+            trainer.graphs.use_memory(self.swapper, capture)
+        else:
+            trainer.stash_chunk = self.swapper.layer
         if self.pool.backend == "host":
             self._placement = OptimizerPlacement(self.pool, self.trainer_tenant, trainer.optimizer)
         self._trainer = trainer
@@ -167,6 +173,8 @@ class PoolMemory(CacheReleaseHook):
         if self._trainer is None:
             return
         self._trainer.stash_chunk = None
+        if self._trainer.graphs is not None:
+            self._trainer.graphs.use_memory(None)
         self._trainer.buffers.release()
         if self._placement is not None:
             self._placement.release()

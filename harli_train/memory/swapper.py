@@ -91,7 +91,9 @@ class HostSlabs:
 
 @dataclass(slots=True, eq=False)
 class _Stash:
-    """One layer's saved activations: a reserved range filled front to back, mapped as a prefix."""
+    """One layer's saved activations: a reserved range filled front to back, mapped as a prefix. An
+    arena's stash (``fixed``) keeps its tensors at their places for good; ``dead``: its bytes are no longer
+    needed once the trainer's queued work has run (a reclaim unmaps it without copying)."""
 
     region: Region
     flat: torch.Tensor | None = None  # uint8 view of the range, made once page 0 is mapped
@@ -101,6 +103,13 @@ class _Stash:
     live: int = 0  # saved tensors autograd still holds
     host: list[torch.Tensor] | None = None  # the host slabs of the spilled bytes while the pages are unmapped
     ready: Any = None  # event of an in-flight copy back to the device
+    fixed: bool = False
+    dead: bool = False
+
+    @property
+    def holds(self) -> bool:
+        """Whether its bytes are still needed (a spill must copy them)."""
+        return self.used > 0 and not self.dead
 
 
 class _Saved:
@@ -163,7 +172,7 @@ class ActivationSwapper:
         host_reserve: int = 0,
         slab_bytes: int | None = None,
     ):
-        self.pool, self.tenant = pool, tenant
+        self.pool, self.tenant, self.device = pool, tenant, pool.device
         self.layer_pages = -(-layer_bytes // pool.page_bytes)
         self.window, self.lookahead, self.min_bytes = window, lookahead, min_bytes
         self._exclude = storages(exclude)
@@ -177,6 +186,7 @@ class ActivationSwapper:
         # less than making a torch.cuda.Stream each call (the hooks run for every saved tensor).
         self._stream: tuple[int, int, int] | None = None
         self._side: Any = None
+        self._holding = 0  # arena_held depth
         # A stash's bytes fill whole slabs but the last; a small model's stashes take one small slab each.
         slab = slab_bytes or min(SLAB_BYTES, self.layer_pages * pool.page_bytes)
         self.host = HostSlabs(slab, pinned=self._cuda)
@@ -372,7 +382,10 @@ class ActivationSwapper:
         return self._side
 
     def _window(self) -> set[int]:
-        """Layers to keep: the current one, and in backward the `window` layers it needs next."""
+        """Layers to keep: the current one, and in backward the `window` layers it needs next (all of them
+        inside ``arena_held``)."""
+        if self._holding:
+            return set(self._stashes)
         if self._current is None:
             return set()
         below = self.window if self._backward else 0
@@ -393,12 +406,109 @@ class ActivationSwapper:
             return pages
 
     def release_idle(self) -> int:
-        """Unmap every stash that holds nothing (after an abandoned step, all of them), so the trainer's
-        other allocations can have its pages; a stash maps pages again when its layer next saves. Ordered
-        after the trainer's queued work; returns the pages freed."""
+        """Unmap every stash that holds nothing (after an abandoned step, all of them: an arena's too), so
+        the trainer's other allocations can have its pages; a stash maps pages again when its layer next
+        saves. Ordered after the trainer's queued work; returns the pages freed."""
         with self._lock:
-            holding = {i for i, s in self._stashes.items() if s.used > 0}
+            for stash in self._stashes.values():
+                if stash.fixed:  # an arena's bytes belong to the abandoned step too
+                    self._discard(stash)
+            holding = {i for i, s in self._stashes.items() if s.holds}
             return self._spill(self.tenant.stats()["used_pages"], protect=holding)
+
+    # -- a graphs' saved-tensor arena -----------------------------------------------------------------
+    # The slots of a `SavedArena` (train/saved_arena.py) placed in chunk i's stash, at fixed places: the
+    # step's CUDA graphs read and write their addresses, so they are never moved, only unmapped (spilled
+    # first while a backward still needs them) and mapped again at the same addresses before a replay.
+    def arena_slot(self, chunk: int, shape: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous tensor of ``shape``/``dtype`` at the next free place of chunk ``chunk``'s stash,
+        kept there for good; None when the stash has no room left (the arena then allocates it itself)."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        span = numel * dtype.itemsize
+        with self._lock:
+            stash = self._stash(chunk)
+            stash.fixed = True
+            self._current, self._backward = chunk, False
+            self._note_stream()
+            offset = -(-stash.used // _STASH_ALIGN) * _STASH_ALIGN
+            if offset + span > stash.region.nbytes:
+                self.stats["passthrough_bytes"] += span
+                return None
+            self._make_writable(chunk, stash)
+            self._ensure_mapped(stash, chunk, -(-(offset + span) // self.pool.page_bytes))
+            stash.used = offset + span
+            self.stats["stashed_bytes"] += span
+            return self._view(stash, offset, span, dtype, tuple(shape), _contiguous_strides(shape))
+
+    def arena_before(self, chunk: int, backward: bool) -> None:
+        """Ready chunk ``chunk``'s stash for a replay launched next on the current stream: for its forward,
+        its pages mapped (what they held is dead: the forward writes every slot); for its backward, its
+        bytes back in place, and the ``lookahead`` chunks below it on their way back."""
+        with self._lock:
+            self._current, self._backward = chunk, backward
+            self._note_stream()
+            stash = self._stashes.get(chunk)
+            if stash is None:
+                return
+            if not backward:
+                self._make_writable(chunk, stash)
+                return
+            self._ensure_resident(chunk)
+            for lower in range(chunk - 1, chunk - 1 - self.lookahead, -1):
+                with contextlib.suppress(PoolExhausted):
+                    self._bring_back(lower)
+
+    def arena_after_backward(self, chunk: int) -> None:
+        """Chunk ``chunk``'s backward has been launched: once the trainer's queued work has run, its stash's
+        bytes are dead (a reclaim unmaps them without a copy)."""
+        with self._lock:
+            stash = self._stashes.get(chunk)
+            if stash is not None:
+                stash.dead = True
+
+    @contextlib.contextmanager
+    def arena_held(self) -> Iterator[None]:
+        """Inside, every arena stash is mapped with its bytes in place and no reclaim takes one (around a
+        capture, whose eager pass and graphs touch every chunk's slots)."""
+        with self._lock:
+            self._holding += 1
+            for index, stash in self._stashes.items():
+                if stash.fixed:
+                    self._ensure_resident(index)
+                    self._ensure_mapped(stash, index, -(-stash.used // self.pool.page_bytes))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holding -= 1
+
+    def arena_reset(self) -> None:
+        """The arena's slots are gone (its graphs released): its stashes fill from the start again. Call
+        with no replay of them queued."""
+        with self._lock:
+            for stash in self._stashes.values():
+                if stash.fixed:
+                    self._discard(stash)
+                    stash.used, stash.fixed, stash.dead = 0, False, False
+
+    def _make_writable(self, chunk: int, stash: _Stash) -> None:
+        """The stash mapped for a forward that writes it anew: a spilled copy is dropped, a copy back in
+        flight waited for (it must not land after the forward's writes)."""
+        if stash.host is not None:
+            self._discard(stash)
+        if stash.ready is not None:
+            self._ensure_resident(chunk)
+        self._ensure_mapped(stash, chunk, -(-stash.used // self.pool.page_bytes))
+        stash.dead = False
+
+    def _discard(self, stash: _Stash) -> None:
+        """Forget the stash's bytes: its spilled copy goes back to the slabs, and it is dead."""
+        if stash.host is not None:
+            self.host.give(stash.host)
+            stash.host = None
+        stash.dead = True
 
     def stats_snapshot(self) -> dict[str, Any]:
         """A copy of ``stats``, consistent (taken under the lock the spills hold)."""
@@ -406,8 +516,8 @@ class ActivationSwapper:
             return dict(self.stats)
 
     def _spill(self, n_pages: int, protect: set[int]) -> int:
-        # Empty stashes cost nothing to unmap; then the lowest layers, which backward needs last.
-        order = sorted(self._stashes.items(), key=lambda kv: (kv[1].used > 0, kv[0]))
+        # Empty and dead stashes cost nothing to unmap; then the lowest layers, which backward needs last.
+        order = sorted(self._stashes.items(), key=lambda kv: (kv[1].holds, kv[0]))
         chosen, pages = [], 0
         for index, stash in order:
             if pages >= n_pages:
@@ -418,7 +528,7 @@ class ActivationSwapper:
         if not chosen:
             return 0
         t0 = time.perf_counter()
-        copies = [s for s in chosen if s.used > 0]
+        copies = [s for s in chosen if s.holds]
         if self._cuda:
             side = self._side_stream()
             # Also orders the unmap after every queued trainer kernel that may still read the pages.

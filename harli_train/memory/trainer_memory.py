@@ -40,6 +40,7 @@ class TrainerMemory:
         )
         self.mempool: Any = torch.cuda.MemPool(self._allocator.allocator())
         self._warm_streams: set[int] = set()
+        self._routes: list[tuple[Any, bool]] = []  # the open scopes' (stream, by stream), innermost last
 
     def _warm_cublas(self) -> None:
         # cuBLAS(Lt) keeps a workspace per (handle, stream) for the process's lifetime, allocated by the
@@ -68,11 +69,35 @@ class TrainerMemory:
         )
         self._warm_cublas()
         begin(dev, self.mempool.id)
+        self._routes.append((torch.cuda.current_stream(dev), by_stream))
         try:
             yield
         finally:
+            self._routes.pop()
             torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
             torch._C._cuda_releasePool(dev, self.mempool.id)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[Any]:
+        """Around a CUDA graph capture, in ``scope()`` or not: yields the pool id to capture into (this
+        MemPool's, so the graphs' memory is the tenant's pages too). An open scope's routing is lifted
+        meanwhile (the capture routes its stream's allocations to the same pool itself), then restored."""
+        dev = self.pool.device.index
+        lifted = list(self._routes)
+        for _ in lifted:
+            torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
+            torch._C._cuda_releasePool(dev, self.mempool.id)
+        try:
+            yield self.mempool.id
+        finally:
+            for stream, by_stream in lifted:
+                with torch.cuda.stream(stream):  # a scope by stream routes the stream it was opened on
+                    begin = (
+                        torch._C._cuda_beginAllocateCurrentStreamToPool
+                        if by_stream
+                        else torch._C._cuda_beginAllocateCurrentThreadToPool
+                    )
+                    begin(dev, self.mempool.id)
 
     def close(self) -> None:
         """Drop the MemPool so torch frees its segments into the pool. Every tensor allocated in scope()

@@ -5,11 +5,31 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from harli_train.saved_tensors import stays_in_place
+
+
+class ArenaMemory(Protocol):
+    """Where an arena's slots live, and when their pages must be there (``ActivationSwapper``'s contract):
+    ``arena_slot`` places a slot of a chunk for good (None: no room), ``arena_before(chunk, backward)`` runs
+    before a replay of the chunk's forward or backward is launched, ``arena_after_backward(chunk)`` after its
+    backward's, inside ``arena_held()`` every slot is in place and stays there, and ``arena_reset()``
+    forgets the slots (the arena is released)."""
+
+    device: torch.device
+
+    def arena_slot(self, chunk: int, shape: Any, dtype: torch.dtype) -> torch.Tensor | None: ...
+
+    def arena_before(self, chunk: int, backward: bool) -> None: ...
+
+    def arena_after_backward(self, chunk: int) -> None: ...
+
+    def arena_held(self) -> contextlib.AbstractContextManager: ...
+
+    def arena_reset(self) -> None: ...
 
 
 class SlotMissing(RuntimeError):
@@ -31,10 +51,14 @@ class SavedArena:
     and dtypes into the very slots the graphs already captured read and write. A pass that would make,
     replace or leave out a slot is a ``SlotMissing`` error (the capture reports it as a
     ``GraphCaptureError``): a slot made while capturing would live in one set's pool, where other sets'
-    replays overwrite it, and a slot replaced after a capture would free memory that graph goes on using."""
+    replays overwrite it, and a slot replaced after a capture would free memory that graph goes on using.
 
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
+    ``memory`` (an ``ArenaMemory``, e.g. the page pool's ``ActivationSwapper``) places the slots, chunk by
+    chunk, where it can give their pages back between a chunk's backward and its next forward; a slot it
+    has no room for is an ordinary tensor."""
+
+    def __init__(self, exclude: set[int], memory: ArenaMemory | None = None) -> None:
+        self.exclude, self.memory = exclude, memory
         self.slots: dict[tuple[int, int], torch.Tensor] = {}
         self.frozen = False
         self.counts: dict[int, int] = {}  # chunk -> tensors its forward saves into slots
@@ -76,11 +100,17 @@ class SavedArena:
                     f"chunk {key[0]}'s forward saved a tensor no earlier pass saved at place {key[1]} "
                     f"({tuple(t.shape)}, {t.dtype}): the sets of graphs would not share it"
                 )
-            slot = self.slots[key] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            slot = self.memory.arena_slot(key[0], t.shape, t.dtype) if self._placed(t) else None
+            if slot is None:
+                slot = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            self.slots[key] = slot
         with torch.no_grad():
             slot.copy_(t)
         self._seen[id(t)] = (weakref.ref(t), t._version, slot)
         return slot
+
+    def _placed(self, t: torch.Tensor) -> bool:
+        return self.memory is not None and t.device == self.memory.device
 
 
 def _unpack(slot: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.saved_tensors import storages
 from harli_train.train.batch_buffers import KEYS, BatchBuffers
-from harli_train.train.saved_arena import SavedArena
+from harli_train.train.saved_arena import ArenaMemory, SavedArena
 from harli_train.train.step import IGNORE_INDEX, model_inputs
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class _ShapeGraphs:
         inputs: dict,
         grads: dict[int, torch.Tensor],
         arena: bool = True,
+        memory: ArenaMemory | None = None,
+        capture: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.model, self.bounds, self.autocast, self.inputs = model, bounds, autocast, inputs
         self.ptrs = _pointers(inputs)
@@ -138,8 +140,10 @@ class _ShapeGraphs:
         self.replaying: tuple[int, int] | None = None
         self.sets: dict[tuple[int, int], dict[str, Any]] = {}  # (stream, SM budget) -> name -> graph
         self.pool: Any = None  # the memory pool every set of this shape captures into
+        self.capture = capture  # around each capture, yields the pool to capture into (None: a new pool)
         weights = [*model.parameters(), *model.buffers()]
-        self.arena = SavedArena(storages([*weights, *self._static()])) if arena else None
+        self.memory = memory if arena else None  # where the arena's slots live (None: torch's allocator)
+        self.arena = SavedArena(storages([*weights, *self._static()]), self.memory) if arena else None
 
     # ---- what the graphs run -------------------------------------------------------------------------
     def _prologue_values(self):
@@ -242,9 +246,8 @@ class _ShapeGraphs:
         current = torch.cuda.current_stream()
         # A legacy default stream cannot capture: a side stream of the same (primary) context can.
         stream = current if current.cuda_stream != 0 else torch.cuda.Stream()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with kernels.sm_budget(sms), torch.cuda.stream(stream):
+        held = self.memory.arena_held() if self.memory is not None else contextlib.nullcontext()
+        with held, kernels.sm_budget(sms), torch.cuda.stream(stream):
             stream.wait_stream(current)
             kept = [t.detach().clone() for t in self._static()]
             for _, fn in self.order():  # warm-up, eager: compiles the kernels, sets up cuBLAS on `stream`
@@ -254,7 +257,10 @@ class _ShapeGraphs:
             del kept
             if self.arena is not None:  # from the first capture on, no pass may change the slots
                 self.arena.frozen = True
-            graphs = self._capture_each()
+            with self.capture() if self.capture is not None else contextlib.nullcontext() as pool:
+                if self.pool is None:
+                    self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+                graphs = self._capture_each()
         current.wait_stream(stream)
         if stream is not current:  # the side stream's cache (the eager pass's working set) is of no more use
             stream.synchronize()
@@ -285,6 +291,8 @@ class _ShapeGraphs:
         self.pool = None
         if self.arena is not None:
             self.arena.slots.clear()
+            if self.memory is not None:
+                self.memory.arena_reset()
         self.outs = [None] * len(self.outs)
         self.h, self.r, self.gh, self.gr = [], [], [], []
 
@@ -332,6 +340,20 @@ class StepGraphs:
         self.shapes: dict[tuple, _ShapeGraphs] = {}
         self.rebuilds = 0
         self.arena = arena
+        self.memory: ArenaMemory | None = None
+        self.capture: Callable[[], contextlib.AbstractContextManager] | None = None
+
+    def use_memory(
+        self,
+        memory: ArenaMemory | None,
+        capture: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
+        """Place the arena's slots in ``memory`` (None: torch's allocator) and enter ``capture()`` around each
+        capture, which yields the memory pool to capture into (``TrainerMemory.capture``; None: a pool of
+        the graphs' own), from the next step on; the graphs made so far are dropped (call with none of their
+        replays queued)."""
+        self.clear()
+        self.memory, self.capture = memory, capture
 
     def clear(self) -> None:
         """Drop every shape's graphs, static tensors and arena, also where a step in flight still refers to
@@ -369,7 +391,9 @@ class StepGraphs:
             raise GraphCaptureError(
                 f"a batch of a new shape after {MAX_SHAPES} (each shape keeps its own graphs and activations)"
             )
-        self.shapes[key] = found = _ShapeGraphs(model, bounds, autocast, inputs, self.grads, self.arena)
+        self.shapes[key] = found = _ShapeGraphs(
+            model, bounds, autocast, inputs, self.grads, self.arena, self.memory, self.capture
+        )
         log.info(
             "trainer step as CUDA graphs: %d micro-steps a micro-batch (batch %s)", len(found.order()), key[1]
         )
@@ -412,7 +436,10 @@ class GraphedChunks:
         return graphs
 
     def forward(self, chunk: int) -> None:
-        self._graphs()[f"fwd{chunk}"].replay()
+        graphs = self._graphs()
+        if self.shape.memory is not None:
+            self.shape.memory.arena_before(chunk, False)
+        graphs[f"fwd{chunk}"].replay()
         self.saved.add(chunk)
 
     def loss(self) -> None:
@@ -423,7 +450,12 @@ class GraphedChunks:
         if chunk not in self.saved:  # its forward ran on another set: run it again here
             graphs[f"fwd{chunk}"].replay()
             self.owner.rebuilds += 1
+        memory = self.shape.memory
+        if memory is not None:
+            memory.arena_before(chunk, True)
         graphs[f"bwd{chunk}"].replay()
+        if memory is not None:
+            memory.arena_after_backward(chunk)
         self.saved.discard(chunk)
 
     def end(self) -> torch.Tensor:

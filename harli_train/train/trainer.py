@@ -143,9 +143,8 @@ class Trainer:
         self.tokens_seen = 0
         self.buffers = BatchBuffers(self.device)
         if cfg.train.cuda_graphs:
-            # Without the saved-tensor arena: on the H200 the arena's graphed steps trained away from the
-            # eager ones (docs/design.md, "The trainer's step as CUDA graphs"); a backward on another set
-            # than its forward replays the forward first instead.
+            # With the saved-tensor arena (GRAPHS_ARENA): a backward on another set than its forward reads
+            # what that forward saved (docs/design.md, "The trainer's step as CUDA graphs").
             self.graphs = StepGraphs(self.params, arena=GRAPHS_ARENA)
         if state is None:
             # Now, not at the first step: co-located, that would allocate a tensor or more per LoRA
