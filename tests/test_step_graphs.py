@@ -344,6 +344,26 @@ def test_a_failed_capture_drops_the_graphs_and_the_run_trains_the_same_without_t
     assert all(torch.equal(a, b) for a, b in zip(trainer.params, want, strict=True))
 
 
+@pytest.mark.slow
+def test_on_the_pool_a_failed_capture_leaves_the_eager_steps_stashing_in_it(tmp_path, monkeypatch, caplog):
+    """Co-located on the host pool with every capture refused: the trainer drops its graphs (their arena's
+    stashes freed) and its eager steps stash in the pool; it trains the eager run's adapter."""
+    from harli_train.colocate.commands import run_colocated
+    from tests.test_runtime import adapter, assert_same_adapter, losses, recipe
+
+    run_colocated(recipe(tmp_path / "eager"), "tiny", policy="harli", quiet=True)
+    _failing_capture(monkeypatch, lambda key: True)
+    summary = run_colocated(
+        recipe(tmp_path / "dropped", "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True
+    )
+    assert "training goes on without train.cuda_graphs" in caplog.text
+    pool = summary["memory"]["pool"]
+    assert pool["enabled"] and pool["trainer"]["stashed_bytes"] > 0
+    assert summary["finetune"]["feed"]["graphs"] is None  # no graphs left at the end
+    assert losses(tmp_path / "dropped") == losses(tmp_path / "eager")
+    assert_same_adapter(adapter(tmp_path / "dropped"), adapter(tmp_path / "eager"))
+
+
 def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graphs(
     tmp_path, monkeypatch, caplog
 ):

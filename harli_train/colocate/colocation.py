@@ -335,7 +335,7 @@ def synthetic_step(trainer: Trainer, batch: dict[str, Any]) -> Generator[MicroSt
         trainer.cfg.train.layers_per_microstep,
         trainer._autocast,
         buffers=trainer.buffers if trainer.step_graphs is not None else None,
-        stash=trainer.stash_chunk,
+        stash=trainer.eager_stash,
         graphs=trainer.step_graphs,
     )
 

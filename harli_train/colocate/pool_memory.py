@@ -158,11 +158,10 @@ class PoolMemory(CacheReleaseHook):
         capture into the tenant's MemPool), and on a CPU its optimizer state into pool pages (the previous
         trainer's is given back first)."""
         self.detach()
+        trainer.stash_chunk = self.swapper.layer  # eager steps (and those after a failed capture)
         if trainer.graphs is not None:
             capture = self.trainer_memory.capture if self.trainer_memory is not None else None
             trainer.graphs.use_memory(self.swapper, capture)
-        else:
-            trainer.stash_chunk = self.swapper.layer
         if self.pool.backend == "host":
             self._placement = OptimizerPlacement(self.pool, self.trainer_tenant, trainer.optimizer)
         self._trainer = trainer

@@ -85,10 +85,11 @@ class Trainer:
         # Asked before each chunk's backward whether to rebuild the chunk's forward first (co-location: its
         # stream's SMs went to decode); see `train_step`.
         self.recompute_chunk: Callable[[int, int], bool] | None = None
-        # Entered around each chunk's forward: where the tensors it saves for backward are kept (co-location
-        # keeps them in the page pool, whence they can be spilled to host memory); see `train_step`.
+        # Entered around each chunk's forward of an eager step: where the tensors it saves for backward are
+        # kept (co-location keeps them in the page pool, whence they can be spilled to host memory); see
+        # `train_step`. A step on graphs keeps them in its arena (which the pool may place: `StepGraphs`).
         self.stash_chunk: Callable[[int], contextlib.AbstractContextManager] | None = None
-        # The step's CUDA graphs (train.cuda_graphs), made at setup; used while nothing is stashed.
+        # The step's CUDA graphs (train.cuda_graphs), made at setup; dropped if a capture fails.
         self.graphs: StepGraphs | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------
@@ -212,8 +213,14 @@ class Trainer:
 
     @property
     def step_graphs(self) -> StepGraphs | None:
-        """The graphs the next step runs on: the recipe's, unless activations are stashed (the page pool)."""
-        return self.graphs if self.stash_chunk is None else None
+        """The graphs the next step runs on: the recipe's (train.cuda_graphs), until a capture fails."""
+        return self.graphs
+
+    @property
+    def eager_stash(self) -> Callable[[int], contextlib.AbstractContextManager] | None:
+        """Where an eager step stashes each chunk's saved tensors (``stash_chunk``: the page pool's); None
+        while the step runs on graphs, whose arena holds them."""
+        return self.stash_chunk if self.graphs is None else None
 
     def drop_graphs(self, why: BaseException) -> None:
         """Train on without CUDA graphs (their capture failed): logged; the caller redoes the step in flight
@@ -221,6 +228,7 @@ class Trainer:
         log.warning("%s; training goes on without train.cuda_graphs", why)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.graphs.clear()  # the arena's slots (in the page pool's stashes, if placed there) go now
         self.graphs = None
 
     def release_graphs(self) -> None:
@@ -259,7 +267,7 @@ class Trainer:
                 self._autocast,
                 self.recompute_chunk,
                 self.buffers,
-                self.stash_chunk,
+                self.eager_stash,
                 self.step_graphs,
             )
             lr = lr_at(self.step, cfg.lr, self.total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
