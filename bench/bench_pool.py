@@ -99,7 +99,7 @@ def set_up(
     if args.dry_run:
         overrides += ["train.device=cpu", "model.dtype=float32", "train.batch_size=2", "data.seq_len=32"]
         overrides += ["train.layers_per_microstep=1", "colocation.max_batch=8"]
-    cfg = load_recipe(args.recipe, overrides)
+    cfg = load_recipe(args.recipe, [*overrides, *args.set])
     return assemble(cfg, cfg.model.name, loads=loads, spatial=True)
 
 
@@ -185,6 +185,13 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window-s", type=float, default=None, help="seconds a window (20; dry 1.5)")
     ap.add_argument("--phases", default="plain,loss,pool")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override of every phase (e.g. train.cuda_graphs=true); repeatable",
+    )
     ap.add_argument("--profile", default=None, help="decode profile file: reused when it matches")
     ap.add_argument("--out", default=None, help="the result JSON (default $OUT/bench_pool.json)")
     ap.add_argument("--in-process", action="store_true", help="run the phases in this process")

@@ -338,6 +338,7 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     assert pressed_losses == losses
 
 
+@pytest.mark.slow  # three co-located runs; bench/smoke_gpu.sh leaves it out until the gate opens
 def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(tmp_path, monkeypatch):
     """train.cuda_graphs beside the CUDA page pool (the assembly's gate opened for these runs): the graphs
     capture into the trainer tenant's MemPool and their saved-tensor arena lives in its stashes; the run
