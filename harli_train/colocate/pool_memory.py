@@ -49,8 +49,9 @@ HEADROOM_GROUPS = 1  # page groups kept mapped beyond what the next steps need
 SHRINK_SLACK_GROUPS = 2  # idle groups beyond the headroom before a shrink is ordered
 RETRY_DECISIONS = 8  # decisions between two tries of a grow the pool could not serve
 SAMPLE_S = 0.05  # the resizer thread samples the pool's usage this often (and after every order)
-# Pinned host slabs the trainer's spills start with on a GPU (more are pinned when a reclaim spills more at
-# once, and kept): pinning in a reclaim would hold the KV grow waiting on it (docs/design.md).
+# Pinned host slabs the trainer's spills start with on a GPU, at most what its stashes can hold (more are
+# pinned when a reclaim spills more at once, and kept): pinning in a reclaim would hold the KV grow waiting
+# on it (docs/design.md).
 SPILL_HOST_RESERVE = 2 << 30
 
 
@@ -109,14 +110,16 @@ class PoolMemory(CacheReleaseHook):
         kv = PooledKVStorage(pool, spec, max_blocks, tenant=pool.add_tenant("kv"))
         tenant = pool.add_tenant("trainer", quota)
         batch, seq_len, layers = self.train_shape
+        chunk_bytes = chunk_saved_bytes(self.model.config, batch, seq_len, layers, spec.dtype)
+        stashes = -(-self.model.config.num_layers // max(layers, 1))
         swapper = ActivationSwapper(
             pool,
             tenant,
-            layer_bytes=chunk_saved_bytes(self.model.config, batch, seq_len, layers, spec.dtype),
+            layer_bytes=chunk_bytes,
             window=1,
             lookahead=1,
             exclude=[*self.model.parameters(), *self.model.buffers()],
-            host_reserve=SPILL_HOST_RESERVE if cuda else 0,
+            host_reserve=min(SPILL_HOST_RESERVE, stashes * chunk_bytes) if cuda else 0,
         )
         trainer_memory = TrainerMemory(pool, tenant) if cuda else None
         # Nothing is kept unless all of it could be made (the caller then runs without the pool).
