@@ -344,6 +344,39 @@ def test_a_failed_capture_drops_the_graphs_and_the_run_trains_the_same_without_t
     assert all(torch.equal(a, b) for a, b in zip(trainer.params, want, strict=True))
 
 
+def test_after_an_abandoned_graphed_step_the_arena_gives_every_page_back_and_the_next_step_is_unchanged():
+    """A trainer out of memory abandons its step and the pool's hook calls ``release_idle``: the arena's
+    stashes (what the abandoned forwards wrote) are unmapped, none copied; the step run again maps them anew
+    and gives the eager step's gradients and loss."""
+    from harli_train.memory import ActivationSwapper
+    from tests.test_allocator import PAGE, host_pool
+
+    pair = [_packed(1), _packed(2)]
+    want_grads, want_result, _ = _eager(pair, 1)
+    m = _seeded_model()
+    graphs, buffers = StepGraphs(m.lora_parameters()), BatchBuffers("cpu")
+    with host_pool(2000) as pool:
+        trainer = pool.add_tenant("trainer")
+        swapper = ActivationSwapper(pool, trainer, layer_bytes=400 * PAGE)
+        graphs.use_memory(swapper)
+        _drain(train_step(m, pair, 1, buffers=buffers, graphs=graphs))  # makes the slots
+        m.zero_grad(set_to_none=True)
+        gen = train_step(m, pair, 1, buffers=buffers, graphs=graphs)
+        while next(gen).phase != "loss":  # every forward of the first micro-batch, then abandoned
+            pass
+        gen.close()
+        assert trainer.stats()["used_pages"] > 0
+        copied = swapper.stats["swap_out_bytes"]
+        assert swapper.release_idle() > 0 and trainer.stats()["used_pages"] == 0
+        assert swapper.stats["swap_out_bytes"] == copied  # dead bytes are not copied
+        m.zero_grad(set_to_none=True)
+        result, _ = _drain(train_step(m, pair, 1, buffers=buffers, graphs=graphs))
+        assert torch.equal(result.loss_sum, want_result.loss_sum)
+        for got, ref in zip(_grads(m), want_grads, strict=True):
+            assert torch.equal(got, ref)
+        pool.check()
+
+
 @pytest.mark.slow
 def test_on_the_pool_a_failed_capture_leaves_the_eager_steps_stashing_in_it(tmp_path, monkeypatch, caplog):
     """Co-located on the host pool with every capture refused: the trainer drops its graphs (their arena's
