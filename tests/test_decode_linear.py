@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from harli_train.engine.decode_linear import (  # noqa: E402
+    FMA_MIN_SMS,
     decode_linear,
     decode_linear_add_rms_norm,
     decode_linear_config,
@@ -157,7 +158,7 @@ def test_configs_for_llama_8b_shapes():
         for sms in (132, 48, 16):
             for ns, k, swiglu in shapes.values():
                 cfg = decode_linear_config(m, ns, k, sms, swiglu, 2)
-                assert cfg.block_m >= m and (cfg.use_dot or m == 1)
+                assert cfg.block_m >= m and cfg.use_dot == (m > 1 or sms < FMA_MIN_SMS)
                 assert k % cfg.block_k == 0 and all(n % cfg.block_n == 0 for n in ns)
                 tiles = -(-ns[0] // cfg.block_n) if swiglu else sum(-(-n // cfg.block_n) for n in ns)
                 assert cfg.split_k == 1 or tiles < 4 * sms, "split only when the tiles cannot fill the SMs"

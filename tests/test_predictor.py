@@ -33,7 +33,7 @@ E_TRUE = (4e-4, 1e-12)  # slowdown slopes per sequence and per KV byte
 def truth(b, kv_tokens, s, corun):
     a, c, d = true_params(s)
     g1, g2, g3, g4 = TRUE_G
-    m = gemv_rows(b)
+    m = gemv_rows(b, s)
     t = a + c * kv_tokens * KV_BPT + g1 * m / s + g2 * m * m / s + g3 * m**3 / s + g4 * b
     if corun:
         t *= 1 + d + E_TRUE[0] * b + E_TRUE[1] * kv_tokens * KV_BPT
@@ -273,11 +273,14 @@ def test_a_saved_predictor_of_other_batch_terms_is_refused(fitted):
 
 def test_gemv_rows_are_the_rows_the_decode_gemv_computes():
     """The predictor's row count is `decode_linear_config`'s tile rows for the engine's default graph bucket
-    of each batch (one row streamed with FMAs at batch 1)."""
+    of each batch on each share (one row streamed with FMAs at batch 1 on most of the GPU, a tensor-core tile
+    on a partition's few SMs)."""
     from harli_train.engine.decode_linear import decode_linear_config
     from harli_train.engine.engine_config import EngineConfig
 
     buckets = EngineConfig(max_num_seqs=64).graph_batch_sizes
-    for b in range(1, 65):
-        bucket = min(x for x in buckets if x >= b)
-        assert gemv_rows(b) == decode_linear_config(bucket, (4096,), 4096, 132).block_m, b
+    for sms in (16, 48, 80, 96, 132):
+        for b in range(1, 65):
+            bucket = min(x for x in buckets if x >= b)
+            assert gemv_rows(b, sms) == decode_linear_config(bucket, (4096,), 4096, sms).block_m, (b, sms)
+    assert gemv_rows(1) == 1 and gemv_rows(1, 48) == 16

@@ -2,14 +2,14 @@
 
 Stage 1 (solo), for a step of ``b`` sequences reading ``kv`` bytes of KV cache on ``s`` SMs::
 
-    t_solo = A[s] + C[s] * kv  +  g1 * m/s + g2 * m^2/s + g3 * m^3/s + g4 * b,   m = gemv_rows(b)
+    t_solo = A[s] + C[s] * kv  +  g1 * m/s + g2 * m^2/s + g3 * m^3/s + g4 * b,   m = gemv_rows(b, s)
 
 ``A[s]`` is the weight read at the bandwidth share ``s`` can draw plus launch overhead (the weights are
 fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for the KV read, the ``m/s``
 terms are the projections' compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
 per-sequence work that does not scale with SMs. The projections compute ``m`` rows, not ``b``: the decode
-GEMV pads a step's batch bucket to its tile's rows (``gemv_rows``: 1, then 16, 32, 64), so a step of 33
-sequences costs what one of 64 does there. The bandwidth is fitted per share because it saturates
+GEMV pads a step's batch bucket to its tile's rows (``gemv_rows``: 1 at batch 1 on most of the GPU, else 16,
+32, 64), so a step of 33 sequences costs what one of 64 does there. The bandwidth is fitted per share because it saturates
 sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
 figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
 
@@ -38,16 +38,20 @@ from harli_train.colocate.lora_cost import LoRACost, MixedLoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
 from harli_train.colocate.regression import weighted_lstsq
+from harli_train.engine.decode_linear import FMA_MIN_SMS
 
 N_GLOBAL = 4  # m/s, m^2/s, m^3/s, b
 BATCH_TERMS = "gemv_rows"  # what a saved predictor's solo_global multiplies (`to_dict`, `from_dict`)
 
 
-def gemv_rows(batch: int) -> int:
-    """The rows a decode step of ``batch`` sequences computes in its projections: one row streamed with FMAs,
-    else the tensor-core tile's rows (``decode_linear_config``'s ``block_m``: the power of two at or above
-    the batch, at least 16; the engine's default graph buckets never cross a power of two)."""
-    return 1 if batch <= 1 else max(16, 1 << (int(batch) - 1).bit_length())
+def gemv_rows(batch: int, sms: float | None = None) -> int:
+    """The rows a decode step of ``batch`` sequences computes in its projections on ``sms`` SMs (None: the
+    whole GPU): one row streamed with FMAs (batch 1 on at least ``FMA_MIN_SMS``), else the tensor-core tile's
+    rows (``decode_linear_config``'s ``block_m``: the power of two at or above the batch, at least 16; the
+    engine's default graph buckets never cross a power of two)."""
+    if batch <= 1 and (sms is None or sms >= FMA_MIN_SMS):
+        return 1
+    return max(16, 1 << (int(batch) - 1).bit_length())
 
 
 @dataclass(slots=True)
@@ -124,13 +128,13 @@ class LatencyPredictor(OnlineCorrection):
         k = len(shares)
 
         # Only the batch terms the grid can pin down: a cubic needs 4 row counts, b vs m/s two shares.
-        n_batches = len({gemv_rows(r["batch"]) for r in solo})
+        n_batches = len({gemv_rows(r["batch"], r["infer_sms"]) for r in solo})
         used = [j < min(3, n_batches - 1) for j in range(3)] + [n_batches > 1 and k > 1]
         X = np.zeros((len(solo), 2 * k + N_GLOBAL))
         y = np.array([float(r["latency_s"]) for r in solo])
         for i, r in enumerate(solo):
             b, s = float(r["batch"]), float(r["infer_sms"])
-            m = float(gemv_rows(r["batch"]))
+            m = float(gemv_rows(r["batch"], s))
             X[i, col[int(s)]] = 1.0
             X[i, k + col[int(s)]] = float(r["kv_tokens"]) * kv_bytes_per_token
             X[i, 2 * k :] = (m / s, m * m / s, m**3 / s, b)
@@ -232,7 +236,7 @@ class LatencyPredictor(OnlineCorrection):
         rows running ``lora_slots`` distinct adapters (0: the base only; unmodelled without a LoRA profile)."""
         row = self._rows.get(infer_sms) or self._row(infer_sms)
         b = batch if batch <= self.batch_max else self.batch_max
-        m = gemv_rows(b)
+        m = gemv_rows(b, infer_sms)
         t = row[0] + row[1] * kv_tokens + m * (row[2] + m * (row[3] + m * row[4])) + b * row[8]
         if batch > b:  # past the profiled batches: assume linear growth, which overestimates (safe side)
             t *= batch / b

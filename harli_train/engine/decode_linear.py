@@ -3,9 +3,10 @@
 A decode step reads every weight once for M = batch (1..64) rows, so it is a stream over W. Each program
 streams BLOCK_N consecutive rows of a row-major W (the model's own tensor, no transposed copy) over its K
 range. Two formulations:
-  * FMA (M == 1): a [BLOCK_N, BLOCK_K] fp32 partial-product tile accumulated in registers, reduced over K once.
-  * dot (M >= 2): "swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, so the weight rows fill the MMA's
-    M side and the batch (padded to 16/32/64) its N side.
+  * FMA (M == 1 on most of the GPU): a [BLOCK_N, BLOCK_K] fp32 partial-product tile accumulated in
+    registers, reduced over K once.
+  * dot (M >= 2, or a partition's few SMs): "swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T, so the
+    weight rows fill the MMA's M side and the batch (padded to 16/32/64) its N side.
 One launch covers up to three weights that share x (q/k/v, gate/up): program ids map to row tiles of weight
 0, then 1, then 2, and each weight's rows land in their column range of one output. With `swiglu`, a program
 reads the same rows of gate (weight 0) and up (weight 1) and writes silu(g) * u. When the row tiles alone
@@ -38,6 +39,11 @@ from harli_train.engine.decode_linear_kernels import (
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 SMEM_PER_SM = 228 * 1024
+# M == 1 streams with FMAs only on at least this many SMs. Its programs keep fewer bytes in flight than the
+# tensor-core tiles, which is enough when the whole GPU's SMs share HBM's bandwidth but not when a partition's
+# few SMs must each draw more of it: on the H200 a batch-1 step ran 6.35 / 5.59 ms on 48 / 64 SMs, slower than
+# a batch-8 step on the dot tiles (6.04 / 5.27 ms, with 8x the KV read), and within 3 % of it from 96 SMs up.
+FMA_MIN_SMS = 96
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +98,13 @@ def decode_linear_config(
 ) -> DecodeLinearConfig:
     """The launch config for x [m, k] against weights of `ns` rows (m: the graph's batch bucket).
 
-    M == 1 streams with FMAs (8 rows x 512 columns a program, ~4 programs resident per SM); larger M uses the
-    tensor cores with the weight rows on the MMA's M side (64 rows a program). Stages are sized
+    M == 1 on at least FMA_MIN_SMS SMs streams with FMAs (8 rows x 512 columns a program, ~4 programs
+    resident per SM); larger M, or fewer SMs, uses the tensor cores with the weight rows on the MMA's M side
+    (64 rows a program, M padded to 16). Stages are sized
     so two programs fit an SM's shared memory. K is split only when the row tiles fill less than one wave
     of resident programs, and then by the count that best fills whole waves.
     """
-    if m == 1:
+    if m == 1 and num_sms >= FMA_MIN_SMS:
         block_m, block_n, block_k, warps, stages, use_dot, per_sm = 1, 8, 512, 4, 2, False, 4
     else:
         # 64 weight rows a tile keep the x tile (re-read from L2 by every program) small beside W's.
