@@ -202,6 +202,40 @@ def test_a_mixed_step_never_resumes_a_paused_trainer():
     assert not plan.paused and plan.partition.infer_sms == 64 and plan.prefill_tokens == 158
 
 
+def test_a_learned_margin_covers_the_mixed_steps_it_sizes():
+    """``harli:margin=learn``: a mixed step's chunk fills the budget, so its measured / predicted ratio joins
+    the learned margin as a decode step's does; mixed steps running 20 % over their prediction widen the
+    margin (the step needs a larger share for the floor's tokens), mixed steps on time narrow it (a smaller
+    share fits them, leaving the trainer more). Without it the budget stays put."""
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
+    shares = {}
+    for ratio in (1.2, 1.0):
+        harli = make_policy("harli:margin=learn", ladder, mixed_predictor(ladder.shares), 0.0201, 0.1)
+        harli.trainer_busy = lambda: False
+        first = harli.plan(preview)
+        assert first.mixed_raw_s is not None and first.prefill_tokens == 158
+        for _ in range(100):
+            plan = harli.plan(preview)
+            harli.observe(plan, plan.predicted_s * ratio)
+        plan = harli.plan(preview)
+        assert not plan.paused and plan.prefill_tokens >= harli.prefill_floor
+        shares[ratio] = plan.partition.infer_sms
+        margin = harli.controller.margin
+        assert harli.budget_s == pytest.approx(0.0201 * (1 - margin))
+        if ratio > 1:
+            assert margin == pytest.approx(1 - 1 / ratio)
+        else:
+            assert margin == harli.controller.learned_margin.floor
+    assert shares[1.0] < first.partition.infer_sms == 64 < shares[1.2]
+    fixed = make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.0201, 0.1)
+    fixed.trainer_busy = lambda: False
+    for _ in range(100):
+        plan = fixed.plan(preview)
+        fixed.observe(plan, plan.predicted_s * 1.2)
+    assert fixed.controller.margin == 0.1 and fixed.budget_s == pytest.approx(0.0201 * 0.9)
+
+
 def test_harli_bisects_the_chunk_only_on_the_share_it_takes(monkeypatch):
     """A mixed step's planning is host time inside its token interval: a share where even the floor does
     not fit costs one prediction, and the bisection runs once, on the share the plan takes (the same plan

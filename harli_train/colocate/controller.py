@@ -15,7 +15,8 @@ SMs for as long as decode stays there, but costs the work the trainer has queued
 wait). So it shrinks only when ``(A - B) * dwell >= in_flight * micro_step * (T - B)``, with ``dwell`` the
 learnt time decode stays on a share before it grows again (an EWMA over the run): under a steady load the
 share settles, under a load that flips it holds the larger share. With ``learn_margin`` the margin follows the
-prediction error observed (``margin.LearnedMargin``), ``margin`` its starting value.
+prediction error observed (``margin.LearnedMargin``) over every step the budget sizes (``observe``, and
+``observe_margin`` for the policy's mixed steps), ``margin`` its starting value.
 Every decision is logged with its prediction and, once observed, the measured latency.
 """
 
@@ -265,11 +266,16 @@ class Controller:
 
     # --- feedback and logging --------------------------------------------------------------------------
 
+    def observe_margin(self, measured_s: float, predicted_s: float) -> None:
+        """Fold a step sized to the budget (a decode step, or a mixed step whose chunk filled it) into the
+        learned margin, if there is one: the margin covers the error of every step the budget sizes."""
+        if self.learned_margin is not None:
+            self.set_objective(self.tpot_s, self.learned_margin.observe(measured_s, predicted_s))
+
     def observe(self, decision: Decision, measured_s: float) -> None:
         """Record the measured latency of a decided step and feed the predictor's residual correction."""
         self.predictor.observe(decision.partition.infer_sms, decision.corun, measured_s, decision.raw_s)
-        if self.learned_margin is not None:
-            self.set_objective(self.tpot_s, self.learned_margin.observe(measured_s, decision.predicted_s))
+        self.observe_margin(measured_s, decision.predicted_s)
         entry = self._open.pop(decision.step, None)
         if entry is None:  # observed late: the entry was already written without a measurement
             entry = {

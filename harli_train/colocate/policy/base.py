@@ -268,7 +268,9 @@ class ControlledPolicy(Policy):
         super().observe(plan, measured_s)
         if plan.mixed_raw_s is None and plan.decision is not None:
             self.controller.observe(plan.decision, measured_s)
-            self.budget_s = self.controller.budget_s  # a learnt margin moves it
+        elif plan.mixed_raw_s is not None and plan.predicted_s:
+            self.controller.observe_margin(measured_s, plan.predicted_s)  # its chunk was sized to the budget
+        self.budget_s = self.controller.budget_s  # a learnt margin moves it
 
     def observe_train_slice(self, seconds: float) -> None:
         self.controller.observe_train_slice(seconds)
