@@ -251,6 +251,31 @@ def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_c
         assert tar.getnames() == ["timelines/auto2/steady-light.png"]
 
 
+def test_bench_pool_weighs_the_steps_after_a_reclaim_against_the_runs_other_steps():
+    """A violation within 5 decode steps of a reclaim counts against it, beside the rate of the run's other
+    decode steps (a load the split cannot keep violates there too); overlapping windows count a step once,
+    by the nearest reclaim before it; prefill steps are not judged."""
+    import bench_pool
+
+    def step(kind, reclaims, violated):
+        return {"kind": kind, "reclaims": reclaims, "violated": violated, "batch": 3, "measured_s": 0.02}
+
+    steps = [step("decode", 0, False) for _ in range(10)]
+    steps[4]["violated"] = True  # the load's own violation, before any reclaim
+    steps.append(step("prefill", 0, True))
+    steps += [step("mixed", 1, True), step("decode", 1, False), step("decode", 2, True)]  # two reclaims
+    steps += [step("decode", 2, i in (2, 6)) for i in range(8)]  # decode rows 15 (judged) and 19 (not)
+    got = bench_pool.after_reclaims(steps)
+    assert got["reclaim_steps"] == 2 and got["steps_judged"] == 7  # steps 10..16 of the decode rows
+    assert got["violations"] == 3 and got["violation_rate"] == pytest.approx(3 / 7)
+    assert (got["steps_elsewhere"], got["violations_elsewhere"]) == (14, 2)
+    assert got["excess_rate"] == pytest.approx(3 / 7 - 2 / 14)
+    assert [v["steps_after_reclaim"] for v in got["violating"]] == [0, 0, 3]
+    assert got["violating"][0]["kind"] == "mixed" and got["violating"][0]["measured_s"] == 0.02
+    quiet = bench_pool.after_reclaims([step("decode", 0, False)] * 3)
+    assert quiet["steps_judged"] == 0 and quiet["violation_rate"] is None and quiet["excess_rate"] is None
+
+
 @pytest.mark.slow
 def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(tmp_path):
     """bench_pool.py's phases, each in a child process of the same command line, in one result: the loss
