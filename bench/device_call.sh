@@ -9,6 +9,8 @@
 #   colocate "ARGS"  python bench/bench_colocate.py --objectives auto:1.5 --profile P --standalone S
 #                    --keep-steps 3000 --time-budget-s <what is left> ARGS (ARGS may override any of them)
 #   pool "ARGS"      python bench/bench_pool.py --profile P ARGS (under `timeout` for what is left)
+#   profile "ARGS"   make P again: bench_colocate.py's set-up and profile alone (--policies none), ~3 min on
+#                    the H200; the later steps of the call use it and it comes back in the archive
 #   smoke            bash bench/smoke_gpu.sh, SMOKE_BUDGET_S set to what is left
 #   cmd "COMMAND"    bash -c COMMAND (e.g. a co-located main job), with OUT set to the step's folder
 # P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
@@ -30,10 +32,10 @@ rest=("$@")
 i=0
 while [ $i -lt ${#rest[@]} ]; do
   case ${rest[$i]} in
-    colocate | pool | cmd) i=$((i + 2)) ;;
+    colocate | pool | cmd | profile) i=$((i + 2)) ;;
     smoke) i=$((i + 1)) ;;
     *)
-      echo "unknown step '${rest[$i]}' (colocate \"ARGS\", pool \"ARGS\", cmd \"COMMAND\", smoke)" >&2
+      echo "unknown step '${rest[$i]}' (colocate \"ARGS\", pool \"ARGS\", profile \"ARGS\", cmd \"COMMAND\", smoke)" >&2
       exit 2
       ;;
   esac
@@ -88,6 +90,12 @@ while [ $# -gt 0 ]; do
       # shellcheck disable=SC2086
       OUT="$dir" timeout -s INT -k 20 "${budget}s" python bench/bench_pool.py --profile "$profile" \
         --out "$dir/bench_pool.json" $args >"$dir/log" 2>&1
+      ;;
+    profile)
+      # shellcheck disable=SC2086
+      OUT="$dir" timeout -s INT -k 20 "${budget}s" python bench/bench_colocate.py --objectives auto:1.5 \
+        --policies none --trace steady --loads light --profile "$dir/profile.json" \
+        --standalone "$STANDALONE" $args >"$dir/log" 2>&1 && mv "$dir/profile.json" "$profile"
       ;;
     smoke)
       OUT="$dir" SMOKE_BUDGET_S="$budget" bash bench/smoke_gpu.sh >"$dir/log" 2>&1

@@ -368,6 +368,27 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
 
 
+@pytest.mark.slow
+def test_device_call_makes_the_profile_again_for_the_steps_after_it(tmp_path):
+    """device_call.sh's ``profile`` step re-profiles (whatever the stored profile holds) into the call's
+    profile: the bench step after it reuses that profile instead of profiling, and it comes back in the
+    archive."""
+    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "300", "DEVICE_CALL_INSTALL": "0"}
+    dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
+    steps = ["profile", "--dry-run", "colocate", dry]
+    proc = subprocess.run(
+        ["bash", str(BENCH / "device_call.sh"), *steps], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "=== 1 profile: exit 0" in proc.stdout and "=== 2 colocate: exit 0" in proc.stdout
+    with tarfile.open(tmp_path / "c1.tar.gz") as tar:
+        logs = {n: tar.extractfile(n).read().decode() for n in ("c1/1-profile/log", "c1/2-colocate/log")}
+        made = json.loads(tar.extractfile("c1/profile.json").read())
+    assert "profiling decode" in logs["c1/1-profile/log"]
+    assert "profiling decode" not in logs["c1/2-colocate/log"]  # the fresh profile, reused
+    assert made["key"]["model_id"].startswith("tiny")
+
+
 def test_repeats_cut_short_by_the_time_budget_keep_the_windows_that_ran(tmp_path):
     import colocate_windows
 
