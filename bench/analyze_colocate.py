@@ -22,7 +22,8 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
 - measured/predicted latency of mixed steps by their prefill tokens (``CHUNK_SIZES``), and the seconds of
   mixed steps on the whole GPU (the trainer paused): how well the mixed-step model sizes the chunks;
 - harli's grow headroom: the seconds of decode steps predicted within it of the budget (the trainer then
-  kept clear of the next larger share too), and how many of the window's grows came within 5 steps of one.
+  kept clear of the next larger share too), and how many of the window's grows came within 5 steps of one;
+- where the trainer's paused seconds went and the decode shares each batch took (``step_breakdown``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
+from step_breakdown import decode_shares, paused_time  # noqa: E402
 
 from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options  # noqa: E402
 
@@ -291,6 +293,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
                     "no_trainer_s": idle,
                     "whole_gpu_mixed_s": whole_gpu_mixed_s,
+                    "paused": paused_time(rows, total),
+                    "decode_shares": decode_shares(rows),
                     "rebuilt_chunks": feed.get("rebuilt_chunks"),
                     "gpu_busy_s": feed.get("gpu_busy_s"),
                     "launch_host_s": feed.get("launch_host_s"),
@@ -336,6 +340,30 @@ def analyze(results: dict) -> dict[str, Any]:
         for name, by_key in gaps.items()
     }
     return report
+
+
+def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
+    """The trainer's paused seconds by cause, and the decode shares of each batch with at least ``least`` of
+    a window's decode steps beside the trainer."""
+    print("\nthe trainer paused, seconds by cause (episodes: runs of paused steps; steps: median an episode)")
+    paused = [
+        [cell, name, p["whole_gpu_mixed_s"], p["drain_s"], p["prefill_s"], p["other_s"], p["episodes"]]
+        + [p["whole_gpu_mixed_steps_per_episode"], p["drain_steps_per_episode"]]
+        for cell, ps in report["cells"].items()
+        for name, r in ps.items()
+        if (p := r["paused"])["episodes"]
+    ]
+    head = ["cell", "policy", "whole-GPU mixed", "drain", "prefill", "other", "episodes", "mixed steps"]
+    print(common.table(paused, [*head, "drain steps"]))
+    print("\ndecode steps beside the trainer: the shares each batch ran on (steps)")
+    shares = []
+    for cell, ps in report["cells"].items():
+        for name, r in ps.items():
+            total = sum(sum(c.values()) for c in r["decode_shares"].values())
+            for batch, by_share in r["decode_shares"].items():
+                if sum(by_share.values()) >= least * total:
+                    shares.append([cell, name, batch, "  ".join(f"{s}: {n}" for s, n in by_share.items())])
+    print(common.table(shares, ["cell", "policy", "batch", "share: steps"]))
 
 
 def main() -> None:
@@ -433,6 +461,7 @@ def main() -> None:
     ]
     head = ["cell", "policy", "steps", "seconds", "grows", "within 5 steps of one", "by chance"]
     print(common.table(near, head))
+    print_breakdown(report)
     for cell, policies in report["cells"].items():
         for name, r in policies.items():
             for ctx in r["violating_steps"]:

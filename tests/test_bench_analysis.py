@@ -102,6 +102,41 @@ def test_analysis_attributes_steps_and_shares():
     assert r["whole_gpu_mixed_s"] == pytest.approx(0.0135)
 
 
+def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each_batch_took():
+    """A step's seconds are those since the step before it; paused ones by cause (whole-GPU mixed steps,
+    the drain before them, prefill steps, the rest) and by episode; decode shares per batch beside the
+    trainer."""
+    import step_breakdown
+
+    def row(t, kind, sms, train, batch=2, reason="r"):
+        return {"t": t, "kind": kind, "infer_sms": sms, "train": "beside" if train else "none",
+                "train_sms": 132 - sms if train else 0, "batch": batch, "reason": reason}  # fmt: skip
+
+    drain = step_breakdown.DRAIN_REASON + " on 48 SMs, its prefill waits"
+    rows = [
+        row(0.00, "decode", 48, True, batch=1),
+        row(0.01, "decode", 64, True, batch=1),
+        row(0.02, "decode", 48, False, reason=drain),  # episode 1: two drain steps, two mixed
+        row(0.03, "decode", 48, False, reason=drain),
+        row(0.04, "mixed", 132, False),
+        row(0.06, "mixed", 132, False),
+        row(0.07, "decode", 48, True, batch=3),
+        row(0.08, "prefill", 132, False),  # episode 2: a prefill step and a paused decode step
+        row(0.11, "decode", 48, False, batch=3),
+        row(0.12, "decode", 48, True, batch=3),
+    ]
+    got = step_breakdown.paused_time(rows, 132)
+    assert got["whole_gpu_mixed_s"] == pytest.approx(0.03) and got["drain_s"] == pytest.approx(0.02)
+    assert got["prefill_s"] == pytest.approx(0.01) and got["other_s"] == pytest.approx(0.03)
+    assert got["episodes"] == 2
+    assert got["whole_gpu_mixed_steps_per_episode"] == 1 and got["drain_steps_per_episode"] == 1  # 2, 0
+    assert step_breakdown.decode_shares(rows) == {1: {48: 1, 64: 1}, 3: {48: 2}}
+    report = analyze_colocate.analyze(results())
+    paused = report["cells"]["bursty/heavy"]["harli"]["paused"]
+    assert paused["prefill_s"] == pytest.approx(0.03) and paused["whole_gpu_mixed_s"] == pytest.approx(0.02)
+    assert paused["episodes"] == 2
+
+
 @pytest.mark.slow
 def test_analysis_reads_plain_and_gzipped_results(tmp_path):
     plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"

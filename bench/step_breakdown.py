@@ -1,0 +1,63 @@
+"""Two readings of a co-location window's step records (no GPU needed), printed by analyze_colocate.py:
+
+- ``paused_time``: the seconds the trainer launched nothing, by cause: whole-GPU mixed steps, decode alone
+  while the trainer's queued work drains before one (``DRAIN_REASON``), prefill steps, and the rest; and how
+  they group into episodes (runs of consecutive paused steps). A drain is not lost to the trainer as the
+  SM-seconds count it: its queued micro-steps still run.
+- ``decode_shares``: for each decode batch, the shares its steps beside the trainer ran on. A batch that
+  needs a larger share than the batches around it points at a kernel or a model term (the trainer trails
+  the larger share for a while after each such step).
+
+A step's seconds are the time since the step before it ended (its token interval, host time included):
+its plan governs that span.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from typing import Any
+
+DRAIN_REASON = "mixed: decode alone"  # harli's plan while the trainer's queued work leaves the GPU
+
+
+def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
+    """Seconds the trainer held no SMs, by cause, and the episodes they came in."""
+    causes: Counter = Counter()
+    episodes: list[Counter] = []
+    open_episode = False
+    for prev, row in zip(rows, rows[1:], strict=False):
+        dt = row["t"] - prev["t"]
+        if row.get("train") != "none" and (row.get("train_sms") or 0) > 0:
+            open_episode = False
+            continue
+        if row["kind"] == "mixed" and row["infer_sms"] == total_sms:
+            cause = "whole_gpu_mixed"
+        elif row["kind"] == "decode" and (row.get("reason") or "").startswith(DRAIN_REASON):
+            cause = "drain"
+        elif row["kind"] == "prefill":
+            cause = "prefill"
+        else:
+            cause = "other"
+        causes[cause] += dt
+        if not open_episode:
+            episodes.append(Counter())
+            open_episode = True
+        episodes[-1][cause] += 1
+        episodes[-1][cause + "_s"] += dt
+    out: dict[str, Any] = {f"{c}_s": causes[c] for c in ("whole_gpu_mixed", "drain", "prefill", "other")}
+    out["episodes"] = len(episodes)
+    for cause in ("whole_gpu_mixed", "drain"):
+        out[f"{cause}_steps_per_episode"] = (
+            statistics.median(e[cause] for e in episodes) if episodes else None
+        )
+    return out
+
+
+def decode_shares(rows: list[dict[str, Any]]) -> dict[int, dict[int, int]]:
+    """batch -> {decode share: steps} over the decode steps that ran beside the trainer."""
+    out: dict[int, Counter] = defaultdict(Counter)
+    for row in rows:
+        if row["kind"] == "decode" and row.get("train") == "beside" and row.get("batch"):
+            out[int(row["batch"])][int(row["infer_sms"])] += 1
+    return {b: dict(sorted(c.items())) for b, c in sorted(out.items())}
