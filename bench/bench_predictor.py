@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 from harli_train.colocate.controller import Controller  # noqa: E402
-from harli_train.colocate.predictor import LatencyPredictor, split_samples  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor, fit_options, split_samples  # noqa: E402
 from harli_train.colocate.profile import ProfileKey, save_profile  # noqa: E402
 from harli_train.colocate.profile_grid import build_profile, run_profile_grid  # noqa: E402
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder  # noqa: E402
@@ -215,7 +215,7 @@ def fit_and_score(prof, ladder: SMLadder, args) -> dict:
                 train,
                 ladder.total_sms,
                 prof.meta["kv_bytes_per_token"],
-                mixed_buckets=prof.meta.get("mixed_buckets", ()),
+                **fit_options(prof.meta),
             )
         )
         runs.append({"seed": seed, **preds[-1].fit_report, **preds[-1].evaluate(held, prefix="heldout_")})

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import common  # noqa: E402
 
-from harli_train.colocate.predictor import LatencyPredictor, split_samples  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor, fit_options, split_samples  # noqa: E402
 
 
 def main() -> None:
@@ -33,9 +33,7 @@ def main() -> None:
     rows, runs = [], []
     for seed in range(args.seeds):
         fit_on, held_out = split_samples(samples, 0.7, seed)
-        pred = LatencyPredictor.fit(
-            fit_on, total_sms, meta["kv_bytes_per_token"], mixed_buckets=meta.get("mixed_buckets", ())
-        )
+        pred = LatencyPredictor.fit(fit_on, total_sms, meta["kv_bytes_per_token"], **fit_options(meta))
         ev = pred.evaluate(held_out)
         runs.append(ev)
         rows.append([seed, len(fit_on), len(held_out), ev["solo_mape_pct"], ev["corun_mape_pct"]])

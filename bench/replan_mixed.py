@@ -28,7 +28,7 @@ from analyze_colocate import rows_of, windows  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 
 from harli_train.colocate.policy.base import chunk_fits, largest_chunk  # noqa: E402
-from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
 from harli_train.engine.scheduler import PrefillPiece, StepPreview  # noqa: E402
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         profile["samples"],
         int(profile["key"]["sm_count"]),
         float(meta["kv_bytes_per_token"]),
-        mixed_buckets=meta.get("mixed_buckets", ()),
+        **fit_options(meta),
     )
     shares = sorted(r["infer_sms"] for r in result["setup"]["ladder"]["rungs"])
     margin = result["setup"]["margin"]

@@ -17,7 +17,7 @@ import analyze_colocate  # noqa: E402
 import colocate_matrix  # noqa: E402
 import replan_mixed  # noqa: E402
 
-from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
 
 COLUMNS = colocate_matrix.STEP_COLUMNS
 
@@ -201,9 +201,7 @@ def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_flo
         BENCH / "profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz"
     )
     meta = profile["meta"]
-    predictor = LatencyPredictor.fit(
-        profile["samples"], 132, meta["kv_bytes_per_token"], mixed_buckets=meta["mixed_buckets"]
-    )
+    predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     rows = [
         dict(zip(COLUMNS, r, strict=True))
         for r in (_row(0.0, "mixed", 132, False, 0.008, 0.007, prefill=61),)

@@ -12,7 +12,7 @@ import pytest
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.mixed_model import MixedStepModel, attention_pairs
 from harli_train.colocate.policy import DRAIN_HEADROOM, MIN_CHUNK, largest_chunk, make_policy
-from harli_train.colocate.predictor import LatencyPredictor, split_samples
+from harli_train.colocate.predictor import LatencyPredictor, fit_options, split_samples
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder
 from harli_train.engine.metrics import EngineMetrics
@@ -295,9 +295,7 @@ def test_harli_floor_match_runs_beside_the_trainer_where_a_share_fits_what_the_w
         )
     )
     meta = profile["meta"]
-    pred = LatencyPredictor.fit(
-        profile["samples"], 132, meta["kv_bytes_per_token"], mixed_buckets=meta["mixed_buckets"]
-    )
+    pred = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     ladder = SMLadder.cpu_standin(132, 16)
     preview = StepPreview(3, 1450, (PrefillPiece(512, 0, 0),), mixed=True)
     raw = pred.predict_mixed(3, 1450, 61, attention_pairs([(61, 0)]), 132, False, raw=True)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from harli_train.colocate.mixed_model import MixedStepModel
-from harli_train.colocate.predictor import LatencyPredictor, gemv_rows, split_samples
+from harli_train.colocate.predictor import LatencyPredictor, fit_options, gemv_rows, split_samples
+from harli_train.engine.decode_linear import FMA_MIN_SMS
 
 TOTAL = 132
 KV_BPT = 32768.0  # bytes of KV per cached token (8 layers of Llama-3-8B)
@@ -30,24 +31,30 @@ def true_params(s):
 E_TRUE = (4e-4, 1e-12)  # slowdown slopes per sequence and per KV byte
 
 
-def truth(b, kv_tokens, s, corun):
+def truth(b, kv_tokens, s, corun, fma_min_sms=FMA_MIN_SMS):
     a, c, d = true_params(s)
     g1, g2, g3, g4 = TRUE_G
-    m = gemv_rows(b, s)
+    m = gemv_rows(b, s, fma_min_sms)
     t = a + c * kv_tokens * KV_BPT + g1 * m / s + g2 * m * m / s + g3 * m**3 / s + g4 * b
     if corun:
         t *= 1 + d + E_TRUE[0] * b + E_TRUE[1] * kv_tokens * KV_BPT
     return t
 
 
-def synthetic(noise=0.01, seed=0, batches=(1, 8, 16, 32, 64, 128), kv_lens=(256, 512, 1024, 2048)):
+def synthetic(
+    noise=0.01,
+    seed=0,
+    batches=(1, 8, 16, 32, 64, 128),
+    kv_lens=(256, 512, 1024, 2048),
+    fma_min_sms=FMA_MIN_SMS,
+):
     rng = np.random.default_rng(seed)
     rows = []
     for s in SHARES:
         for b in batches:
             for kv in kv_lens:
                 for corun in (False, True) if s < TOTAL else (False,):
-                    y = truth(b, b * kv, s, corun) * (1 + noise * rng.standard_normal())
+                    y = truth(b, b * kv, s, corun, fma_min_sms) * (1 + noise * rng.standard_normal())
                     rows.append(dict(batch=b, kv_tokens=b * kv, infer_sms=s, corun=corun, latency_s=y))
     return rows
 
@@ -284,3 +291,24 @@ def test_gemv_rows_are_the_rows_the_decode_gemv_computes():
             bucket = min(x for x in buckets if x >= b)
             assert gemv_rows(b, sms) == decode_linear_config(bucket, (4096,), 4096, sms).block_m, (b, sms)
     assert gemv_rows(1) == 1 and gemv_rows(1, 48) == 16
+
+
+def test_a_profile_keeps_the_gemv_rows_its_batch_1_steps_were_timed_with():
+    """A profile made before batch 1 took the tensor-core tiles on a partition (its meta lacks
+    ``fma_min_sms``) was timed with FMAs on every share: ``fit_options`` fits it so, and its predictor counts
+    one row there (fitted as tiles, those samples would bend every batch's terms); a new profile names the
+    threshold. A saved predictor keeps it, and one saved without it reads as FMAs everywhere."""
+    old = synthetic(noise=0.0, fma_min_sms=0)
+    assert fit_options({"mixed_buckets": [16, 32]}) == {"mixed_buckets": (16, 32), "fma_min_sms": 0}
+    assert fit_options({"fma_min_sms": FMA_MIN_SMS})["fma_min_sms"] == FMA_MIN_SMS
+    right = LatencyPredictor.fit(old, TOTAL, KV_BPT, **fit_options({}))
+    wrong = LatencyPredictor.fit(old, TOTAL, KV_BPT)  # as if timed on the tiles below FMA_MIN_SMS
+    for b, s in ((1, 48), (8, 48), (1, TOTAL)):
+        assert right.predict(b, b * 1000, s, corun=False) == pytest.approx(truth(b, b * 1000, s, False, 0))
+    assert right.evaluate(old)["solo_max_ape_pct"] < 1e-6 < 0.1 < wrong.evaluate(old)["solo_max_ape_pct"]
+    again = LatencyPredictor.from_dict(json.loads(json.dumps(right.to_dict())))
+    assert again.fma_min_sms == 0 and again.predict(1, 1000, 48) == right.predict(1, 1000, 48)
+    legacy = right.to_dict()
+    legacy.pop("fma_min_sms")
+    assert LatencyPredictor.from_dict(legacy).fma_min_sms == 0
+    assert LatencyPredictor.from_dict(wrong.to_dict()).fma_min_sms == FMA_MIN_SMS

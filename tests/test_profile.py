@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.predictor import LatencyPredictor, fit_options
 from harli_train.colocate.profile import (
     Profile,
     ProfileError,
@@ -18,6 +18,7 @@ from harli_train.colocate.profile import (
 )
 from harli_train.colocate.profile_grid import build_profile, run_profile_grid
 from harli_train.colocate.sm import SMLadder
+from harli_train.engine.decode_linear import FMA_MIN_SMS
 
 KEY = ProfileKey("NVIDIA H200", 132, "llama-8b", "2.11.0+cu130", "3.6.0", "13.0", "0.1.0")
 
@@ -162,8 +163,11 @@ def test_grid_on_cpu_standin_feeds_the_predictor(tmp_path):
     assert len(seen) == 12 * (1 + 3)
     save_profile(tmp_path / "grid.json", prof)
     again = load_profile(tmp_path / "grid.json", key)
-    pred = LatencyPredictor.fit(again.samples, 32, again.meta["kv_bytes_per_token"])
-    assert pred.predict(4, 128, 16, corun=True) > 0
+    assert again.meta["fma_min_sms"] == FMA_MIN_SMS  # how its batch-1 steps ran (predictor.fit_options)
+    pred = LatencyPredictor.fit(
+        again.samples, 32, again.meta["kv_bytes_per_token"], **fit_options(again.meta)
+    )
+    assert pred.predict(4, 128, 16, corun=True) > 0 and pred.fma_min_sms == FMA_MIN_SMS
 
 
 def test_only_requested_shares_are_profiled():

@@ -44,14 +44,24 @@ N_GLOBAL = 4  # m/s, m^2/s, m^3/s, b
 BATCH_TERMS = "gemv_rows"  # what a saved predictor's solo_global multiplies (`to_dict`, `from_dict`)
 
 
-def gemv_rows(batch: int, sms: float | None = None) -> int:
+def gemv_rows(batch: int, sms: float | None = None, fma_min_sms: int = FMA_MIN_SMS) -> int:
     """The rows a decode step of ``batch`` sequences computes in its projections on ``sms`` SMs (None: the
-    whole GPU): one row streamed with FMAs (batch 1 on at least ``FMA_MIN_SMS``), else the tensor-core tile's
+    whole GPU): one row streamed with FMAs (batch 1 on at least ``fma_min_sms``), else the tensor-core tile's
     rows (``decode_linear_config``'s ``block_m``: the power of two at or above the batch, at least 16; the
     engine's default graph buckets never cross a power of two)."""
-    if batch <= 1 and (sms is None or sms >= FMA_MIN_SMS):
+    if batch <= 1 and (sms is None or sms >= fma_min_sms):
         return 1
     return max(16, 1 << (int(batch) - 1).bit_length())
+
+
+def fit_options(meta: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``LatencyPredictor.fit`` a profile's ``meta`` pins down: the token buckets of
+    its mixed graphs, and the SMs from which its batch-1 steps were timed on the FMA GEMV (a profile made
+    before batch 1 took the tensor-core tiles on a partition's few SMs lacks it: FMAs on every share, 0)."""
+    return {
+        "mixed_buckets": tuple(meta.get("mixed_buckets", ())),
+        "fma_min_sms": int(meta.get("fma_min_sms", 0)),
+    }
 
 
 @dataclass(slots=True)
@@ -73,6 +83,7 @@ class LatencyPredictor(OnlineCorrection):
     mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled
     lora: LoRACost | None = None  # what adapters add to a decode step; None: not profiled (no adapter slots)
     mixed_lora: MixedLoRACost | None = None  # what one adapter adds to a mixed step; None: not profiled
+    fma_min_sms: int = FMA_MIN_SMS  # gemv_rows' FMA threshold the samples were timed with (``fit_options``)
     _rows: dict[int, tuple[float, ...]] = field(default_factory=dict, repr=False)
     # A mixed step's chunk is sized to fill the budget, so the spread of its prediction error (wide beside
     # the trainer), not its mean, is what overruns the objective: the mixed families' correction is at least
@@ -105,10 +116,12 @@ class LatencyPredictor(OnlineCorrection):
         kv_bytes_per_token: float,
         alpha: float = 0.1,
         mixed_buckets: Sequence[int] = (),
+        fma_min_sms: int = FMA_MIN_SMS,
     ) -> LatencyPredictor:
         """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
         model to mixed samples (those with ``prefill_tokens``) when the profile has them, on the token buckets
-        the engine's mixed graphs pad a step to (``mixed_buckets``; the profile's ``meta``)."""
+        the engine's mixed graphs pad a step to (``mixed_buckets``); batch-1 samples count the GEMV rows of
+        the kernel they were timed on (``fma_min_sms``). ``fit_options`` reads both from a profile's meta."""
         mixed = [r for r in samples if "prefill_tokens" in r and not r.get("lora_slots")]
         lora = LoRACost.fit(samples)
         mixed_lora = MixedLoRACost.fit(samples, mixed_buckets)
@@ -128,13 +141,13 @@ class LatencyPredictor(OnlineCorrection):
         k = len(shares)
 
         # Only the batch terms the grid can pin down: a cubic needs 4 row counts, b vs m/s two shares.
-        n_batches = len({gemv_rows(r["batch"], r["infer_sms"]) for r in solo})
+        n_batches = len({gemv_rows(r["batch"], r["infer_sms"], fma_min_sms) for r in solo})
         used = [j < min(3, n_batches - 1) for j in range(3)] + [n_batches > 1 and k > 1]
         X = np.zeros((len(solo), 2 * k + N_GLOBAL))
         y = np.array([float(r["latency_s"]) for r in solo])
         for i, r in enumerate(solo):
             b, s = float(r["batch"]), float(r["infer_sms"])
-            m = float(gemv_rows(r["batch"], s))
+            m = float(gemv_rows(r["batch"], s, fma_min_sms))
             X[i, col[int(s)]] = 1.0
             X[i, k + col[int(s)]] = float(r["kv_tokens"]) * kv_bytes_per_token
             X[i, 2 * k :] = (m / s, m * m / s, m**3 / s, b)
@@ -150,6 +163,7 @@ class LatencyPredictor(OnlineCorrection):
             [0.0, 0.0],
             max(int(r["batch"]) for r in solo),
             alpha=alpha,
+            fma_min_sms=fma_min_sms,
         )
         if corun:
             pred._fit_stage2(solo, corun)
@@ -236,7 +250,7 @@ class LatencyPredictor(OnlineCorrection):
         rows running ``lora_slots`` distinct adapters (0: the base only; unmodelled without a LoRA profile)."""
         row = self._rows.get(infer_sms) or self._row(infer_sms)
         b = batch if batch <= self.batch_max else self.batch_max
-        m = gemv_rows(b, infer_sms)
+        m = gemv_rows(b, infer_sms, self.fma_min_sms)
         t = row[0] + row[1] * kv_tokens + m * (row[2] + m * (row[3] + m * row[4])) + b * row[8]
         if batch > b:  # past the profiled batches: assume linear growth, which overestimates (safe side)
             t *= batch / b
@@ -326,6 +340,7 @@ class LatencyPredictor(OnlineCorrection):
             "alpha_up": self.alpha_up,
             "idle_alpha": self.idle_alpha,
             "intensity": self.intensity,
+            "fma_min_sms": self.fma_min_sms,
             "fit_report": dict(self.fit_report),
             "corrections": {str(s): list(c) for s, c in self._corr.items()},
             "gpu_correction": list(self._glob),
@@ -353,6 +368,7 @@ class LatencyPredictor(OnlineCorrection):
             alpha_up=float(d.get("alpha_up", 0.5)),
             idle_alpha=float(d.get("idle_alpha", 0.02)),
             intensity=float(d.get("intensity", 1.0)),
+            fma_min_sms=int(d.get("fma_min_sms", 0)),  # saved before it was kept: FMAs on every share
             fit_report=dict(d.get("fit_report", {})),
             mixed=MixedStepModel.from_dict(d["mixed"]) if d.get("mixed") else None,
             lora=LoRACost.from_dict(d["lora"]) if d.get("lora") else None,

@@ -13,7 +13,7 @@ import torch
 from harli_train import kernels
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.policy import Policy
-from harli_train.colocate.predictor import LatencyPredictor
+from harli_train.colocate.predictor import LatencyPredictor, fit_options
 from harli_train.colocate.profile import (
     Profile,
     ProfileKey,
@@ -152,7 +152,7 @@ def build_predictor(
         profile.samples,
         ladder.total_sms,
         float(profile.meta.get("kv_bytes_per_token", engine.kv_bytes_per_token)),
-        mixed_buckets=profile.meta.get("mixed_buckets", ()),
+        **fit_options(profile.meta),
     )
     return predictor, profile
 

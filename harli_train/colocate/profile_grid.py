@@ -20,6 +20,7 @@ from typing import Any
 from harli_train.colocate.mixed_model import attention_pairs
 from harli_train.colocate.profile import Profile, ProfileKey
 from harli_train.colocate.sm import Partition, SMLadder, is_cuda_stream
+from harli_train.engine.decode_linear import FMA_MIN_SMS
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ def build_profile(
     meta = {
         "kv_bytes_per_token": kv_bytes_per_token,
         "mixed_buckets": list(mixed_buckets),
+        "fma_min_sms": FMA_MIN_SMS,  # batch 1's GEMV formulation by share (predictor.fit_options)
         "ladder": ladder.describe(),
         "ladder_kind": ladder.kind,
         "created_unix": t0,
