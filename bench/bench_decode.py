@@ -19,6 +19,10 @@ projections, one per EngineConfig.lora_kernel: rows "lora_base", "lora_1", "lora
 kernels before each projection) and "lora_1_gemv", "lora_mix4_gemv" (inside its launches), batch 1-64, with their TPOT
 ratios to lora_base against the targets (issue 22: 1.10 for one adapter, 1.15 for four), and the LoRA delta kernels timed alone. `--only lora` runs just
 that section (and the copy bandwidth the rooflines need).
+
+`gemv_by_share` (bench/gemv_by_share.py; `--only gemv_by_share`, ~1 min): batch 1's projections of one layer
+on green contexts of 16-132 SMs, with FMAs and with the tensor-core tiles, and the share from which the FMAs
+are no slower (what `decode_linear.FMA_MIN_SMS` should be).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from this checkout
 import common  # noqa: E402
 import decode_lora  # noqa: E402
+import gemv_by_share  # noqa: E402
 
 TARGET = 1.25
 
@@ -530,7 +535,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset, a few steps")
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
-    ap.add_argument("--only", choices=["lora"], help="run one section (and the copy bandwidth) only")
+    ap.add_argument(
+        "--only", choices=["lora", "gemv_by_share"], help="run one section (and the copy bandwidth) only"
+    )
     args = ap.parse_args()
 
     import torch
@@ -548,11 +555,14 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bench.section("lora", lambda: decode_lora.lora_sections(bench, device))
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     mc = model_config("tiny" if dry else "llama-8b")
+    if args.only in (None, "lora"):
+        bench.section("lora", lambda: decode_lora.lora_sections(bench, device))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.only in (None, "gemv_by_share"):
+        bench.section("gemv_by_share", lambda: gemv_by_share.gemv_by_share(mc, device, green_stream))
     if args.only is None:
         bench.section(
             "transformers_tpot_ms",
@@ -597,6 +607,8 @@ def main() -> None:
         )
     if res.get("lora"):
         decode_lora.print_summary(res["lora"])
+    if res.get("gemv_by_share"):
+        gemv_by_share.print_summary(res["gemv_by_share"])
     if res["errors"]:
         print("errors:", ", ".join(res["errors"]))
     header = ["where", "batch", "ctx", "tpot_ms", "replay_ms", "roofline_ms", "ratio", "<=1.25x"]

@@ -63,11 +63,14 @@ def hf_llama_config(mc: Any, **overrides: Any) -> Any:
     return LlamaConfig(**{**settings, **overrides})
 
 
-def graph_ms(fn, reps: int = 20) -> float:
-    """Mean time of `fn` replayed `reps` times inside one CUDA graph (no launch gaps)."""
+def graph_ms(fn, reps: int = 20, stream=None) -> float:
+    """Mean time of `fn` replayed `reps` times inside one CUDA graph (no launch gaps); captured and replayed
+    on `stream` (e.g. a green context's) when given, else on a side stream and replayed on the current one."""
+    import contextlib
+
     import torch
 
-    side = torch.cuda.Stream()
+    side = stream or torch.cuda.Stream()
     with torch.cuda.stream(side):
         fn()  # compiles, sets up cuBLAS outside the capture
     torch.cuda.synchronize()
@@ -75,15 +78,16 @@ def graph_ms(fn, reps: int = 20) -> float:
     with torch.cuda.graph(graph, stream=side):
         for _ in range(reps):
             fn()
-    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(5):
-        start.record()
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
+        for _ in range(5):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / reps)
     return median(times)
 
 

@@ -137,6 +137,15 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     assert paused["episodes"] == 2
 
 
+def test_gemv_by_share_names_the_least_share_from_which_the_fmas_keep_up():
+    """FMAs belong from the least share where they are no slower there and on every larger share."""
+    import gemv_by_share
+
+    assert gemv_by_share.fma_from({132: 1.05, 112: 1.01, 96: 0.99, 80: 1.02, 48: 0.9}) == 112
+    assert gemv_by_share.fma_from({132: 1.0, 64: 1.2, 48: 1.1}) == 48
+    assert gemv_by_share.fma_from({132: 0.97, 96: 1.3}) is None
+
+
 @pytest.mark.slow
 def test_analysis_reads_plain_and_gzipped_results(tmp_path):
     plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"

@@ -159,6 +159,9 @@ def test_configs_for_llama_8b_shapes():
             for ns, k, swiglu in shapes.values():
                 cfg = decode_linear_config(m, ns, k, sms, swiglu, 2)
                 assert cfg.block_m >= m and cfg.use_dot == (m > 1 or sms < FMA_MIN_SMS)
+                # The threshold is a parameter (bench_decode's gemv_by_share times both at batch 1).
+                assert not decode_linear_config(1, ns, k, sms, swiglu, 2, fma_min_sms=0).use_dot
+                assert decode_linear_config(1, ns, k, sms, swiglu, 2, fma_min_sms=1 << 30).use_dot
                 assert k % cfg.block_k == 0 and all(n % cfg.block_n == 0 for n in ns)
                 tiles = -(-ns[0] // cfg.block_n) if swiglu else sum(-(-n // cfg.block_n) for n in ns)
                 assert cfg.split_k == 1 or tiles < 4 * sms, "split only when the tiles cannot fill the SMs"

@@ -94,17 +94,23 @@ class GemvLoRA:
 
 @functools.cache
 def decode_linear_config(
-    m: int, ns: tuple[int, ...], k: int, num_sms: int, swiglu: bool = False, elem_bytes: int = 2
+    m: int,
+    ns: tuple[int, ...],
+    k: int,
+    num_sms: int,
+    swiglu: bool = False,
+    elem_bytes: int = 2,
+    fma_min_sms: int = FMA_MIN_SMS,
 ) -> DecodeLinearConfig:
     """The launch config for x [m, k] against weights of `ns` rows (m: the graph's batch bucket).
 
-    M == 1 on at least FMA_MIN_SMS SMs streams with FMAs (8 rows x 512 columns a program, ~4 programs
-    resident per SM); larger M, or fewer SMs, uses the tensor cores with the weight rows on the MMA's M side
-    (64 rows a program, M padded to 16). Stages are sized
-    so two programs fit an SM's shared memory. K is split only when the row tiles fill less than one wave
+    M == 1 on at least `fma_min_sms` SMs (FMA_MIN_SMS; other values are for measuring the rule) streams
+    with FMAs (8 rows x 512 columns a program, ~4 programs resident per SM); larger M, or fewer SMs, uses
+    the tensor cores with the weight rows on the MMA's M side (64 rows a program, M padded to 16). Stages
+    are sized so two programs fit an SM's shared memory. K is split only when the row tiles fill less than one wave
     of resident programs, and then by the count that best fills whole waves.
     """
-    if m == 1 and num_sms >= FMA_MIN_SMS:
+    if m == 1 and num_sms >= fma_min_sms:
         block_m, block_n, block_k, warps, stages, use_dot, per_sm = 1, 8, 512, 4, 2, False, 4
     else:
         # 64 weight rows a tile keep the x tile (re-read from L2 by every program) small beside W's.
