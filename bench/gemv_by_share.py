@@ -1,4 +1,5 @@
-"""Batch 1's decode projections by SM share: the FMA GEMV against the tensor-core tiles (bench_decode section).
+"""Batch 1's decode projections by SM share: the FMA GEMV against the tensor-core tiles (a bench_decode
+section).
 
 ``decode_linear_config`` streams batch 1 with FMAs from ``FMA_MIN_SMS`` SMs up and with the tensor-core tiles
 below. This section times one layer's projections (q/k/v, o, gate/up with the SwiGLU, down) at batch 1 both
@@ -98,8 +99,7 @@ def print_summary(res: dict[str, Any]) -> None:
         for r in res["by_share"].values()
     ]
     if rows:
-        print(
-            f"batch 1's projections of one layer by share (the rule: FMAs from {res['rule_fma_min_sms']} SMs):"
-        )
+        rule = res["rule_fma_min_sms"]
+        print(f"batch 1's projections of one layer by share (the rule: FMAs from {rule} SMs):")
         print(common.table(rows, ["SMs", "FMA us", "tiles us", "tiles / FMA"]))
         print(f"FMAs no slower from {res['fma_from']} SMs up")

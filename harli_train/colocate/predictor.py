@@ -9,9 +9,10 @@ fixed for a profiled model), ``C[s]`` is one over the bandwidth ``s`` draws for 
 terms are the projections' compute spread over ``s`` SMs (the GEMV-to-GEMM transition), ``g4 * b`` is
 per-sequence work that does not scale with SMs. The projections compute ``m`` rows, not ``b``: the decode
 GEMV pads a step's batch bucket to its tile's rows (``gemv_rows``: 1 at batch 1 on most of the GPU, else 16,
-32, 64), so a step of 33 sequences costs what one of 64 does there. The bandwidth is fitted per share because it saturates
-sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2`` missed the H200
-figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are interpolated in ``1/s``.
+32, 64), so a step of 33 sequences costs what one of 64 does there. The bandwidth is fitted per share
+because it saturates sharply (about half the GPU already draws full HBM bandwidth): ``a + b/s + c/s^2``
+missed the H200 figures in docs/design.md by up to 12 %. Shares the profile covers too thinly are
+interpolated in ``1/s``.
 
 Stage 2 (co-run) multiplies by the slowdown of a trainer on the complementary share::
 

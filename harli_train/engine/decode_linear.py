@@ -107,8 +107,8 @@ def decode_linear_config(
     M == 1 on at least `fma_min_sms` SMs (FMA_MIN_SMS; other values are for measuring the rule) streams
     with FMAs (8 rows x 512 columns a program, ~4 programs resident per SM); larger M, or fewer SMs, uses
     the tensor cores with the weight rows on the MMA's M side (64 rows a program, M padded to 16). Stages
-    are sized so two programs fit an SM's shared memory. K is split only when the row tiles fill less than one wave
-    of resident programs, and then by the count that best fills whole waves.
+    are sized so two programs fit an SM's shared memory. K is split only when the row tiles fill less than
+    one wave of resident programs, and then by the count that best fills whole waves.
     """
     if m == 1 and num_sms >= fma_min_sms:
         block_m, block_n, block_k, warps, stages, use_dot, per_sm = 1, 8, 512, 4, 2, False, 4
