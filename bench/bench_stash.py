@@ -168,7 +168,7 @@ def pieces(swapper: Any, dev: torch.device, n: int = 2000) -> dict[str, float]:
     out: dict[str, float] = {}
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    stash = max(swapper._stashes.values(), key=lambda s: s.mapped)  # only mapped pages may be touched
+    stash = max(swapper.pages.stashes.values(), key=lambda s: s.mapped)  # only mapped pages may be touched
     nbytes = min(32 << 20, stash.mapped * swapper.pool.page_bytes)
     src = torch.randn(nbytes // dtype.itemsize, device=dev, dtype=dtype)
 
@@ -183,13 +183,13 @@ def pieces(swapper: Any, dev: torch.device, n: int = 2000) -> dict[str, float]:
         if cuda:
             torch.cuda.synchronize(dev)
 
-    view = swapper._view(stash, 0, src.nbytes, src.dtype, src.shape, src.stride())
+    view = stash.view(0, src.nbytes, src.dtype, src.shape, src.stride())
     if cuda:
         timed("current_stream", lambda: torch.cuda.current_stream(dev))
-    timed("view", lambda: swapper._view(stash, 0, src.nbytes, src.dtype, src.shape, src.stride()))
+    timed("view", lambda: stash.view(0, src.nbytes, src.dtype, src.shape, src.stride()))
     timed(f"copy_{nbytes >> 10}KiB", lambda: view.copy_(src))
     small = src[: (64 << 10) // dtype.itemsize]
-    small_view = swapper._view(stash, 0, small.nbytes, small.dtype, small.shape, small.stride())
+    small_view = stash.view(0, small.nbytes, small.dtype, small.shape, small.stride())
     timed("copy_64KiB", lambda: small_view.copy_(small))
     timed(
         "checks",

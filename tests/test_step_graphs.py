@@ -311,7 +311,7 @@ def test_the_arena_in_pool_stashes_gives_pages_back_mid_step_and_the_step_is_unc
         # reclaims freed.
         assert stats["swap_out_bytes"] < stats["reclaim_pages"] * pool.page_bytes
         graphs.use_memory(None)  # the arena's slots go: its stashes fill from the start again
-        assert all(not s.fixed and s.used == 0 for s in swapper._stashes.values())
+        assert all(not s.fixed and s.used == 0 for s in swapper.pages.stashes.values())
         pool.check()
 
 

@@ -8,7 +8,8 @@ host backend that tests use. This package holds its ctypes bindings (``native``)
   blocks grows and shrinks by mapping pages (no copy, fixed addresses);
 - ``TrainerMemory``: the trainer's torch allocations, routed into the pool through ``torch.cuda.MemPool``;
 - ``ActivationSwapper``: saved activations stashed per layer in pool pages; when the KV cache is short,
-  the pool asks it to ``reclaim(n_pages)`` and it spills layers outside its window to host memory.
+  the pool asks it to ``reclaim(n_pages)`` and it spills layers outside its window to host memory (the
+  stashes' pages, their spills to ``HostSlabs`` and the copies back are ``StashPages``').
 
 Unmapping never waits for queued GPU work: whoever unmaps synchronises first (each method says how).
 """
