@@ -62,42 +62,45 @@ class TrainerMemory:
         by_stream = torch.cuda.current_stream(dev).cuda_stream != 0 and hasattr(
             torch._C, "_cuda_beginAllocateCurrentStreamToPool"
         )
-        begin = (
-            torch._C._cuda_beginAllocateCurrentStreamToPool
-            if by_stream
-            else torch._C._cuda_beginAllocateCurrentThreadToPool
-        )
         self._warm_cublas()
-        begin(dev, self.mempool.id)
+        self._route(by_stream)
         self._routes.append((torch.cuda.current_stream(dev), by_stream))
         try:
             yield
         finally:
             self._routes.pop()
-            torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
-            torch._C._cuda_releasePool(dev, self.mempool.id)
+            self._unroute()
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[Any]:
         """Around a CUDA graph capture, in ``scope()`` or not: yields the pool id to capture into (this
         MemPool's, so the graphs' memory is the tenant's pages too). An open scope's routing is lifted
         meanwhile (the capture routes its stream's allocations to the same pool itself), then restored."""
-        dev = self.pool.device.index
         lifted = list(self._routes)
         for _ in lifted:
-            torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
-            torch._C._cuda_releasePool(dev, self.mempool.id)
+            self._unroute()
         try:
             yield self.mempool.id
         finally:
             for stream, by_stream in lifted:
                 with torch.cuda.stream(stream):  # a scope by stream routes the stream it was opened on
-                    begin = (
-                        torch._C._cuda_beginAllocateCurrentStreamToPool
-                        if by_stream
-                        else torch._C._cuda_beginAllocateCurrentThreadToPool
-                    )
-                    begin(dev, self.mempool.id)
+                    self._route(by_stream)
+
+    def _route(self, by_stream: bool) -> None:
+        """Route the current stream's allocations (``by_stream``, from any thread) or this thread's to the
+        MemPool."""
+        begin = (
+            torch._C._cuda_beginAllocateCurrentStreamToPool
+            if by_stream
+            else torch._C._cuda_beginAllocateCurrentThreadToPool
+        )
+        begin(self.pool.device.index, self.mempool.id)
+
+    def _unroute(self) -> None:
+        """End one routing to the MemPool (the innermost)."""
+        dev = self.pool.device.index
+        torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
+        torch._C._cuda_releasePool(dev, self.mempool.id)
 
     def close(self) -> None:
         """Drop the MemPool so torch frees its segments into the pool. Every tensor allocated in scope()
