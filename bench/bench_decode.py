@@ -205,14 +205,7 @@ def gemv_kernel(mc, device, batches) -> dict:
     gate, up as separate F.linear calls, SwiGLU after), with achieved GB/s over the weight bytes."""
     import torch
 
-    h, q, kv, inter, vocab = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size, mc.vocab_size
-    shapes = {
-        "qkv": ((q, kv, kv), h, False),
-        "o": ((h,), q, False),
-        "gate_up": ((inter, inter), h, True),
-        "down": ((h,), inter, False),
-        "lm_head": ((vocab,), h, False),
-    }
+    shapes = {**gemv_by_share.projections(mc), "lm_head": ((mc.vocab_size,), mc.hidden_size, False)}
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:
