@@ -4,8 +4,9 @@ trainer alone on a side stream, its steps plain and with every chunk's saved ten
     python bench/bench_stash.py            # H200: $OUT/bench_stash.json, ~2 min; a table last
     python bench/bench_stash.py --dry-run  # CPU: the tiny model on the host backend, seconds
 
-Per variant (``plain``; ``stash``: an ``ActivationSwapper`` on a pool of ``--pool-gib``; ``stash+mempool``:
-also the trainer's torch allocations in the pool, as a co-located run has them) and step after warm-up: the
+Per variant (``plain``; ``stash``: an ``ActivationSwapper`` on a pool of ``--pool-gib``, stashing what the
+co-located run stashes (``pool_budget.stash_min_bytes``); ``stash-all``: every saved activation of 4 KiB or
+more; ``stash+mempool``: also the trainer's torch allocations in the pool, as a co-located run has them) and step after warm-up: the
 host seconds its micro-steps took to launch (the generator's ``next``, the GPU left running) and the step's
 wall time (synchronized at its end), as medians; for the stash variants also the calls to ``_pack`` and
 ``_unpack``, their host time and what they copied. Then the pieces of one pack, each timed alone over many
@@ -66,7 +67,7 @@ class Timed:
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    from harli_train.colocate.pool_budget import chunk_saved_bytes
+    from harli_train.colocate.pool_budget import chunk_saved_bytes, stash_min_bytes
     from harli_train.memory import ActivationSwapper, PagePool, TrainerMemory
     from harli_train.train.trainer import Trainer
 
@@ -86,17 +87,20 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         )
         tenant = pool.add_tenant("trainer")
         model = trainer.model
+        chunk_bytes = chunk_saved_bytes(
+            model.config,
+            cfg.train.batch_size,
+            cfg.data.seq_len,
+            cfg.train.layers_per_microstep,
+            trainer.dtype,
+        )
         swapper = ActivationSwapper(
             pool,
             tenant,
-            layer_bytes=chunk_saved_bytes(
-                model.config,
-                cfg.train.batch_size,
-                cfg.data.seq_len,
-                cfg.train.layers_per_microstep,
-                trainer.dtype,
-            ),
+            layer_bytes=chunk_bytes,
             exclude=[*model.parameters(), *model.buffers()],
+            # stash-all: every saved activation of 4 KiB or more (the rule before stash_min_bytes)
+            min_bytes=4096 if variant == "stash-all" else stash_min_bytes(chunk_bytes),
         )
         swapper._pack, swapper._unpack = Timed(swapper._pack), Timed(swapper._unpack)
         trainer.stash_chunk = swapper.layer
@@ -117,6 +121,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
                 for hook in (swapper._pack, swapper._unpack):
                     hook.calls, hook.seconds = 0, 0.0
                 stashed0 = swapper.stats["stashed_bytes"]
+                tensors0 = swapper.stats["stashed_tensors"]
             t0, host = time.perf_counter(), 0.0
             while True:
                 t1 = time.perf_counter()
@@ -149,6 +154,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             row[f"{name}_s_per_step"] = hook.seconds / args.steps
             row[f"{name}_us_per_call"] = 1e6 * hook.seconds / max(hook.calls, 1)
         row["stashed_gib_per_step"] = (swapper.stats["stashed_bytes"] - stashed0) / args.steps / 2**30
+        row["stashed_tensors_per_step"] = (swapper.stats["stashed_tensors"] - tensors0) / args.steps
+        row["min_stashed_bytes"] = swapper.min_bytes
         row["pieces"] = pieces(swapper, dev)
     # Everything the variant made goes before the next one claims its pool.
     del gen, trainer, swapper
@@ -210,7 +217,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pool-gib", type=float, default=48.0)
-    ap.add_argument("--variants", default="plain,stash,stash+mempool")
+    ap.add_argument("--variants", default="plain,stash,stash-all,stash+mempool")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.dry_run:
@@ -227,7 +234,8 @@ def main() -> None:
     out.write_text(json.dumps({"env": common.environment(), "rows": rows}, indent=1))
     plain = next((r for r in rows if r["variant"] == "plain" and "error" not in r), None)
     print(
-        f"{'variant':<15}{'launch s':>10}{'step s':>9}{'tok/s':>9}{'pack/step':>10}{'us/pack':>9}{'x plain':>9}"
+        f"{'variant':<15}{'launch s':>10}{'step s':>9}{'tok/s':>9}{'pack/step':>10}{'stashed':>9}{'us/pack':>9}"
+        f"{'x plain':>9}"
     )
     for r in rows:
         if "error" in r:
@@ -236,7 +244,8 @@ def main() -> None:
         ratio = r["launch_s"] / plain["launch_s"] if plain else float("nan")
         print(
             f"{r['variant']:<15}{r['launch_s']:>10.3f}{r['step_s']:>9.3f}{r['tokens_per_s']:>9.0f}"
-            f"{r.get('pack_calls_per_step', 0):>10.0f}{r.get('pack_us_per_call', 0):>9.1f}{ratio:>9.2f}"
+            f"{r.get('pack_calls_per_step', 0):>10.0f}{r.get('stashed_tensors_per_step', 0):>9.0f}"
+            f"{r.get('pack_us_per_call', 0):>9.1f}{ratio:>9.2f}"
         )
     print(f"wrote {out}")
 

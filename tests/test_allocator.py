@@ -507,6 +507,39 @@ def test_swapper_leaves_parameters_and_their_views_in_place():
         pool.check()
 
 
+def test_saved_tensors_under_min_bytes_stay_ordinary_tensors_and_training_is_the_same():
+    """A saved activation under ``min_bytes`` is not copied into the stash (each pack costs the launching
+    thread the same whatever its size); the gradients are those of a run without the swapper. The co-located
+    threshold scales with the chunk's reserve, from 4 KiB to 1 MiB."""
+    from harli_train.colocate.pool_budget import STASH_MIN_CAP, STASH_MIN_FLOOR, stash_min_bytes
+
+    assert stash_min_bytes(1 << 20) == STASH_MIN_FLOOR
+    assert stash_min_bytes(64 << 20) == 32 << 10
+    assert stash_min_bytes(14 << 30) == STASH_MIN_CAP  # Llama-3-8B's 4-layer chunk at 4 x 1024
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(64, 256, requires_grad=True), torch.randn(256, 4, requires_grad=True)
+    x = torch.randn(32, 64)
+
+    def run(swapper: ActivationSwapper | None) -> list[torch.Tensor]:
+        with swapper.layer(0) if swapper else contextlib.nullcontext():
+            h = torch.tanh(x @ w1)  # saves x (32 x 64 fp32, 8 KiB) and h (32 x 256, 32 KiB)
+            y = torch.sigmoid(h @ w2)  # saves h (again: one copy) and y (32 x 4, 512 B)
+        y.sum().backward()
+        grads = [w1.grad.clone(), w2.grad.clone()]
+        w1.grad = w2.grad = None
+        return grads
+
+    want = run(None)
+    with host_pool(64) as pool:
+        swapper = ActivationSwapper(
+            pool, pool.add_tenant("trainer"), layer_bytes=16 * PAGE, min_bytes=16 << 10
+        )
+        got = run(swapper)
+        assert swapper.stats["stashed_tensors"] == 1 and swapper.stats["stashed_bytes"] == 32 * 256 * 4  # h
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        pool.check()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is built on Linux only")
 def test_the_install_names_a_missing_compiler(tmp_path):
     import os

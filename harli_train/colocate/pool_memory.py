@@ -33,7 +33,7 @@ import torch
 from harli_train.colocate.kv_resizer import KVResizer, Resized
 from harli_train.colocate.memory_hook import CacheReleaseHook
 from harli_train.colocate.optimizer_placement import OptimizerPlacement
-from harli_train.colocate.pool_budget import PoolBudget, chunk_saved_bytes, host_page_bytes
+from harli_train.colocate.pool_budget import PoolBudget, chunk_saved_bytes, host_page_bytes, stash_min_bytes
 from harli_train.colocate.pool_report import pool_report
 from harli_train.memory import (
     ActivationSwapper,
@@ -119,6 +119,7 @@ class PoolMemory(CacheReleaseHook):
             window=1,
             lookahead=1,
             exclude=[*self.model.parameters(), *self.model.buffers()],
+            min_bytes=stash_min_bytes(chunk_bytes),
             host_reserve=min(SPILL_HOST_RESERVE, stashes * chunk_bytes) if cuda else 0,
         )
         trainer_memory = TrainerMemory(pool, tenant) if cuda else None

@@ -60,9 +60,19 @@ def pool_report(pm: Any, st: dict[str, Any]) -> dict[str, Any]:
             "grow_ms": percentiles([1e3 * t for t in pm.reclaim_grow_s]),
         },
         "trainer": {
-            k: st[k] for k in ("stashed_bytes", "passthrough_bytes", "swap_out_bytes", "swap_in_bytes")
+            k: st[k]
+            for k in (
+                "stashed_bytes",
+                "stashed_tensors",
+                "passthrough_bytes",
+                "swap_out_bytes",
+                "swap_in_bytes",
+            )
         }
-        | {"placed_bytes": pm._placement.nbytes if pm._placement is not None else 0},
+        | {
+            "min_stashed_bytes": pm.swapper.min_bytes,
+            "placed_bytes": pm._placement.nbytes if pm._placement is not None else 0,
+        },
         "refusals": eng.kv_refusals - pm._refusals0 if eng is not None else 0,
     }
 

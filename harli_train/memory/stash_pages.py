@@ -99,6 +99,7 @@ class StashPages:
         self.host.reserve(host_reserve)
         self.stats = {
             "stashed_bytes": 0,
+            "stashed_tensors": 0,
             "passthrough_bytes": 0,
             "swap_out_bytes": 0,
             "swap_in_bytes": 0,

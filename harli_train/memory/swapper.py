@@ -56,7 +56,8 @@ class ActivationSwapper:
 
     Wrap each layer's forward in ``with swapper.layer(i):``. Every saved tensor there that is not a
     parameter (nor one of `exclude`'s storages) and has at least `min_bytes` is copied into the stash and
-    autograd keeps only its place. The range stays reserved while spilled, so when backward unpacks layer
+    autograd keeps only its place (a smaller one stays an ordinary tensor: each pack and unpack costs the
+    launching thread the same whatever the size; `pool_budget.stash_min_bytes` is the co-located rule). The range stays reserved while spilled, so when backward unpacks layer
     i its pages are mapped again at the same addresses and the bytes copied back; the `lookahead` layers
     below are prefetched on the side stream. Results are bit-identical to running without the swapper.
     A stash is reused once autograd has dropped all its tensors. `layer_bytes` bounds one layer's saved
@@ -153,6 +154,7 @@ class ActivationSwapper:
             saved = _Saved(self, layer, offset, span, t, stride)
             self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(saved))
             self.stats["stashed_bytes"] += span
+            self.stats["stashed_tensors"] += 1
             return saved
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -237,6 +239,7 @@ class ActivationSwapper:
             self.pages.ensure_mapped(stash, chunk, -(-(offset + span) // self.pool.page_bytes))
             stash.used = offset + span
             self.stats["stashed_bytes"] += span
+            self.stats["stashed_tensors"] += 1
             return stash.view(offset, span, dtype, tuple(shape), contiguous_strides(shape))
 
     def arena_before(self, chunk: int, backward: bool) -> None:
