@@ -136,30 +136,6 @@ def _lora_pairs(
 
 
 @triton.jit
-def _lora_expand_ahead(
-    xa_ptr,
-    stride_xa,
-    bt_ptr,
-    bt_cols,
-    col_mask,
-    piece,
-    width,
-    lora_rank,
-    lora_slots,
-    M,
-    BLOCK_M: tl.constexpr,
-    BLOCK_SR: tl.constexpr,
-    USE_DOT: tl.constexpr,
-):
-    """The epilogue's first operands (`_lora_pairs`: every pair for FMA, the first 32 for the dot), loaded
-    before the weight stream so that their latency hides behind it rather than following it."""
-    return _lora_pairs(
-        xa_ptr, stride_xa, bt_ptr, bt_cols, col_mask, piece, width, lora_rank, lora_slots, M, 0,
-        BLOCK_M, 32 if USE_DOT else BLOCK_SR, USE_DOT,
-    )  # fmt: skip
-
-
-@triton.jit
 def _lora_expand_epilogue(
     acc,
     ahead,
@@ -181,8 +157,9 @@ def _lora_expand_epilogue(
     """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: one product over every
     adapter slot's ranks at once, B^T[1:S, :, cols]^T @ xa[:, slice `piece`, 1:S, :]^T, xa being zero on a
     row outside its slot (`rms_norm_shrink`'s layout), so no load waits on the step's slot layout. acc as
-    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0); `ahead` is `_lora_expand_ahead`'s.
-    BLOCK_SR >= S * R, a power of two of at least 32."""
+    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). `ahead`: `_lora_pairs` from j0 = 0,
+    loaded before the weight stream so that their latency hides behind it (every pair for FMA, the first 32
+    for the dot). BLOCK_SR >= S * R, a power of two of at least 32."""
     if USE_DOT:
         # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
         b, xat = ahead
@@ -257,6 +234,7 @@ def _decode_linear_kernel(
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    AHEAD_PAIRS: tl.constexpr = 32 if USE_DOT else BLOCK_SR  # the epilogue's pairs loaded before the stream
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     part = out_ptr + split.to(tl.int64) * M * stride_om  # PARTIAL: this split's fp32 sums [M, width]
@@ -284,13 +262,13 @@ def _decode_linear_kernel(
         g_ahead = (0, 0)
         u_ahead = (0, 0)
         if LORA_EPILOGUE and not PARTIAL:
-            g_ahead = _lora_expand_ahead(
-                xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M,
-                BLOCK_M, BLOCK_SR, USE_DOT,
+            g_ahead = _lora_pairs(
+                xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M, 0,
+                BLOCK_M, AHEAD_PAIRS, USE_DOT,
             )  # fmt: skip
-            u_ahead = _lora_expand_ahead(
-                xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M,
-                BLOCK_M, BLOCK_SR, USE_DOT,
+            u_ahead = _lora_pairs(
+                xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M, 0,
+                BLOCK_M, AHEAD_PAIRS, USE_DOT,
             )  # fmt: skip
         g = _accumulate(
             x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
@@ -340,9 +318,9 @@ def _decode_linear_kernel(
         col_mask = rows < n_rows
         ahead = (0, 0)
         if LORA_EPILOGUE and not PARTIAL:
-            ahead = _lora_expand_ahead(
+            ahead = _lora_pairs(
                 xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2, lora_rank, lora_slots,
-                M, BLOCK_M, BLOCK_SR, USE_DOT,
+                M, 0, BLOCK_M, AHEAD_PAIRS, USE_DOT,
             )  # fmt: skip
         acc = _accumulate(
             x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
