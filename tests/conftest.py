@@ -39,3 +39,23 @@ _DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 def pytest_make_parametrize_id(config, val, argname):
     """Readable ids for dtype parameters (fp32, fp16, bf16), so a run can pick them with -k."""
     return _DTYPE_IDS.get(val) if isinstance(val, torch.dtype) else None
+
+
+@pytest.fixture(scope="session")
+def standalone(tmp_path_factory):
+    """The small co-location recipe trained alone (no serving): what every co-located run of it under a
+    fixed script must equal, bit for bit (its output directory)."""
+    from harli_train.train.trainer import Trainer
+
+    from .runtime_support import recipe
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("standalone")
+        trainer = Trainer(recipe(out), quiet=True)
+        trainer.setup()
+        trainer.train()
+    finally:
+        torch.set_num_threads(before)
+    return out

@@ -25,7 +25,7 @@ from harli_train.engine.load import TraceRequest
 from harli_train.model import load_model
 from harli_train.train.trainer import Trainer
 
-from .test_runtime import adapter, assert_same_adapter, losses, recipe, rows
+from .runtime_support import adapter, assert_same_adapter, losses, recipe, rows
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

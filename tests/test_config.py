@@ -334,7 +334,7 @@ def test_harli_settle_and_learnt_margin_reach_the_controller():
     from harli_train.colocate.policy import make_policy
     from harli_train.colocate.sm import SMLadder
 
-    from .test_runtime import synthetic_predictor
+    from .runtime_support import synthetic_predictor
 
     ladder = SMLadder.cpu_standin(132, 16)
     policy = make_policy("harli:margin=learn,settle=on", ladder, synthetic_predictor(ladder.shares), 0.05)
@@ -347,7 +347,7 @@ def test_harli_stride_picks_the_trainers_rungs():
     from harli_train.colocate.policy import make_policy
     from harli_train.colocate.sm import SMLadder
 
-    from .test_runtime import synthetic_predictor
+    from .runtime_support import synthetic_predictor
 
     ladder = SMLadder.cpu_standin(132, 16)
     other = make_policy("harli:stride=2", ladder, synthetic_predictor(ladder.shares), 0.05)

@@ -21,13 +21,14 @@ from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.engine.sequence import Sequence
 from harli_train.policy_names import MIN_PREFILL_FLOOR
 
-from .test_runtime import TOTAL, requests, rows, runtime, synthetic_predictor
+from .runtime_support import TOTAL, requests, rows, runtime, synthetic_predictor
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def mixed_predictor(shares):
-    """The test_runtime decode model plus mixed steps of 1 ms * (1 + 64/s) + 0.1 ms * 64/s per row."""
+    """The runtime tests' decode model (``synthetic_predictor``) plus mixed steps of 1 ms * (1 + 64/s) +
+    0.1 ms * 64/s per row."""
     pred = synthetic_predictor(shares)
     pred.mixed = MixedStepModel({s: [1e-3 * (1 + 64 / s), 1e-4 * 64 / s, 0, 0, 0, 0] for s in shares}, {})
     return pred
@@ -540,7 +541,7 @@ def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
 def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
     from harli_train.config import RecipeError, load_recipe
 
-    from .test_runtime import QUICKSTART
+    from .runtime_support import QUICKSTART
 
     ladder = SMLadder.cpu_standin(TOTAL, 8)
 

@@ -243,7 +243,7 @@ def test_a_colocated_run_with_cuda_graphs_places_the_arena_in_the_pool_and_train
     """On the host pool the graphs' saved-tensor arena lives in the trainer tenant's stashes; the run trains
     the adapter the eager run on the pool trains (a GPU keeps the pool off with graphs, and says why)."""
     from harli_train.colocate.commands import run_colocated
-    from tests.test_runtime import adapter, assert_same_adapter, losses, recipe
+    from tests.runtime_support import adapter, assert_same_adapter, losses, recipe
 
     summary = run_colocated(
         recipe(tmp_path / "graphs", "train.cuda_graphs=true"), "tiny", policy="harli", quiet=True
@@ -382,7 +382,7 @@ def test_on_the_pool_a_failed_capture_leaves_the_eager_steps_stashing_in_it(tmp_
     """Co-located on the host pool with every capture refused: the trainer drops its graphs (their arena's
     stashes freed) and its eager steps stash in the pool; it trains the eager run's adapter."""
     from harli_train.colocate.commands import run_colocated
-    from tests.test_runtime import adapter, assert_same_adapter, losses, recipe
+    from tests.runtime_support import adapter, assert_same_adapter, losses, recipe
 
     run_colocated(recipe(tmp_path / "eager"), "tiny", policy="harli", quiet=True)
     _failing_capture(monkeypatch, lambda key: True)
@@ -400,7 +400,7 @@ def test_on_the_pool_a_failed_capture_leaves_the_eager_steps_stashing_in_it(tmp_
 def test_a_capture_failing_on_a_later_rung_mid_run_redoes_the_step_without_graphs(
     tmp_path, monkeypatch, caplog
 ):
-    from tests.test_runtime import adapter, assert_same_adapter, graphed_runtime, losses, recipe
+    from tests.runtime_support import adapter, assert_same_adapter, graphed_runtime, losses, recipe
 
     standalone = tmp_path / "standalone"
     trainer = Trainer(recipe(standalone), quiet=True)
