@@ -13,7 +13,7 @@ reads the same rows of gate (weight 0) and up (weight 1) and writes silu(g) * u.
 cannot fill the SMs, K is split: fp32 partials go to a workspace and a second kernel sums them in a fixed
 order (deterministic) and applies the cast (and the SwiGLU). An fp32 `addend` (the step's LoRA delta) joins
 the sums before that epilogue, so adapters keep the SwiGLU and add-norm fusions. The kernels are in
-`decode_linear_kernels`.
+`decode_linear_kernels` (the GEMV) and `decode_reduce_kernels` (what follows it).
 
 Configs are fixed per (M bucket, N's, K, SMs) by `decode_linear_config` (no autotune: CUDA graphs capture
 one kernel per bucket).
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from harli_train import kernels
-from harli_train.engine.decode_linear_kernels import (
-    _decode_linear_kernel,
+from harli_train.engine.decode_linear_kernels import _decode_linear_kernel
+from harli_train.engine.decode_reduce_kernels import (
     _rms_norm_shrink_kernel,
     _split_reduce_add_rms_norm_kernel,
     _split_reduce_kernel,
