@@ -6,11 +6,12 @@ trainer alone on a side stream, its steps plain and with every chunk's saved ten
 
 Per variant (``plain``; ``stash``: an ``ActivationSwapper`` on a pool of ``--pool-gib``, stashing what the
 co-located run stashes (``pool_budget.stash_min_bytes``); ``stash-all``: every saved activation of 4 KiB or
-more; ``stash+mempool``: also the trainer's torch allocations in the pool, as a co-located run has them) and step after warm-up: the
-host seconds its micro-steps took to launch (the generator's ``next``, the GPU left running) and the step's
-wall time (synchronized at its end), as medians; for the stash variants also the calls to ``_pack`` and
-``_unpack``, their host time and what they copied. Then the pieces of one pack, each timed alone over many
-calls: a stream lookup, a strided view, a copy of a saved tensor's size into the stash and the bookkeeping.
+more; ``stash+mempool``: also the trainer's torch allocations in the pool, as a co-located run has them) and
+step after warm-up: the host seconds its micro-steps took to launch (the generator's ``next``, the GPU left
+running) and the step's wall time (synchronized at its end), as medians; for the stash variants also the calls
+to ``_pack`` and ``_unpack``, their host time and what they copied. Then the pieces of one pack, each timed
+alone over many calls: a stream lookup, a strided view, a copy of a saved tensor's size into the stash and the
+bookkeeping.
 The ratio that matters is the stash's host seconds a step over plain's, and its launch time against the
 GPU's step time.
 """

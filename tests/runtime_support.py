@@ -1,5 +1,5 @@
-"""Helpers of the co-located runtime's tests: the small quickstart recipe and its load, a runtime over the tiny
-model on a CPU ladder, scripted and synthetic policies and predictors, and readers of a run's outputs."""
+"""Helpers of the co-located runtime's tests: the small quickstart recipe and its load, a runtime over the
+tiny model on a CPU ladder, scripted and synthetic policies and predictors, and readers of a run's outputs."""
 
 import json
 from pathlib import Path

@@ -1,5 +1,6 @@
-"""The co-located runtime on the CPU stand-ins: the policies' names and shapes, and the main job's outputs, refusals
-and the training result of a co-located run equal to a standalone run (co-location changes when, never what)."""
+"""The co-located runtime on the CPU stand-ins: the policies' names and shapes, and the main job's outputs,
+refusals and the training result of a co-located run equal to a standalone run (co-location changes when,
+never what)."""
 
 import gc
 import json

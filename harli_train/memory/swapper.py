@@ -54,12 +54,13 @@ class ActivationSwapper:
     on a side stream and unmaps their pages; `host_reserve` bytes of slabs are made at construction
     (`slab_bytes` each; default: `SLAB_BYTES`, or one layer's stash when that is smaller).
 
-    Wrap each layer's forward in ``with swapper.layer(i):``. Every saved tensor there that is not a
-    parameter (nor one of `exclude`'s storages) and has at least `min_bytes` is copied into the stash and
-    autograd keeps only its place (a smaller one stays an ordinary tensor: each pack and unpack costs the
-    launching thread the same whatever the size; `pool_budget.stash_min_bytes` is the co-located rule). The range stays reserved while spilled, so when backward unpacks layer
-    i its pages are mapped again at the same addresses and the bytes copied back; the `lookahead` layers
-    below are prefetched on the side stream. Results are bit-identical to running without the swapper.
+    Wrap each layer's forward in ``with swapper.layer(i):``. Every saved tensor there that is not a parameter
+    (nor one of `exclude`'s storages) and has at least `min_bytes` is copied into the stash and autograd keeps
+    only its place (a smaller one stays an ordinary tensor: each pack and unpack costs the launching thread
+    the same whatever the size; `pool_budget.stash_min_bytes` is the co-located rule). The range stays
+    reserved while spilled, so when backward unpacks layer i its pages are mapped again at the same addresses
+    and the bytes copied back; the `lookahead` layers below are prefetched on the side stream. Results are
+    bit-identical to running without the swapper.
     A stash is reused once autograd has dropped all its tensors. `layer_bytes` bounds one layer's saved
     bytes; what does not fit stays an ordinary tensor. The trainer may move between streams when each
     new one waits for the one before (as the co-location feeder hands work over): spills are ordered after
