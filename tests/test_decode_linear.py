@@ -216,46 +216,10 @@ def test_engine_decode_forward_matches_model_path(tmp_path):
 _COMPILE_CHECK = """
 import torch
 from harli_train.kernels import compile_check as c
-from dataclasses import replace
-from harli_train.engine.decode_forward import SHRINK_AHEAD_ROWS
-from harli_train.engine.decode_linear import GemvLoRA, decode_linear, decode_linear_add_rms_norm, rms_norm_shrink
-
-def meta(*shape, dt=torch.float32):
-    return torch.empty(*shape, device="meta", dtype=dt)
-
-SHAPES = [((4096, 1024, 1024), 4096, False), ((4096,), 4096, False), ((14336, 14336), 4096, True),
-          ((4096,), 14336, False), ((128256,), 4096, False)]
-
-def llama8b(sms, dtype=torch.bfloat16):
-    def run():
-        for m in (1, 2, 4, 8, 16, 32, 64):
-            for ns, k, swiglu in SHAPES:
-                x = torch.empty(m, k, device="meta", dtype=dtype)
-                # without and with an fp32 addend (the LoRA delta), and with the LoRA in the launches
-                # (4 adapters of rank 16 and the base: 5 slots)
-                width = 2 * ns[0] if swiglu else sum(ns)
-                lora = GemvLoRA(meta(len(ns) * 80, k, dt=dtype), meta(5, 16, width, dt=dtype), meta(5),
-                                meta(m, dt=torch.int32), meta(6, dt=torch.int32), 16, 5)
-                # ... and, at the rows the engine does it (q/k/v, gate/up), with the shrink made by the norm
-                # before it (rms_norm_shrink)
-                variants = [(None, None), (meta(m, sum(ns)), None), (None, lora)]
-                if len(ns) > 1 and m <= SHRINK_AHEAD_ROWS:
-                    variants.append((None, replace(lora, shrunk=meta(m, len(ns) * 80, dt=dtype))))
-                    for res in (None, meta(m, k, dt=dtype)):
-                        rms_norm_shrink(x, res, meta(k, dt=dtype), 1e-5, lora, num_sms=sms)
-                for add, lo in variants:
-                    if lo is not None and ns[0] == 128256:
-                        continue  # the LM head carries no adapter
-                    decode_linear(x, [meta(n, k, dt=dtype) for n in ns], swiglu=swiglu, num_sms=sms,
-                                  addend=add, lora=lo)
-                    if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
-                        decode_linear_add_rms_norm(x, meta(4096, k, dt=dtype), meta(m, 4096, dt=dtype),
-                                                   meta(4096, dt=dtype), 1e-5, num_sms=sms, addend=add, lora=lo)
-    return run
-
-rows = c.compile_all(90, [llama8b(132), llama8b(48), llama8b(132, torch.float32)])
+rows = c.compile_all(90, [c.decode_workload(132), c.decode_workload(48), c.decode_workload(132, torch.float32)])
 bad = [r for r in rows if c.spills(r)]
 assert len(rows) >= 10 and not bad, bad
+print(len(rows))
 """
 
 

@@ -508,21 +508,29 @@ def test_backward_uses_forward_budget_on_another_thread(monkeypatch):
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90(tmp_path):
     """Every launch of the Llama-3-8B workload compiles for sm_90 (what the interpreter cannot check),
-    without local memory or more than a token stack frame (register spills)."""
+    without local memory or more than a token stack frame (register spills); each variant's SASS is
+    written out, headed by its kernel and constexprs."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     code = (
+        "import sys\n"
         "from harli_train.kernels import compile_check as c\n"
-        "rows = c.compile_all(90, c.default_workloads()[:1])\n"
+        "rows = c.compile_all(90, c.default_workloads()[:1], sass_dir=sys.argv[1])\n"
         "bad = [r for r in rows if r.get('local') or r.get('stack', 0) > 64]\n"
         "assert len(rows) >= 15 and not bad, bad\n"
+        "print(len(rows))\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-c", code, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(tmp_path.glob("*.sass"))
+    assert len(files) == int(proc.stdout.split()[-1])
+    text = files[0].read_text()
+    assert text.startswith("// ") and "EXIT" in text
 
 
 @pytest.mark.slow

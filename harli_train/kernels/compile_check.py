@@ -6,7 +6,7 @@ wheel's own ptxas) for the target. This catches what the CPU interpreter cannot:
 shape rules, shared-memory overflow, register spills. TRITON_INTERPRET must be unset (the kernels must
 be JIT functions), so tests run it in a subprocess:
 
-    python -m harli_train.kernels.compile_check [--arch 90] [--json out.json]
+    python -m harli_train.kernels.compile_check [--arch 90] [--json out.json] [--sass DIR] [--decode]
 """
 
 from __future__ import annotations
@@ -136,15 +136,97 @@ def default_workloads() -> list[Callable[[], None]]:
     ]
 
 
-def _resource_usage(cubin: bytes) -> dict:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _nvidia_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _run_on_cubin(cubin: bytes, *cmd: str) -> str | None:
+    """stdout of the wheel's ``cmd`` (cuobjdump, nvdisasm) on ``cubin``; None when the tool is absent."""
+    tool = _nvidia_tool(cmd[0])
     if not os.path.exists(tool):
-        return {}
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, *cmd[1:], f.name], capture_output=True, text=True).stdout
+
+
+def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[], None]:
+    """Every decode projection launch of Llama-3-8B on ``sms`` SMs, on meta tensors: batch buckets 1-64,
+    without LoRA, with an addend, with the LoRA in its launches (4 adapters of rank 16 and the base: 5
+    slots) and, up to SHRINK_AHEAD_ROWS rows, with its shrink made by the norm (and that norm); o and down
+    also with the residual add and norm."""
+    from dataclasses import replace
+
+    from harli_train.engine.decode_forward import SHRINK_AHEAD_ROWS
+    from harli_train.engine.decode_linear import (
+        GemvLoRA,
+        decode_linear,
+        decode_linear_add_rms_norm,
+        rms_norm_shrink,
+    )
+
+    def meta(*shape, dt=torch.float32):
+        return torch.empty(*shape, device="meta", dtype=dt)
+
+    shapes = [
+        ((4096, 1024, 1024), 4096, False),
+        ((4096,), 4096, False),
+        ((14336, 14336), 4096, True),
+        ((4096,), 14336, False),
+        ((128256,), 4096, False),
+    ]
+
+    def run() -> None:
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            for ns, k, swiglu in shapes:
+                x = meta(m, k, dt=dtype)
+                width = 2 * ns[0] if swiglu else sum(ns)
+                lora = GemvLoRA(
+                    meta(len(ns) * 80, k, dt=dtype),
+                    meta(5, 16, width, dt=dtype),
+                    meta(5),
+                    meta(m, dt=torch.int32),
+                    meta(6, dt=torch.int32),
+                    16,
+                    5,
+                )
+                variants = [(None, None), (meta(m, sum(ns)), None), (None, lora)]
+                if len(ns) > 1 and m <= SHRINK_AHEAD_ROWS:
+                    variants.append((None, replace(lora, shrunk=meta(m, len(ns) * 80, dt=dtype))))
+                    for res in (None, meta(m, k, dt=dtype)):
+                        rms_norm_shrink(x, res, meta(k, dt=dtype), 1e-5, lora, num_sms=sms)
+                for add, lo in variants:
+                    if lo is not None and ns[0] == 128256:
+                        continue  # the LM head carries no adapter
+                    weights = [meta(n, k, dt=dtype) for n in ns]
+                    decode_linear(x, weights, swiglu=swiglu, num_sms=sms, addend=add, lora=lo)
+                    if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
+                        decode_linear_add_rms_norm(
+                            x,
+                            meta(4096, k, dt=dtype),
+                            meta(m, 4096, dt=dtype),
+                            meta(4096, dt=dtype),
+                            1e-5,
+                            num_sms=sms,
+                            addend=add,
+                            lora=lo,
+                        )
+
+    return run
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    text = _run_on_cubin(cubin, "cuobjdump", "--dump-resource-usage")
+    if text is None:
+        return {}
     return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def sass(cubin: bytes) -> str | None:
+    """The SASS of a compiled kernel (the wheel's nvdisasm), or None without the tool: where its global
+    loads sit against its loops and barriers is what a kernel's latency on the GPU follows, readable here."""
+    return _run_on_cubin(cubin, "nvdisasm", "-c")
 
 
 def spills(row: dict) -> bool:
@@ -153,8 +235,11 @@ def spills(row: dict) -> bool:
     return bool(row.get("local", 0)) or row.get("stack", 0) > 64
 
 
-def compile_all(arch: int = 90, workloads: list[Callable[[], None]] | None = None) -> list[dict]:
-    """Compiles every distinct recorded launch for sm_<arch>; returns one row per compiled variant."""
+def compile_all(
+    arch: int = 90, workloads: list[Callable[[], None]] | None = None, sass_dir: str | None = None
+) -> list[dict]:
+    """Compiles every distinct recorded launch for sm_<arch>; returns one row per compiled variant. With
+    ``sass_dir`` each variant's SASS goes there too, as ``<kernel>-<n>.sass`` headed by its constexprs."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_check needs JIT kernels: unset TRITON_INTERPRET")
     target = GPUTarget("cuda", arch, 32)
@@ -168,6 +253,12 @@ def compile_all(arch: int = 90, workloads: list[Callable[[], None]] | None = Non
             kernel = triton.compile(src, target=target, options=options.__dict__)
             usage = _resource_usage(kernel.asm["cubin"])
             constexprs = {jit_fn.arg_names[k[0]]: str(v) for k, v in src.constants.items() if len(k) == 1}
+            if sass_dir is not None:
+                os.makedirs(sass_dir, exist_ok=True)
+                name = f"{jit_fn.__name__}-{len(rows)}.sass"
+                with open(os.path.join(sass_dir, name), "w") as f:
+                    f.write(f"// {jit_fn.__name__} {constexprs} warps={options.num_warps}\n")
+                    f.write(sass(kernel.asm["cubin"]) or "// nvdisasm is not in this triton wheel\n")
             rows.append(
                 dict(
                     kernel=jit_fn.__name__,
@@ -185,8 +276,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--sass", default=None, help="write each variant's SASS into this folder")
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="the decode projections (Llama-3-8B, 132 SMs), not the trainer's",
+    )
     args = parser.parse_args()
-    rows = compile_all(args.arch)
+    rows = compile_all(args.arch, [decode_workload(132)] if args.decode else None, sass_dir=args.sass)
     for r in rows:
         print(
             f"{r['kernel']:28s} regs={r.get('reg', '?'):>4} local={r.get('local', '?'):>3} "
