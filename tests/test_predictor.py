@@ -312,3 +312,29 @@ def test_a_profile_keeps_the_gemv_rows_its_batch_1_steps_were_timed_with():
     legacy.pop("fma_min_sms")
     assert LatencyPredictor.from_dict(legacy).fma_min_sms == 0
     assert LatencyPredictor.from_dict(wrong.to_dict()).fma_min_sms == FMA_MIN_SMS
+
+
+def test_mixed_steps_are_predicted_on_the_buckets_of_the_engine_that_runs_them():
+    """A mixed model fitted on a profile's buckets (16, 32, 64, 128) predicts an engine whose graphs also
+    have a 96-token bucket on that engine's buckets: a step of 90 tokens costs what its 96 rows cost on the
+    fitted line, between the 64- and the 128-token steps, not the 128-token step it would have padded to;
+    the chunk a mixed step may take is bounded by the engine's largest bucket."""
+    from harli_train.colocate.mixed_model import MixedStepModel
+    from harli_train.colocate.policy.base import graph_room
+    from harli_train.engine.engine_config import EngineConfig
+    from harli_train.engine.mixed_graphs import token_buckets
+    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+
+    assert token_buckets(EngineConfig(max_num_seqs=64)) == (16, 32, 64, 96, *range(128, 577, 64))
+    profiled = (16, 32, 64, 128)
+    pred = LatencyPredictor(132, 1.0, [132], {132: [1e-3, 0.0, 0.0]}, [0.0, 0.0, 0.0, 0.0], [0.0, 0.0], 64)
+    # 2 ms + 20 us a row up to 64, 30 us a row past it.
+    pred.mixed = MixedStepModel({132: [2e-3, 2e-5, 1e-5, 0.0, 0.0, 0.0]}, {132: 0.0}, buckets=profiled)
+    at = lambda n: pred.predict_mixed(2, 0, n, 0, 132, corun=False, raw=True)  # noqa: E731
+    assert at(88) == pytest.approx(at(126)) == pytest.approx(2e-3 + 2e-5 * 128 + 1e-5 * 64)
+    pred.pad_to(token_buckets(EngineConfig(max_num_seqs=64)))
+    assert at(88) == pytest.approx(2e-3 + 2e-5 * 96 + 1e-5 * 32)
+    assert at(62) < at(88) < at(126)
+    assert graph_room(pred, StepPreview(2, 0, (PrefillPiece(1000, 0, 0),), mixed=True)) == 574
+    pred.pad_to(())  # an engine that runs mixed steps eagerly: the rows themselves
+    assert at(88) == pytest.approx(2e-3 + 2e-5 * 90 + 1e-5 * 26)

@@ -6,12 +6,12 @@ attention covers ``w`` query-key pairs, on ``s`` SMs::
     t_solo = M0[s] + M1[s]*r + M2[s]*max(r - K1, 0) + M3[s]*max(r - K2, 0) + M4[s]*w + M5[s]*kv,  r = b + n
 
 The row terms are a linear spline in the rows the projections process: flat while reading the weights
-dominates, then compute-bound with a slope that depends on the share. Where the engine replays mixed steps
-as CUDA graphs, a step's tokens are padded to its graph's bucket (``buckets``: 16, 32, then multiples of 64)
-and the projections process every padded row, so ``r`` is the bucket's token count: the cost steps up at
-each bucket and is flat within one (but for the attention and KV terms). ``w`` is the chunks' attention, ``kv``
-the decode rows' KV read. Beside the trainer the step runs ``1 + D[s]`` times longer (fitted per share from
-co-run samples of the same points). Each share is fitted on its own by least squares weighted to relative
+dominates, then compute-bound with a slope that depends on the share. Where the engine replays mixed steps as
+CUDA graphs, a step's tokens are padded to its graph's bucket (``buckets``: 16, 32, 64, 96, then multiples of
+64) and the projections process every padded row, so ``r`` is the bucket's token count: the cost steps up at
+each bucket and is flat within one (but for the attention and KV terms). ``w`` is the chunks' attention,
+``kv`` the decode rows' KV read. Beside the trainer the step runs ``1 + D[s]`` times longer (fitted per share
+from co-run samples of the same points). Each share is fitted on its own by least squares weighted to relative
 error; a share the profile lacks borrows the nearest profiled one scaled by the SM ratio (fewer SMs: slower).
 """
 

@@ -291,6 +291,17 @@ class LatencyPredictor(OnlineCorrection):
             t += self.lora.seconds(infer_sms, lora_slots)
         return t if raw else t * self.correction(infer_sms, corun, mixed=True)
 
+    def pad_to(self, buckets: Sequence[int]) -> None:
+        """Predict mixed steps padded to ``buckets``, the token buckets of the engine that will run them
+        (ascending; () where it runs them eagerly, unpadded). The model was fitted on the rows its profile's
+        engine padded to; as a line in the padded rows it prices any bucket, so an engine whose buckets
+        changed since the profile is predicted on its own buckets (its largest also bounds a chunk:
+        ``policy.base.graph_room``) rather than on buckets it does not have."""
+        if self.mixed is not None:
+            self.mixed.buckets = tuple(int(b) for b in buckets)
+        if self.mixed_lora is not None:
+            self.mixed_lora.buckets = tuple(int(b) for b in buckets)
+
     def predict_all_shares(
         self, batch: int, kv_tokens: int, corun: bool = True, shares: Iterable[int] | None = None
     ) -> list[tuple[int, float]]:

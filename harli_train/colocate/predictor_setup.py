@@ -154,6 +154,7 @@ def build_predictor(
         float(profile.meta.get("kv_bytes_per_token", engine.kv_bytes_per_token)),
         **fit_options(profile.meta),
     )
+    predictor.pad_to(engine.engine.mixed_token_buckets)  # the buckets this engine's steps will take
     return predictor, profile
 
 
