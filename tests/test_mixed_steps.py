@@ -506,7 +506,9 @@ def test_requests_without_a_first_token_count_their_wait_in_ttft_and_a_ttft_obje
 
 def test_a_colocated_run_rides_prefill_in_decode_steps(tmp_path):
     ladder = SMLadder.cpu_standin(TOTAL, 8)
-    make = lambda ladder: make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1)
+    # A short hysteresis: decode starts on the whole GPU and must leave it within the few steps a loaded
+    # CPU fits in the window (6 steps, where the default 8 kept the trainer paused throughout).
+    make = lambda ladder: make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.05, 0.1, 2)
     # The later prompts arrive while the first two still decode, on a fast host too (400 tokens: the window
     # cuts them on a slow one, and they count with the tokens they drew).
     load = requests([(0.0, 2, 400), (0.4, 3, 8), (0.6, 2, 8)])
