@@ -203,12 +203,10 @@ def test_analysis_counts_what_harlis_grow_headroom_held_and_the_grows_it_came_be
 
 
 def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_floor_fits():
-    """bench/replan_mixed.py on the stored H200 profile: a mixed step of 3 decode rows that ran on the whole
+    """bench/replan_mixed.py on the H200 profile of 2026-12-04 (kept in tests/data): a mixed step of 3 decode rows that ran on the whole
     GPU (its chunk capped at 61 prefill tokens by the 64-row graph) fits 32 tokens, and the same 61-62, on 112
     SMs beside the trainer within an 8.8 ms budget, but not 64 (a 128-row graph) on any share."""
-    profile = colocate_matrix.load(
-        BENCH / "profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz"
-    )
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
     meta = profile["meta"]
     predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     rows = [

@@ -285,14 +285,14 @@ def test_harli_floor_sets_the_least_chunk_a_mixed_step_beside_the_trainer_takes(
 
 
 def test_harli_floor_match_runs_beside_the_trainer_where_a_share_fits_what_the_whole_gpu_would():
-    """On the stored H200 profile, 3 decode rows over 1,450 cached tokens and a 512-token prompt, budget
+    """On the H200 profile of 2026-12-04 (kept in tests/data), 3 decode rows over 1,450 cached tokens and a 512-token prompt, budget
     8.8 ms, with whole-GPU mixed steps measured at 1.32x their raw prediction (as in the H200's light cells):
     the whole GPU's chunk is capped at the 64-row graph (128 rows miss the budget), and no share fits the
     128-token floor beside the trainer. harli pauses the trainer for the whole GPU; harli:floor=match runs
     the step on 112 SMs beside it, with as many tokens as the whole GPU would take."""
     profile = json.loads(
         gzip.decompress(
-            (ROOT / "bench/profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz").read_bytes()
+            (Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz").read_bytes()
         )
     )
     meta = profile["meta"]
