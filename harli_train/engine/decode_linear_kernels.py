@@ -95,51 +95,8 @@ def _store_tile(out_ptr, stride_om, acc, cols, col_mask, M, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _lora_pairs(
-    xa_ptr,
-    stride_xa,
-    bt_ptr,
-    bt_cols,
-    col_mask,
-    piece,
-    width,
-    lora_rank,
-    lora_slots,
-    M,
-    j0,
-    BLOCK_M: tl.constexpr,
-    PAIRS: tl.constexpr,
-    USE_DOT: tl.constexpr,
-):
-    """The expand's operands for (slot, rank) pairs [j0, j0 + PAIRS) over columns `bt_cols` of B^T
-    [S, R, width] and slice `piece` of xa (slot 0, the base, is never read): (B^T tile [BLOCK_N, PAIRS],
-    xa^T [PAIRS, BLOCK_M]) for the dot, (B^T tile [PAIRS, BLOCK_N], row 0's xa [PAIRS]) for FMA."""
-    j = j0 + tl.arange(0, PAIRS)
-    j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
-    xa_cols = piece * lora_slots * lora_rank + j
-    if USE_DOT:
-        offs_m = tl.arange(0, BLOCK_M)
-        b = tl.load(
-            bt_ptr + j[None, :] * width + bt_cols[:, None],
-            mask=col_mask[:, None] & j_mask[None, :],
-            other=0.0,
-        )
-        xa = tl.load(
-            xa_ptr + offs_m[None, :] * stride_xa + xa_cols[:, None],
-            mask=j_mask[:, None] & (offs_m < M)[None, :],
-            other=0.0,
-        )
-    else:
-        b_rows = bt_ptr + j * width  # < 2**31: S, R and W are small
-        b = tl.load(b_rows[:, None] + bt_cols[None, :], mask=j_mask[:, None] & col_mask[None, :], other=0.0)
-        xa = tl.load(xa_ptr + xa_cols, mask=j_mask, other=0.0)
-    return b, xa
-
-
-@triton.jit
 def _lora_expand_epilogue(
     acc,
-    ahead,
     xa_ptr,
     stride_xa,
     bt_ptr,
@@ -158,21 +115,32 @@ def _lora_expand_epilogue(
     """acc plus each row's expand over columns `bt_cols` of B^T [S, R, width]: one product over every
     adapter slot's ranks at once, B^T[1:S, :, cols]^T @ xa[:, slice `piece`, 1:S, :]^T, xa being zero on a
     row outside its slot (`rms_norm_shrink`'s layout), so no load waits on the step's slot layout. acc as
-    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). `ahead`: `_lora_pairs` from j0 = 0,
-    loaded before the weight stream so that their latency hides behind it (every pair for FMA, the first 32
-    for the dot). BLOCK_SR >= S * R, a power of two of at least 32."""
+    the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). BLOCK_SR >= S * R, a power of two
+    of at least 32."""
     if USE_DOT:
         # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
-        b, xat = ahead
-        acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
-        for j0 in tl.static_range(32, BLOCK_SR, 32):
-            b, xat = _lora_pairs(
-                xa_ptr, stride_xa, bt_ptr, bt_cols, col_mask, piece, width, lora_rank, lora_slots, M, j0,
-                BLOCK_M, 32, USE_DOT,
-            )  # fmt: skip
+        offs_m = tl.arange(0, BLOCK_M)
+        for j0 in tl.static_range(0, BLOCK_SR, 32):
+            j = j0 + tl.arange(0, 32)
+            j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
+            b = tl.load(
+                bt_ptr + j[None, :] * width + bt_cols[:, None],
+                mask=col_mask[:, None] & j_mask[None, :],
+                other=0.0,
+            )
+            xat = tl.load(
+                xa_ptr + offs_m[None, :] * stride_xa + (piece * lora_slots * lora_rank + j)[:, None],
+                mask=j_mask[:, None] & (offs_m < M)[None, :],
+                other=0.0,
+            )
             acc = tl.dot(b, xat.to(b.dtype), acc, input_precision=PRECISION)
     else:
-        b, xa = ahead
+        j = tl.arange(0, BLOCK_SR)  # (slot, rank) pairs; slot 0 (the base) is never read
+        j_mask = (j >= lora_rank) & (j < lora_slots * lora_rank)
+        xa_cols = piece * lora_slots * lora_rank + j
+        b_rows = bt_ptr + j * width  # < 2**31: S, R and W are small
+        b = tl.load(b_rows[:, None] + bt_cols[None, :], mask=j_mask[:, None] & col_mask[None, :], other=0.0)
+        xa = tl.load(xa_ptr + xa_cols, mask=j_mask, other=0.0)
         acc += tl.sum(b.to(tl.float32) * xa.to(tl.float32)[:, None], axis=0)
     return acc
 
@@ -235,7 +203,6 @@ def _decode_linear_kernel(
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    AHEAD_PAIRS: tl.constexpr = 32 if USE_DOT else BLOCK_SR  # the epilogue's pairs loaded before the stream
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     part = out_ptr + split.to(tl.int64) * M * stride_om  # PARTIAL: this split's fp32 sums [M, width]
@@ -259,18 +226,6 @@ def _decode_linear_kernel(
             return
     if SWIGLU:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = rows < n0
-        g_ahead = (0, 0)
-        u_ahead = (0, 0)
-        if LORA_EPILOGUE and not PARTIAL:
-            g_ahead = _lora_pairs(
-                xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M, 0,
-                BLOCK_M, AHEAD_PAIRS, USE_DOT,
-            )  # fmt: skip
-            u_ahead = _lora_pairs(
-                xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M, 0,
-                BLOCK_M, AHEAD_PAIRS, USE_DOT,
-            )  # fmt: skip
         g = _accumulate(
             x_ptr, stride_xm, w0_ptr, rows, n0, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
@@ -279,18 +234,19 @@ def _decode_linear_kernel(
             x_ptr, stride_xm, w1_ptr, rows, n0, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
+        col_mask = rows < n0
         if not PARTIAL:
             if HAS_ADDEND:
                 g += _load_tile(add_ptr, stride_am, rows, col_mask, M, BLOCK_M, USE_DOT)
                 u += _load_tile(add_ptr, stride_am, rows + n0, col_mask, M, BLOCK_M, USE_DOT)
             if LORA_EPILOGUE:
                 g = _lora_expand_epilogue(
-                    g, g_ahead, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots,
-                    M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
+                    g, xa_ptr, stride_xa, bt_ptr, rows, col_mask, 0, 2 * n0, lora_rank, lora_slots, M,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
                 u = _lora_expand_epilogue(
-                    u, u_ahead, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank,
-                    lora_slots, M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
+                    u, xa_ptr, stride_xa, bt_ptr, rows + n0, col_mask, 1, 2 * n0, lora_rank, lora_slots, M,
+                    BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, g * tl.sigmoid(g) * u, rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
@@ -316,24 +272,18 @@ def _decode_linear_kernel(
             tile = pid - tiles_0
             piece = 1
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = rows < n_rows
-        ahead = (0, 0)
-        if LORA_EPILOGUE and not PARTIAL:
-            ahead = _lora_pairs(
-                xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2, lora_rank, lora_slots,
-                M, 0, BLOCK_M, AHEAD_PAIRS, USE_DOT,
-            )  # fmt: skip
         acc = _accumulate(
             x_ptr, stride_xm, w_ptr, rows, n_rows, M, K, k_start, k_end,
             BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, EVEN_N, EVEN_K, PRECISION,
         )  # fmt: skip
+        col_mask = rows < n_rows
         if not PARTIAL:
             if HAS_ADDEND:
                 acc += _load_tile(add_ptr, stride_am, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
             if LORA_EPILOGUE:
                 acc = _lora_expand_epilogue(
-                    acc, ahead, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2,
-                    lora_rank, lora_slots, M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
+                    acc, xa_ptr, stride_xa, bt_ptr, col0 + rows, col_mask, piece, n0 + n1 + n2, lora_rank,
+                    lora_slots, M, BLOCK_M, BLOCK_SR, USE_DOT, PRECISION,
                 )  # fmt: skip
             _store_tile(out_ptr, stride_om, acc, col0 + rows, col_mask, M, BLOCK_M, USE_DOT)
         else:
