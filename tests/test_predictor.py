@@ -338,3 +338,54 @@ def test_mixed_steps_are_predicted_on_the_buckets_of_the_engine_that_runs_them()
     assert graph_room(pred, StepPreview(2, 0, (PrefillPiece(1000, 0, 0),), mixed=True)) == 574
     pred.pad_to(())  # an engine that runs mixed steps eagerly: the rows themselves
     assert at(88) == pytest.approx(2e-3 + 2e-5 * 90 + 1e-5 * 26)
+
+
+def test_a_graphed_profile_is_fitted_through_the_cost_of_every_bucket_it_measured():
+    """On graphs a mixed step runs its bucket's rows, and the cost between profiled buckets is not one line
+    (on the H200 96 rows cost 1.2-1.5 ms more than 64: past the GEMV's rows cuBLAS takes over, then little
+    more up to 256). The spline's knots are the profiled buckets between the least and the largest, so the
+    fit goes through each one's cost and interpolates between them; a share that lacks some buckets fits a
+    line over them; a model saved before the knots were kept reads with the fixed ones."""
+    from harli_train.colocate.mixed_model import KNOTS, attention_pairs, padded_rows
+
+    buckets = (16, 32, 64, 96, *range(128, 577, 64))
+
+    def rows_cost(r: int) -> float:  # seconds at 132 SMs
+        if r <= 64:
+            return 5e-3 + 1e-5 * r
+        if r <= 256:
+            return 5e-3 + 64e-5 + 1.4e-3 + 4e-6 * (r - 64)
+        return rows_cost(256) + 2.3e-5 * (r - 256)
+
+    def truth(b: int, kv: int, n: int, pairs: int, sms: int) -> float:
+        return (rows_cost(padded_rows(b + n, buckets)) + 2e-10 * pairs + 3e-9 * kv) * 132 / sms
+
+    samples = []
+    for sms in (64, 132):
+        for b in (2, 8, 32):
+            for n in (14, 30, 62, 192, 512):
+                for ctx in (0, 426):
+                    if sms == 64 and padded_rows(b + n, buckets) in (96, 256):
+                        continue  # this share lacks two of the buckets
+                    pairs = attention_pairs([(n, ctx)])
+                    samples.append(
+                        {"batch": b, "kv_tokens": b * 512, "prefill_tokens": n, "attn_pairs": pairs,
+                         "infer_sms": sms, "corun": False, "latency_s": truth(b, b * 512, n, pairs, sms)}
+                    )  # fmt: skip
+    model = MixedStepModel.fit(samples, buckets)
+    assert model.knots == (32, 64, 96, 256)
+    assert model.fit_report["fit_mixed_solo_max_ape_pct"] < 0.01
+    for rows in (16, 64, 96, 128, 192, 256, 384, 576):  # 128-192 and 384: between profiled buckets
+        n = rows - 2
+        assert model.predict(2, 1024, n, 0, 132, False) == pytest.approx(truth(2, 1024, n, 0, 132), rel=1e-4)
+    assert all(np.isfinite(model.coef[64]))
+    for rows in (16, 32, 64, 576):
+        got, want = model.predict(8, 4096, rows - 8, 0, 64, False), truth(8, 4096, rows - 8, 0, 64)
+        assert got == pytest.approx(want, rel=1e-4)
+    saved = json.loads(json.dumps(model.to_dict()))
+    assert MixedStepModel.from_dict(saved).predict(2, 1024, 90, 0, 132, False) == model.predict(
+        2, 1024, 90, 0, 132, False
+    )
+    legacy = MixedStepModel.fit(samples, ()).to_dict()
+    legacy.pop("knots")
+    assert MixedStepModel.from_dict(legacy).knots == KNOTS

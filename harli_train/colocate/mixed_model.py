@@ -3,13 +3,19 @@
 For a step of ``b`` decode rows reading ``kv`` cached tokens and prefill chunks of ``n`` tokens in all, whose
 attention covers ``w`` query-key pairs, on ``s`` SMs::
 
-    t_solo = M0[s] + M1[s]*r + M2[s]*max(r - K1, 0) + M3[s]*max(r - K2, 0) + M4[s]*w + M5[s]*kv,  r = b + n
+    t_solo = M0[s] + M1[s]*r + sum_i H_i[s]*max(r - K_i, 0) + A[s]*w + V[s]*kv,  r = b + n
 
-The row terms are a linear spline in the rows the projections process: flat while reading the weights
-dominates, then compute-bound with a slope that depends on the share. Where the engine replays mixed steps as
-CUDA graphs, a step's tokens are padded to its graph's bucket (``buckets``: 16, 32, 64, 96, then multiples of
-64) and the projections process every padded row, so ``r`` is the bucket's token count: the cost steps up at
-each bucket and is flat within one (but for the attention and KV terms). ``w`` is the chunks' attention,
+The row terms are a linear spline in the rows the projections process, with knots ``K_i`` where the cost per
+row may change. Where the engine replays mixed steps as CUDA graphs, a step's tokens are padded to its graph's
+bucket (``buckets``: 16, 32, 64, 96, then multiples of 64) and the projections process every padded row, so
+``r`` is the bucket's token count: the cost steps up at each bucket and is flat within one (but for the
+attention and KV terms). Such a profile measures a few buckets only, and the cost between them is not one
+line: on the H200 a step of 96 rows cost 1.2-1.5 ms more than one of 64 (past ``MAX_GEMV_ROWS`` the
+projections leave the weight-streaming GEMV for cuBLAS), then little more up to 256. So the knots are every
+profiled bucket between the least and the largest, and the spline goes through the cost of each (the model
+interpolates between them, and prices a bucket past the last on the last segment's slope). Without graphs a
+step's rows are its tokens and the knots are ``KNOTS``: flat while reading the weights dominates, then
+compute-bound with a slope that depends on the share. ``w`` is the chunks' attention,
 ``kv`` the decode rows' KV read. Beside the trainer the step runs ``1 + D[s]`` times longer (fitted per share
 from co-run samples of the same points). Each share is fitted on its own by least squares weighted to relative
 error; a share the profile lacks borrows the nearest profiled one scaled by the SM ratio (fewer SMs: slower).
@@ -43,20 +49,36 @@ def padded_rows(rows: int, buckets: Sequence[int]) -> int:
 
 
 def _features(
-    batch: int, kv_tokens: int, tokens: int, pairs: int, buckets: Sequence[int] = ()
+    batch: int,
+    kv_tokens: int,
+    tokens: int,
+    pairs: int,
+    buckets: Sequence[int] = (),
+    knots: Sequence[int] = KNOTS,
 ) -> tuple[float, ...]:
     r = float(padded_rows(batch + tokens, buckets))
-    return (1.0, r, max(r - KNOTS[0], 0.0), max(r - KNOTS[1], 0.0), float(pairs), float(kv_tokens))
+    return (1.0, r, *(max(r - k, 0.0) for k in knots), float(pairs), float(kv_tokens))
+
+
+def profiled_knots(samples: Sequence[dict], buckets: Sequence[int]) -> tuple[int, ...]:
+    """The spline's knots for ``samples`` profiled on ``buckets``: the padded row counts they measured, but
+    the least and the largest (``KNOTS`` without buckets, where a step's rows are not a few levels)."""
+    if not buckets:
+        return KNOTS
+    levels = sorted({padded_rows(int(r["batch"]) + int(r["prefill_tokens"]), buckets) for r in samples})
+    return tuple(levels[1:-1])
 
 
 @dataclass(slots=True)
 class MixedStepModel:
-    """Per-share coefficients of the mixed-step model; ``predict`` is a dot product of six terms."""
+    """Per-share coefficients of the mixed-step model; ``predict`` is a dot product of ``4 + len(knots)``
+    terms."""
 
-    coef: dict[int, list[float]]  # sms -> M0..M5
+    coef: dict[int, list[float]]  # sms -> M0, M1, H_1..H_k, A, V
     slowdown: dict[int, float]  # sms -> D (co-run)
     fit_report: dict[str, Any] = field(default_factory=dict)
     buckets: tuple[int, ...] = ()  # the engine's mixed-step token buckets (ascending); () without graphs
+    knots: tuple[int, ...] = KNOTS  # the spline's knots in rows (``profiled_knots``), fixed at the fit
 
     @classmethod
     def fit(cls, samples: Sequence[dict], buckets: Sequence[int] = ()) -> MixedStepModel:
@@ -70,6 +92,7 @@ class MixedStepModel:
     @classmethod
     def _fit_shares(cls, samples: Sequence[dict], buckets: tuple[int, ...] = ()) -> MixedStepModel:
         solo = [r for r in samples if not r["corun"]]
+        knots = profiled_knots(solo, buckets)
         by_share: dict[int, list[dict]] = {}
         for r in solo:
             by_share.setdefault(int(r["infer_sms"]), []).append(r)
@@ -77,7 +100,9 @@ class MixedStepModel:
         for sms, rows in by_share.items():
             X = np.array(
                 [
-                    _features(r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], buckets)
+                    _features(
+                        r["batch"], r["kv_tokens"], r["prefill_tokens"], r["attn_pairs"], buckets, knots
+                    )
                     for r in rows
                 ]
             )
@@ -88,7 +113,7 @@ class MixedStepModel:
             coef[sms] = [float(c) for c in weighted_lstsq(X * used, y, 1.0 / y)]
         if not coef:
             raise ValueError("no SM share has enough solo mixed-step samples to fit the mixed model")
-        model = cls(coef, {}, buckets=buckets)
+        model = cls(coef, {}, buckets=buckets, knots=knots)
         measured = {_point(r): float(r["latency_s"]) for r in solo}
         ratios: dict[int, list[float]] = {}
         for r in samples:
@@ -116,7 +141,7 @@ class MixedStepModel:
 
     def predict(self, batch: int, kv_tokens: int, tokens: int, pairs: int, sms: int, corun: bool) -> float:
         coef, slow = self._share(sms)
-        features = _features(batch, kv_tokens, tokens, pairs, self.buckets)
+        features = _features(batch, kv_tokens, tokens, pairs, self.buckets, self.knots)
         t = sum(c * x for c, x in zip(coef, features, strict=True))
         return t * (1.0 + slow) if corun else t
 
@@ -147,6 +172,7 @@ class MixedStepModel:
             "slowdown": {str(s): d for s, d in self.slowdown.items()},
             "fit_report": dict(self.fit_report),
             "buckets": list(self.buckets),
+            "knots": list(self.knots),
         }
 
     @classmethod
@@ -156,6 +182,7 @@ class MixedStepModel:
             {int(s): float(x) for s, x in d.get("slowdown", {}).items()},
             dict(d.get("fit_report", {})),
             tuple(int(b) for b in d.get("buckets", ())),
+            tuple(int(k) for k in d.get("knots", KNOTS)),  # saved before the knots were: KNOTS
         )
 
 
@@ -191,13 +218,16 @@ def held_out_errors(samples: Sequence[dict], buckets: Sequence[int] = ()) -> dic
 
 
 def _pinned(X: np.ndarray) -> np.ndarray:
-    """Which terms a share's samples can pin down: the intercept and rows always; a knot's hinge only with
-    two distinct row counts past it; the attention and KV terms only where they vary."""
+    """Which terms a share's samples can pin down: the intercept and rows always; a knot's hinge only with a
+    row count past its knot and not past the next one (its own segment: a share that lacks some of the
+    profiled buckets fits one line over the knots it did not measure, not columns that only its largest
+    rows tell apart); the attention and KV terms (the last two columns) only where they vary."""
     distinct = lambda col: len(np.unique(X[:, col]))  # noqa: E731
+    last = X.shape[1] - 3  # the last hinge's column
+    past = X > 0
+    hinges = [past[:, j] & ~past[:, j + 1] if j < last else past[:, j] for j in range(2, last + 1)]
     return np.array(
-        [1.0, 1.0]
-        + [float(len(np.unique(X[X[:, j] > 0, j])) >= 2) for j in (2, 3)]
-        + [float(distinct(4) > 1), float(distinct(5) > 1)]
+        [1.0, 1.0] + [float(h.any()) for h in hinges] + [float(distinct(-2) > 1), float(distinct(-1) > 1)]
     )
 
 
