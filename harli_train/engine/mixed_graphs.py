@@ -46,7 +46,8 @@ def token_buckets(config: EngineConfig) -> tuple[int, ...]:
     to the first that holds the most a mixed step carries (every decoding row plus the default chunk, capped
     by max_num_batched_tokens)."""
     top = min(config.max_num_batched_tokens, config.max_num_seqs + config.prefill_chunk_tokens)
-    past = range(2 * BUCKET_STEP, top + BUCKET_STEP, BUCKET_STEP)
+    first = (SMALL_BUCKETS[-1] // BUCKET_STEP + 1) * BUCKET_STEP  # the first multiple past the small ones
+    past = range(first, top + BUCKET_STEP, BUCKET_STEP)
     buckets = []
     for size in (*SMALL_BUCKETS, *past):
         buckets.append(size)
