@@ -253,6 +253,7 @@ def test_a_colocated_run_with_cuda_graphs_places_the_arena_in_the_pool_and_train
     assert pool["tenants"]["trainer"]["peak"] > 0 and pool["trainer"]["stashed_bytes"] > 0
     assert summary["finetune"]["steps_run"] == 6
     graphs = summary["finetune"]["feed"]["graphs"]
+    assert pool["trainer"]["arena_bytes"] >= graphs["arena_bytes"] > 0  # every slot in the stashes (aligned)
     assert graphs["sets"] >= 1 and graphs["rebuilds"] == summary["finetune"]["rebuilt_backward_chunks"] == 0
     assert graphs["arena_bytes"] > 0 and GRAPHS_ARENA
     run_colocated(recipe(tmp_path / "eager"), "tiny", policy="harli", quiet=True)

@@ -71,6 +71,9 @@ def pool_report(pm: Any, st: dict[str, Any]) -> dict[str, Any]:
         }
         | {
             "min_stashed_bytes": pm.swapper.min_bytes,
+            # The graphs' saved-tensor arena in the stashes (train.cuda_graphs): placed at capture, which on a
+            # GPU runs at set-up, before the run's counts start; so a level, not this run's stashed bytes.
+            "arena_bytes": pm.swapper.arena_bytes(),
             "placed_bytes": pm._placement.nbytes if pm._placement is not None else 0,
         },
         "refusals": eng.kv_refusals - pm._refusals0 if eng is not None else 0,

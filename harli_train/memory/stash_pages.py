@@ -129,6 +129,12 @@ class StashPages:
         with self.lock:
             return dict(self.stats)
 
+    def arena_bytes(self) -> int:
+        """Bytes of a graphs' arena placed in the stashes now, mapped or spilled (a level: its slots are placed
+        once, at capture, which ``stats`` count then and never again). Takes the lock."""
+        with self.lock:
+            return sum(stash.used for stash in self.stashes.values() if stash.fixed)
+
     def stash(self, index: int) -> Stash:
         """Layer (or chunk) ``index``'s stash, its range reserved on first use."""
         if index not in self.stashes:

@@ -297,3 +297,7 @@ class ActivationSwapper:
     def stats_snapshot(self) -> dict[str, Any]:
         """A copy of ``stats``, consistent (taken under the lock the spills hold)."""
         return self.pages.stats_snapshot()
+
+    def arena_bytes(self) -> int:
+        """Bytes of a graphs' arena placed in the stashes now (``StashPages.arena_bytes``)."""
+        return self.pages.arena_bytes()
