@@ -318,3 +318,31 @@ def test_the_trainer_trails_decodes_recent_shares_but_not_a_mixed_steps_detour()
     assert rungs.beside(32).infer_sms == 48  # a detour never brings the trainer inside the window's share
     now[0] += 0.31
     assert rungs.trail(16).infer_sms == 16  # the grow has left the window
+
+
+def test_a_miss_on_the_share_decode_shrank_to_stays_with_that_share(ladder):
+    """The first step on a share decode just shrank to learns only that share's factor: on the H200 such
+    steps (on 32 SMs) ran 1.09x their prediction where the shares decode held ran as modelled, and learnt
+    GPU-wide each one put the share decode had left over budget too, so decode grew past it (32 -> 64 SMs)
+    and the trainer's rung, which trails decode's largest recent share, lost those SMs for its window."""
+    alone = {s: 4e-3 for s in ladder.shares if s < 32} | {32: 2.40e-3, 40: 2.36e-3, 48: 2.30e-3}
+    alone |= {s: 2.0e-3 for s in ladder.shares if s > 48}
+    params = {s: [alone[s], 0.0, SLOWDOWN] for s in ladder.shares}
+    pred = LatencyPredictor(TOTAL, 1.0, list(ladder.shares), params, [0.0, 0.0, 0.0, 1e-5], [0.0, 0.0], 256)
+    ctl = Controller(pred, ladder, 3.4e-3, margin=0.1, hysteresis_steps=3, resume_margin=0.0)  # 3.06 ms
+    assert settle(ctl).partition.infer_sms == 32
+    held = ctl.decide(10, 0)  # ten sequences: 32 and 40 SMs miss the budget, 48 meets it
+    assert held.partition.infer_sms == 48 and not held.shrunk
+    ctl.observe(held, held.raw_s)
+    steps = [ctl.decide(1, 0) for _ in range(3)]
+    assert [d.partition.infer_sms for d in steps] == [48, 48, 32]
+    assert steps[-1].shrunk and not steps[0].shrunk
+    ctl.observe(steps[-1], 1.16 * steps[-1].raw_s)  # the first step on 32 SMs: 16 % over its prediction
+    assert pred.correction(32, True) == pytest.approx(1.08)
+    # The GPU-wide factor did not learn it.
+    assert pred.correction(48, True) == pred.correction(40, True) == 1.0
+    after = ctl.decide(1, 0)
+    assert after.partition.infer_sms == 40 and after.reason.startswith("grow")  # not past 48
+    # The same miss on a step that is no shrink's first is learnt GPU-wide, as before.
+    ctl.observe(after, 1.16 * after.raw_s)
+    assert pred.correction(48, True) == pytest.approx(1.08)

@@ -50,6 +50,7 @@ class Decision:
     batch: int
     kv_tokens: int
     step: int
+    shrunk: bool = False  # the first step on a share decode shrank to from a larger share (not the whole GPU)
 
 
 class Controller:
@@ -169,6 +170,7 @@ class Controller:
         full = self._full.index
         want = full if target < 0 else target
         cur = self._cur
+        shrunk = False
         if want >= cur:
             reason = "grow: smaller shares miss the budget" if want > cur else "hold"
             if want > cur:
@@ -189,6 +191,7 @@ class Controller:
                     self._streak, self._streak_max = 0, -1
                 else:
                     reason = f"shrink after {self._streak} steps that allow it"
+                    shrunk = cur != full
                     self._cur, self._streak, self._streak_max = to, 0, -1
                     self._shrunk_at = self.clock()
             else:
@@ -209,7 +212,9 @@ class Controller:
                 t_target,
                 "held share over budget: take the target",
             )
-        return self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens)
+        d = self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens)
+        d.shrunk = shrunk and part.index < cur
+        return d
 
     def _grew(self, alpha: float = 0.3) -> None:
         """Decode grows: how long it stayed on the share it shrank to last feeds the dwell estimate."""
@@ -274,7 +279,8 @@ class Controller:
 
     def observe(self, decision: Decision, measured_s: float) -> None:
         """Record the measured latency of a decided step and feed the predictor's residual correction."""
-        self.predictor.observe(decision.partition.infer_sms, decision.corun, measured_s, decision.raw_s)
+        part, shrunk = decision.partition, decision.shrunk
+        self.predictor.observe(part.infer_sms, decision.corun, measured_s, decision.raw_s, own_share=shrunk)
         self.observe_margin(measured_s, decision.predicted_s)
         entry = self._open.pop(decision.step, None)
         if entry is None:  # observed late: the entry was already written without a measurement
