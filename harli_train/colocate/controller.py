@@ -5,9 +5,11 @@ predicted latency beside the trainer fits ``tpot_s * (1 - margin)``. It grows de
 when a step needs it and shrinks it only after ``hysteresis_steps`` consecutive steps that would all
 allow a smaller one (then to the largest of those), so the partition does not flap; a prefill restarts
 that count, and leaving the whole GPU (the trainer resumes beside decode) takes ``resume_margin`` more
-headroom when a share has it. When no share fits, decode gets the whole GPU and the trainer pauses. On a
-time-sliced ladder (no green contexts) the trainer runs a micro-step between decode steps only while step +
-micro-step fit the budget.
+headroom when a share has it. The first step on a share it shrank to from a larger one (``Decision.shrunk``)
+teaches the predictor that share's correction only: its miss is the share's, not the GPU's, and learnt
+GPU-wide it would put the share decode left over budget too. When no share fits, decode gets the whole GPU
+and the trainer pauses. On a time-sliced ladder (no green contexts) the trainer runs a micro-step between
+decode steps only while step + micro-step fit the budget.
 
 With ``settle`` a shrink must also pay for itself: moving decode from A to B SMs gives the trainer A - B more
 SMs for as long as decode stays there, but costs the work the trainer has queued for the old split (about

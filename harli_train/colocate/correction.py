@@ -51,11 +51,9 @@ class OnlineCorrection:
         ``raw_predicted_s`` is the uncorrected prediction for that step (``predict(..., raw=True)``, or
         ``predict_mixed`` for a mixed step). ``beside_backward``: a co-run mixed step planned with a trainer
         backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``).
-        ``own_share``: the step's error belongs to its share, not to the GPU (the first step on a share decode
-        just shrank to: on the H200 the first steps on 32 SMs ran 1.09x their prediction, where steps on the
-        shares decode held ran 0.93-0.95x); only the share's factor learns it. Fed GPU-wide, each such step
-        put the share decode had left over budget too, and decode grew past it (27 of 46 grows in a
-        steady/light window went 32 -> 64 SMs), holding the trainer's rung down for its whole window.
+        ``own_share``: the step's error belongs to its share, not to the GPU (the controller's first step on a
+        share it just shrank to); only that share's factor learns it, so the miss does not also put the shares
+        decode left over budget (docs/design.md has the H200 steps behind it).
         """
         family = int(corun) + 2 * mixed
         raw = raw_predicted_s
@@ -63,16 +61,14 @@ class OnlineCorrection:
             return self.correction(infer_sms, corun, mixed, beside_backward)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         own = self._corr.setdefault(infer_sms, [1.0] * 4)
-        if own_share:
-            alpha = self.alpha_up if ratio > own[family] else self.alpha
-            own[family] += alpha * (ratio - own[family])
-            return self.correction(infer_sms, corun, mixed, beside_backward)
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
         # only costs the trainer some SMs until the decay brings the share back.
-        for factors in (own, self._glob):
+        for factors in (own,) if own_share else (own, self._glob):
             alpha = self.alpha_up if ratio > factors[family] else self.alpha
             factors[family] += alpha * (ratio - factors[family])
+        if own_share:
+            return self.correction(infer_sms, corun, mixed, beside_backward)
         self._relax_unused(infer_sms, family)
         if mixed:
             self._mixed_q[int(corun)].add(ratio)
