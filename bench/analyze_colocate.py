@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
-from step_breakdown import decode_shares, paused_time  # noqa: E402
+from step_breakdown import beside_seconds, decode_shares, grows, paused_time  # noqa: E402
 
 from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options  # noqa: E402
 
@@ -295,6 +295,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     "whole_gpu_mixed_s": whole_gpu_mixed_s,
                     "paused": paused_time(rows, total),
                     "decode_shares": decode_shares(rows),
+                    "grows": grows(rows),
+                    "beside_s": beside_seconds(rows),
                     "rebuilt_chunks": feed.get("rebuilt_chunks"),
                     "gpu_busy_s": feed.get("gpu_busy_s"),
                     "launch_host_s": feed.get("launch_host_s"),
@@ -364,6 +366,14 @@ def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
                 if sum(by_share.values()) >= least * total:
                     shares.append([cell, name, batch, "  ".join(f"{s}: {n}" for s, n in by_share.items())])
     print(common.table(shares, ["cell", "policy", "batch", "share: steps"]))
+    print("\ndecode's grows between consecutive decode steps, and the seconds beside the trainer by SMs held")
+    rows = [
+        [cell, name, "  ".join(f"{k}: {n}" for k, n in list(r["grows"].items())[:6])]
+        + ["  ".join(f"{k}: {t:.2f}" for k, t in list(r["beside_s"].items())[:4])]
+        for cell, ps in report["cells"].items()
+        for name, r in ps.items()
+    ]
+    print(common.table(rows, ["cell", "policy", "grows (most first)", "seconds beside the trainer"]))
 
 
 def main() -> None:

@@ -7,6 +7,10 @@
 - ``decode_shares``: for each decode batch, the shares its steps beside the trainer ran on. A batch that
   needs a larger share than the batches around it points at a kernel or a model term (the trainer trails
   the larger share for a while after each such step).
+- ``grows``: how often decode grew from one share to another between consecutive decode steps. Grows past
+  the share decode left a step earlier (32 -> 64 after 48 -> 32) point at a miss learnt GPU-wide.
+- ``beside_seconds``: the seconds of each (decode share, trainer SMs) pair beside the trainer; SMs neither
+  holds (132 - both) are what the trainer's trailing rung gives up.
 
 A step's seconds are the time since the step before it ended (its token interval, host time included):
 its plan governs that span.
@@ -61,3 +65,25 @@ def decode_shares(rows: list[dict[str, Any]]) -> dict[int, dict[int, int]]:
         if row["kind"] == "decode" and row.get("train") == "beside" and row.get("batch"):
             out[int(row["batch"])][int(row["infer_sms"])] += 1
     return {b: dict(sorted(c.items())) for b, c in sorted(out.items())}
+
+
+def grows(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Counts of decode steps on a larger share than the decode step just before them, keyed "from -> to"."""
+    out: Counter = Counter()
+    prev = None
+    for row in rows:
+        if row["kind"] != "decode":
+            continue
+        if prev is not None and row["infer_sms"] > prev:
+            out[f"{prev} -> {row['infer_sms']}"] += 1
+        prev = row["infer_sms"]
+    return dict(out.most_common())
+
+
+def beside_seconds(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds of the decode steps beside the trainer, keyed "decode D + trainer T" by their SMs, most first."""
+    out: Counter = Counter()
+    for prev, row in zip(rows, rows[1:], strict=False):
+        if row["kind"] == "decode" and row.get("train") == "beside" and row.get("train_sms"):
+            out[f"decode {row['infer_sms']} + trainer {row['train_sms']}"] += row["t"] - prev["t"]
+    return dict(out.most_common())

@@ -131,6 +131,11 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     assert got["episodes"] == 2
     assert got["whole_gpu_mixed_steps_per_episode"] == 1 and got["drain_steps_per_episode"] == 1  # 2, 0
     assert step_breakdown.decode_shares(rows) == {1: {48: 1, 64: 1}, 3: {48: 2}}
+    assert step_breakdown.grows(rows) == {"48 -> 64": 1}
+    beside = step_breakdown.beside_seconds(rows)
+    assert list(beside) == ["decode 48 + trainer 84", "decode 64 + trainer 68"]
+    assert beside["decode 48 + trainer 84"] == pytest.approx(0.02)
+    assert beside["decode 64 + trainer 68"] == pytest.approx(0.01)
     report = analyze_colocate.analyze(results())
     paused = report["cells"]["bursty/heavy"]["harli"]["paused"]
     assert paused["prefill_s"] == pytest.approx(0.03) and paused["whole_gpu_mixed_s"] == pytest.approx(0.02)
