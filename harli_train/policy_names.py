@@ -34,18 +34,26 @@ DEFAULT_BACKWARD_AWARE = False
 DEFAULT_PREFILL_FLOOR = 128
 MIN_PREFILL_FLOOR = 32
 DEFAULT_FLOOR_MATCH = False
+# harli:window=S: the trainer's rung stays clear of every decode share of the last S seconds
+# (policy.trainer_rungs.TrainerRungs says why it trails decode's recent peak). A shorter window gives the trainer
+# back the SMs of a one-off grow sooner, and strands more backwards on SMs decode takes back. 0.3 until an A/B
+# on the GPU says otherwise.
+DEFAULT_TRAINER_WINDOW_S = 0.3
+MAX_TRAINER_WINDOW_S = 10.0
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
     f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
-    f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR})"
+    f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
+    f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g})"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
-    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``
-    and ``floor=match`` (any of them, in any order; "" for none) as HarliPolicy keyword arguments."""
+    """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``,
+    ``floor=match`` and ``window=S`` (any of them, in any order; "" for none) as HarliPolicy keyword
+    arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -67,6 +75,12 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["prefill_floor"] = int(value)
         elif key == "floor" and value == "match":
             out["floor_match"] = True
+        elif (
+            key == "window"
+            and re.fullmatch(r"\d*\.?\d+", value)
+            and float(value) <= MAX_TRAINER_WINDOW_S
+        ):
+            out["trainer_window_s"] = float(value)
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -82,6 +96,7 @@ def harli_name(
     backward_aware: bool = DEFAULT_BACKWARD_AWARE,
     prefill_floor: int = DEFAULT_PREFILL_FLOOR,
     floor_match: bool = DEFAULT_FLOOR_MATCH,
+    trainer_window_s: float = DEFAULT_TRAINER_WINDOW_S,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -101,6 +116,8 @@ def harli_name(
         options.append(f"floor={prefill_floor}")
     if floor_match != DEFAULT_FLOOR_MATCH:
         options.append("floor=match")
+    if trainer_window_s != DEFAULT_TRAINER_WINDOW_S:
+        options.append(f"window={trainer_window_s:g}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -304,6 +304,9 @@ def test_override_of_unknown_key(tmp_path):
         "harli:grow=0.9",
         "harli:ahead=1",
         "harli:stride=0",
+        "harli:window=11",
+        "harli:window=-0.1",
+        "harli:window=",
     ],
 )
 def test_bad_policy(tmp_path, policy):
@@ -323,6 +326,8 @@ def test_bad_policy(tmp_path, policy):
         "harli:backward=on",
         "harli:floor=64",
         "harli:floor=match,floor=96",
+        "harli:window=0.1",
+        "harli:window=0",
         "exclusive:48",
     ],
 )
@@ -355,3 +360,16 @@ def test_harli_stride_picks_the_trainers_rungs():
     default = make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05)
     assert default.name == "harli" and default.trainer_rungs == ladder.spatial
     assert make_policy("harli:stride=1", ladder, synthetic_predictor(ladder.shares), 0.05).name == "harli"
+
+
+def test_harli_window_is_how_long_the_trainer_trails_decodes_peak():
+    from harli_train.colocate.policy import make_policy
+    from harli_train.colocate.sm import SMLadder
+
+    from .runtime_support import synthetic_predictor
+
+    ladder = SMLadder.cpu_standin(132, 16)
+    short = make_policy("harli:window=0.05", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert short.name == "harli:window=0.05" and short.rungs.window_s == 0.05
+    default = make_policy("harli:window=0.3", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert default.name == "harli" and default.rungs.window_s == 0.3

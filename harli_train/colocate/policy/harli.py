@@ -22,6 +22,9 @@ planned with a trainer backward on the GPU, when one is there now (``LatencyPred
 ``grow_headroom`` (``harli:grow=H``, ``grow=0`` off) anticipates a grow: while decode's predicted step on its
 share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger share
 too, since a grow would otherwise land on SMs where the trainer's queued work still runs.
+
+``trainer_window_s`` (``harli:window=S``, default 0.3): how long the trainer's rung stays clear of a decode
+share after decode last used it (``TrainerRungs``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from harli_train.policy_names import (
     DEFAULT_PREFILL_FLOOR,
     DEFAULT_SETTLE,
     DEFAULT_TRAINER_STRIDE,
+    DEFAULT_TRAINER_WINDOW_S,
     PREFILL_MODES,
     harli_name,
 )
@@ -60,7 +64,7 @@ class HarliPolicy(ControlledPolicy):
         tpot_s: float,
         margin: float,
         hysteresis_steps: int = 8,
-        trainer_window_s: float = 0.3,
+        trainer_window_s: float = DEFAULT_TRAINER_WINDOW_S,
         prefill_sms: int | None = None,
         prefill: str = PREFILL_MODES[0],
         trainer_stride: int = DEFAULT_TRAINER_STRIDE,
@@ -87,6 +91,7 @@ class HarliPolicy(ControlledPolicy):
             backward_aware,
             prefill_floor,
             floor_match,
+            trainer_window_s,
         )
         self.backward_aware = backward_aware
         self.grow_headroom, self.prefill_floor, self.floor_match = grow_headroom, prefill_floor, floor_match
