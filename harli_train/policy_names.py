@@ -75,11 +75,7 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["prefill_floor"] = int(value)
         elif key == "floor" and value == "match":
             out["floor_match"] = True
-        elif (
-            key == "window"
-            and re.fullmatch(r"\d*\.?\d+", value)
-            and float(value) <= MAX_TRAINER_WINDOW_S
-        ):
+        elif key == "window" and re.fullmatch(r"\d*\.?\d+", value) and float(value) <= MAX_TRAINER_WINDOW_S:
             out["trainer_window_s"] = float(value)
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
