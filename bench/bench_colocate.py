@@ -18,7 +18,8 @@ Cells (colocate_load.py): ``--trace`` at light, medium and heavy load (1x, 2x, 4
 trace once, whole (cell ``varying/1x``). A GPU window lasts >= 15 s and holds >= 50 requests (the trace
 lengthened by its generator where it runs out). Per objective (``--objectives``, default auto:1.5,auto:2:
 K x the whole GPU's predicted step at the engine's peak batch) and cell: ``harli`` (keyed ``harli`` whatever
-its ``--harli-options``), then ``static:N`` swept from the split predicted for harli's observed peak (its
+its ``--harli-options``) and any ``harli:OPTIONS`` variants ``--policies`` names (an A/B on the same set-up,
+each keyed by its own name, listed in a table of their own after the matrix's), then ``static:N`` swept from the split predicted for harli's observed peak (its
 largest decode batch, each step also computing the prompt tokens per step the busiest 10 s of the cell's
 arrivals bring; without harli, from ``--sweep-start``, the start a previous run's matrix names) until the
 best clean one is bracketed (colocate_sweep.py; >= 3 splits, at most ``--max-rungs``), then each trace's
@@ -99,11 +100,13 @@ from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
 from colocate_sweep import clean, no_split_clean, prefill_per_step, start_share, sweep, top_up  # noqa: E402
 from colocate_windows import OutOfTime, Windows  # noqa: E402
 
+from harli_train import policy_names  # noqa: E402
 from harli_train.colocate.assembly import assemble  # noqa: E402
 from harli_train.colocate.colocation import Colocation  # noqa: E402
 from harli_train.colocate.mixed_model import attention_pairs  # noqa: E402
 from harli_train.colocate.runtime_options import RuntimeOptions  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
+from harli_train.policy_names import is_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POLICIES = ("harli", "static", "streams", "temporal")
@@ -214,6 +217,12 @@ def run_objective(
                 arrivals = [(r.arrival_s * cell.time_scale, r.prompt_len or 0) for r in cell.requests]
                 n = prefill_per_step(arrivals, budget_s)
                 start = start_share(steps, shares, step_predictor(col), budget_s, n)
+        for variant in harli_variants(args):  # an A/B in the same set-up: keyed by its own name
+            window(
+                variant,
+                cell,
+                timelines / label.replace(":", "") / f"{cell.trace}-{cell.load}-{slug(variant)}.png",
+            )
         if start is None and args.sweep_start is not None:
             start = sweep_start(shares, args.sweep_start)
         if "static" in args.policies and start is not None:
@@ -261,6 +270,27 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def harli_name(args: argparse.Namespace) -> str:
     return f"harli:{args.harli_options}" if args.harli_options else "harli"
+
+
+def harli_variants(args: argparse.Namespace) -> list[str]:
+    """The ``harli:OPTIONS`` entries of ``--policies`` (canonical names), less the one ``--harli-options``
+    names (that one runs as ``harli``): run in every cell right after ``harli``, each keyed by its name."""
+    main = canonical_harli(harli_name(args))
+    out = []
+    for name in args.policies:
+        if name.startswith("harli:") and canonical_harli(name) != main and canonical_harli(name) not in out:
+            out.append(canonical_harli(name))
+    return out
+
+
+def canonical_harli(name: str) -> str:
+    """A harli policy's name with its options in their canonical order and defaults left out."""
+    return policy_names.harli_name(**policy_names.parse_harli_options(name.partition(":")[2]))
+
+
+def slug(name: str) -> str:
+    """``name`` as a file name's part: letters, digits, dots and dashes."""
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in name)
 
 
 def set_up(args: argparse.Namespace, scratch: Path, cells: list[Cell]) -> Colocation:
@@ -356,7 +386,8 @@ def parse_args() -> argparse.Namespace:
     add(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help=f"among {', '.join(POLICIES)} (exclusive: the engine alone, in every cell), or 'none' "
+        help=f"among {', '.join(POLICIES)} (exclusive: the engine alone, in every cell), harli:OPTIONS (a variant "
+        "of harli run right after it in every cell, keyed by its own name: an A/B on one set-up), or 'none' "
         "(standalone only)",
     )
     add("--harli-options", default="", help="harli's options (e.g. prefill=paused,grow=0.1); keyed 'harli'")
@@ -438,8 +469,12 @@ def parse_args() -> argparse.Namespace:
     args.policies = [] if args.policies == "none" else [p for p in args.policies.split(",") if p]
     args.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     args.solo_s = args.solo_s or (0.5 if args.dry_run else 5.0)
-    if set(args.policies) - set(POLICIES):
-        ap.error(f"--policies: among {', '.join(POLICIES)} or 'none', got {','.join(args.policies)}")
+    bad = [p for p in args.policies if p not in POLICIES and not (p.startswith("harli:") and is_policy(p))]
+    if bad:
+        ap.error(
+            f"--policies: among {', '.join(POLICIES)}, harli:OPTIONS (a variant run beside harli) or 'none', "
+            f"got {','.join(bad)}"
+        )
     if "static" in args.policies and "harli" not in args.policies and args.sweep_start is None:
         ap.error(
             "--policies: static needs harli (the sweep starts at the split harli's peak needs) or --sweep-start"
@@ -534,6 +569,9 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace, scratch: Pat
         if note:
             print(f"note: {note}")
     print(colocate_matrix.table(matrix))
+    variants = colocate_matrix.variants_table(matrix)
+    if variants:
+        print(variants)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``vio
 ``unused_sm_fraction``;
 a cell's ``exclusive`` row (the engine alone on the whole GPU) says whether its objectives can be kept at all
 (``infeasible``, ``keeps``);
-the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), a window
+the policy under test is keyed ``harli`` whatever its options (``policy`` gives its full name), variants of
+it run beside it for an A/B under their own names (``harli:window=0.1``: never baselines), a window
 that failed is a row with ``error``; a policy run several times in a cell (``--repeats``) is one of its
 windows, chosen by ``repeated``, with ``repeats`` listing them all. Every policy is judged by the same bar
 (``clean``: every token interval counted, and with the objective's ``ttft_ms`` every request's TTFT or its
@@ -305,14 +306,20 @@ def top_split(matrix: dict[str, Any]) -> str | None:
     return None
 
 
+def is_harli(name: str) -> bool:
+    """``harli`` (the policy under test, whatever its options) or a variant of it run beside it for an A/B
+    (keyed by its own name, e.g. ``harli:window=0.1``): never a baseline."""
+    return name == "harli" or name.startswith("harli:")
+
+
 def best_other_baseline(cell: dict[str, Any]) -> str | None:
-    """The policy other than harli and the fixed splits (``temporal``: the trainer in the slack decode leaves
-    on the whole GPU; ``streams``; ``exclusive``: no training while serving) that keeps the objectives
-    (``keeps``) with the most finetune tokens/s; None when none does."""
+    """The policy other than harli (and its variants) and the fixed splits (``temporal``: the trainer in the
+    slack decode leaves on the whole GPU; ``streams``; ``exclusive``: no training while serving) that keeps the
+    objectives (``keeps``) with the most finetune tokens/s; None when none does."""
     clean = [
         (name, row)
         for name, row in cell["policies"].items()
-        if name != "harli" and not name.startswith("static:") and keeps(row, cell)
+        if not is_harli(name) and not name.startswith("static:") and keeps(row, cell)
     ]
     return max(clean, key=lambda kv: kv[1]["finetune_tokens_per_s"], default=(None, None))[0]
 
@@ -486,6 +493,39 @@ def table(matrix: dict[str, Any]) -> str:
                     "PASS" if v.get("pass") else "FAIL",
                 ]
             )
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
+    return "\n".join([fmt(head), *map(fmt, rows)])
+
+
+def variants_table(matrix: dict[str, Any]) -> str:
+    """harli's variants (``--policies harli:OPTIONS``) against ``harli`` in the same cells: "" when none ran."""
+    head = ["objective", "cell", "policy", "tok/s", "/harli", "clean", "attain", "viol. rate", "ttft p99"]
+    rows = []
+    for obj_name, obj in matrix.get("objectives", {}).items():
+        for key, cell in obj.get("cells", {}).items():
+            names = [n for n in cell["policies"] if is_harli(n)]
+            if len(names) < 2:
+                continue
+            base = cell["policies"].get("harli", {}).get("finetune_tokens_per_s")
+            for name in names:
+                row = cell["policies"][name]
+                tok = row.get("finetune_tokens_per_s")
+                rows.append(
+                    [
+                        obj_name,
+                        key,
+                        name,
+                        _f(tok, 0),
+                        _f(tok / base if tok is not None and base else None, 3),
+                        "error" if "error" in row else _clean_column(row, cell),
+                        _f(row.get("tpot_attainment"), 3),
+                        _f(row.get("violation_rate"), 4),
+                        _f((row.get("ttft_ms") or {}).get("p99"), 0),
+                    ]
+                )
+    if not rows:
+        return ""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
     fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
     return "\n".join([fmt(head), *map(fmt, rows)])

@@ -276,11 +276,14 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
 @pytest.mark.slow
 def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_call(tmp_path):
     """--repeats 2: each policy's row is one of its two windows, listing both, and the cell keeps that
-    window's timeline alone; --whole-gpu-now: the trainer alone on the whole GPU in this call, which the
+    window's timeline alone; a harli variant in --policies runs beside harli under its own name;
+    --whole-gpu-now: the trainer alone on the whole GPU in this call, which the
     light bar divides by, where the --standalone file's rates serve the rest."""
     solo = tmp_path / "standalone.json"
     solo.write_text(json.dumps({"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {"132": 1.0}, "solo_s": 0.5}))
-    args = ["--loads", "light", "--objectives", "auto:2", "--policies", "harli", "--standalone", str(solo)]
+    # harli:window=0.3 is harli itself (the default window): it does not run twice.
+    policies = "harli,harli:window=0.1,harli:window=0.3"
+    args = ["--loads", "light", "--objectives", "auto:2", "--policies", policies, "--standalone", str(solo)]
     result = dry_run(tmp_path / "out", *args, "--repeats", "2", "--whole-gpu-now")
     now = result["standalone"]["whole_gpu_now"]
     assert len(now["runs"]) == 2 and now["tokens_per_s"] == min(now["runs"]) > 1.0
@@ -292,8 +295,16 @@ def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_c
     assert cell["whole_gpu_tokens_per_s"] == now["tokens_per_s"]
     v = result["verdict"]["cells"]["auto:2 steady/light"]
     assert v["fraction_of_standalone"] == pytest.approx(harli["finetune_tokens_per_s"] / now["tokens_per_s"])
+    # A variant of harli: its own row beside harli's, its own timeline, never a baseline.
+    assert set(cell["policies"]) == {"harli", "harli:window=0.1"}
+    variant = cell["policies"]["harli:window=0.1"]
+    assert variant["policy"] == "harli:window=0.1" and len(variant["repeats"]) == 2
+    assert v.get("best_baseline") is None
     with tarfile.open(tmp_path / "out" / "bench_colocate-steady-timelines.tar.gz") as tar:
-        assert tar.getnames() == ["timelines/auto2/steady-light.png"]
+        assert sorted(tar.getnames()) == [
+            "timelines/auto2/steady-light-harli-window-0.1.png",
+            "timelines/auto2/steady-light.png",
+        ]
 
 
 def test_bench_pool_weighs_the_steps_after_a_reclaim_against_the_runs_other_steps():

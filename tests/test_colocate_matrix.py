@@ -256,3 +256,27 @@ def test_the_light_bar_divides_by_the_whole_gpu_rate_the_cells_own_call_measured
     cm.finish(matrix)
     v = matrix["verdict"]["cells"]["auto:1.5 steady/light"]
     assert v["fraction_of_standalone"] == pytest.approx(0.75)
+
+
+def test_harli_variants_are_compared_with_harli_and_never_judged_as_baselines():
+    # No fixed split is clean up to the top one: the best other baseline is judged, and a variant of harli
+    # that trains more than it is not one.
+    rungs = [{"infer_sms": s, "train_sms": 132 - s} for s in (16, 112, 132)]
+    only = cell(
+        harli=row(8000.0),
+        temporal=row(3500.0),
+        **{"harli:window=0.1": row(8800.0), "static:112": row(3000.0, clean=False)},
+    )
+    matrix = {
+        "setup": {"ladder": {"rungs": rungs}},
+        "objectives": {"auto:1.5": {"cells": {"steady/light": only}}},
+        "standalone": {"by_train_sms": {str(k): v for k, v in RATES.items()}},
+    }
+    v = cm.finish(matrix)["verdict"]["cells"]["auto:1.5 steady/light"]
+    assert v["best_baseline"] == "temporal" and v["vs_best_baseline"] == pytest.approx(8000 / 3500)
+    lines = cm.variants_table(matrix).splitlines()
+    assert lines[0].split()[:5] == ["objective", "cell", "policy", "tok/s", "/harli"]
+    by_name = {line.split()[2]: line.split() for line in lines[1:]}
+    assert by_name["harli:window=0.1"][3:6] == ["8800", "1.100", "yes"]
+    assert by_name["harli"][3:5] == ["8000", "1.000"]
+    assert cm.variants_table({"objectives": {"auto:1.5": {"cells": {"steady/light": cell(harli=row(1.0))}}}}) == ""
