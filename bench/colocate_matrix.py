@@ -101,6 +101,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         **{k: sv[k] for k in ("ttft_ms", "tpot_ms", "token_interval_ms", "requests", "aborted_at_end")},
         "requests_judged": sv["requests_judged"],
         "decode_steps": sv["decode_steps"],
+        "launched_ahead_steps": sv.get("launched_ahead_steps"),  # colocation.launch_ahead
         "serve_s": summary["phases"]["serve"]["seconds"],
         "peak_decode_batch": (sv.get("decode_batch") or {}).get("max"),
         "trainer_sm_seconds": summary["trainer_sm_seconds"],

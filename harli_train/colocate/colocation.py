@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -219,8 +220,12 @@ class Colocation:
         trainer: Trainer | None = None,
     ) -> ColocatedRuntime:
         """A run of ``policy`` serving ``requests`` beside ``trainer`` (default: ``self.trainer``), its
-        records under ``out_dir``; ``run()`` it once. A live adapter serves ``trainer``'s adapter."""
+        records under ``out_dir``; ``run()`` it once. A live adapter serves ``trainer``'s adapter. Options that
+        leave ``launch_ahead`` unset take the recipe's ``colocation.launch_ahead``."""
         trainer = trainer or self.trainer
+        options = options or RuntimeOptions()
+        if options.launch_ahead is None:
+            options = dataclasses.replace(options, launch_ahead=self.cfg.colocation.launch_ahead)
         if self.live is not None and trainer is not self._live_for:
             self.live.follow(trainer.model, trainer.step)
             self._live_for = trainer

@@ -148,9 +148,18 @@ class EngineAdapter:
         """The engine's clock (arrival and token times are on it)."""
         return self.engine.clock()
 
-    def step(self, partition: Partition, prefill_tokens: int | None = None) -> StepResult:
-        """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along."""
-        return self.engine.step(self.key(partition), prefill_tokens)
+    def step(
+        self, partition: Partition, prefill_tokens: int | None = None, ahead: bool = False
+    ) -> StepResult:
+        """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along; a step
+        launched ahead by the call before completes instead, where it was launched. ``ahead``: a decode
+        step's successor is launched on ``partition`` before its tokens are read (``in_flight`` then)."""
+        return self.engine.step(self.key(partition), prefill_tokens, ahead)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step launched ahead is waiting for the next ``step`` to complete it."""
+        return self.engine.in_flight
 
     def close(self) -> None:
         """Release the engine's GPU resources (graphs, staging buffers); see ``DecodeEngine.close``."""

@@ -111,6 +111,7 @@ class ColocatedRuntime(AlonePhases):
         opts = self.opts
         self.progress = Progress(self.policy.name, opts.progress_every_s, opts.quiet, opts.gauges, self.t0)
         self._prev: Partition | None = None
+        self._ahead: tuple[StepPlan, Any, Any] | None = None  # the step launched ahead (``_step``)
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
@@ -242,34 +243,58 @@ class ColocatedRuntime(AlonePhases):
             self._step(preview)
 
     def _step(self, preview: StepPreview) -> None:
+        """One engine step: plan it, hand the trainer its part, run it, record and learn from it.
+
+        With ``launch_ahead`` a decode step's successor is launched on the GPU before the step's tokens are
+        read back (``DecodeEngine.step``), so the host's work between two steps (reading tokens, bookkeeping,
+        planning, feeding the trainer) overlaps the GPU's. The plan made in a call then places the step
+        launched ahead in it, while the step the call completes is the one launched ahead before, with its
+        own plan (``_ahead``): it is that plan the step is recorded and learnt under. When the next step takes
+        prefill work, the step in flight completes alone and the next call plans that step from what it
+        leaves. A plan that slices time, pauses for one step only (``transient``) or leaves no successor to
+        launch is not launched ahead."""
         worker, policy = self.worker, self.policy
         worker.tick()
-        plan = policy.plan(preview)
-        self._hold(plan)
-        policy.ladder.switch(self._prev, plan.partition)
-        self._prev = plan.partition
-        launched = 0
-        if plan.train == BESIDE:
-            launched = worker.feed(plan)  # with the trainer thread: published, launched there
-        else:
-            worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
-        if plan.train == AFTER:
-            worker.drain()  # same stream: the step must not queue behind the trainer's work
+        # (plan, trainer snapshot, its work on the GPU) of the step in flight (an abort may have completed it)
+        done = self._ahead if self.engine.in_flight else None
+        self._ahead = None
+        plan: StepPlan | None = None
+        launched, ahead = 0, False
+        if done is None or preview.kind == "decode":
+            plan = policy.plan(preview)
+            self._hold(plan)
+            policy.ladder.switch(self._prev, plan.partition)
+            self._prev = plan.partition
+            if plan.train == BESIDE:
+                launched = worker.feed(plan)  # with the trainer thread: published, launched there
+            else:
+                worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
+            if plan.train == AFTER:
+                worker.drain()  # same stream: the step must not queue behind the trainer's work
+            ahead = bool(self.opts.launch_ahead) and _may_launch_ahead(plan)
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
         on_gpu = snap.on_gpu()  # its micro-steps still on the GPU as the step starts
+        if done is None:
+            assert plan is not None
+            done = (plan, snap, on_gpu)
+        where = plan if plan is not None else done[0]
         t_start = time.perf_counter()
         try:
-            result = self.engine.step(plan.partition, plan.prefill_tokens)
+            result = self.engine.step(where.partition, where.prefill_tokens, ahead)
         except OOM_ERRORS as err:
             self._decode_oom(err)
             return
         t_end = time.perf_counter()
         self.decode_ooms = 0
+        if plan is not None and self.engine.in_flight:
+            self._ahead = (plan, snap, on_gpu)
+            self.tally.launched_ahead += 1
         measured = result.latency_s or (t_end - t_start)
-        if plan.train == AFTER:
+        if plan is not None and plan.train == AFTER:
             launched += worker.feed(plan)
         if result.kind == "idle":
             return
+        plan, snap, on_gpu = done
         end = t_end - self.t0
         row = step_row(result, plan, measured, launched, snap, on_gpu)
         if result.num_decode:
@@ -408,3 +433,9 @@ class ColocatedRuntime(AlonePhases):
             )
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         return summary
+
+
+def _may_launch_ahead(plan: StepPlan) -> bool:
+    """Whether a step of ``plan`` may have its successor launched before its tokens are read: not when the
+    trainer runs after it on the same SMs (time slicing) nor for a one-step detour (``transient``)."""
+    return plan.train != AFTER and not plan.transient and not plan.partition.time_sliced

@@ -222,6 +222,11 @@ class DecodeEngine:
         """An event past every step launched so far (None on a CPU): what a writer of a slot waits for."""
         return self.runner.last_event()
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step launched ahead waits for the next `step()` to complete it."""
+        return self._inflight is not None
+
     def quiesce(self) -> None:
         """Wait until no launched step is running on the device (the slots may then be written)."""
         if self._inflight is not None:
@@ -307,10 +312,16 @@ class DecodeEngine:
         self.runner.synthetic_mixed(batch, kv_len, prefill_tokens, prefill_context, partition, lora_slots)
 
     # ---- stepping -----------------------------------------------------------------------------------------
-    def step(self, partition: str = DEFAULT_PARTITION, prefill_tokens: int | None = None) -> StepResult:
+    def step(
+        self, partition: str = DEFAULT_PARTITION, prefill_tokens: int | None = None, ahead: bool | None = None
+    ) -> StepResult:
         """Schedule and run one step on `partition`; returns what happened. With mixed prefill,
         `prefill_tokens` caps the prefill tokens riding with the decode rows (None: the config's
-        `prefill_chunk_tokens`, or `max_num_batched_tokens` when nothing decodes)."""
+        `prefill_chunk_tokens`, or `max_num_batched_tokens` when nothing decodes).
+
+        A step launched ahead by the call before completes first, whatever `partition` says (it runs where
+        it was launched). `ahead` (None: `config.overlap`) says whether a decode step's successor may be
+        launched, on `partition`, before the step's tokens are read."""
         if self.closed:
             raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
@@ -323,7 +334,7 @@ class DecodeEngine:
                 return StepResult("idle")
             launched = self.runner.launch(batch, partition)
         batch = launched.batch
-        if self.overlap and not batch.is_prefill:
+        if (self.overlap if ahead is None else ahead) and not batch.is_prefill:
             ahead = self.scheduler.schedule_ahead(batch)
             if ahead is not None:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)
@@ -355,7 +366,7 @@ class DecodeEngine:
                 len(self.metrics.steps),
                 t0 - self.metrics.t0,
                 kind,
-                partition,
+                launched.partition or partition,  # a step launched ahead ran where the call before put it
                 result.num_seqs,
                 result.num_tokens,
                 kv_tokens,

@@ -205,7 +205,7 @@ class ModelRunner:
                 launch_s = time.perf_counter() - t_start
                 self._last = (stream, event)
         self._num_launched += 1
-        return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s)
+        return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s, partition)
 
     def last_event(self) -> torch.cuda.Event | None:
         """An event past every step launched so far (None on a CPU, or before the first step)."""

@@ -268,7 +268,7 @@ class Scheduler:
             return None
         for seq in seqs:
             bm.allocate(seq, len(seq) + 1)
-        return ScheduledBatch(False, seqs, [1] * len(seqs))
+        return ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
 
     def abort_all(self, now: float | None = None) -> list[Sequence]:
         """Drop every waiting and running sequence (their blocks are freed, finish_reason 'aborted', finish

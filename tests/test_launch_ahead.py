@@ -1,0 +1,104 @@
+"""Decode steps launched one ahead in the co-located loop (``RuntimeOptions.launch_ahead``,
+``colocation.launch_ahead``): the same tokens served and the same training as without, every step recorded
+under the plan it was launched with, and no successor launched where a plan forbids it."""
+
+import itertools
+
+import pytest
+
+from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
+from harli_train.colocate.runtime import _may_launch_ahead
+from harli_train.colocate.runtime_options import RuntimeOptions
+from harli_train.colocate.sm import SMLadder, TimeSliceLadder
+
+from .runtime_support import (
+    TOTAL,
+    ScriptedPolicy,
+    adapter,
+    assert_same_adapter,
+    losses,
+    recipe,
+    requests,
+    rows,
+    runtime,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def scripted_run(out, ahead: bool):
+    """Decode's share cycles over three rungs, one per plan, while 20 requests of four output lengths decode
+    beside the trainer (16 at a time: the last 4 are admitted, and prefilled in mixed steps, as the first to
+    end leave); returns the runtime after its run and the sequences it served."""
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    shares = itertools.cycle([16, 64, 40])
+    rt = runtime(
+        out,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
+        requests([(0.0, 5, 8), (0.0, 5, 12), (0.0, 5, 16), (0.0, 5, 20)]),
+        RuntimeOptions(quiet=True, plots=False, launch_ahead=ahead),
+    )
+    served = []
+    engine = rt.engine.engine
+    add = engine.add_request
+
+    def keep(*args, **kwargs):
+        seq = add(*args, **kwargs)
+        served.append(seq)
+        return seq
+
+    engine.add_request = keep
+    rt.summary = rt.run()
+    return rt, served
+
+
+def test_steps_launched_ahead_serve_the_same_tokens_and_train_the_same(tmp_path):
+    off_rt, off = scripted_run(tmp_path / "off", ahead=False)
+    on_rt, on = scripted_run(tmp_path / "on", ahead=True)
+    assert off_rt.summary["serving"]["launched_ahead_steps"] == 0
+    launched = on_rt.summary["serving"]["launched_ahead_steps"]
+    assert launched > 10 and launched == on_rt.engine.engine.num_launched_ahead
+    # Greedy decoding of the same prompts: each request gets the same tokens, whichever step computed them.
+    assert len(on) == len(off) == 20
+    assert [s.completion_token_ids for s in on] == [s.completion_token_ids for s in off]
+    assert all(s.num_completion_tokens == s.params.max_tokens for s in on)
+    # The trainer's work is placed differently, never computed differently.
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")
+    assert_same_adapter(adapter(tmp_path / "on"), adapter(tmp_path / "off"))
+
+
+def test_a_step_launched_ahead_is_recorded_under_the_plan_that_placed_it(tmp_path):
+    rt, _ = scripted_run(tmp_path, ahead=True)
+    sms_of = {rt.engine.key(p): p.infer_sms for p in rt.policy.ladder.partitions}
+    ran = [sms_of[s.partition] for s in rt.engine.metrics.steps]  # where the engine ran each step
+    records = [r for r in rows(tmp_path) if r["kind"] != "idle"]
+    assert [r["infer_sms"] for r in records] == ran
+    # A step launched ahead is a decode step of every sequence it continues (its rows are counted).
+    assert all(r["batch"] > 0 for r in records if r["kind"] == "decode")
+    assert rt.summary["serving"]["decode_steps"] == sum(r["kind"] != "prefill" for r in records)
+    # The script moves decode every plan, and a plan places the step after the one its call completes: the
+    # shares do not repeat the script's order step for step, yet every step ran on a scripted share.
+    assert set(ran) <= {16, 40, 64} and len(set(ran)) == 3
+
+
+def test_the_recipe_turns_launching_ahead_on(tmp_path):
+    from harli_train.colocate.commands import run_colocated
+
+    cfg = recipe(tmp_path, "colocation.launch_ahead=true", "colocation.policy=static:40")
+    summary = run_colocated(cfg, "tiny", quiet=True)
+    assert summary["serving"]["launched_ahead_steps"] > 0
+    assert summary["serving"]["decode_steps"] > summary["serving"]["launched_ahead_steps"]
+
+
+def _plan(part, train=BESIDE, transient=False):
+    return StepPlan(part, train, part.train_stream, part.train_sms, 1e-3, None, "t", transient=transient)
+
+
+def test_no_successor_is_launched_after_a_time_slice_or_a_one_step_detour():
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    part = ladder.select(40)
+    assert _may_launch_ahead(_plan(part))
+    assert not _may_launch_ahead(_plan(part, train=AFTER))  # the trainer runs after it on its SMs
+    assert not _may_launch_ahead(_plan(part, transient=True))
+    assert not _may_launch_ahead(_plan(TimeSliceLadder.cpu_standin(TOTAL).full))  # one stream, both sides
