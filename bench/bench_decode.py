@@ -23,6 +23,10 @@ that section (and the copy bandwidth the rooflines need).
 `gemv_by_share` (bench/gemv_by_share.py; `--only gemv_by_share`, ~1 min): batch 1's projections of one layer
 on green contexts of 16-132 SMs, with FMAs and with the tensor-core tiles, and the share from which the FMAs
 are no slower (what `decode_linear.FMA_MIN_SMS` should be).
+
+`gemv_rows` (bench/gemv_rows.py; `--only gemv_rows`, ~1 min): one layer's projections at 64-256 rows (mixed
+steps' token buckets) on the GEMV and on cuBLAS, by share, and the rows up to which the GEMV is no slower
+(what `engine_config.MAX_GEMV_ROWS` should be).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from
 import common  # noqa: E402
 import decode_lora  # noqa: E402
 import gemv_by_share  # noqa: E402
+import gemv_rows  # noqa: E402
 
 TARGET = 1.25
 
@@ -529,7 +534,9 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny preset, a few steps")
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
     ap.add_argument(
-        "--only", choices=["lora", "gemv_by_share"], help="run one section (and the copy bandwidth) only"
+        "--only",
+        choices=["lora", "gemv_by_share", "gemv_rows"],
+        help="run one section (and the copy bandwidth) only",
     )
     args = ap.parse_args()
 
@@ -556,6 +563,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.only in (None, "gemv_by_share"):
         bench.section("gemv_by_share", lambda: gemv_by_share.gemv_by_share(mc, device, green_stream))
+    if args.only in (None, "gemv_rows"):
+        bench.section("gemv_rows", lambda: gemv_rows.gemv_rows(mc, device, green_stream))
     if args.only is None:
         bench.section(
             "transformers_tpot_ms",
@@ -602,6 +611,8 @@ def main() -> None:
         decode_lora.print_summary(res["lora"])
     if res.get("gemv_by_share"):
         gemv_by_share.print_summary(res["gemv_by_share"])
+    if res.get("gemv_rows"):
+        gemv_rows.print_summary(res["gemv_rows"])
     if res["errors"]:
         print("errors:", ", ".join(res["errors"]))
     header = ["where", "batch", "ctx", "tpot_ms", "replay_ms", "roofline_ms", "ratio", "<=1.25x"]

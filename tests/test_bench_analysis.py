@@ -142,6 +142,24 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     assert paused["episodes"] == 2
 
 
+def test_gemv_rows_names_the_most_rows_the_gemv_keeps_up_to_and_forces_each_path():
+    import gemv_rows
+    import torch
+
+    from harli_train.engine import decode_forward as df
+
+    assert gemv_rows.gemv_up_to({64: 0.8, 96: 0.9, 128: 1.0, 192: 1.1, 256: 0.95}) == 128
+    assert gemv_rows.gemv_up_to({64: 1.2, 128: 0.9}) is None
+    x, square = torch.zeros(128, 4096), (torch.zeros(4096, 4096),)
+    wide = (torch.zeros(14336, 4096), torch.zeros(14336, 4096))
+    assert not df._use_gemv(x, wide)  # the rule: past MAX_GEMV_ROWS rows, cuBLAS
+    with gemv_rows.path("gemv"):
+        assert df._use_gemv(x, wide) and df._use_gemv(x, square)
+    with gemv_rows.path("cublas"):
+        assert not df._use_gemv(x[:1], wide) and not df._use_gemv(x[:1], square)
+    assert (df.MAX_GEMV_ROWS, df.CUBLAS_SQUARE_ROWS) == (64, 64)  # restored
+
+
 def test_gemv_by_share_names_the_least_share_from_which_the_fmas_keep_up():
     """FMAs belong from the least share where they are no slower there and on every larger share."""
     import gemv_by_share
