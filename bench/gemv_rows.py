@@ -103,14 +103,27 @@ def gemv_rows(mc, device, green_stream, rows=ROWS, shares=SHARES) -> dict[str, A
             row: dict[str, Any] = {}
             for which in BOTH:
                 for name, fn in calls.items():
-                    with path(which), sm_budget(got):
-                        row[f"{name}_{which}_us"] = common.graph_ms(fn, reps=3 * COPIES, stream=stream) * 1e3
+                    try:
+                        with path(which), sm_budget(got):
+                            us = common.graph_ms(fn, reps=3 * COPIES, stream=stream) * 1e3
+                    except Exception as err:  # e.g. a tile past the SM's resources: the rest still runs
+                        row.setdefault("errors", []).append(
+                            f"{name} {which}: {str(err).splitlines()[0][:200]}"
+                        )
+                        us = float("inf")
+                    row[f"{name}_{which}_us"] = us
             o_gemv = "o_cublas_us" if m >= CUBLAS_SQUARE_ROWS else "o_gemv_us"
             row["layer_gemv_us"] = sum(row[f"{p}_gemv_us"] for p in layer if p != "o") + row[o_gemv]
             row["layer_cublas_us"] = sum(row[f"{p}_cublas_us"] for p in layer)
             row["gemv_over_cublas"] = row["layer_gemv_us"] / row["layer_cublas_us"]
             by_rows[str(m)] = row
-            print("gemv rows", got, m, {k: round(v, 2) for k, v in row.items()}, flush=True)
+            print(
+                "gemv rows",
+                got,
+                m,
+                {k: v if k == "errors" else round(v, 2) for k, v in row.items()},
+                flush=True,
+            )
             del calls
             torch.cuda.empty_cache()
         out["by_share"][str(got)] = {"sms": got, "rows": by_rows}
