@@ -219,6 +219,13 @@ colocated() {
   run colocate-tiny 90 "json_ok colocate-tiny && test -f runs/quickstart-colocated/colocate/summary.json \
     && test -f runs/quickstart-colocated/colocate/timeline.png" \
     -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8 colocation.memory_gib=8
+  # Steps launched ahead (colocation.launch_ahead): decode steps, and mixed steps whose decode rows take their
+  # ids from the tokens of the step in flight inside the mixed graphs.
+  run colocate-ahead 90 "json_ok colocate-ahead && python3 -c \"import json; \
+    s = json.load(open('runs/quickstart-ahead/colocate/summary.json'))['serving']; \
+    assert s['launched_ahead_steps'] > 0 and s['mixed_steps'] > 0, s\"" \
+    -- harli-train $q --colocate-with tiny train.steps=30 colocation.duration_s=8 colocation.memory_gib=8 \
+    colocation.launch_ahead=true output.dir=runs/quickstart-ahead
   # The base model, then the adapter being trained, served live under the run's name.
   run colocate-serve 120 "json_ok colocate-serve && test -f runs/served/adapter/adapter_model.safetensors \
     && test \$(grep -c completion_tokens colocate-serve.err) -ge 2" \

@@ -148,6 +148,11 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
         )
     if serve is not None:
         raise click.UsageError("--tensor-parallel does not take --serve yet (use `harli-train serve`)")
+    if colocate_with is not None and cfg.colocation.launch_ahead:
+        raise click.UsageError(
+            "--tensor-parallel runs no step ahead (the other ranks replay rank 0's steps as published): "
+            "set colocation.launch_ahead=false"
+        )
     models = [cfg.model.name] + ([colocate_with] if colocate_with else [])
     if colocate_with is None:
         return tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})

@@ -220,10 +220,10 @@ class ColocationSection:
     # true: prefill chunks ride in decode steps (stall-free, replayed as CUDA graphs on a GPU); false: prefill
     # steps of their own, which stall decoding (the A/B: docs/design.md has both on the H200).
     mixed_prefill: bool = key(True, "bool")
-    # true: a decode step's successor is launched before its tokens are read back, so the GPU goes from one
-    # step to the next without waiting for the host's bookkeeping and the next step's planning; the policy's
-    # plan then takes effect one step later (ColocatedRuntime._step). false until an A/B on the GPU says
-    # otherwise.
+    # true: a decode step's successor (a mixed step when prompts wait) is launched before its tokens are read
+    # back, so the GPU goes from one step to the next without waiting for the host's bookkeeping, planning
+    # and staging; the policy's plan then places the step launched in its call (ColocatedRuntime._step).
+    # false until an A/B on the GPU says otherwise.
     launch_ahead: bool = key(False, "bool")
     max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)
     # With --serve: the adapter being trained is served as model id <output dir name>, refreshed from the

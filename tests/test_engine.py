@@ -118,11 +118,13 @@ def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
         assert any(r.num_tokens < max(lengths) for r in engine.metrics.steps if r.kind == "prefill")
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("num_kv_blocks", [128, 14])
-def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_blocks):
-    """Launching each decode step before the previous step's tokens are read changes nothing drawn: the same
-    tokens and finish reasons with greedy and seeded sampling, requests arriving mid-run, sequences ending by
-    EOS while their next step is already launched, and (14 blocks) preemptions."""
+def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_blocks, mixed):
+    """Launching each decode step's successor before the step's tokens are read changes nothing drawn: the
+    same tokens and finish reasons with greedy and seeded sampling, requests arriving mid-run (with mixed
+    prefill, admitted in mixed steps launched ahead), sequences ending by EOS while their next step is already
+    launched, and (14 blocks) preemptions."""
     _, ours = hf_pair
     prompts = _prompts(6, [3, 17, 30, 1, 9, 22])
     params = [
@@ -144,9 +146,17 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
             max_num_batched_tokens=16,
             kernels="torch",
             overlap=overlap,
+            mixed_prefill=mixed,
         )
         engine = DecodeEngine(ours, cfg)
         engine.scheduler.eos_ids = eos
+        launch, engine.launches = engine.runner.launch, []
+
+        def record(batch, partition, after=None):
+            engine.launches.append((batch.kind, after is not None))
+            return launch(batch, partition, after)
+
+        engine.runner.launch = record
         seqs = _run_with_arrivals(engine, prompts, params, arrive_at)
         assert engine.block_manager.num_free == num_kv_blocks and engine._inflight is None
         engine.block_manager.check([])
@@ -161,6 +171,7 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
     assert overlapped == plain
     assert sum(reason == "eos" for _, reason in plain) >= 2
     assert engine.num_launched_ahead > 5 and plain_engine.num_launched_ahead == 0
+    assert (("mixed", True) in engine.launches) == mixed
     decode_steps = [s for s in engine.metrics.steps if s.kind == "decode"]
     assert len(decode_steps) >= len([s for s in plain_engine.metrics.steps if s.kind == "decode"])
 
@@ -390,7 +401,8 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
     seeded), including steps past the largest bucket, which stay eager. With the Triton kernels (as a
     GPU's graphs run) a mixed step runs the decode GEMV projections over every packed token and splits
     attention between the decode kernel (one-token rows) and the prefill kernel (chunks); the tokens then
-    equal a prefill-first engine's too."""
+    equal a prefill-first engine's too. Overlapped, with prompts arriving mid-run, mixed steps launched ahead
+    take their decode rows' input ids from the tokens of the step in flight, in the static buffers too."""
     from harli_train.engine.mixed_graphs import MixedGraphs
 
     _, ours = hf_pair
@@ -403,7 +415,7 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
         SamplingParams(max_tokens=6, temperature=0.7, seed=2),
     ]
 
-    def run(static: bool):
+    def run(static: bool, overlap: bool = False, arrive_at=(0, 0, 0, 0, 0)):
         cfg = EngineConfig(
             block_size=4,
             num_kv_blocks=64,
@@ -413,6 +425,7 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
             prefill_chunk_tokens=9,
             mixed_prefill=True,
             kernels=kernels,
+            overlap=overlap,
         )
         engine = DecodeEngine(ours, cfg)
         if static:
@@ -422,13 +435,24 @@ def test_mixed_steps_through_the_graphs_static_buffers_compute_what_eager_steps_
             )
             assert graphs.buckets == (16,) and graphs.max_rows == 6
             engine.runner.mixed_graphs = graphs
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        engine.run_until_done()
+            replay, engine.fed = graphs.replay, []
+
+            def record(*args, **kwargs):
+                engine.fed.append(len(args) > 10 and args[10] is not None)
+                return replay(*args, **kwargs)
+
+            graphs.replay = record
+        seqs = _run_with_arrivals(engine, prompts, params, list(arrive_at))
         return [s.token_ids for s in seqs], engine
 
     plain, _ = run(False)
     static, engine = run(True)
     assert static == plain
+    arrivals = (0, 0, 6, 9, 14)
+    late, _ = run(False, arrive_at=arrivals)
+    ahead, overlapped = run(True, True, arrivals)
+    assert ahead == late and overlapped.num_launched_ahead > 0 and any(overlapped.fed)
+    assert any(s.kind == "mixed" and s.num_seqs > 1 for s in overlapped.metrics.steps)
     assert engine.runner.mixed_graphs.num_replays > 0  # the mixed steps went through the static buffers
     assert any(s.kind == "mixed" for s in engine.metrics.steps)
     assert (engine.runner.decode_forward is not None) == (kernels == "triton")

@@ -49,6 +49,14 @@ def scripted_run(out, ahead: bool):
         return seq
 
     engine.add_request = keep
+    rt.launches = []  # (kind, launched ahead of a step in flight) of every step the engine launched
+    launch = engine.runner.launch
+
+    def record(batch, partition, after=None):
+        rt.launches.append((batch.kind, after is not None))
+        return launch(batch, partition, after)
+
+    engine.runner.launch = record
     rt.summary = rt.run()
     return rt, served
 
@@ -59,6 +67,8 @@ def test_steps_launched_ahead_serve_the_same_tokens_and_train_the_same(tmp_path)
     assert off_rt.summary["serving"]["launched_ahead_steps"] == 0
     launched = on_rt.summary["serving"]["launched_ahead_steps"]
     assert launched > 10 and launched == on_rt.engine.engine.num_launched_ahead
+    # The last 4 prompts were admitted in mixed steps launched ahead of the decode step before them.
+    assert ("mixed", True) in on_rt.launches and not any(ahead for _, ahead in off_rt.launches)
     # Greedy decoding of the same prompts: each request gets the same tokens, whichever step computed them.
     assert len(on) == len(off) == 20
     assert [s.completion_token_ids for s in on] == [s.completion_token_ids for s in off]
@@ -98,7 +108,10 @@ def _plan(part, train=BESIDE, transient=False):
 def test_no_successor_is_launched_after_a_time_slice_or_a_one_step_detour():
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     part = ladder.select(40)
-    assert _may_launch_ahead(_plan(part))
-    assert not _may_launch_ahead(_plan(part, train=AFTER))  # the trainer runs after it on its SMs
-    assert not _may_launch_ahead(_plan(part, transient=True))
-    assert not _may_launch_ahead(_plan(TimeSliceLadder.cpu_standin(TOTAL).full))  # one stream, both sides
+    assert _may_launch_ahead(_plan(part), False) and _may_launch_ahead(_plan(part), True)
+    for itself in (False, True):
+        assert not _may_launch_ahead(_plan(part, train=AFTER), itself)  # the trainer runs after it on its SMs
+        assert not _may_launch_ahead(_plan(TimeSliceLadder.cpu_standin(TOTAL).full), itself)  # one stream
+    # A one-step detour, launched ahead as the step it was made for, but not repeated by its successor.
+    assert _may_launch_ahead(_plan(part, transient=True), True)
+    assert not _may_launch_ahead(_plan(part, transient=True), False)

@@ -20,7 +20,12 @@ def test_tally_counts_steps_shares_and_the_trainers_sm_seconds():
     tally.count("decode", 2, 132, paused=True)
     tally.mark("drain", 4.0, 800.0)
     tally.mark("end", 5.0, 900.0)
-    assert tally.step_counts() == {"decode_steps": 3, "mixed_steps": 1, "prefill_steps": 1}
+    assert tally.step_counts() == {
+        "decode_steps": 3,
+        "mixed_steps": 1,
+        "prefill_steps": 1,
+        "launched_ahead_steps": 0,
+    }
     figures = tally.share_figures()
     assert figures["share_histogram"] == {"32": 2, "132": 1}
     assert figures["trainer_sm_seconds"] == {"0": 1.0, "100": 2.0}

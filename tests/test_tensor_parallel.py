@@ -151,6 +151,20 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_one_line(tmp_p
     assert result.exit_code == 2 and "expected a positive number of ranks" in result.output
 
 
+def test_steps_launched_ahead_are_refused_under_tensor_parallelism(tmp_path):
+    args = [
+        str(QUICKSTART),
+        "--colocate-with",
+        "tiny",
+        "--tensor-parallel",
+        "2",
+        "colocation.launch_ahead=true",
+    ]
+    result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path / 'r'}", "train.device=cpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "set colocation.launch_ahead=false" in result.output
+
+
 @pytest.mark.slow
 def test_a_rank_that_fails_stops_the_job_with_its_error(tmp_path):
     # Every rank fails to read the data file (inside the ranks, after they started): the command ends with

@@ -157,8 +157,8 @@ class EngineAdapter:
         return self.engine.step(self.key(partition), prefill_tokens, ahead)
 
     @property
-    def in_flight(self) -> bool:
-        """Whether a step launched ahead is waiting for the next ``step`` to complete it."""
+    def in_flight(self) -> str | None:
+        """The kind of the step launched ahead that the next ``step`` completes (None: none)."""
         return self.engine.in_flight
 
     def close(self) -> None:

@@ -245,22 +245,24 @@ class ColocatedRuntime(AlonePhases):
     def _step(self, preview: StepPreview) -> None:
         """One engine step: plan it, hand the trainer its part, run it, record and learn from it.
 
-        With ``launch_ahead`` a decode step's successor is launched on the GPU before the step's tokens are
-        read back (``DecodeEngine.step``), so the host's work between two steps (reading tokens, bookkeeping,
-        planning, feeding the trainer) overlaps the GPU's. The plan made in a call then places the step
-        launched ahead in it, while the step the call completes is the one launched ahead before, with its
-        own plan (``_ahead``): it is that plan the step is recorded and learnt under. When the next step takes
-        prefill work, the step in flight completes alone and the next call plans that step from what it
-        leaves. A plan that slices time, pauses for one step only (``transient``) or leaves no successor to
-        launch is not launched ahead."""
+        With ``launch_ahead`` a decode step's successor (a decode step, or a mixed one when prompts wait) is
+        launched on the GPU before the step's tokens are read back (``DecodeEngine.step``), so the host's
+        work between two steps (reading tokens, bookkeeping, planning, feeding the trainer, staging the
+        next step) overlaps the GPU's. The plan made in a call then places the step launched ahead in it,
+        while the step the call completes is the one launched ahead before, with its own plan (``_ahead``):
+        it is that plan the step is recorded and learnt under. Nothing is launched ahead of a mixed step (its
+        chunk's progress is not known on the host until it is read): it completes alone, and the next call
+        plans the step after it from what it leaves. A plan that slices time is never launched ahead, and
+        a one-step detour (``transient``) only as the step it was made for."""
         worker, policy = self.worker, self.policy
         worker.tick()
         # (plan, trainer snapshot, its work on the GPU) of the step in flight (an abort may have completed it)
-        done = self._ahead if self.engine.in_flight else None
+        flying = self.engine.in_flight
+        done = self._ahead if flying else None
         self._ahead = None
         plan: StepPlan | None = None
         launched, ahead = 0, False
-        if done is None or preview.kind == "decode":
+        if done is None or (flying == "decode" and preview.kind != "prefill"):
             plan = policy.plan(preview)
             self._hold(plan)
             policy.ladder.switch(self._prev, plan.partition)
@@ -271,7 +273,7 @@ class ColocatedRuntime(AlonePhases):
                 worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
             if plan.train == AFTER:
                 worker.drain()  # same stream: the step must not queue behind the trainer's work
-            ahead = bool(self.opts.launch_ahead) and _may_launch_ahead(plan)
+            ahead = bool(self.opts.launch_ahead) and _may_launch_ahead(plan, done is not None)
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
         on_gpu = snap.on_gpu()  # its micro-steps still on the GPU as the step starts
         if done is None:
@@ -435,7 +437,10 @@ class ColocatedRuntime(AlonePhases):
         return summary
 
 
-def _may_launch_ahead(plan: StepPlan) -> bool:
-    """Whether a step of ``plan`` may have its successor launched before its tokens are read: not when the
-    trainer runs after it on the same SMs (time slicing) nor for a one-step detour (``transient``)."""
-    return plan.train != AFTER and not plan.transient and not plan.partition.time_sliced
+def _may_launch_ahead(plan: StepPlan, for_itself: bool) -> bool:
+    """Whether the engine may launch a step ahead under ``plan``: the step it was made for (``for_itself``:
+    it follows a step in flight), or the successor of the step it places now. Never when the trainer runs
+    after the step on its SMs (time slicing); a one-step detour (``transient``) only for itself."""
+    if plan.train == AFTER or plan.partition.time_sliced:
+        return False
+    return for_itself or not plan.transient

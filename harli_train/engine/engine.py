@@ -44,9 +44,12 @@ class DecodeEngine:
 
     With `config.overlap` a decode step's successor is launched before its tokens are read back, so the
     host's bookkeeping runs while the GPU computes: each `step()` call still completes exactly one step and
-    leaves at most one launched. The successor is launched only when it is the step the scheduler would
-    pick anyway (no admission waits, no block is short); a sequence that its token ends by EOS rides it
-    once more and that token is dropped.
+    leaves at most one launched. The successor is the step the scheduler would pick then, up to what the
+    host cannot know yet: its decode rows are the step's sequences one token further, and with mixed
+    prefill the prompts waiting ride along (admitted against the blocks free before the step's enders free
+    theirs); none is launched ahead of a prefill or mixed step, nor when a chunk continues, a prefill-first
+    step comes next or blocks are short. A sequence that its token ends by EOS rides the successor once
+    more and that token is dropped.
     """
 
     def __init__(
@@ -223,9 +226,10 @@ class DecodeEngine:
         return self.runner.last_event()
 
     @property
-    def in_flight(self) -> bool:
-        """Whether a step launched ahead waits for the next `step()` to complete it."""
-        return self._inflight is not None
+    def in_flight(self) -> str | None:
+        """The kind ("decode" or "mixed") of the step launched ahead that the next `step()` completes; None
+        when there is none."""
+        return None if self._inflight is None else self._inflight.batch.kind
 
     def quiesce(self) -> None:
         """Wait until no launched step is running on the device (the slots may then be written)."""
@@ -321,21 +325,25 @@ class DecodeEngine:
 
         A step launched ahead by the call before completes first, whatever `partition` says (it runs where
         it was launched). `ahead` (None: `config.overlap`) says whether a decode step's successor may be
-        launched, on `partition`, before the step's tokens are read."""
+        launched, on `partition`, before the step's tokens are read (`Scheduler.schedule_ahead`). The
+        prefill budget `prefill_tokens` is that of the first step the call launches: the successor of a
+        step in flight, else the step scheduled now (whose successor then takes the default budget)."""
         if self.closed:
             raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
             raise EngineError(f"unknown partition {partition!r} (known: {', '.join(self.runner.partitions)})")
         t0 = self.clock()
         launched, self._inflight = self._inflight, None
+        budget = prefill_tokens  # the first step this call launches takes it
         if launched is None:
             batch = self.scheduler.schedule(prefill_tokens)
             if batch is None:
                 return StepResult("idle")
             launched = self.runner.launch(batch, partition)
+            budget = None
         batch = launched.batch
         if (self.overlap if ahead is None else ahead) and not batch.is_prefill:
-            ahead = self.scheduler.schedule_ahead(batch)
+            ahead = self.scheduler.schedule_ahead(batch, budget)
             if ahead is not None:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)
                 self.num_launched_ahead += 1

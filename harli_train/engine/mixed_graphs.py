@@ -79,10 +79,11 @@ class MixedGraphs:
         pin = device.type == "cuda"
         # Host staging (two sets: a step fills one while the copy out of the other may be queued) and its
         # device copy. int64 rows: input ids, positions, slots, the packed row of each sampling row's last
-        # token. int32 rows: [context length, end of the row's tokens (cu_seqlens[i + 1]), block table].
-        self.host_i64 = [torch.zeros((4, t_max), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # token, and for a step launched ahead the row of each fed token in the tokens of the step before.
+        # int32 rows: [context length, end of the row's tokens (cu_seqlens[i + 1]), block table].
+        self.host_i64 = [torch.zeros((5, t_max), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.host_i32 = [torch.zeros((s_max, width + 2), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.dev_i64 = torch.zeros((4, t_max), dtype=torch.int64, device=device)
+        self.dev_i64 = torch.zeros((5, t_max), dtype=torch.int64, device=device)
         self.dev_i32 = torch.zeros((s_max, width + 2), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(s_max, dtype=torch.int32, device=device)  # the kernels want it dense
         self.cu_seqlens = torch.zeros(s_max + 1, dtype=torch.int32, device=device)
@@ -165,11 +166,13 @@ class MixedGraphs:
         sampling: list[int],
         num_sms: int,
         adapters: np.ndarray | None = None,
+        feed: tuple[torch.Tensor, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """Run one varlen step on partition `key` (call on its stream): row i has `num_tokens[i]` new tokens,
         `context_lens[i]` cached after the step and block table `tables[i]`; returns the logits [len(sampling),
         V] of the last token of each row in `sampling` (a view of the shared buffer). `adapters`: each
-        token's adapter slot (None or all 0: the base graph)."""
+        token's adapter slot (None or all 0: the base graph). With `feed` = (tokens, rows), the first
+        len(rows) packed tokens' ids are tokens[rows] (on the device) instead."""
         total, rows = len(ids), len(num_tokens)
         t = self.bucket(total)
         parity = self.num_replays % 2
@@ -188,6 +191,9 @@ class MixedGraphs:
         ends = np.cumsum(num_tokens)
         h[3, : len(sampling)] = ends[sampling] - 1
         h[3, len(sampling) : self.max_rows] = 0
+        fed = 0 if feed is None else len(feed[1])
+        if fed:
+            h[4, :fed] = feed[1]
         r = host_i32.numpy()
         r[:rows, 0], r[:rows, 1] = context_lens, ends
         r[rows:, 0], r[rows:, 1] = 0, total
@@ -196,6 +202,8 @@ class MixedGraphs:
         self.dev_i32.copy_(host_i32, non_blocking=True)
         self.context_lens.copy_(self.dev_i32[:, 0])
         self.cu_seqlens[1:].copy_(self.dev_i32[:, 1])
+        if fed:
+            torch.index_select(feed[0], 0, self.dev_i64[4, :fed], out=self.dev_i64[0, :fed])
         graph = self.graphs.get((key, t, with_lora))
         if graph is not None:
             graph.replay()

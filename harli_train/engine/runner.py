@@ -166,11 +166,18 @@ class ModelRunner:
         self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION, after: LaunchedStep | None = None
     ) -> LaunchedStep:
         """Queue the batch's step. With `after` (a decode step whose tokens are not read yet), `batch` is
-        the decode step that follows it: each sequence is one token further than the host knows, and its
-        input id is the token `after` draws for it."""
+        the step that follows it: each of its decode rows (the first `batch.num_decode`) is one token further
+        than the host knows, its input id the token `after` draws for it; its prefill pieces, if any, are
+        known on the host."""
         part = self.partitions[partition]
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         ahead = after is not None
+        feed = None
+        if ahead:
+            assert not after.batch.is_prefill, "a step is launched ahead of a decode step only"
+            rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
+            fed = batch.seqs[: batch.num_decode]
+            feed = (after.tokens, np.array([rows[id(s)] for s in fed], dtype=np.int64))
         with self._on(part):
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
@@ -184,18 +191,15 @@ class ModelRunner:
                 start.record(stream)
                 t_start = time.perf_counter()
             if batch.is_prefill:
-                assert not ahead, "only decode steps are launched ahead"
-                logits = self._prefill(batch, sampling, partition, part)
+                logits = self._prefill(batch, sampling, partition, part, feed)
             else:
-                feed = None
-                if ahead:
-                    rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
-                    feed = (after.tokens, np.array([rows[id(s)] for s in batch.seqs], dtype=np.int64))
                 logits = self._decode(batch.seqs, partition, part, feed)
             tokens = host = event = None
             if sampling:
                 seqs = [batch.seqs[i] for i in sampling]
-                tokens = self.sampler(logits, self._sampling_batch(seqs, int(ahead)))
+                # The index of the token each row draws: a fed decode row's is one past the host's.
+                offsets = [int(ahead and i < batch.num_decode) for i in sampling]
+                tokens = self.sampler(logits, self._sampling_batch(seqs, offsets))
             if stream is not None:
                 if tokens is not None:
                     host = self._token_host[self._num_launched % 2]
@@ -214,14 +218,24 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
 
-    def _prefill(self, batch: ScheduledBatch, sampling: list[int], key: str, part: Partition) -> torch.Tensor:
+    def _prefill(
+        self,
+        batch: ScheduledBatch,
+        sampling: list[int],
+        key: str,
+        part: Partition,
+        feed: tuple[torch.Tensor, np.ndarray] | None = None,
+    ) -> torch.Tensor:
         """A varlen step (prefill pieces, with decode rows when mixed): every row's new tokens packed in one
-        row, attending over its cache; returns the logits of the rows that sample."""
+        row, attending over its cache; returns the logits of the rows that sample. `feed`: the step is
+        launched ahead (`launch`'s `after`): its decode rows are one token further than the host knows, their
+        input ids `feed[0][feed[1]]` on the device."""
         bm = self.block_manager
         ids, positions, slots, context_lens = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
+        fed = 0 if feed is None else batch.num_decode
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            start = seq.num_computed + (seq.pending if i < fed else 0)
+            ids.extend(seq.token_ids[start : start + n] if i >= fed else [0])
             positions.append(np.arange(start, start + n))
             slots.append(bm.slots(seq, start, start + n))
             context_lens.append(start + n)
@@ -229,8 +243,9 @@ class ModelRunner:
         positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
         adapters = adapter_slots(batch.seqs, batch.num_tokens) if self.lora is not None else None
         return self._varlen_forward(
-            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part, adapters
-        )
+            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part, adapters,
+            feed,
+        )  # fmt: skip
 
     def _varlen_forward(
         self,
@@ -244,19 +259,23 @@ class ModelRunner:
         key: str,
         part: Partition,
         adapters: np.ndarray | None = None,
+        feed: tuple[torch.Tensor, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """The model over packed rows (`num_tokens[i]` new tokens of row i, cached context after it
         `context_lens[i]`); logits of the last token of each row in `sampling`. `adapters`: each token's
-        adapter slot (None: all the base). A step that fits the mixed graphs replays its bucket's graph;
+        adapter slot (None: all the base). `feed` = (tokens, rows): the first len(rows) packed tokens' ids are
+        tokens[rows] (on the device) instead. A step that fits the mixed graphs replays its bucket's graph;
         others run eagerly."""
         if self.publish is not None:
+            assert feed is None, "a tensor-parallel engine launches no step ahead"
             self.publish(StepInputs("varlen", key, ids, positions, slots, np.asarray(context_lens), tables,
                                     list(num_tokens), list(sampling)))  # fmt: skip
         graphs = self.mixed_graphs
         if graphs is not None and graphs.fits(len(ids), len(num_tokens)):
             return graphs.replay(
-                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms, adapters
-            )
+                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms, adapters,
+                feed,
+            )  # fmt: skip
         cu = np.zeros(len(num_tokens) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(num_tokens)
         self.attn.meta = AttentionMetadata(
@@ -270,6 +289,8 @@ class ModelRunner:
             split_rows=self.split_rows,
         )
         input_ids = self._to_device(ids, torch.int64)
+        if feed is not None:
+            input_ids[: len(feed[1])] = feed[0][self._to_device(feed[1], torch.int64)]
         positions_t = self._to_device(positions, torch.int64)
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
         with self._adapters(adapters):
@@ -421,7 +442,9 @@ class ModelRunner:
                 event.record(current)
                 self._last = (current, event)
 
-    def _sampling_batch(self, seqs: list[Sequence], ahead: int = 0) -> SamplingBatch | None:
+    def _sampling_batch(self, seqs: list[Sequence], offsets: list[int]) -> SamplingBatch | None:
+        """The sampling inputs of `seqs`, each drawing the token at index len(seq) + its offset (1: a row
+        launched ahead of the token before it); None when every one is greedy."""
         if all(s.params.greedy for s in seqs):
             return None
         seeds = [
@@ -431,7 +454,9 @@ class ModelRunner:
             temperatures=self._to_device([s.params.temperature for s in seqs], torch.float32),
             top_ps=self._to_device([s.params.top_p for s in seqs], torch.float32),
             seeds=self._to_device(seeds, torch.int64),
-            positions=self._to_device([len(s) + ahead for s in seqs], torch.int64),
+            positions=self._to_device(
+                [len(s) + off for s, off in zip(seqs, offsets, strict=True)], torch.int64
+            ),
             any_top_p=any(s.params.top_p < 1.0 for s in seqs),
             top_ks=self._to_device([s.params.top_k for s in seqs], torch.int64)
             if any(s.params.top_k for s in seqs)

@@ -247,16 +247,21 @@ class Scheduler:
         waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
         return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, waits)
 
-    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after `batch`, a decode step whose tokens are not known yet: the same sequences,
-        less those that have ended (`batch` itself may have been launched ahead) or that its token ends by
-        length, each one token further (blocks allocated for that token).
-        None when `schedule()` could pick differently once the tokens are known: prefill work would ride
-        along (a waiting request admitted, a chunk continued), or blocks are short (a preemption)."""
+    def schedule_ahead(
+        self, batch: ScheduledBatch, prefill_tokens: int | None = None
+    ) -> ScheduledBatch | None:
+        """The step after `batch`, a decode step whose tokens are not known yet: the same sequences, less
+        those that have ended (`batch` itself may have been launched ahead) or that its token ends by length,
+        each one token further (blocks allocated for that token), and, when mixed, the prefill pieces
+        `schedule(prefill_tokens)` would add to them (waiting prompts admitted while blocks, rows and batch
+        slots are free; those of the sequences `batch` ends are not free yet).
+        None when `schedule()` could pick differently once the tokens are known: a prompt's chunk continues
+        (its row may be in `batch`), a prefill-first step would come first, or blocks are short (a
+        preemption)."""
         bm = self.block_manager
         if any(s.status is SequenceStatus.RUNNING and s.pending > 1 for s in self.running):
             return None
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if not self.config.mixed_prefill and self.waiting and len(self.running) < self.config.max_num_seqs:
             if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
                 return None
         seqs = [
@@ -268,7 +273,10 @@ class Scheduler:
             return None
         for seq in seqs:
             bm.allocate(seq, len(seq) + 1)
-        return ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
+        ahead = ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
+        if self.config.mixed_prefill:
+            self._add_prefill(ahead, self._budget(len(seqs), prefill_tokens))
+        return ahead
 
     def abort_all(self, now: float | None = None) -> list[Sequence]:
         """Drop every waiting and running sequence (their blocks are freed, finish_reason 'aborted', finish
