@@ -272,6 +272,18 @@ def harli_name(args: argparse.Namespace) -> str:
     return f"harli:{args.harli_options}" if args.harli_options else "harli"
 
 
+def policy_list(text: str) -> list[str]:
+    """``--policies``' entries: comma-separated names, where an item ``key=value`` after a ``harli:`` entry
+    is one more option of that variant (``harli,harli:window=0.1,launch=ahead,static``: three entries)."""
+    out: list[str] = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item and out and out[-1].startswith("harli:"):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def harli_variants(args: argparse.Namespace) -> list[str]:
     """The ``harli:OPTIONS`` entries of ``--policies`` (canonical names), less the one ``--harli-options``
     names (that one runs as ``harli``): run in every cell right after ``harli``, each keyed by its name."""
@@ -387,8 +399,8 @@ def parse_args() -> argparse.Namespace:
         "--policies",
         default=",".join(DEFAULT_POLICIES),
         help=f"among {', '.join(POLICIES)} (exclusive: the engine alone, in every cell), harli:OPTIONS (a variant "
-        "of harli run right after it in every cell, keyed by its own name: an A/B on one set-up), or 'none' "
-        "(standalone only)",
+        "of harli run right after it in every cell, keyed by its own name: an A/B on one set-up; its options "
+        "continue it: harli,harli:window=0.1,launch=ahead), or 'none' (standalone only)",
     )
     add("--harli-options", default="", help="harli's options (e.g. prefill=paused,grow=0.1); keyed 'harli'")
     add("--min-window-s", type=float, default=15.0, help="a GPU window's least length")
@@ -466,7 +478,7 @@ def parse_args() -> argparse.Namespace:
     args.recipe = Path(
         args.recipe or ROOT / "recipes" / ("quickstart.yaml" if args.dry_run else "llama-8b-lora.yaml")
     )
-    args.policies = [] if args.policies == "none" else [p for p in args.policies.split(",") if p]
+    args.policies = [] if args.policies == "none" else policy_list(args.policies)
     args.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     args.solo_s = args.solo_s or (0.5 if args.dry_run else 5.0)
     bad = [p for p in args.policies if p not in POLICIES and not (p.startswith("harli:") and is_policy(p))]

@@ -148,16 +148,25 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
         )
     if serve is not None:
         raise click.UsageError("--tensor-parallel does not take --serve yet (use `harli-train serve`)")
-    if colocate_with is not None and cfg.colocation.launch_ahead:
+    if colocate_with is not None and launches_ahead(cfg.colocation):
         raise click.UsageError(
             "--tensor-parallel runs no step ahead (the other ranks replay rank 0's steps as published): "
-            "set colocation.launch_ahead=false"
+            "set colocation.launch_ahead=false, and no harli:launch=ahead policy"
         )
     models = [cfg.model.name] + ([colocate_with] if colocate_with else [])
     if colocate_with is None:
         return tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})
     args = {"cfg": cfg, "serve_model": colocate_with, "options": {"quiet": quiet}}
     return tensor_parallel_run("colocate", n, models, cfg.train.device, args)
+
+
+def launches_ahead(col) -> bool:
+    """Whether a co-located run of recipe section ``col`` launches steps ahead (the key, or harli's option)."""
+    from harli_train.policy_names import parse_harli_options
+
+    base, _, options = col.policy.partition(":")
+    chosen = parse_harli_options(options).get("launch_ahead") if base == "harli" else None
+    return col.launch_ahead if chosen is None else chosen
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -40,20 +40,24 @@ DEFAULT_FLOOR_MATCH = False
 # on the GPU says otherwise.
 DEFAULT_TRAINER_WINDOW_S = 0.3
 MAX_TRAINER_WINDOW_S = 10.0
+# harli:launch=ahead|wait: this policy's steps launched one ahead or not, whatever colocation.launch_ahead
+# says (None: the recipe's): an A/B of launching ahead on one set-up.
+LAUNCH_MODES = ("ahead", "wait")
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
     f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
-    f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g})"
+    f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"
+    f"launch={'|'.join(LAUNCH_MODES)} (default: colocation.launch_ahead)"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
     """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``,
-    ``floor=match`` and ``window=S`` (any of them, in any order; "" for none) as HarliPolicy keyword
-    arguments."""
+    ``floor=match``, ``window=S`` and ``launch=ahead|wait`` (any of them, in any order; "" for none) as
+    HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -77,6 +81,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["floor_match"] = True
         elif key == "window" and re.fullmatch(r"\d*\.?\d+", value) and float(value) <= MAX_TRAINER_WINDOW_S:
             out["trainer_window_s"] = float(value)
+        elif key == "launch" and value in LAUNCH_MODES:
+            out["launch_ahead"] = value == "ahead"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -93,6 +99,7 @@ def harli_name(
     prefill_floor: int = DEFAULT_PREFILL_FLOOR,
     floor_match: bool = DEFAULT_FLOOR_MATCH,
     trainer_window_s: float = DEFAULT_TRAINER_WINDOW_S,
+    launch_ahead: bool | None = None,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -114,6 +121,8 @@ def harli_name(
         options.append("floor=match")
     if trainer_window_s != DEFAULT_TRAINER_WINDOW_S:
         options.append(f"window={trainer_window_s:g}")
+    if launch_ahead is not None:
+        options.append(f"launch={'ahead' if launch_ahead else 'wait'}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -115,3 +115,26 @@ def test_no_successor_is_launched_after_a_time_slice_or_a_one_step_detour():
     # A one-step detour, launched ahead as the step it was made for, but not repeated by its successor.
     assert _may_launch_ahead(_plan(part, transient=True), True)
     assert not _may_launch_ahead(_plan(part, transient=True), False)
+
+
+def test_a_harli_variant_launches_ahead_or_waits_whatever_the_run_says(tmp_path):
+    from harli_train.colocate.policy import make_policy
+
+    from .runtime_support import synthetic_predictor
+
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    pred = synthetic_predictor(ladder.shares)
+    ahead = make_policy("harli:launch=ahead", ladder, pred, 0.05)
+    assert ahead.name == "harli:launch=ahead" and ahead.launch_ahead is True
+    assert make_policy("harli:launch=wait", ladder, pred, 0.05).launch_ahead is False
+    assert make_policy("harli", ladder, pred, 0.05).launch_ahead is None  # the run's option decides
+    wait = make_policy("harli:launch=wait", ladder, pred, 0.05)
+    for policy, opt, launched in ((ahead, False, True), (wait, True, False)):
+        rt = runtime(
+            tmp_path / policy.name.replace(":", "-"),
+            ladder,
+            lambda ladder, policy=policy: policy,
+            requests([(0.0, 3, 16)]),
+            RuntimeOptions(quiet=True, plots=False, launch_ahead=opt),
+        )
+        assert (rt.run()["serving"]["launched_ahead_steps"] > 0) is launched, policy.name

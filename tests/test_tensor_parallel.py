@@ -163,6 +163,9 @@ def test_steps_launched_ahead_are_refused_under_tensor_parallelism(tmp_path):
     result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path / 'r'}", "train.device=cpu"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "set colocation.launch_ahead=false" in result.output
+    args[-1] = "colocation.policy=harli:launch=ahead"
+    result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path / 'p'}", "train.device=cpu"])
+    assert result.exit_code == 2 and "no harli:launch=ahead policy" in result.output
 
 
 @pytest.mark.slow

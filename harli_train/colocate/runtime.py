@@ -99,6 +99,10 @@ class ColocatedRuntime(AlonePhases):
         self.decode_ooms = 0
         self.gc_pauses = GcPauses(scheduled=self.opts.scheduled_gc)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
+        # Steps launched one ahead (``_step``): the policy's own choice, else the run's.
+        self._launch_ahead = bool(
+            self.opts.launch_ahead if policy.launch_ahead is None else policy.launch_ahead
+        )
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -274,7 +278,7 @@ class ColocatedRuntime(AlonePhases):
                 worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
             if plan.train == AFTER:
                 worker.drain()  # same stream: the step must not queue behind the trainer's work
-            ahead = bool(self.opts.launch_ahead) and _may_launch_ahead(plan, done is not None)
+            ahead = self._launch_ahead and _may_launch_ahead(plan, done is not None)
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
         on_gpu = snap.on_gpu()  # its micro-steps still on the GPU as the step starts
         if done is None:

@@ -105,6 +105,7 @@ class Policy:
 
     name = "policy"
     serve_alone = False  # the trainer waits until the load is over (exclusive)
+    launch_ahead: bool | None = None  # steps launched one ahead whatever the run's options say (None: theirs)
 
     def __init__(
         self, ladder: SMLadder, tpot_s: float, margin: float, predictor: LatencyPredictor | None = None

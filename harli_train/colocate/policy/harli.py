@@ -25,6 +25,9 @@ too, since a grow would otherwise land on SMs where the trainer's queued work st
 
 ``trainer_window_s`` (``harli:window=S``, default 0.3): how long the trainer's rung stays clear of a decode
 share after decode last used it (``TrainerRungs``).
+
+``launch_ahead`` (``harli:launch=ahead|wait``; None: the recipe's ``colocation.launch_ahead``): whether this
+policy's steps are launched one ahead (``ColocatedRuntime._step``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class HarliPolicy(ControlledPolicy):
         learn_margin: bool = DEFAULT_LEARN_MARGIN,
         backward_aware: bool = DEFAULT_BACKWARD_AWARE,
         floor_match: bool = DEFAULT_FLOOR_MATCH,
+        launch_ahead: bool | None = None,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
@@ -92,7 +96,9 @@ class HarliPolicy(ControlledPolicy):
             prefill_floor,
             floor_match,
             trainer_window_s,
+            launch_ahead,
         )
+        self.launch_ahead = launch_ahead
         self.backward_aware = backward_aware
         self.grow_headroom, self.prefill_floor, self.floor_match = grow_headroom, prefill_floor, floor_match
         self._held = False  # the last plan paused the trainer
