@@ -220,9 +220,9 @@ class ColocationSection:
     # true: prefill chunks ride in decode steps (stall-free, replayed as CUDA graphs on a GPU); false: prefill
     # steps of their own, which stall decoding (the A/B: docs/design.md has both on the H200).
     mixed_prefill: bool = key(True, "bool")
-    # true: a decode step's successor (a mixed step when prompts wait) is launched before its tokens are read
-    # back, so the GPU goes from one step to the next without waiting for the host's bookkeeping, planning
-    # and staging; the policy's plan then places the step launched in its call (ColocatedRuntime._step).
+    # true: each step's successor (decode or mixed) is launched before the step's tokens are read back, so
+    # the GPU goes from one step to the next without waiting for the host's bookkeeping, planning and
+    # staging; the policy's plan then places the step launched in its call (ColocatedRuntime._step).
     # false until an A/B on the GPU says otherwise.
     launch_ahead: bool = key(False, "bool")
     max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)

@@ -123,8 +123,8 @@ def test_greedy_matches_transformers_generate(hf_pair, kernels, cfg):
 def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_blocks, mixed):
     """Launching each decode step's successor before the step's tokens are read changes nothing drawn: the
     same tokens and finish reasons with greedy and seeded sampling, requests arriving mid-run (with mixed
-    prefill, admitted in mixed steps launched ahead), sequences ending by EOS while their next step is already
-    launched, and (14 blocks) preemptions."""
+    prefill, admitted and their chunks continued in mixed steps launched ahead), sequences ending by EOS while
+    their next step is already launched, and (14 blocks) preemptions."""
     _, ours = hf_pair
     prompts = _prompts(6, [3, 17, 30, 1, 9, 22])
     params = [
@@ -153,7 +153,7 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
         launch, engine.launches = engine.runner.launch, []
 
         def record(batch, partition, after=None):
-            engine.launches.append((batch.kind, after is not None))
+            engine.launches.append((batch.kind, after.batch.kind if after is not None else None))
             return launch(batch, partition, after)
 
         engine.runner.launch = record
@@ -171,7 +171,9 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
     assert overlapped == plain
     assert sum(reason == "eos" for _, reason in plain) >= 2
     assert engine.num_launched_ahead > 5 and plain_engine.num_launched_ahead == 0
-    assert (("mixed", True) in engine.launches) == mixed
+    # Mixed prefill: prompts admitted, and chunks continued, in mixed steps launched ahead of mixed steps.
+    assert (("mixed", "decode") in engine.launches) == mixed
+    assert (("mixed", "mixed") in engine.launches) == mixed
     decode_steps = [s for s in engine.metrics.steps if s.kind == "decode"]
     assert len(decode_steps) >= len([s for s in plain_engine.metrics.steps if s.kind == "decode"])
 

@@ -97,8 +97,8 @@ def test_the_recipe_turns_launching_ahead_on(tmp_path):
 
     cfg = recipe(tmp_path, "colocation.launch_ahead=true", "colocation.policy=static:40")
     summary = run_colocated(cfg, "tiny", quiet=True)
-    assert summary["serving"]["launched_ahead_steps"] > 0
-    assert summary["serving"]["decode_steps"] > summary["serving"]["launched_ahead_steps"]
+    sv = summary["serving"]
+    assert 0 < sv["launched_ahead_steps"] <= sv["decode_steps"] + sv["prefill_steps"]
 
 
 def _plan(part, train=BESIDE, transient=False):

@@ -157,6 +157,11 @@ class EngineAdapter:
         return self.engine.step(self.key(partition), prefill_tokens, ahead)
 
     @property
+    def mixed_prefill(self) -> bool:
+        """Whether prefill chunks ride in decode steps (else prefill steps of their own come first)."""
+        return self.engine.config.mixed_prefill
+
+    @property
     def in_flight(self) -> str | None:
         """The kind of the step launched ahead that the next ``step`` completes (None: none)."""
         return self.engine.in_flight

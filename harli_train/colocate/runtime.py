@@ -204,7 +204,7 @@ class ColocatedRuntime(AlonePhases):
                 return  # window over, or training done and the drain took too long: abort the rest
             self._memory_hook()
             preview = engine.peek()
-            if preview.kind == "idle":
+            if preview.kind == "idle" and not engine.in_flight:  # (in flight: the step it previews after)
                 self._idle(replay, closed)
             else:
                 self._engine_step(preview)
@@ -250,15 +250,15 @@ class ColocatedRuntime(AlonePhases):
     def _step(self, preview: StepPreview) -> None:
         """One engine step: plan it, hand the trainer its part, run it, record and learn from it.
 
-        With ``launch_ahead`` a decode step's successor (a decode step, or a mixed one when prompts wait) is
-        launched on the GPU before the step's tokens are read back (``DecodeEngine.step``), so the host's
-        work between two steps (reading tokens, bookkeeping, planning, feeding the trainer, staging the
-        next step) overlaps the GPU's. The plan made in a call then places the step launched ahead in it,
-        while the step the call completes is the one launched ahead before, with its own plan (``_ahead``):
-        it is that plan the step is recorded and learnt under. Nothing is launched ahead of a mixed step (its
-        chunk's progress is not known on the host until it is read): it completes alone, and the next call
-        plans the step after it from what it leaves. A plan that slices time is never launched ahead, and
-        a one-step detour (``transient``) only as the step it was made for."""
+        With ``launch_ahead`` a step's successor (a decode step, or a mixed one while prompts wait or a
+        chunk continues) is launched on the GPU before the step's tokens are read back
+        (``DecodeEngine.step``), so the host's work between two steps (reading tokens, bookkeeping, planning,
+        feeding the trainer, staging the next step) overlaps the GPU's. ``preview`` is then of the step after
+        the one in flight, the plan made in a call places the step launched ahead in it, and the step the
+        call completes is the one launched ahead before, with its own plan (``_ahead``): it is that plan the
+        step is recorded and learnt under. Where no step can follow the one in flight (nothing left to
+        decode; prefill-first, a prefill step next), it completes alone. A plan that slices time is never
+        launched ahead, and a one-step detour (``transient``) only as the step it was made for."""
         worker, policy = self.worker, self.policy
         worker.tick()
         # (plan, trainer snapshot, its work on the GPU) of the step in flight (an abort may have completed it)
@@ -267,7 +267,7 @@ class ColocatedRuntime(AlonePhases):
         self._ahead = None
         plan: StepPlan | None = None
         launched, ahead = 0, False
-        if done is None or (flying == "decode" and preview.kind != "prefill"):
+        if done is None or preview.kind == "decode" or (preview.kind != "idle" and self.engine.mixed_prefill):
             plan = policy.plan(preview)
             self._hold(plan)
             policy.ladder.switch(self._prev, plan.partition)

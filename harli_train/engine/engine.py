@@ -45,11 +45,11 @@ class DecodeEngine:
     With `config.overlap` a decode step's successor is launched before its tokens are read back, so the
     host's bookkeeping runs while the GPU computes: each `step()` call still completes exactly one step and
     leaves at most one launched. The successor is the step the scheduler would pick then, up to what the
-    host cannot know yet: its decode rows are the step's sequences one token further, and with mixed
-    prefill the prompts waiting ride along (admitted against the blocks free before the step's enders free
-    theirs); none is launched ahead of a prefill or mixed step, nor when a chunk continues, a prefill-first
-    step comes next or blocks are short. A sequence that its token ends by EOS rides the successor once
-    more and that token is dropped.
+    host cannot know yet (`Scheduler.schedule_ahead`): its decode rows are the sequences that draw a token
+    in the step, one token further; with mixed prefill, chunks continue past what the step computes and
+    prompts waiting are admitted (against the blocks free before the step's enders free theirs). Prefill-
+    first, only decode steps follow decode steps. A sequence that its token ends by EOS rides the successor
+    once more and that token is dropped. `peek` then previews the step after the one in flight.
     """
 
     def __init__(
@@ -243,7 +243,7 @@ class DecodeEngine:
         """The step `step()` would run now, without running it (`StepPreview`: its decode rows and the
         prefill work that may ride with them): what a controller sizes the next step's partition and prefill
         budget from; it says how long the oldest prompt with prefill pending has waited."""
-        return self.scheduler.peek(self.clock())
+        return self.scheduler.peek(self.clock(), None if self._inflight is None else self._inflight.batch)
 
     def abort(self, seq: Sequence) -> bool:
         """Drop one request now (a client went away): its KV blocks are freed at once and it is recorded with
@@ -342,7 +342,7 @@ class DecodeEngine:
             launched = self.runner.launch(batch, partition)
             budget = None
         batch = launched.batch
-        if (self.overlap if ahead is None else ahead) and not batch.is_prefill:
+        if self.overlap if ahead is None else ahead:
             ahead = self.scheduler.schedule_ahead(batch, budget)
             if ahead is not None:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)

@@ -165,19 +165,18 @@ class ModelRunner:
     def launch(
         self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION, after: LaunchedStep | None = None
     ) -> LaunchedStep:
-        """Queue the batch's step. With `after` (a decode step whose tokens are not read yet), `batch` is
-        the step that follows it: each of its decode rows (the first `batch.num_decode`) is one token further
-        than the host knows, its input id the token `after` draws for it; its prefill pieces, if any, are
-        known on the host."""
+        """Queue the batch's step. With `after` (a step whose tokens are not read yet), `batch` is the step
+        that follows it (`Scheduler.schedule_ahead`): each of its decode rows (the first `batch.num_decode`)
+        computes the token `after` draws for its sequence, beyond what the host knows, and its prefill pieces
+        start past what `after` computes of them (`batch.ahead`)."""
         part = self.partitions[partition]
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         ahead = after is not None
         feed = None
         if ahead:
-            assert not after.batch.is_prefill, "a step is launched ahead of a decode step only"
-            rows = {id(s): i for i, s in enumerate(after.batch.seqs)}
+            drawn = {id(after.batch.seqs[r]): k for k, r in enumerate(after.sampling)}  # its tokens' order
             fed = batch.seqs[: batch.num_decode]
-            feed = (after.tokens, np.array([rows[id(s)] for s in fed], dtype=np.int64))
+            feed = (after.tokens, np.array([drawn[id(s)] for s in fed], dtype=np.int64))
         with self._on(part):
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
@@ -197,8 +196,11 @@ class ModelRunner:
             tokens = host = event = None
             if sampling:
                 seqs = [batch.seqs[i] for i in sampling]
-                # The index of the token each row draws: a fed decode row's is one past the host's.
-                offsets = [int(ahead and i < batch.num_decode) for i in sampling]
+                # The index of the token each row draws, past the host's last (a fed decode row's: one).
+                offsets = [
+                    s.num_computed + batch.ahead_of(i) + batch.num_tokens[i] - len(s)
+                    for i, s in ((i, batch.seqs[i]) for i in sampling)
+                ]
                 tokens = self.sampler(logits, self._sampling_batch(seqs, offsets))
             if stream is not None:
                 if tokens is not None:
@@ -228,13 +230,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """A varlen step (prefill pieces, with decode rows when mixed): every row's new tokens packed in one
         row, attending over its cache; returns the logits of the rows that sample. `feed`: the step is
-        launched ahead (`launch`'s `after`): its decode rows are one token further than the host knows, their
-        input ids `feed[0][feed[1]]` on the device."""
+        launched ahead (`launch`'s `after`): each row starts past what the step before computes of it
+        (`batch.ahead`), and its decode rows' input ids are `feed[0][feed[1]]` on the device."""
         bm = self.block_manager
         ids, positions, slots, context_lens = [], [], [], []
         fed = 0 if feed is None else batch.num_decode
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
-            start = seq.num_computed + (seq.pending if i < fed else 0)
+            start = seq.num_computed + batch.ahead_of(i)
             ids.extend(seq.token_ids[start : start + n] if i >= fed else [0])
             positions.append(np.arange(start, start + n))
             slots.append(bm.slots(seq, start, start + n))

@@ -21,10 +21,18 @@ class ScheduledBatch:
     num_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
     num_decode: int = 0
+    # A step launched ahead (`Scheduler.schedule_ahead`): per row, the tokens of its sequence the step in
+    # flight before it computes, which the host does not know are computed yet (None: none).
+    ahead: list[int] | None = None
+
+    def ahead_of(self, i: int) -> int:
+        """The tokens of seqs[i] computed by the step in flight before this one (0 unless launched ahead)."""
+        return 0 if self.ahead is None else self.ahead[i]
 
     def samples(self, i: int) -> bool:
-        """Whether seqs[i] draws a token this step: all its tokens are computed once this step is done."""
-        return self.num_tokens[i] == self.seqs[i].pending
+        """Whether seqs[i] draws a token this step: a decode row always, a prefill piece once all its tokens
+        are computed."""
+        return i < self.num_decode or self.num_tokens[i] == self.seqs[i].pending - self.ahead_of(i)
 
     @property
     def kind(self) -> str:
@@ -162,17 +170,24 @@ class Scheduler:
         return max(0, min(cap, prefill_tokens))
 
     def _prefill_plan(
-        self, budget: int, free_blocks: int, free_rows: int
+        self, budget: int, free_blocks: int, free_rows: int, ahead: dict[int, int] | None = None
     ) -> list[tuple[Sequence, int, bool]]:
         """(sequence, tokens, admitted now) of each prefill piece a step with `budget` prefill tokens takes:
         continuing chunks first, then waiting prompts in order while blocks for the whole prompt, a table row
-        and a batch slot are free. Changes nothing: `schedule` applies it, `peek` describes it."""
+        and a batch slot are free. Changes nothing: `schedule` applies it, `peek` describes it. `ahead`
+        (id(sequence) -> tokens): what a step in flight computes of each of its sequences; a chunk continues
+        after them."""
         plan: list[tuple[Sequence, int, bool]] = []
+        ahead = ahead or {}
         for seq in self.running:
             if budget <= 0:
                 return plan
-            if seq.status is SequenceStatus.RUNNING and seq.pending > 1:
-                n = min(seq.pending, budget)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            done = ahead.get(id(seq))
+            left = seq.pending if done is None else seq.pending - done
+            if left > (1 if done is None else 0):  # (one token left and nothing in flight: it decodes)
+                n = min(left, budget)
                 plan.append((seq, n, False))
                 budget -= n
         bm = self.block_manager
@@ -218,10 +233,10 @@ class Scheduler:
                 batch.num_tokens.append(1)
         batch.num_decode = len(batch.seqs)
 
-    def _add_prefill(self, batch: ScheduledBatch, budget: int) -> bool:
+    def _add_prefill(self, batch: ScheduledBatch, budget: int, ahead: dict[int, int] | None = None) -> bool:
         """Append the prefill pieces of `_prefill_plan` (admitting waiting prompts); whether there were any."""
         bm = self.block_manager
-        plan = self._prefill_plan(budget, bm.num_free, len(bm.free_rows))
+        plan = self._prefill_plan(budget, bm.num_free, len(bm.free_rows), ahead)
         for seq, n, admit in plan:
             if admit:
                 self.waiting.remove(seq)
@@ -233,50 +248,84 @@ class Scheduler:
         batch.is_prefill = batch.is_prefill or bool(plan)
         return bool(plan)
 
-    def peek(self, now: float | None = None) -> StepPreview:
+    def peek(self, now: float | None = None, after: ScheduledBatch | None = None) -> StepPreview:
         """The step `schedule()` would make now, changing nothing (see `StepPreview`); with `now` (the clock
-        of the sequences' arrival times), how long each request with prefill pending has waited."""
+        of the sequences' arrival times), how long each request with prefill pending has waited. With
+        `after` (a step launched, its tokens not read yet): the step after it, as `schedule_ahead` would
+        make it."""
         bm = self.block_manager
-        decoding = self._decoding()
         mixed = self.config.mixed_prefill
-        need = sum(bm.blocks_needed(s, len(s)) for s in decoding) if mixed else 0
+        if after is None:
+            ahead, decoding, kv = None, self._decoding(), 0
+        else:
+            ahead, decoding, kv = self._after(after), self._continuing(after), 1  # each one token further
+        need = sum(bm.blocks_needed(s, len(s) + kv) for s in decoding) if mixed else 0
         budget = self._budget(len(decoding) if mixed else 0, self.config.max_num_batched_tokens)
-        plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows))
-        pieces = tuple(PrefillPiece(n, s.num_computed, s.pending - n, s.lora_slot) for s, n, _ in plan)
+        plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows), ahead)
+        done = ahead or {}
+        pieces = tuple(
+            PrefillPiece(
+                n, s.num_computed + done.get(id(s), 0), s.pending - done.get(id(s), 0) - n, s.lora_slot
+            )
+            for s, n, _ in plan
+        )
         adapters = frozenset(s.lora_slot for s in decoding) - {0}
         waits = () if now is None else tuple(now - s.arrival_time for s, _, _ in plan)
-        return StepPreview(len(decoding), sum(len(s) for s in decoding), pieces, mixed, adapters, waits)
+        kv_tokens = sum(len(s) + kv for s in decoding)
+        return StepPreview(len(decoding), kv_tokens, pieces, mixed, adapters, waits)
+
+    @staticmethod
+    def _after(batch: ScheduledBatch) -> dict[int, int]:
+        """id(sequence) -> the tokens `batch` (launched, its tokens not read) computes of it: each of its rows
+        starts where the host's sequence stands (`schedule_ahead` keeps it so)."""
+        return {id(s): n for s, n in zip(batch.seqs, batch.num_tokens, strict=True)}
+
+    @staticmethod
+    def _continuing(batch: ScheduledBatch) -> list[Sequence]:
+        """The sequences that decode in the step after `batch`: those that draw a token in it (decode rows,
+        prompts it finishes) and that token does not end by length."""
+        return [
+            s
+            for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+            if s.status is SequenceStatus.RUNNING
+            and n == s.pending
+            and s.num_completion_tokens + 1 < s.params.max_tokens
+        ]
 
     def schedule_ahead(
         self, batch: ScheduledBatch, prefill_tokens: int | None = None
     ) -> ScheduledBatch | None:
-        """The step after `batch`, a decode step whose tokens are not known yet: the same sequences, less
-        those that have ended (`batch` itself may have been launched ahead) or that its token ends by length,
-        each one token further (blocks allocated for that token), and, when mixed, the prefill pieces
-        `schedule(prefill_tokens)` would add to them (waiting prompts admitted while blocks, rows and batch
-        slots are free; those of the sequences `batch` ends are not free yet).
-        None when `schedule()` could pick differently once the tokens are known: a prompt's chunk continues
-        (its row may be in `batch`), a prefill-first step would come first, or blocks are short (a
-        preemption)."""
+        """The step after `batch`, a step whose tokens are not known yet: every sequence that draws a token
+        in it and goes on (not ended, by that token's length), each one token further (blocks allocated for
+        that token, its input the token drawn); with mixed prefill also the prefill pieces
+        `schedule(prefill_tokens)` would add (a chunk `batch` leaves unfinished continues after it, waiting
+        prompts are admitted while blocks, rows and batch slots are free: those of the sequences `batch`
+        ends are not free yet). Its `ahead` says, per row, what `batch` computes before it.
+        None when `schedule()` could pick differently once the tokens are known: prefill-first, after a
+        prefill step, with a chunk continuing or a prompt to admit; or blocks are short (a preemption)."""
         bm = self.block_manager
-        if any(s.status is SequenceStatus.RUNNING and s.pending > 1 for s in self.running):
-            return None
-        if not self.config.mixed_prefill and self.waiting and len(self.running) < self.config.max_num_seqs:
-            if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
+        mixed = self.config.mixed_prefill
+        if not mixed:
+            if batch.is_prefill or any(
+                s.status is SequenceStatus.RUNNING and s.pending > 1 for s in self.running
+            ):
                 return None
-        seqs = [
-            s
-            for s in batch.seqs
-            if s.status is SequenceStatus.RUNNING and s.num_completion_tokens + 1 < s.params.max_tokens
-        ]
-        if not seqs or sum(bm.blocks_needed(s, len(s) + 1) for s in seqs) > bm.num_free:
+            if self.waiting and len(self.running) < self.config.max_num_seqs:
+                if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
+                    return None
+        seqs = self._continuing(batch)
+        if sum(bm.blocks_needed(s, len(s) + 1) for s in seqs) > bm.num_free:
             return None
         for seq in seqs:
             bm.allocate(seq, len(seq) + 1)
-        ahead = ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
-        if self.config.mixed_prefill:
-            self._add_prefill(ahead, self._budget(len(seqs), prefill_tokens))
-        return ahead
+        out = ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
+        computed = self._after(batch)
+        if mixed:
+            self._add_prefill(out, self._budget(len(seqs), prefill_tokens), computed)
+        if not out.seqs:
+            return None
+        out.ahead = [computed.get(id(s), 0) for s in out.seqs]
+        return out
 
     def abort_all(self, now: float | None = None) -> list[Sequence]:
         """Drop every waiting and running sequence (their blocks are freed, finish_reason 'aborted', finish
