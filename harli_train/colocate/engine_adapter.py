@@ -152,8 +152,8 @@ class EngineAdapter:
         self, partition: Partition, prefill_tokens: int | None = None, ahead: bool = False
     ) -> StepResult:
         """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along; a step
-        launched ahead by the call before completes instead, where it was launched. ``ahead``: a decode
-        step's successor is launched on ``partition`` before its tokens are read (``in_flight`` then)."""
+        launched ahead by the call before completes instead, where it was launched. ``ahead``: the step's
+        successor is launched on ``partition`` before its tokens are read (``in_flight`` then)."""
         return self.engine.step(self.key(partition), prefill_tokens, ahead)
 
     @property

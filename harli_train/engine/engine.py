@@ -324,7 +324,7 @@ class DecodeEngine:
         `prefill_chunk_tokens`, or `max_num_batched_tokens` when nothing decodes).
 
         A step launched ahead by the call before completes first, whatever `partition` says (it runs where
-        it was launched). `ahead` (None: `config.overlap`) says whether a decode step's successor may be
+        it was launched). `ahead` (None: `config.overlap`) says whether the step's successor may be
         launched, on `partition`, before the step's tokens are read (`Scheduler.schedule_ahead`). The
         prefill budget `prefill_tokens` is that of the first step the call launches: the successor of a
         step in flight, else the step scheduled now (whose successor then takes the default budget)."""
