@@ -699,3 +699,30 @@ def test_mixed_step_graphs_on_two_partitions_match_eager_steps(hf_pair, tmp_path
     for prompt, sp, ids in zip(prompts, params, with_graphs, strict=True):
         if sp.temperature == 0:
             assert ids[len(prompt) :] == _hf_greedy(hf, prompt, sp.max_tokens)
+
+
+def test_a_prefill_budget_caps_the_step_launched_ahead_as_well(hf_pair):
+    """With mixed prefill a step's successor launched ahead takes the call's prefill budget: none while a
+    drain holds prefill back (budget 0), a chunk of the budget once it is given, the rest of the prompt
+    continuing in the steps after."""
+    _, ours = hf_pair
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=64, max_num_seqs=4, max_model_len=64, kernels="torch", mixed_prefill=True
+    )
+    engine = DecodeEngine(ours, cfg)
+    first, second = _prompts(21, [5, 9])
+    a = engine.add_request(first, SamplingParams(max_tokens=8))
+    assert engine.step().kind == "prefill" and not engine.in_flight
+    b = engine.add_request(second, SamplingParams(max_tokens=8))
+    step = engine.step(prefill_tokens=0, ahead=True)  # a decodes, b waits: so does the step launched ahead
+    assert step.kind == "decode" and engine.in_flight == "decode"
+    step = engine.step(prefill_tokens=3, ahead=True)  # completes that one; its successor takes 3 of b's 9
+    assert step.kind == "decode" and engine.in_flight == "mixed"
+    preview = engine.peek()  # the step after the one in flight: b's chunk goes on past its first 3 tokens
+    assert preview.decode_seqs == 1 and [(p.tokens, p.context) for p in preview.pieces] == [(6, 3)]
+    step = engine.step(prefill_tokens=4, ahead=True)
+    assert (step.kind, step.prefill_tokens) == ("mixed", 3) and b.num_computed == 3
+    step = engine.step(prefill_tokens=4, ahead=True)
+    assert (step.kind, step.prefill_tokens) == ("mixed", 4) and b.num_computed == 7
+    engine.run_until_done()
+    assert a.num_completion_tokens == b.num_completion_tokens == 8

@@ -326,24 +326,22 @@ class DecodeEngine:
         A step launched ahead by the call before completes first, whatever `partition` says (it runs where
         it was launched). `ahead` (None: `config.overlap`) says whether the step's successor may be
         launched, on `partition`, before the step's tokens are read (`Scheduler.schedule_ahead`). The
-        prefill budget `prefill_tokens` is that of the first step the call launches: the successor of a
-        step in flight, else the step scheduled now (whose successor then takes the default budget)."""
+        prefill budget `prefill_tokens` caps every step the call launches: the one scheduled now and its
+        successor, or the successor of the step in flight."""
         if self.closed:
             raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
             raise EngineError(f"unknown partition {partition!r} (known: {', '.join(self.runner.partitions)})")
         t0 = self.clock()
         launched, self._inflight = self._inflight, None
-        budget = prefill_tokens  # the first step this call launches takes it
         if launched is None:
             batch = self.scheduler.schedule(prefill_tokens)
             if batch is None:
                 return StepResult("idle")
             launched = self.runner.launch(batch, partition)
-            budget = None
         batch = launched.batch
         if self.overlap if ahead is None else ahead:
-            ahead = self.scheduler.schedule_ahead(batch, budget)
+            ahead = self.scheduler.schedule_ahead(batch, prefill_tokens)
             if ahead is not None:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)
                 self.num_launched_ahead += 1
