@@ -21,7 +21,6 @@ served once training is done (``LiveAdapter`` has the rules).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import signal
@@ -293,12 +292,7 @@ class ColocatedRuntime(AlonePhases):
             return
         t_end = time.perf_counter()
         self.decode_ooms = 0
-        flying = self.engine.in_flight
-        if plan is not None and flying:
-            if flying == "decode" and plan.mixed_raw_s is not None:
-                # A mixed plan whose prompt found no room once the step before had its blocks: the step
-                # launched decodes alone, and must not teach the mixed steps' correction.
-                plan = dataclasses.replace(plan, mixed_raw_s=None, prefill_tokens=0)
+        if plan is not None and self.engine.in_flight:
             self._ahead = (plan, snap, on_gpu)
             self.tally.launched_ahead += 1
         measured = result.latency_s or (t_end - t_start)
