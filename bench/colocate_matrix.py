@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import common
+
 from harli_train.colocate.accounting import ATTAINMENT_BAR, RATE_BAR
 
 NOISE = 0.02  # run-to-run noise of finetune tokens/s: a shortfall within it counts as equal
@@ -494,9 +496,7 @@ def table(matrix: dict[str, Any]) -> str:
                     "PASS" if v.get("pass") else "FAIL",
                 ]
             )
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
-    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
-    return "\n".join([fmt(head), *map(fmt, rows)])
+    return common.table(rows, head)
 
 
 def variants_table(matrix: dict[str, Any]) -> str:
@@ -527,9 +527,7 @@ def variants_table(matrix: dict[str, Any]) -> str:
                 )
     if not rows:
         return ""
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
-    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=False))  # noqa: E731
-    return "\n".join([fmt(head), *map(fmt, rows)])
+    return common.table(rows, head)
 
 
 def _clean_column(row: dict[str, Any], cell: dict[str, Any]) -> str:
