@@ -36,7 +36,7 @@ class RuntimeOptions:
     # Python's cyclic collector runs where the decode thread would only wait (a step on the GPU, nothing to
     # decode) instead of wherever an allocation trips it (harli_train.colocate.gc_pauses); off: CPython's own.
     scheduled_gc: bool = True
-    # Decode steps launched one ahead (the recipe's colocation.launch_ahead when None; ColocatedRuntime._step).
+    # Steps launched one ahead (the recipe's colocation.launch_ahead when None; ColocatedRuntime._step).
     launch_ahead: bool | None = None
     # HTTP clients' requests enter through this port (serve.engine_loop.RequestPort), drained before every
     # engine step and published after it; with serve_until_stopped the loop serves them until it is stopped,

@@ -17,7 +17,7 @@ class StepTally:
     def __init__(self, total_sms: int = 0) -> None:
         self.total_sms = total_sms
         self.decode_steps = self.mixed_steps = self.prefill_steps = self.paused_steps = 0
-        self.launched_ahead = 0  # decode steps launched before their predecessor's tokens were read
+        self.launched_ahead = 0  # steps launched before their predecessor's tokens were read
         self.shares: Counter[int] = Counter()  # decode's SMs -> steps with decode rows on them
         self.trainer_sm_seconds: Counter[int] = Counter()  # the trainer's SMs (0: paused) -> seconds held
         # SM-seconds neither side held while the trainer ran: its rung below what decode's share left it.

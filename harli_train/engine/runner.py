@@ -220,6 +220,11 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array), dtype=dtype).to(self.device, non_blocking=True)
 
+    def _fed_ids(self, feed: tuple[torch.Tensor, np.ndarray]) -> torch.Tensor:
+        """The input ids of a step launched ahead's fed rows: ``feed[0][feed[1]]``, the tokens of the step
+        before, gathered on the device (eager steps; the graphs gather into their static buffers)."""
+        return feed[0][self._to_device(feed[1], torch.int64)]
+
     def _prefill(
         self,
         batch: ScheduledBatch,
@@ -292,7 +297,7 @@ class ModelRunner:
         )
         input_ids = self._to_device(ids, torch.int64)
         if feed is not None:
-            input_ids[: len(feed[1])] = feed[0][self._to_device(feed[1], torch.int64)]
+            input_ids[: len(feed[1])] = self._fed_ids(feed)
         positions_t = self._to_device(positions, torch.int64)
         last_rows = self._to_device(cu[1:][sampling] - 1, torch.int64)
         with self._adapters(adapters):
@@ -330,11 +335,7 @@ class ModelRunner:
             self.publish(StepInputs("decode", key, ids, positions, slots, lens, tables))
         if self.graphs is not None:
             return self.graphs.replay(key, ids, positions, slots, lens, tables, feed, adapters)
-        ids_t = (
-            self._to_device(ids, torch.int64)
-            if feed is None
-            else feed[0][self._to_device(feed[1], torch.int64)]
-        )
+        ids_t = self._to_device(ids, torch.int64) if feed is None else self._fed_ids(feed)
         with self._adapters(adapters):
             return self._eager_decode(ids_t, positions, slots, lens, tables, part)
 
