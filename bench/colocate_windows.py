@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import colocate_matrix
+import torch
 from stall_sampler import StallSampler, stall_spans
 
 from harli_train.colocate import report
@@ -30,6 +31,11 @@ from harli_train.engine.load import TraceRequest
 
 WINDOW_OVERHEAD_S = 5.0  # a window's cost besides its length, until one has been measured
 log = logging.getLogger("bench_colocate")
+
+
+def gpu_name() -> str:
+    """The name of this process's GPU (``"cpu"`` without one): what standalone rates are valid on."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 class OutOfTime(Exception):
@@ -159,10 +165,21 @@ class Windows:
 
     def standalone(self, path: Path | None, solo_s: float) -> dict[str, Any]:
         """The trainer alone, ``solo_s`` each, on the whole GPU (``exclusive``) and on the trainer side of
-        every split (``exclusive:N``), keyed by its SMs (the whole GPU's too): read from ``path`` when that
-        exists, else measured and written there."""
+        every split (``exclusive:N``), keyed by its SMs (the whole GPU's too), with the GPU's name: read from
+        ``path`` when that exists and was measured on a GPU of this name, else measured (and written to
+        ``path`` unless it holds another GPU's rates)."""
+        here = gpu_name()
         if path is not None and path.is_file():
-            return {**json.loads(path.read_text()), "source": str(path)}
+            stored = json.loads(path.read_text())
+            if stored.get("gpu_name") == here:
+                return {**stored, "source": str(path)}
+            log.warning(
+                "%s holds standalone rates of %s, this is %s: measuring them again",
+                path,
+                stored.get("gpu_name", "an unnamed GPU"),
+                here,
+            )
+            path = None
 
         def rate(name: str) -> float | None:
             return self.run(name, self.col.tpot_s, solo_s=solo_s)[0].get("solo_tokens_per_s")
@@ -173,6 +190,7 @@ class Windows:
             "whole_gpu_tokens_per_s": whole,
             "by_train_sms": {**by_sms, str(self.col.ladder.total_sms): whole},
             "solo_s": solo_s,
+            "gpu_name": here,
         }
         if path is not None:
             path.write_text(json.dumps(out, indent=1))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import analyze_colocate  # noqa: E402
 import colocate_matrix  # noqa: E402
+import colocate_windows  # noqa: E402
 import replan_mixed  # noqa: E402
 
 from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
@@ -257,6 +259,39 @@ def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_flo
     assert replan_mixed.replan(rows, predictor, shares, 0.0088, [32], 256, 1.2)["moves"][32] == {None: 1}
 
 
+def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tmp_path, monkeypatch):
+    """A --standalone file measured on another GPU (or naming none) is not reused: the rates are measured
+    on this one, named after it, and the file stays as it was; a file of this GPU is read back."""
+    ladder = SimpleNamespace(spatial=[SimpleNamespace(train_sms=84, infer_sms=48)], total_sms=132)
+    win = colocate_windows.Windows.__new__(colocate_windows.Windows)
+    win.col = SimpleNamespace(tpot_s=0.01, ladder=ladder)
+    ran = []
+
+    def run(name, tpot_s, solo_s):
+        ran.append(name)
+        return {"solo_tokens_per_s": 100.0 if name == "exclusive" else 60.0}, []
+
+    win.run = run
+    monkeypatch.setattr(colocate_windows, "gpu_name", lambda: "GPU B")
+    path = tmp_path / "standalone.json"
+    theirs = {"whole_gpu_tokens_per_s": 9.0, "by_train_sms": {"132": 9.0}, "solo_s": 5.0, "gpu_name": "GPU A"}
+    for stored in (theirs, {k: v for k, v in theirs.items() if k != "gpu_name"}):
+        path.write_text(json.dumps(stored))
+        ran.clear()
+        got = win.standalone(path, 0.5)
+        assert ran == ["exclusive", "exclusive:48"] and json.loads(path.read_text()) == stored
+        assert got == {
+            "whole_gpu_tokens_per_s": 100.0,
+            "by_train_sms": {"84": 60.0, "132": 100.0},
+            "solo_s": 0.5,
+            "gpu_name": "GPU B",
+        }
+    path.unlink()
+    measured = win.standalone(path, 0.5)  # no file: measured and written
+    ran.clear()
+    assert win.standalone(path, 0.5) == {**measured, "source": str(path)} and not ran
+
+
 @pytest.mark.slow
 def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
     """The bench on the assembly (CPU stand-ins): every cell's harli, at least three fixed splits, the best of
@@ -310,7 +345,8 @@ def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_c
     --whole-gpu-now: the trainer alone on the whole GPU in this call, which the
     light bar divides by, where the --standalone file's rates serve the rest."""
     solo = tmp_path / "standalone.json"
-    solo.write_text(json.dumps({"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {"132": 1.0}, "solo_s": 0.5}))
+    rates = {"whole_gpu_tokens_per_s": 1.0, "by_train_sms": {"132": 1.0}, "solo_s": 0.5, "gpu_name": "cpu"}
+    solo.write_text(json.dumps(rates))
     # harli:window=0.3 is harli itself (the default window): it does not run twice.
     policies = "harli,harli:window=0.1,harli:window=0.3"
     args = ["--loads", "light", "--objectives", "auto:2", "--policies", policies, "--standalone", str(solo)]
