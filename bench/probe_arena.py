@@ -25,8 +25,9 @@ from harli_train import kernels  # noqa: E402
 from harli_train.model import load_model  # noqa: E402
 from harli_train.saved_tensors import stays_in_place  # noqa: E402
 from harli_train.train.batch_buffers import BatchBuffers  # noqa: E402
+from harli_train.train.shape_graphs import set_key  # noqa: E402
 from harli_train.train.step import chunk_bounds  # noqa: E402
-from harli_train.train.step_graphs import StepGraphs, set_key  # noqa: E402
+from harli_train.train.step_graphs import StepGraphs  # noqa: E402
 
 
 def batch(seed: int, b: int, t: int, two_docs: bool) -> dict:

@@ -9,8 +9,9 @@ import torch
 
 from harli_train.config import RecipeError, load_recipe
 from harli_train.train.batch_buffers import BatchBuffers
+from harli_train.train.shape_graphs import GraphCaptureError
 from harli_train.train.step import train_step
-from harli_train.train.step_graphs import GraphCaptureError, StepGraphs
+from harli_train.train.step_graphs import StepGraphs
 from harli_train.train.trainer import GRAPHS_ARENA, Trainer
 from tests.test_train import QUICKSTART, _batch, _drain, _grads, _model
 
@@ -318,16 +319,16 @@ def test_the_arena_in_pool_stashes_gives_pages_back_mid_step_and_the_step_is_unc
 
 def _failing_capture(monkeypatch, fail):
     """Make capturing a set raise GraphCaptureError when ``fail(key)`` (keys: (stream, SM budget))."""
-    from harli_train.train import step_graphs
+    from harli_train.train import shape_graphs
 
-    real = step_graphs._ShapeGraphs.set_for
+    real = shape_graphs.ShapeGraphs.set_for
 
     def set_for(self, key):
         if key not in self.sets and fail(key):
-            raise step_graphs.GraphCaptureError(f"capture refused on {key[1]} SMs (test)")
+            raise shape_graphs.GraphCaptureError(f"capture refused on {key[1]} SMs (test)")
         return real(self, key)
 
-    monkeypatch.setattr(step_graphs._ShapeGraphs, "set_for", set_for)
+    monkeypatch.setattr(shape_graphs.ShapeGraphs, "set_for", set_for)
 
 
 def test_a_failed_capture_drops_the_graphs_and_the_run_trains_the_same_without_them(

@@ -32,8 +32,8 @@ from harli_train.config import RecipeConfig
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest
 from harli_train.train.adapter_update import AdapterUpdate
+from harli_train.train.shape_graphs import GraphCaptureError
 from harli_train.train.step import MicroStep, train_step
-from harli_train.train.step_graphs import GraphCaptureError
 from harli_train.train.trainer import Trainer
 from harli_train.train.trainer_state import rng_state, set_rng_state
 

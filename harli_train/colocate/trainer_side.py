@@ -37,7 +37,7 @@ from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent, is_cuda_stream
-from harli_train.train.step_graphs import GraphCaptureError
+from harli_train.train.shape_graphs import GraphCaptureError
 
 log = logging.getLogger(__name__)
 OOM_ERRORS: tuple[type[BaseException], ...] = (

@@ -26,7 +26,7 @@ import torch
 
 from harli_train.kernels.launch_config import launch_gate
 from harli_train.kernels.lora_linear import forget_master_casts
-from harli_train.train.step_graphs import GraphCaptureError, set_key
+from harli_train.train.shape_graphs import GraphCaptureError, set_key
 
 
 class AdapterUpdate:

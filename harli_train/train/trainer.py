@@ -49,9 +49,10 @@ from harli_train.train.run_checks import (
 )
 from harli_train.train.run_dir import prepare_run_dir
 from harli_train.train.schedule import lr_at
+from harli_train.train.shape_graphs import GraphCaptureError
 from harli_train.train.signals import held_signals
 from harli_train.train.step import MicroStep, StepResult, train_step
-from harli_train.train.step_graphs import GraphCaptureError, StepGraphs
+from harli_train.train.step_graphs import StepGraphs
 from harli_train.train.trainer_state import rng_state, set_rng_state
 from harli_train.train.validation import load_run_data
 
