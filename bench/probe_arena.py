@@ -1,7 +1,7 @@
 """Probe: where the saved-tensor arena's graph replays depart from the same micro-steps run eagerly.
 
 One micro-batch of packed rows (the tiny preset in bf16, a rank-8 adapter away from zero) through one
-`_ShapeGraphs`: its micro-steps run eagerly (the arena filling its slots), then captured and replayed, each
+`ShapeGraphs`: its micro-steps run eagerly (the arena filling its slots), then captured and replayed, each
 followed by a snapshot of what it wrote (the chunk's arena slots after a forward, the boundary tensors, the
 boundary gradients and the adapter gradients after a backward, the loss sum). Each line names the first
 quantities that differ from the eager pass's. Then the adapter's masters move (as an optimizer step moves
