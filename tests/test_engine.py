@@ -701,6 +701,66 @@ def test_mixed_step_graphs_on_two_partitions_match_eager_steps(hf_pair, tmp_path
             assert ids[len(prompt) :] == _hf_greedy(hf, prompt, sp.max_tokens)
 
 
+def test_a_successor_the_mixed_graphs_do_not_take_is_not_launched_ahead(hf_pair):
+    """Where mixed graphs run the varlen steps, a successor whose packed tokens exceed their largest bucket
+    would launch eagerly (tens of milliseconds of host time on a GPU for a long prompt), holding back the
+    tokens of the step in flight: it is not launched ahead and nothing is scheduled for it (the prompt still
+    waits, no block is taken); the step in flight completes alone and the prompt's step is scheduled after
+    it. Successors the graphs take are launched ahead as before, and the tokens are those of an engine
+    without graphs, which launches every successor ahead."""
+    from harli_train.engine.mixed_graphs import MixedGraphs
+
+    _, ours = hf_pair
+    cfg = EngineConfig(
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_model_len=64,
+        prefill_chunk_tokens=9,
+        kernels="torch",
+        mixed_prefill=True,
+    )
+
+    def run(graphs: bool):
+        engine = DecodeEngine(ours, cfg)
+        if graphs:  # the CPU's static buffers of the GPU's mixed graphs: one bucket, 16 packed tokens
+            runner = engine.runner
+            runner.mixed_graphs = MixedGraphs(ours, runner.attn, cfg, torch.device("cpu"))
+            assert runner.mixed_graphs.max_tokens == 16
+        launched = []  # (packed tokens, launched ahead) of every step
+        launch = engine.runner.launch
+
+        def record(batch, partition, after=None):
+            launched.append((sum(batch.num_tokens), after is not None))
+            return launch(batch, partition, after)
+
+        engine.runner.launch = record
+        first, second, third = _prompts(21, [5, 30, 6])
+        a = engine.add_request(first, SamplingParams(max_tokens=8))
+        assert engine.step().kind == "prefill" and not engine.in_flight
+        assert engine.step(ahead=True).kind == "decode" and engine.in_flight == "decode"
+        b = engine.add_request(second, SamplingParams(max_tokens=6))
+        free = engine.block_manager.num_free
+        step = engine.step(prefill_tokens=30, ahead=True)  # its successor: 1 decode row + 30 prompt tokens
+        assert step.kind == "decode"
+        if graphs:
+            assert not engine.in_flight and b in engine.scheduler.waiting
+            assert engine.block_manager.num_free == free  # not even the decode row's next block
+        else:
+            assert engine.in_flight == "mixed" and b not in engine.scheduler.waiting
+        c = engine.add_request(third, SamplingParams(max_tokens=6))
+        while engine.has_unfinished():
+            engine.step(prefill_tokens=8, ahead=True)
+        return [s.token_ids for s in (a, b, c)], launched
+
+    eager, every = run(False)
+    graphed, launched = run(True)
+    assert graphed == eager
+    assert any(tokens > 16 for tokens, ahead in every if ahead)
+    assert all(tokens <= 16 for tokens, ahead in launched if ahead)
+    assert any(ahead for _, ahead in launched)
+
+
 def test_a_prefill_budget_caps_the_step_launched_ahead_as_well(hf_pair):
     """With mixed prefill a step's successor launched ahead takes the call's prefill budget: none while a
     drain holds prefill back (budget 0), a chunk of the budget once it is given, the rest of the prompt

@@ -327,7 +327,9 @@ class DecodeEngine:
         it was launched). `ahead` (None: `config.overlap`) says whether the step's successor may be
         launched, on `partition`, before the step's tokens are read (`Scheduler.schedule_ahead`). The
         prefill budget `prefill_tokens` caps every step the call launches: the one scheduled now and its
-        successor, or the successor of the step in flight."""
+        successor, or the successor of the step in flight. A successor with prefill whose shape the mixed
+        graphs do not take is not launched ahead: launched eagerly (tens of milliseconds of host time for a
+        long prompt), it would hold back the tokens of the step before it."""
         if self.closed:
             raise EngineError("the engine is closed: it released its graphs and buffers")
         if partition not in self.runner.partitions:  # checked before scheduling changes any state
@@ -341,7 +343,7 @@ class DecodeEngine:
             launched = self.runner.launch(batch, partition)
         batch = launched.batch
         if self.overlap if ahead is None else ahead:
-            ahead = self.scheduler.schedule_ahead(batch, prefill_tokens)
+            ahead = self.scheduler.schedule_ahead(batch, prefill_tokens, self.runner.replays_varlen)
             if ahead is not None:
                 self._inflight = self.runner.launch(ahead, partition, after=launched)
                 self.num_launched_ahead += 1

@@ -213,6 +213,12 @@ class ModelRunner:
         self._num_launched += 1
         return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s, partition)
 
+    def replays_varlen(self, num_tokens: int, num_rows: int) -> bool:
+        """Whether a varlen step of ``num_tokens`` packed tokens in ``num_rows`` rows launches as cheaply as
+        the runner's other steps: it replays a mixed graph, or no step does (eager runners: CPU,
+        ``enforce_eager``, prefill-first)."""
+        return self.mixed_graphs is None or self.mixed_graphs.fits(num_tokens, num_rows)
+
     def last_event(self) -> torch.cuda.Event | None:
         """An event past every step launched so far (None on a CPU, or before the first step)."""
         return self._last[1] if self._last is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harli_train.engine.block_manager import BlockManager
@@ -293,7 +294,10 @@ class Scheduler:
         ]
 
     def schedule_ahead(
-        self, batch: ScheduledBatch, prefill_tokens: int | None = None
+        self,
+        batch: ScheduledBatch,
+        prefill_tokens: int | None = None,
+        launchable: Callable[[int, int], bool] | None = None,
     ) -> ScheduledBatch | None:
         """The step after `batch`, a step whose tokens are not known yet: every sequence that draws a token
         in it and goes on (not ended, by that token's length), each one token further (blocks allocated for
@@ -302,7 +306,9 @@ class Scheduler:
         prompts are admitted while blocks, rows and batch slots are free: those of the sequences `batch`
         ends are not free yet). Its `ahead` says, per row, what `batch` computes before it.
         None when `schedule()` could pick differently once the tokens are known: prefill-first, after a
-        prefill step, with a chunk continuing or a prompt to admit; or blocks are short (a preemption)."""
+        prefill step, with a chunk continuing or a prompt to admit; or blocks are short (a preemption); or
+        it has prefill pieces and `launchable(tokens, rows)` says a step of its shape may not be launched
+        ahead (nothing is changed then)."""
         bm = self.block_manager
         mixed = self.config.mixed_prefill
         if not mixed:
@@ -314,14 +320,21 @@ class Scheduler:
                 if bm.can_allocate(self.waiting[0], len(self.waiting[0])):
                     return None
         seqs = self._continuing(batch)
-        if sum(bm.blocks_needed(s, len(s) + 1) for s in seqs) > bm.num_free:
+        need = sum(bm.blocks_needed(s, len(s) + 1) for s in seqs)
+        if need > bm.num_free:
             return None
+        computed = self._after(batch)
+        budget = self._budget(len(seqs), prefill_tokens)
+        if mixed and launchable is not None:
+            plan = self._prefill_plan(budget, bm.num_free - need, len(bm.free_rows), computed)
+            tokens = len(seqs) + sum(n for _, n, _ in plan)
+            if plan and not launchable(tokens, len(seqs) + len(plan)):
+                return None
         for seq in seqs:
             bm.allocate(seq, len(seq) + 1)
         out = ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
-        computed = self._after(batch)
         if mixed:
-            self._add_prefill(out, self._budget(len(seqs), prefill_tokens), computed)
+            self._add_prefill(out, budget, computed)
         if not out.seqs:
             return None
         out.ahead = [computed.get(id(s), 0) for s in out.seqs]
