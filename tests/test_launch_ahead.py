@@ -92,6 +92,42 @@ def test_a_step_launched_ahead_is_recorded_under_the_plan_that_placed_it(tmp_pat
     assert set(ran) <= {16, 40, 64} and len(set(ran)) == 3
 
 
+def test_the_trainer_waits_for_a_step_in_flight_on_the_sms_it_is_given(tmp_path):
+    """Launched ahead, a step is still running when the next plan hands the trainer its SMs: when that
+    plan's decode share is smaller than the step's (the trainer grows into the step's SMs), the trainer's
+    work under it waits on the GPU for the engine's last step (its stream waits for that event) so the step
+    runs alone as planned; when decode keeps or grows its share, nothing waits."""
+    from harli_train.colocate.sm import StandInEvent
+
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    shares = itertools.cycle([16, 64, 40])
+    rt = runtime(
+        tmp_path,
+        ladder,
+        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
+        requests([(0.0, 3, 10)]),
+        RuntimeOptions(quiet=True, plots=False, launch_ahead=True),
+    )
+    engine, sms_of = rt.engine, {rt.engine.key(p): p.infer_sms for p in ladder.partitions}
+    engine.last_step_event = StandInEvent  # a new event per call (a CPU runner has none)
+    feeds = []  # (decode's share in flight, the plan's share, the event its trainer work waits for)
+    feed = rt.worker.feed
+
+    def record(plan, after=None):
+        flying = engine.engine._inflight
+        feeds.append((flying and sms_of[flying.partition], plan.partition.infer_sms, after))
+        launched = feed(plan, after)
+        assert after is None or after in plan.train_stream.waits  # the round's first launch waited
+        return launched
+
+    rt.worker.feed = record
+    rt.run()
+    gated = [(was, now) for was, now, after in feeds if after is not None]
+    assert all(was is not None and now < was for was, now in gated)
+    assert all(after is not None for was, now, after in feeds if was is not None and now < was)
+    assert gated and any(was is not None and now >= was for was, now, _ in feeds)  # both cases ran
+
+
 def test_the_recipe_turns_launching_ahead_on(tmp_path):
     from harli_train.colocate.commands import run_colocated
 

@@ -11,6 +11,7 @@ import logging
 import time
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -165,6 +166,10 @@ class EngineAdapter:
     def in_flight(self) -> str | None:
         """The kind of the step launched ahead that the next ``step`` completes (None: none)."""
         return self.engine.in_flight
+
+    def last_step_event(self) -> Any:
+        """An event past every step launched so far (None on a CPU)."""
+        return self.engine.last_step_event()
 
     def close(self) -> None:
         """Release the engine's GPU resources (graphs, staging buffers); see ``DecodeEngine.close``."""

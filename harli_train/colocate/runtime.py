@@ -272,7 +272,8 @@ class ColocatedRuntime(AlonePhases):
             policy.ladder.switch(self._prev, plan.partition)
             self._prev = plan.partition
             if plan.train == BESIDE:
-                launched = worker.feed(plan)  # with the trainer thread: published, launched there
+                # with the trainer thread: published, launched there
+                launched = worker.feed(plan, self._gate(plan, done))
             else:
                 worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
             if plan.train == AFTER:
@@ -319,6 +320,14 @@ class ColocatedRuntime(AlonePhases):
         self.tally.count(result.kind, result.num_decode, plan.partition.infer_sms, plan.paused)
         self._last_end = end
         self._record(row, t=end)
+
+    def _gate(self, plan: StepPlan, flying: tuple[StepPlan, Any, Any] | None) -> Any:
+        """What the trainer's work under ``plan`` waits for on the GPU: the step in flight (``flying``: its
+        plan) when it runs on SMs ``plan`` gives the trainer (the whole GPU, or a larger share than decode's
+        next), so that the step runs alone as it was planned (None: nothing to wait for)."""
+        if flying is None or not plan.isolated or plan.train_from_sm >= flying[0].partition.infer_sms:
+            return None
+        return self.engine.last_step_event()
 
     def _hold(self, plan: StepPlan | None) -> None:
         """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""

@@ -93,6 +93,7 @@ class TrainerSide:
         self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
         self.last_stream: Any = None
         self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
+        self._gate: Any = None  # an event the round's first launch waits for (`launch_round`'s ``after``)
         self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
@@ -167,10 +168,15 @@ class TrainerSide:
         return max(known) if known else self.ewma_s
 
     # ---- launching -----------------------------------------------------------------------------------
-    def launch_round(self, plan: StepPlan, preempted: Callable[[], bool] = lambda: False) -> int:
-        """Launch the micro-steps ``plan`` allows (stopping early when ``preempted()``); returns how many."""
+    def launch_round(
+        self, plan: StepPlan, preempted: Callable[[], bool] = lambda: False, after: Any = None
+    ) -> int:
+        """Launch the micro-steps ``plan`` allows (stopping early when ``preempted()``); returns how many.
+        ``after`` (an event): the round's work starts on the GPU only once it is reached (an engine step
+        still running on SMs the plan gives the trainer)."""
         if self.done or plan.paused or self.held:
             return 0
+        self._gate = after
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
         sync = not self.on_gpu
@@ -286,6 +292,10 @@ class TrainerSide:
         """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs; returns its duration
         when synchronous."""
         self._handoff(stream)
+        if self._gate is not None:  # the round's later launches follow this one (the stream, or a handoff)
+            if hasattr(stream, "wait_event"):
+                stream.wait_event(self._gate)
+            self._gate = None
         cuda = is_cuda_stream(stream)
         ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
         start = end = None

@@ -154,15 +154,16 @@ class TrainerWorker:
         else:
             self.side.at_decision(self._decisions)
 
-    def feed(self, plan: StepPlan) -> int:
+    def feed(self, plan: StepPlan, after: Any = None) -> int:
         """Launch (or, with the worker, hand over) the micro-steps ``plan`` allows; returns how many launched
-        since the last call (with the worker: what it launched since then, the plan going on there)."""
+        since the last call (with the worker: what it launched since then, the plan going on there).
+        ``after``: an event their work waits for on the GPU (`TrainerSide.launch_round`)."""
         if self._thread is None:
-            launched = self.side.launch_round(plan)
+            launched = self.side.launch_round(plan, after=after)
             self._publish()
             return launched
         if plan.train == BESIDE and not plan.paused:
-            self._mailbox.put((_PLAN, plan, self._decisions))
+            self._mailbox.put((_PLAN, (plan, after), self._decisions))
             total = self.snapshot.launched_total
             launched, self._reported = total - self._reported, total
             return launched
@@ -170,7 +171,7 @@ class TrainerWorker:
         if plan.paused:
             return 0
         # Time slicing: the step is done, the worker fills the slack while this thread waits.
-        launched = self._call(lambda: self.side.launch_round(plan, self._preempted))
+        launched = self._call(lambda: self.side.launch_round(plan, self._preempted, after))
         self._reported = self.snapshot.launched_total
         return launched
 
@@ -302,7 +303,8 @@ class TrainerWorker:
                     # One round per plan, cut short by any newer message (a newer plan supersedes it).
                     self._in_round = True
                     try:
-                        side.launch_round(payload, self._preempted)
+                        plan, after = payload
+                        side.launch_round(plan, self._preempted, after)
                     finally:
                         self._in_round = False
                 self._publish()
