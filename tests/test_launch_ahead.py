@@ -26,19 +26,24 @@ from .runtime_support import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def scripted_runtime(out, load, ahead: bool):
+    """A runtime serving ``load`` whose decode share cycles over three rungs (16, 64, 40 SMs), one per plan."""
+    shares = itertools.cycle([16, 64, 40])
+    return runtime(
+        out,
+        SMLadder.cpu_standin(TOTAL, 8),
+        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
+        load,
+        RuntimeOptions(quiet=True, plots=False, launch_ahead=ahead),
+    )
+
+
 def scripted_run(out, ahead: bool):
     """Decode's share cycles over three rungs, one per plan, while 20 requests of four output lengths decode
     beside the trainer (16 at a time: the last 4 are admitted, and prefilled in mixed steps, as the first to
     end leave); returns the runtime after its run and the sequences it served."""
-    ladder = SMLadder.cpu_standin(TOTAL, 8)
-    shares = itertools.cycle([16, 64, 40])
-    rt = runtime(
-        out,
-        ladder,
-        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
-        requests([(0.0, 5, 8), (0.0, 5, 12), (0.0, 5, 16), (0.0, 5, 20)]),
-        RuntimeOptions(quiet=True, plots=False, launch_ahead=ahead),
-    )
+    load = requests([(0.0, 5, 8), (0.0, 5, 12), (0.0, 5, 16), (0.0, 5, 20)])
+    rt = scripted_runtime(out, load, ahead)
     served = []
     engine = rt.engine.engine
     add = engine.add_request
@@ -99,16 +104,8 @@ def test_the_trainer_waits_for_a_step_in_flight_on_the_sms_it_is_given(tmp_path)
     runs alone as planned; when decode keeps or grows its share, nothing waits."""
     from harli_train.colocate.sm import StandInEvent
 
-    ladder = SMLadder.cpu_standin(TOTAL, 8)
-    shares = itertools.cycle([16, 64, 40])
-    rt = runtime(
-        tmp_path,
-        ladder,
-        lambda ladder: ScriptedPolicy(ladder, lambda: next(shares)),
-        requests([(0.0, 3, 10)]),
-        RuntimeOptions(quiet=True, plots=False, launch_ahead=True),
-    )
-    engine, sms_of = rt.engine, {rt.engine.key(p): p.infer_sms for p in ladder.partitions}
+    rt = scripted_runtime(tmp_path, requests([(0.0, 3, 10)]), ahead=True)
+    engine, sms_of = rt.engine, {rt.engine.key(p): p.infer_sms for p in rt.policy.ladder.partitions}
     engine.last_step_event = StandInEvent  # a new event per call (a CPU runner has none)
     feeds = []  # (decode's share in flight, the plan's share, the event its trainer work waits for)
     feed = rt.worker.feed
