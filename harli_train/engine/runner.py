@@ -199,7 +199,7 @@ class ModelRunner:
                 # The index of the token each row draws, past the host's last (a fed decode row's: one).
                 offsets = [
                     s.num_computed + batch.ahead_of(i) + batch.num_tokens[i] - len(s)
-                    for i, s in ((i, batch.seqs[i]) for i in sampling)
+                    for i, s in zip(sampling, seqs, strict=True)
                 ]
                 tokens = self.sampler(logits, self._sampling_batch(seqs, offsets))
             if stream is not None:

@@ -234,10 +234,15 @@ class Scheduler:
                 batch.num_tokens.append(1)
         batch.num_decode = len(batch.seqs)
 
-    def _add_prefill(self, batch: ScheduledBatch, budget: int, ahead: dict[int, int] | None = None) -> bool:
+    def _add_prefill(self, batch: ScheduledBatch, budget: int) -> bool:
         """Append the prefill pieces of `_prefill_plan` (admitting waiting prompts); whether there were any."""
         bm = self.block_manager
-        plan = self._prefill_plan(budget, bm.num_free, len(bm.free_rows), ahead)
+        return self._apply_prefill(batch, self._prefill_plan(budget, bm.num_free, len(bm.free_rows)))
+
+    def _apply_prefill(self, batch: ScheduledBatch, plan: list[tuple[Sequence, int, bool]]) -> bool:
+        """Append the pieces of `plan` (a `_prefill_plan` made against the blocks and rows free now),
+        admitting its waiting prompts; whether there were any."""
+        bm = self.block_manager
         for seq, n, admit in plan:
             if admit:
                 self.waiting.remove(seq)
@@ -324,17 +329,17 @@ class Scheduler:
         if need > bm.num_free:
             return None
         computed = self._after(batch)
-        budget = self._budget(len(seqs), prefill_tokens)
-        if mixed and launchable is not None:
+        plan: list[tuple[Sequence, int, bool]] = []  # against the blocks the decode rows leave free
+        if mixed:
+            budget = self._budget(len(seqs), prefill_tokens)
             plan = self._prefill_plan(budget, bm.num_free - need, len(bm.free_rows), computed)
             tokens = len(seqs) + sum(n for _, n, _ in plan)
-            if plan and not launchable(tokens, len(seqs) + len(plan)):
+            if plan and launchable is not None and not launchable(tokens, len(seqs) + len(plan)):
                 return None
         for seq in seqs:
             bm.allocate(seq, len(seq) + 1)
         out = ScheduledBatch(False, seqs, [1] * len(seqs), num_decode=len(seqs))
-        if mixed:
-            self._add_prefill(out, budget, computed)
+        self._apply_prefill(out, plan)
         if not out.seqs:
             return None
         out.ahead = [computed.get(id(s), 0) for s in out.seqs]
