@@ -93,7 +93,6 @@ class TrainerSide:
         self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
         self.last_stream: Any = None
         self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
-        self._gate: Any = None  # an event the round's first launch waits for (`launch_round`'s ``after``)
         self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
@@ -176,7 +175,6 @@ class TrainerSide:
         still running on SMs the plan gives the trainer)."""
         if self.done or plan.paused or self.held:
             return 0
-        self._gate = after
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
         sync = not self.on_gpu
@@ -216,7 +214,8 @@ class TrainerSide:
             tracker.arm_rebuild(stale)
             t0, ooms, abandoned = time.perf_counter(), self.oom_recoveries, self.abandoned_steps
             stream, sms, at_sm = self._rung_for(plan, first_sm)
-            seconds = self._launch(stream, sms, at_sm, kind)
+            seconds = self._launch(stream, sms, at_sm, kind, after)
+            after = None  # the round's later launches follow this one (its stream, or a handoff)
             host = time.perf_counter() - t0
             self.launch_host_s += host
             if self.oom_recoveries != ooms or self.abandoned_steps != abandoned:
@@ -288,14 +287,12 @@ class TrainerSide:
                 budget * 1e3,
             )
 
-    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str) -> float:
-        """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs; returns its duration
-        when synchronous."""
+    def _launch(self, stream: Any, sms: int, first_sm: int, kind: str, after: Any = None) -> float:
+        """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs, its work waiting on
+        the GPU for event ``after`` (None: nothing); returns its duration when synchronous."""
         self._handoff(stream)
-        if self._gate is not None:  # the round's later launches follow this one (the stream, or a handoff)
-            if hasattr(stream, "wait_event"):
-                stream.wait_event(self._gate)
-            self._gate = None
+        if after is not None and hasattr(stream, "wait_event"):
+            stream.wait_event(after)
         cuda = is_cuda_stream(stream)
         ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
         start = end = None
