@@ -302,11 +302,9 @@ def _pool_run(
         overrides.append("colocation.memory_gib=16")
     overrides += [f"output.dir={run}", *extra]
     args = [recipe, "--colocate-with", "tiny", "--policy", "static:64", "--quiet", *overrides]
-    if graphs_on_pool:  # the command line's main, the assembly's GPU gate for graphs on the pool open
-        gate = "import harli_train.colocate.assembly as a; a.GRAPHS_ON_CUDA_POOL = True"
-        _assert_clean_exit(_run(args, tmp_path, prelude=gate))
-    else:
-        _assert_clean_exit(_run(args, tmp_path))
+    # The command line's main; graphs_on_pool=False closes the assembly's gate for graphs on the GPU's pool.
+    gate = f"import harli_train.colocate.assembly as a; a.GRAPHS_ON_CUDA_POOL = {bool(graphs_on_pool)}"
+    _assert_clean_exit(_run(args, tmp_path, prelude=gate))
     summary = json.loads((run / "colocate" / "summary.json").read_text())
     pool = {**summary["memory"]["pool"], "trainer_oom_recoveries": summary["finetune"]["oom_recoveries"]}
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -342,7 +340,6 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     assert pressed_losses == losses
 
 
-@pytest.mark.slow  # three co-located runs; bench/smoke_gpu.sh leaves it out until the gate opens
 def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(tmp_path, monkeypatch):
     """train.cuda_graphs beside the CUDA page pool (the assembly's gate opened for these runs): the graphs
     capture into the trainer tenant's MemPool and their saved-tensor arena lives in its stashes; the run

@@ -156,10 +156,10 @@ def kv_reserve_blocks(requests: Sequence[TraceRequest], col: Any, block_size: in
     return math.ceil(col.max_batch * mean / block_size)
 
 
-# With train.cuda_graphs the trainer's saved-tensor arena lives in its tenant's stashes (PoolMemory.attach):
-# on the host backend always; on a GPU, where its graphs also capture into the tenant's MemPool, only once
-# this is True (tests/test_gpu.py sets it in a run of its own to validate it).
-GRAPHS_ON_CUDA_POOL = False
+# With train.cuda_graphs the trainer's saved-tensor arena lives in its tenant's stashes (PoolMemory.attach),
+# and on a GPU its graphs capture into the tenant's MemPool. False runs graphed steps on a GPU without the
+# pool (tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_... compares the two).
+GRAPHS_ON_CUDA_POOL = True
 
 
 def open_pool(
@@ -173,7 +173,7 @@ def open_pool(
         return None, None, {"pool": pool_disabled("colocation.memory_pool is false")}
     if cfg.train.cuda_graphs and device.type == "cuda" and not GRAPHS_ON_CUDA_POOL:
         reason = (
-            "train.cuda_graphs on a GPU runs without the page pool (its graphs in pool pages: not validated)"
+            "train.cuda_graphs on a GPU runs without the page pool (assembly.GRAPHS_ON_CUDA_POOL is off)"
         )
         log.info("running without the page pool: %s", reason)
         return None, None, {"pool": pool_disabled(reason)}

@@ -142,15 +142,16 @@ class SMLadder:
         return self.full
 
     def switch(self, prev: Partition | None, nxt: Partition) -> Partition:
-        """Hand decode's and the trainer's queued work from ``prev``'s streams to ``nxt``'s (no sync)."""
+        """Hand decode's queued work from ``prev``'s stream to ``nxt``'s (no sync): decode on the new rung
+        sees the KV writes of the last step.
+
+        The trainer's streams are not touched: the trainer orders its own work across streams on its own
+        thread (``TrainerSide._handoff``), and may be capturing a CUDA graph on one of them, where an event
+        recorded or waited on from the decode thread would join or break that capture."""
         if prev is None or prev is nxt:
             return nxt
-        # Decode on the new rung must see the KV writes of the last step; same for the trainer's state.
         prev.infer_event.record(prev.infer_stream)
         nxt.infer_stream.wait_event(prev.infer_event)
-        if not prev.time_sliced:
-            prev.train_event.record(prev.train_stream)
-            nxt.train_stream.wait_event(prev.train_event)
         return nxt
 
     def retire(self, train_sms: set[int]) -> list[Partition]:
