@@ -172,9 +172,7 @@ def open_pool(
     if not col.memory_pool:
         return None, None, {"pool": pool_disabled("colocation.memory_pool is false")}
     if cfg.train.cuda_graphs and device.type == "cuda" and not GRAPHS_ON_CUDA_POOL:
-        reason = (
-            "train.cuda_graphs on a GPU runs without the page pool (assembly.GRAPHS_ON_CUDA_POOL is off)"
-        )
+        reason = "train.cuda_graphs on a GPU runs without the page pool (assembly.GRAPHS_ON_CUDA_POOL is off)"
         log.info("running without the page pool: %s", reason)
         return None, None, {"pool": pool_disabled(reason)}
     budget = pool_budget(cfg, device)
