@@ -13,6 +13,14 @@ measured while it is in use, so without that a single spike there (one 27-44 ms 
 out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps). Likewise the
 co-run family's GPU-wide factor relaxes toward the solo one while only solo steps run (the trainer paused), and
 the other way round.
+
+A share that is slower than the model on its own, visit after visit, is not a spike: a visit (the decode
+steps of one family on one share in a row, judged on its first ``VISIT_STEPS``) whose median ratio exceeds
+the GPU-wide factor at its start by ``CONFIRM`` confirms the share's excess. Once ``n >= 2`` visits in a row have confirmed it (one may be a
+GPU-wide episode), the share's excess relaxes at ``idle_alpha / n`` and its misses are its own (they do not raise the GPU-wide factor, which
+would put the shares decode returns to over budget too); a visit as modelled ends the confirmation. On the
+H200, launched ahead at a heavy load, decode shrank to 32 SMs 41 times in a 20 s window, each time to steps
+1.10-1.15x its prediction there (0.99x on 48 SMs), and relaxed back within ~0.4 s each time.
 """
 
 from __future__ import annotations
@@ -21,11 +29,15 @@ import math
 from typing import Any
 
 RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
+CONFIRM = (
+    0.05  # a visit's median ratio this far over the GPU-wide factor at its start confirms its share's excess
+)
+VISIT_STEPS = 16  # a visit is judged on its first this many steps (or fewer, when it ends before)
 
 
 class OnlineCorrection:
     """The online correction of ``LatencyPredictor`` (a mixin over its fields: ``alpha``, ``alpha_up``,
-    ``idle_alpha``, ``mixed``, ``_glob``, ``_corr`` and ``_mixed_q``)."""
+    ``idle_alpha``, ``mixed``, ``_glob``, ``_corr``, ``_mixed_q``, ``_visit`` and ``_confirmed``)."""
 
     __slots__ = ()
     alpha: float
@@ -35,6 +47,10 @@ class OnlineCorrection:
     _glob: list[float]
     _corr: dict[int, list[float]]
     _mixed_q: tuple[Any, ...]
+    _visit: list[
+        Any
+    ]  # the decode visit under way: [sms, family, GPU-wide factor at its start, ratios, judged]
+    _confirmed: dict[tuple[int, int], int]  # (sms, family) -> visits in a row that confirmed its excess
 
     def observe(
         self,
@@ -61,6 +77,9 @@ class OnlineCorrection:
             return self.correction(infer_sms, corun, mixed, beside_backward)
         ratio = min(max(measured_s / raw, RATIO_CLAMP[0]), RATIO_CLAMP[1])
         own = self._corr.setdefault(infer_sms, [1.0] * 4)
+        if not mixed:
+            self._visit_step(infer_sms, family, ratio)
+            own_share = own_share or self._confirmed.get((infer_sms, family), 0) >= 2
         # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
         # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
         # only costs the trainer some SMs until the decay brings the share back.
@@ -76,6 +95,30 @@ class OnlineCorrection:
                 self._mixed_q[2].add(ratio)
         return self.correction(infer_sms, corun, mixed, beside_backward)
 
+    def _visit_step(self, infer_sms: int, family: int, ratio: float) -> None:
+        """Count a decode step's ratio in the visit of its share and family; a visit is judged (confirming its
+        share's excess, or ending the confirmation) at its ``VISIT_STEPS``-th step, or when a step on another
+        share or family ends it before."""
+        visit = self._visit
+        if visit and (visit[0], visit[1]) == (infer_sms, family):
+            if not visit[4]:
+                visit[3].append(ratio)
+                if len(visit[3]) >= VISIT_STEPS:
+                    self._judge(visit)
+            return
+        if visit and not visit[4]:
+            self._judge(visit)
+        self._visit[:] = [infer_sms, family, self._glob[family], [ratio], False]
+
+    def _judge(self, visit: list[Any]) -> None:
+        ratios = sorted(visit[3])
+        key = (visit[0], visit[1])
+        if ratios[len(ratios) // 2] > (1.0 + CONFIRM) * visit[2]:
+            self._confirmed[key] = self._confirmed.get(key, 0) + 1
+        else:
+            self._confirmed.pop(key, None)
+        visit[4] = True
+
     def _relax_unused(self, infer_sms: int, family: int) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
         of the same kind of step with the trainer in the other state (solo <-> co-run) toward this one's, and
@@ -90,7 +133,7 @@ class OnlineCorrection:
             glob = self._glob[fam]
             for sms, factors in self._corr.items():
                 if factors[fam] > glob and (sms != infer_sms or fam != family):
-                    factors[fam] -= a * (factors[fam] - glob)
+                    factors[fam] -= a / max(self._confirmed.get((sms, fam), 0), 1) * (factors[fam] - glob)
 
     def correction(
         self, infer_sms: int, corun: bool, mixed: bool = False, beside_backward: bool = False
@@ -122,5 +165,7 @@ class OnlineCorrection:
     def reset_corrections(self) -> None:
         self._corr.clear()
         self._glob[:] = [1.0] * 4
+        self._visit.clear()
+        self._confirmed.clear()
         for recent in self._mixed_q:
             recent.clear()

@@ -98,6 +98,8 @@ class LatencyPredictor(OnlineCorrection):
     _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
     # solo, co-run, and co-run beside a trainer backward (the backward-aware floor: ``beside_backward``)
     _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)
+    _visit: list[Any] = field(default_factory=list, repr=False)  # OnlineCorrection's visits of shares
+    _confirmed: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.shares:
