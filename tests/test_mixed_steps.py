@@ -481,6 +481,10 @@ def test_objective_counts_every_interval_and_requests_still_running():
     # TPOT (first to last): 33.3 ms (misses), 10 ms, 11 ms: 2 of 3 meet 15 ms.
     assert stats["tpot_attainment"] == pytest.approx(2 / 3) and stats["requests_missing_tpot"] == 1
     assert not stats["clean"] and stats["token_interval_ms"]["max"] == pytest.approx(80)
+    # The request that stalled the most is named, with its preemptions (none here).
+    worst = stats["longest_wait"]
+    assert worst["request_id"] == "0" and worst["max_interval_ms"] == pytest.approx(80)
+    assert worst["preemptions"] == 0 == stats["preemptions"] and worst["output_tokens"] == 4
     clean = EngineMetrics(0.0)
     for i in range(3):
         clean.add_finished(_seq(i, [0.1, 0.11, 0.12]))

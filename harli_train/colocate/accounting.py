@@ -12,6 +12,8 @@ running or queued.
   or cut off at the end) counts with its wait so far, so a load a policy cannot keep up with shows in the
   TTFT figures instead of leaving them;
 - ``ttft_attainment`` (with a TTFT objective) = the fraction of requests whose TTFT, or wait so far, meets it;
+- ``preemptions`` counts the times a request lost its KV cache (recomputed later), and ``longest_wait``
+  names the request with the longest wait between two of its tokens (what a client saw stall the most);
 - a policy is **clean** when ``tpot_attainment >= ATTAINMENT_BAR`` and ``violation_rate <= RATE_BAR``
   (``tpot_clean``) and, with a TTFT objective, ``ttft_attainment >= ATTAINMENT_BAR``.
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from harli_train.engine.metrics import EngineMetrics, percentiles, request_record
+from harli_train.engine.metrics import EngineMetrics, RequestRecord, percentiles, request_record
 from harli_train.engine.sequence import Sequence
 
 ATTAINMENT_BAR = 0.99
@@ -76,4 +78,23 @@ def objective_stats(
         **({} if ttft_s is None else {"objective_ttft_ms": ttft_s * 1e3, "ttft_attainment": ttft_met}),
         "tpot_ms": percentiles(judged),
         "token_interval_ms": percentiles(intervals * 1e3),
+        "preemptions": sum(r.preemptions for r in records),
+        "longest_wait": _longest_wait(records),
+    }
+
+
+def _longest_wait(records: list[RequestRecord]) -> dict[str, Any] | None:
+    """The request whose wait between two of its tokens was the longest (None before any has two)."""
+    waited = [r for r in records if r.max_interval_ms is not None]
+    if not waited:
+        return None
+    r = max(waited, key=lambda r: r.max_interval_ms)
+    return {
+        "request_id": r.request_id,
+        "arrival_s": r.arrival_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "preemptions": r.preemptions,
+        "finish_reason": r.finish_reason,
+        "max_interval_ms": r.max_interval_ms,
     }

@@ -91,6 +91,8 @@ def build_summary(
             **{k: objective[k] for k in ("objective_ttft_ms", "ttft_attainment") if k in objective},
             "tpot_ms": objective["tpot_ms"],
             "token_interval_ms": objective["token_interval_ms"],
+            "preemptions": objective["preemptions"],
+            "longest_wait": objective["longest_wait"],
             "decode_step_ms": serving.get("decode_step_ms"),
             "mixed_step_ms": serving.get("mixed_step_ms"),
             "prefill_step_ms": serving.get("prefill_step_ms"),
