@@ -125,6 +125,34 @@ def test_the_trainer_waits_for_a_step_in_flight_on_the_sms_it_is_given(tmp_path)
     assert gated and any(was is not None and now >= was for was, now, _ in feeds)  # both cases ran
 
 
+def test_a_successor_not_launched_ahead_is_planned_once(tmp_path):
+    """A successor the engine does not launch ahead (here: any step with prefill tokens, as a prompt too long
+    for the mixed graphs is on a GPU) is launched after the step in flight completes; the plan made for it
+    then (its trainer work fed, decode's share switched) is the one it runs under, not a second plan that
+    would count the controller's hysteresis twice: every plan is followed by a launch before the next."""
+    rt = scripted_runtime(tmp_path, requests([(0.0, 5, 8), (0.0, 5, 12), (0.0, 5, 16), (0.0, 5, 20)]), True)
+    runner = rt.engine.engine.runner
+    runner.replays_varlen = lambda tokens, rows: tokens <= rows  # no step with prefill tokens launches ahead
+    events = []
+    plan, launch = rt.policy.plan, runner.launch
+
+    def planned(preview):
+        events.append(("plan", preview.kind))
+        return plan(preview)
+
+    def launched(batch, partition, after=None):
+        events.append(("launch", batch.kind, after is not None))
+        return launch(batch, partition, after)
+
+    rt.policy.plan, runner.launch = planned, launched
+    rt.run()
+    assert ("launch", "mixed", False) in events and ("launch", "mixed", True) not in events
+    assert ("plan", "mixed") in events and events.count(("plan", "mixed")) == sum(
+        e[:2] == ("launch", "mixed") for e in events
+    )
+    assert all(a[0] != "plan" or b[0] == "launch" for a, b in itertools.pairwise(events))
+
+
 def test_the_recipe_turns_launching_ahead_on(tmp_path):
     from harli_train.colocate.commands import run_colocated
 

@@ -116,6 +116,8 @@ class ColocatedRuntime(AlonePhases):
         self.progress = Progress(self.policy.name, opts.progress_every_s, opts.quiet, opts.gauges, self.t0)
         self._prev: Partition | None = None
         self._ahead: tuple[StepPlan, Any, Any] | None = None  # the step launched ahead (``_step``)
+        # A plan carried out for a successor the engine did not launch ahead, and the preview it was made for
+        self._unlaunched: tuple[StepPlan, tuple] | None = None
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
@@ -256,17 +258,26 @@ class ColocatedRuntime(AlonePhases):
         the one in flight, the plan made in a call places the step launched ahead in it, and the step the
         call completes is the one launched ahead before, with its own plan (``_ahead``): it is that plan the
         step is recorded and learnt under. Where no step can follow the one in flight (nothing left to
-        decode; prefill-first, a prefill step next), it completes alone. A plan that slices time is never
-        launched ahead, and a one-step detour (``transient``) only as the step it was made for."""
+        decode; prefill-first, a prefill step next; a successor that would launch eagerly), it completes
+        alone, and the plan made for the successor (its trainer work fed, decode's share switched) is the
+        step's plan in the next call when that call previews the same step: the policy plans each step once.
+        A plan that slices time is never launched ahead, and a one-step detour (``transient``) only as the
+        step it was made for."""
         worker, policy = self.worker, self.policy
         worker.tick()
         # (plan, trainer snapshot, its work on the GPU) of the step in flight (an abort may have completed it)
         flying = self.engine.in_flight
         done = self._ahead if flying else None
         self._ahead = None
+        unlaunched, self._unlaunched = self._unlaunched, None
         plan: StepPlan | None = None
         launched, ahead = 0, False
-        if done is None or preview.kind == "decode" or (preview.kind != "idle" and self.engine.mixed_prefill):
+        if done is None and unlaunched is not None and unlaunched[1] == _preview_key(preview):
+            plan = unlaunched[0]  # carried out in the call before: it only launches now
+            ahead = self._launch_ahead and _may_launch_ahead(plan, False)
+        elif (
+            done is None or preview.kind == "decode" or (preview.kind != "idle" and self.engine.mixed_prefill)
+        ):
             plan = policy.plan(preview)
             self._hold(plan)
             policy.ladder.switch(self._prev, plan.partition)
@@ -296,6 +307,8 @@ class ColocatedRuntime(AlonePhases):
         if plan is not None and self.engine.in_flight:
             self._ahead = (plan, snap, on_gpu)
             self.tally.launched_ahead += 1
+        elif plan is not None and done is not None and plan.train != AFTER:
+            self._unlaunched = (plan, _preview_key(preview))
         measured = result.latency_s or (t_end - t_start)
         if plan is not None and plan.train == AFTER:
             launched += worker.feed(plan)
@@ -448,6 +461,17 @@ class ColocatedRuntime(AlonePhases):
             )
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         return summary
+
+
+def _preview_key(preview: StepPreview) -> tuple:
+    """What a plan is made from, of a preview: a plan made for one preview stands for another with the same."""
+    return (
+        preview.kind,
+        preview.decode_seqs,
+        preview.decode_kv_tokens,
+        preview.prefill_tokens,
+        preview.decode_adapters,
+    )
 
 
 def _may_launch_ahead(plan: StepPlan, for_itself: bool) -> bool:
