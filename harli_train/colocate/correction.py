@@ -16,23 +16,35 @@ the other way round.
 
 A share that is slower than the model on its own, visit after visit, is not a spike: a visit (the decode
 steps of one family on one share in a row, judged on its first ``VISIT_STEPS``) whose median ratio exceeds
-the GPU-wide factor at its start by ``CONFIRM`` confirms the share's excess. Once ``n >= 2`` visits in a row have confirmed it (one may be a
-GPU-wide episode), the share's excess relaxes at ``idle_alpha / n`` and its misses are its own (they do not raise the GPU-wide factor, which
-would put the shares decode returns to over budget too); a visit as modelled ends the confirmation. On the
-H200, launched ahead at a heavy load, decode shrank to 32 SMs 41 times in a 20 s window, each time to steps
-1.10-1.15x its prediction there (0.99x on 48 SMs), and relaxed back within ~0.4 s each time.
+the GPU-wide factor at its start by ``CONFIRM`` confirms the share's excess. Once ``n >= 2`` visits in a
+row have confirmed it (one may be a GPU-wide episode), the share's excess relaxes at ``idle_alpha / n`` and
+its misses are its own (they do not raise the GPU-wide factor, which would put the shares decode returns
+to over budget too); a visit as modelled ends the confirmation. On the H200, launched ahead at a heavy
+load, decode shrank to 32 SMs 41 times in a 20 s window, each time to steps 1.10-1.15x its prediction
+there (0.99x on 48 SMs), and relaxed back within ~0.4 s each time.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 RATIO_CLAMP = (0.5, 2.0)  # a single stall or lucky step must not swing the correction far
-CONFIRM = (
-    0.05  # a visit's median ratio this far over the GPU-wide factor at its start confirms its share's excess
-)
+# A visit's median ratio this far over the GPU-wide factor at its start confirms its share's excess.
+CONFIRM = 0.05
 VISIT_STEPS = 16  # a visit is judged on its first this many steps (or fewer, when it ends before)
+
+
+@dataclass(slots=True)
+class Visit:
+    """Decode steps of one family on one share in a row: their ratios, up to when the visit is judged."""
+
+    sms: int
+    family: int
+    glob: float  # the family's GPU-wide factor when the visit began
+    ratios: list[float] = field(default_factory=list)
+    judged: bool = False
 
 
 class OnlineCorrection:
@@ -47,9 +59,7 @@ class OnlineCorrection:
     _glob: list[float]
     _corr: dict[int, list[float]]
     _mixed_q: tuple[Any, ...]
-    _visit: list[
-        Any
-    ]  # the decode visit under way: [sms, family, GPU-wide factor at its start, ratios, judged]
+    _visit: Visit | None  # the decode visit under way
     _confirmed: dict[tuple[int, int], int]  # (sms, family) -> visits in a row that confirmed its excess
 
     def observe(
@@ -100,24 +110,24 @@ class OnlineCorrection:
         share's excess, or ending the confirmation) at its ``VISIT_STEPS``-th step, or when a step on another
         share or family ends it before."""
         visit = self._visit
-        if visit and (visit[0], visit[1]) == (infer_sms, family):
-            if not visit[4]:
-                visit[3].append(ratio)
-                if len(visit[3]) >= VISIT_STEPS:
+        if visit is not None and (visit.sms, visit.family) == (infer_sms, family):
+            if not visit.judged:
+                visit.ratios.append(ratio)
+                if len(visit.ratios) >= VISIT_STEPS:
                     self._judge(visit)
             return
-        if visit and not visit[4]:
+        if visit is not None and not visit.judged:
             self._judge(visit)
-        self._visit[:] = [infer_sms, family, self._glob[family], [ratio], False]
+        self._visit = Visit(infer_sms, family, self._glob[family], [ratio])
 
-    def _judge(self, visit: list[Any]) -> None:
-        ratios = sorted(visit[3])
-        key = (visit[0], visit[1])
-        if ratios[len(ratios) // 2] > (1.0 + CONFIRM) * visit[2]:
+    def _judge(self, visit: Visit) -> None:
+        ratios = sorted(visit.ratios)
+        key = (visit.sms, visit.family)
+        if ratios[len(ratios) // 2] > (1.0 + CONFIRM) * visit.glob:
             self._confirmed[key] = self._confirmed.get(key, 0) + 1
         else:
             self._confirmed.pop(key, None)
-        visit[4] = True
+        visit.judged = True
 
     def _relax_unused(self, infer_sms: int, family: int) -> None:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
@@ -165,7 +175,7 @@ class OnlineCorrection:
     def reset_corrections(self) -> None:
         self._corr.clear()
         self._glob[:] = [1.0] * 4
-        self._visit.clear()
+        self._visit = None
         self._confirmed.clear()
         for recent in self._mixed_q:
             recent.clear()

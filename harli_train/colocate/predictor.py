@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from harli_train.colocate.correction import OnlineCorrection
+from harli_train.colocate.correction import OnlineCorrection, Visit
 from harli_train.colocate.lora_cost import LoRACost, MixedLoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
@@ -98,7 +98,7 @@ class LatencyPredictor(OnlineCorrection):
     _corr: dict[int, list[float]] = field(default_factory=dict, repr=False)  # sms -> per family
     # solo, co-run, and co-run beside a trainer backward (the backward-aware floor: ``beside_backward``)
     _mixed_q: tuple[RecentQuantile, ...] = field(default=(), repr=False)
-    _visit: list[Any] = field(default_factory=list, repr=False)  # OnlineCorrection's visits of shares
+    _visit: Visit | None = field(default=None, repr=False)  # OnlineCorrection's visits of shares
     _confirmed: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -36,8 +36,7 @@ class Partition:
     infer_stream: Any
     train_stream: Any
     index: int = 0
-    infer_event: Any = None
-    train_event: Any = None
+    infer_event: Any = None  # recorded on infer_stream when decode leaves this rung (``SMLadder.switch``)
 
     @property
     def exclusive(self) -> bool:
@@ -214,7 +213,6 @@ class SMLadder:
                 StandInStream(f"infer{len(infer_ids)}", infer_ids),
                 StandInStream(f"train{len(train_ids)}", train_ids),
                 infer_event=StandInEvent(),
-                train_event=StandInEvent(),
             )
 
         return cls._from_groups(sizes, total_sms, step, pair, kind="cpu")
@@ -270,7 +268,7 @@ class TimeSliceLadder(SMLadder):
         total = torch.cuda.get_device_properties(device).multi_processor_count
         stream = torch.cuda.Stream(device=device, priority=infer_priority)
         event = torch.cuda.Event()
-        part = Partition(total, total, stream, stream, infer_event=event, train_event=event)
+        part = Partition(total, total, stream, stream, infer_event=event)
         return cls([part], total, kind="timeslice", device=device, time_sliced=True)
 
     @classmethod
@@ -279,7 +277,7 @@ class TimeSliceLadder(SMLadder):
     ) -> TimeSliceLadder:
         stream = StandInStream("timeslice", frozenset(range(total_sms)))
         event = StandInEvent()
-        part = Partition(total_sms, total_sms, stream, stream, infer_event=event, train_event=event)
+        part = Partition(total_sms, total_sms, stream, stream, infer_event=event)
         return cls([part], total_sms, kind="timeslice-cpu", time_sliced=True)
 
 
@@ -380,15 +378,11 @@ class _GreenBuilder:
         if k is None:
             s_inf = torch.cuda.Stream(device=self.device, priority=self.infer_priority)
             s_tr = torch.cuda.Stream(device=self.device)
-            return Partition(
-                total_sms, 0, s_inf, s_tr, infer_event=torch.cuda.Event(), train_event=torch.cuda.Event()
-            )
+            return Partition(total_sms, 0, s_inf, s_tr, infer_event=torch.cuda.Event())
         train_res = self.groups[k:] + ([self.remainder] if self.remainder.sm.smCount > 0 else [])
         s_inf, n_inf = self._context_stream(self.groups[:k], self.infer_priority)
         s_tr, n_tr = self._context_stream(train_res, 0)
-        return Partition(
-            n_inf, n_tr, s_inf, s_tr, infer_event=torch.cuda.Event(), train_event=torch.cuda.Event()
-        )
+        return Partition(n_inf, n_tr, s_inf, s_tr, infer_event=torch.cuda.Event())
 
     def free(self) -> None:
         for kind, handle in reversed(self.owned):

@@ -19,7 +19,6 @@ def whole_gpu_pair(ladder: SMLadder) -> Partition:
         full.train_stream,
         index=full.index,
         infer_event=full.infer_event,
-        train_event=full.train_event,
     )
 
 

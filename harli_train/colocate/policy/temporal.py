@@ -22,7 +22,6 @@ def time_slice_view(ladder: SMLadder) -> TimeSliceLadder:
         full.infer_stream,
         full.infer_stream,
         infer_event=full.infer_event,
-        train_event=full.infer_event,
     )
     return TimeSliceLadder(
         [part], ladder.total_sms, kind="timeslice-view", device=ladder.device, time_sliced=True
