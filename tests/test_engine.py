@@ -178,7 +178,7 @@ def test_overlapped_decode_computes_what_the_plain_engine_does(hf_pair, num_kv_b
     assert len(decode_steps) >= len([s for s in plain_engine.metrics.steps if s.kind == "decode"])
 
 
-def test_overlapped_engine_aborts_and_shrinks_with_a_step_launched_ahead(hf_pair):
+def test_overlapped_engine_aborts_and_shrinks_with_a_step_launched_ahead(hf_pair, monkeypatch):
     _, ours = hf_pair
     cfg = EngineConfig(
         block_size=4, num_kv_blocks=32, max_num_seqs=4, max_model_len=64, kernels="torch", overlap=True
@@ -194,6 +194,20 @@ def test_overlapped_engine_aborts_and_shrinks_with_a_step_launched_ahead(hf_pair
     assert engine.abort_all() == 2 and engine._inflight is None and not engine.has_unfinished()
     assert engine.block_manager.num_free == 32 and engine.shrink_kv_blocks(16)
     assert engine.step().kind == "idle"
+    # A step in flight whose wait fails (a device error): the requests are dropped all the same.
+    for p in _prompts(12, [5, 9]):
+        engine.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    assert engine._inflight is not None
+
+    def fail(step):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(type(engine._inflight), "wait", fail)
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.abort_all()
+    assert engine._inflight is None and not engine.has_unfinished() and engine.block_manager.num_free == 16
 
 
 def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):

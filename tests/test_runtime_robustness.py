@@ -22,6 +22,7 @@ from harli_train.train.trainer import Trainer
 
 from .runtime_support import (
     TOTAL,
+    ScriptedPolicy,
     adapter,
     assert_same_adapter,
     losses,
@@ -284,6 +285,31 @@ def test_cuda_env_gives_streams_their_own_hardware_queues_unless_the_user_chose(
     )
     mine = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert prefer_cuda_env(mine) == {} and mine["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["wait", "launch-ahead"])
+def test_a_failed_run_leaves_its_engine_without_its_requests(tmp_path, ahead):
+    """The engine outlives a run that fails mid-serve (a benchmark's next window runs on it): it keeps none
+    of the failed run's requests, whose next tokens would put the pause between the runs in another run's
+    token intervals (on the H200 a 12.25 s interval in the window after a failed one)."""
+    calls = []
+
+    def script():
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("a device error in the middle of the run")
+        return 64
+
+    load = requests([(0.0, 6, 24)])
+    opts = RuntimeOptions(quiet=True, plots=False, launch_ahead=ahead)
+    rt = runtime(
+        tmp_path, SMLadder.cpu_standin(TOTAL, 8), lambda ladder: ScriptedPolicy(ladder, script), load, opts
+    )
+    with pytest.raises(RuntimeError, match="device error"):
+        rt.run()
+    engine = rt.engine.engine
+    assert not engine.has_unfinished() and engine.in_flight is None
+    assert not engine.block_manager.used_blocks
 
 
 def test_colocation_closes_the_engine_before_the_ladder():

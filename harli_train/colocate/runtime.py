@@ -141,6 +141,12 @@ class ColocatedRuntime(AlonePhases):
                         self._solo()
             except KeyboardInterrupt:  # a second Ctrl-C: stop wherever the loop was
                 self.stop_reason, self._hard_stop = "interrupted", True
+            except BaseException:
+                # The engine outlives a failed run (a benchmark's next window): it keeps none of its requests,
+                # whose next tokens would otherwise count the failure's pause in another run's intervals.
+                with contextlib.suppress(Exception):
+                    self.engine.abort_all()
+                raise
             finally:
                 try:
                     self.worker.stop()  # at the next micro-step boundary; the rest of the run is this thread's

@@ -259,14 +259,17 @@ class DecodeEngine:
     def abort_all(self, record: bool = False) -> int:
         """Drop every queued and running request (blocks freed, finish_reason 'aborted'); returns how many.
         With `record`, each is recorded in the metrics with the tokens it drew so far (a window's end: what
-        its clients saw counts)."""
-        if self._inflight is not None:
-            self._inflight.wait()
-            self._inflight = None
-        dropped = self.scheduler.abort_all(self.clock())
-        if record:
-            for seq in dropped:
-                self.metrics.add_finished(seq)
+        its clients saw counts). The requests are dropped even when waiting for a step in flight fails (a
+        device error), which is then raised."""
+        inflight, self._inflight = self._inflight, None
+        try:
+            if inflight is not None:
+                inflight.wait()
+        finally:
+            dropped = self.scheduler.abort_all(self.clock())
+            if record:
+                for seq in dropped:
+                    self.metrics.add_finished(seq)
         return len(dropped)
 
     def close(self) -> None:
