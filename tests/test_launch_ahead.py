@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
-from harli_train.colocate.runtime import _may_launch_ahead
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder
+from harli_train.colocate.steps_ahead import may_launch_ahead
 
 from .runtime_support import (
     TOTAL,
@@ -169,13 +169,13 @@ def _plan(part, train=BESIDE, transient=False):
 def test_no_successor_is_launched_after_a_time_slice_or_a_one_step_detour():
     ladder = SMLadder.cpu_standin(TOTAL, 8)
     part = ladder.select(40)
-    assert _may_launch_ahead(_plan(part), False) and _may_launch_ahead(_plan(part), True)
+    assert may_launch_ahead(_plan(part), False) and may_launch_ahead(_plan(part), True)
     for itself in (False, True):
-        assert not _may_launch_ahead(_plan(part, train=AFTER), itself)  # the trainer runs after it on its SMs
-        assert not _may_launch_ahead(_plan(TimeSliceLadder.cpu_standin(TOTAL).full), itself)  # one stream
+        assert not may_launch_ahead(_plan(part, train=AFTER), itself)  # the trainer runs after it on its SMs
+        assert not may_launch_ahead(_plan(TimeSliceLadder.cpu_standin(TOTAL).full), itself)  # one stream
     # A one-step detour, launched ahead as the step it was made for, but not repeated by its successor.
-    assert _may_launch_ahead(_plan(part, transient=True), True)
-    assert not _may_launch_ahead(_plan(part, transient=True), False)
+    assert may_launch_ahead(_plan(part, transient=True), True)
+    assert not may_launch_ahead(_plan(part, transient=True), False)
 
 
 def test_a_harli_variant_launches_ahead_or_waits_whatever_the_run_says(tmp_path):

@@ -19,9 +19,7 @@ steps of one family on one share in a row, judged on its first ``VISIT_STEPS``) 
 the GPU-wide factor at its start by ``CONFIRM`` confirms the share's excess. Once ``n >= 2`` visits in a
 row have confirmed it (one may be a GPU-wide episode), the share's excess relaxes at ``idle_alpha / n`` and
 its misses are its own (they do not raise the GPU-wide factor, which would put the shares decode returns
-to over budget too); a visit as modelled ends the confirmation. On the H200, launched ahead at a heavy
-load, decode shrank to 32 SMs 41 times in a 20 s window, each time to steps 1.10-1.15x its prediction
-there (0.99x on 48 SMs), and relaxed back within ~0.4 s each time.
+to over budget too); a visit as modelled ends the confirmation (docs/design.md has the H200 run behind it).
 """
 
 from __future__ import annotations

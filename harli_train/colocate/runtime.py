@@ -44,6 +44,7 @@ from harli_train.colocate.progress import Progress, RunView
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition
 from harli_train.colocate.step_tally import StepTally, step_row
+from harli_train.colocate.steps_ahead import StepsAhead, gate
 from harli_train.colocate.trainer_side import OOM_ERRORS
 from harli_train.colocate.trainer_worker import TrainerWorker
 from harli_train.engine.load import TraceReplay, TraceRequest
@@ -115,9 +116,7 @@ class ColocatedRuntime(AlonePhases):
         opts = self.opts
         self.progress = Progress(self.policy.name, opts.progress_every_s, opts.quiet, opts.gauges, self.t0)
         self._prev: Partition | None = None
-        self._ahead: tuple[StepPlan, Any, Any] | None = None  # the step launched ahead (``_step``)
-        # A plan carried out for a successor the engine did not launch ahead, and the preview it was made for
-        self._unlaunched: tuple[StepPlan, tuple] | None = None
+        self.ahead = StepsAhead(self._launch_ahead)  # the steps launched ahead and their plans (``_step``)
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
@@ -262,25 +261,17 @@ class ColocatedRuntime(AlonePhases):
         (``DecodeEngine.step``), so the host's work between two steps (reading tokens, bookkeeping, planning,
         feeding the trainer, staging the next step) overlaps the GPU's. ``preview`` is then of the step after
         the one in flight, the plan made in a call places the step launched ahead in it, and the step the
-        call completes is the one launched ahead before, with its own plan (``_ahead``): it is that plan the
-        step is recorded and learnt under. Where no step can follow the one in flight (nothing left to
-        decode; prefill-first, a prefill step next; a successor that would launch eagerly), it completes
-        alone, and the plan made for the successor (its trainer work fed, decode's share switched) is the
-        step's plan in the next call when that call previews the same step: the policy plans each step once.
-        A plan that slices time is never launched ahead, and a one-step detour (``transient``) only as the
-        step it was made for."""
+        call completes is the one launched ahead before, with its own plan: it is that plan the step is
+        recorded and learnt under. Where no step can follow the one in flight (nothing left to decode;
+        prefill-first, a prefill step next; a successor that would launch eagerly), it completes alone.
+        ``StepsAhead`` keeps the plans and states the rules."""
         worker, policy = self.worker, self.policy
         worker.tick()
-        # (plan, trainer snapshot, its work on the GPU) of the step in flight (an abort may have completed it)
-        flying = self.engine.in_flight
-        done = self._ahead if flying else None
-        self._ahead = None
-        unlaunched, self._unlaunched = self._unlaunched, None
-        plan: StepPlan | None = None
+        # The step in flight (an abort may have completed it), or the plan carried over for this step.
+        done, plan = self.ahead.take(bool(self.engine.in_flight), preview)
         launched, ahead = 0, False
-        if done is None and unlaunched is not None and unlaunched[1] == _preview_key(preview):
-            plan = unlaunched[0]  # carried out in the call before: it only launches now
-            ahead = self._launch_ahead and _may_launch_ahead(plan, False)
+        if plan is not None:  # carried out in the call before: it only launches now
+            ahead = self.ahead.may_launch(plan, False)
         elif (
             done is None or preview.kind == "decode" or (preview.kind != "idle" and self.engine.mixed_prefill)
         ):
@@ -290,12 +281,12 @@ class ColocatedRuntime(AlonePhases):
             self._prev = plan.partition
             if plan.train == BESIDE:
                 # with the trainer thread: published, launched there
-                launched = worker.feed(plan, self._gate(plan, done))
+                launched = worker.feed(plan, gate(plan, done, self.engine.last_step_event))
             else:
                 worker.pause()  # paused or time-sliced: the trainer thread launches nothing beside this step
             if plan.train == AFTER:
                 worker.drain()  # same stream: the step must not queue behind the trainer's work
-            ahead = self._launch_ahead and _may_launch_ahead(plan, done is not None)
+            ahead = self.ahead.may_launch(plan, done is not None)
         snap = worker.snapshot  # the trainer side as of its last launch (owned by its worker)
         on_gpu = snap.on_gpu()  # its micro-steps still on the GPU as the step starts
         if done is None:
@@ -310,11 +301,8 @@ class ColocatedRuntime(AlonePhases):
             return
         t_end = time.perf_counter()
         self.decode_ooms = 0
-        if plan is not None and self.engine.in_flight:
-            self._ahead = (plan, snap, on_gpu)
+        if self.ahead.after_step(plan, done, bool(self.engine.in_flight), (plan, snap, on_gpu), preview):
             self.tally.launched_ahead += 1
-        elif plan is not None and done is not None and plan.train != AFTER:
-            self._unlaunched = (plan, _preview_key(preview))
         measured = result.latency_s or (t_end - t_start)
         if plan is not None and plan.train == AFTER:
             launched += worker.feed(plan)
@@ -339,14 +327,6 @@ class ColocatedRuntime(AlonePhases):
         self.tally.count(result.kind, result.num_decode, plan.partition.infer_sms, plan.paused)
         self._last_end = end
         self._record(row, t=end)
-
-    def _gate(self, plan: StepPlan, flying: tuple[StepPlan, Any, Any] | None) -> Any:
-        """What the trainer's work under ``plan`` waits for on the GPU: the step in flight (``flying``: its
-        plan) when it runs on SMs ``plan`` gives the trainer (the whole GPU, or a larger share than decode's
-        next), so that the step runs alone as it was planned (None: nothing to wait for)."""
-        if flying is None or not plan.isolated or plan.train_from_sm >= flying[0].partition.infer_sms:
-            return None
-        return self.engine.last_step_event()
 
     def _hold(self, plan: StepPlan | None) -> None:
         """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""
@@ -467,23 +447,3 @@ class ColocatedRuntime(AlonePhases):
             )
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         return summary
-
-
-def _preview_key(preview: StepPreview) -> tuple:
-    """What a plan is made from, of a preview: a plan made for one preview stands for another with the same."""
-    return (
-        preview.kind,
-        preview.decode_seqs,
-        preview.decode_kv_tokens,
-        preview.prefill_tokens,
-        preview.decode_adapters,
-    )
-
-
-def _may_launch_ahead(plan: StepPlan, for_itself: bool) -> bool:
-    """Whether the engine may launch a step ahead under ``plan``: the step it was made for (``for_itself``:
-    it follows a step in flight), or the successor of the step it places now. Never when the trainer runs
-    after the step on its SMs (time slicing); a one-step detour (``transient``) only for itself."""
-    if plan.train == AFTER or plan.partition.time_sliced:
-        return False
-    return for_itself or not plan.transient
