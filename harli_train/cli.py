@@ -162,11 +162,13 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
 
 def launches_ahead(col) -> bool:
     """Whether a co-located run of recipe section ``col`` launches steps ahead (the key, or harli's option)."""
+    from harli_train.colocate.steps_ahead import launches_ahead as rule
     from harli_train.policy_names import parse_harli_options
 
     base, _, options = col.policy.partition(":")
-    chosen = parse_harli_options(options).get("launch_ahead") if base == "harli" else None
-    return col.launch_ahead if chosen is None else chosen
+    return rule(
+        parse_harli_options(options).get("launch_ahead") if base == "harli" else None, col.launch_ahead
+    )
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -44,7 +44,7 @@ from harli_train.colocate.progress import Progress, RunView
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition
 from harli_train.colocate.step_tally import StepTally, step_row
-from harli_train.colocate.steps_ahead import StepsAhead, gate
+from harli_train.colocate.steps_ahead import StepsAhead, gate, launches_ahead
 from harli_train.colocate.trainer_side import OOM_ERRORS
 from harli_train.colocate.trainer_worker import TrainerWorker
 from harli_train.engine.load import TraceReplay, TraceRequest
@@ -99,10 +99,7 @@ class ColocatedRuntime(AlonePhases):
         self.decode_ooms = 0
         self.gc_pauses = GcPauses(scheduled=self.opts.scheduled_gc)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
-        # Steps launched one ahead (``_step``): the policy's own choice, else the run's.
-        self._launch_ahead = bool(
-            self.opts.launch_ahead if policy.launch_ahead is None else policy.launch_ahead
-        )
+        self._launch_ahead = launches_ahead(policy.launch_ahead, self.opts.launch_ahead)  # ``_step``
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -67,6 +67,12 @@ class StepsAhead:
         return False
 
 
+def launches_ahead(policy_choice: bool | None, run_choice: bool | None) -> bool:
+    """Whether a run launches steps ahead: its policy's own choice (``harli:launch=ahead|wait``) when it made
+    one, else the run's (``colocation.launch_ahead``)."""
+    return bool(run_choice if policy_choice is None else policy_choice)
+
+
 def gate(plan: StepPlan, done: Flying | None, last_step_event: Callable[[], Any]) -> Any:
     """What the trainer's work under ``plan`` waits for on the GPU: the engine's last step (``done``'s plan
     placed it) when it runs on SMs ``plan`` gives the trainer (the whole GPU, or a larger share than
