@@ -18,6 +18,7 @@ import analyze_colocate  # noqa: E402
 import colocate_matrix  # noqa: E402
 import colocate_windows  # noqa: E402
 import replan_mixed  # noqa: E402
+import replay_controller  # noqa: E402
 
 from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
 
@@ -257,6 +258,30 @@ def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_flo
     assert got["moves"][32] == {112: 1} and got["chunks"][(32, 112)][0] >= 61
     assert got["moves"][64] == {None: 1} and got["moves"][128] == {None: 1}
     assert replan_mixed.replan(rows, predictor, shares, 0.0088, [32], 256, 1.2)["moves"][32] == {None: 1}
+
+
+def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_the_visit_rule():
+    """bench/replay_controller.py on the H200 profile of 2026-12-04: a window whose decode steps ran 1.14x
+    their raw prediction on 32 SMs and 1.0x on 48 and 64, replayed through a fresh controller (objective
+    11.5 ms): with the
+    share-visit rule decode returns to 32 SMs far less often, and fewer steps overrun the budget."""
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
+    meta = profile["meta"]
+    predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
+    ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
+    ratios = {32: [1.14], 48: [1.0], 64: [1.0]}
+    steps = [(2, 1400)] * 1500  # 32 SMs: 9.05 ms raw, within the 9.78 ms budget as modelled, 10.3 as run
+    runs = {}
+    for variant, confirm in (("on", predictor.share_confirm), ("off", float("inf"))):
+        predictor.share_confirm = confirm
+        runs[variant] = replay_controller.replay(predictor, ladder, steps, ratios, 0.0115, 0.15, 0)
+    assert runs["off"]["visits"][32] >= 3 * max(runs["on"]["visits"][32], 1)
+    assert runs["on"]["over_budget"] < runs["off"]["over_budget"]
+    # The ratios a window's steps showed, per share, over their raw prediction.
+    rows = [dict(zip(COLUMNS, _row(0.0, "decode", 48, True, 0.008, 0.0075), strict=True))]
+    rows[0]["batch"], rows[0]["kv_tokens"] = 6, 4200
+    raw = predictor.predict(6, 4200, 48, True, raw=True)
+    assert replay_controller.share_ratios(predictor, rows) == {48: [pytest.approx(0.0075 / raw)]}
 
 
 def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tmp_path, monkeypatch):

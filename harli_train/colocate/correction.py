@@ -47,12 +47,14 @@ class Visit:
 
 class OnlineCorrection:
     """The online correction of ``LatencyPredictor`` (a mixin over its fields: ``alpha``, ``alpha_up``,
-    ``idle_alpha``, ``mixed``, ``_glob``, ``_corr``, ``_mixed_q``, ``_visit`` and ``_confirmed``)."""
+    ``idle_alpha``, ``share_confirm``, ``mixed``, ``_glob``, ``_corr``, ``_mixed_q``, ``_visit`` and
+    ``_confirmed``)."""
 
     __slots__ = ()
     alpha: float
     alpha_up: float
     idle_alpha: float
+    share_confirm: float  # ``CONFIRM``; infinite: no visit confirms a share's excess (the rule off)
     mixed: Any
     _glob: list[float]
     _corr: dict[int, list[float]]
@@ -121,7 +123,7 @@ class OnlineCorrection:
     def _judge(self, visit: Visit) -> None:
         ratios = sorted(visit.ratios)
         key = (visit.sms, visit.family)
-        if ratios[len(ratios) // 2] > (1.0 + CONFIRM) * visit.glob:
+        if ratios[len(ratios) // 2] > (1.0 + self.share_confirm) * visit.glob:
             self._confirmed[key] = self._confirmed.get(key, 0) + 1
         else:
             self._confirmed.pop(key, None)

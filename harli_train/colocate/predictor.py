@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from harli_train.colocate.correction import OnlineCorrection, Visit
+from harli_train.colocate.correction import CONFIRM, OnlineCorrection, Visit
 from harli_train.colocate.lora_cost import LoRACost, MixedLoRACost
 from harli_train.colocate.mixed_model import MixedStepModel
 from harli_train.colocate.recent_quantile import RecentQuantile
@@ -79,6 +79,7 @@ class LatencyPredictor(OnlineCorrection):
     alpha: float = 0.1  # EWMA weight of the newest measured/predicted ratio when it is below the correction
     alpha_up: float = 0.5  # ... and when it is above: running slower than predicted is caught at once
     idle_alpha: float = 0.02  # per step: how much of an unmeasured factor's excess relaxes to a measured one
+    share_confirm: float = CONFIRM  # a share's visits confirm its excess over this (``OnlineCorrection``)
     intensity: float = 1.0
     fit_report: dict[str, Any] = field(default_factory=dict)
     mixed: MixedStepModel | None = None  # mixed steps (decode rows + prefill chunks); None: not profiled

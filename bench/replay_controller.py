@@ -1,0 +1,144 @@
+"""Replay a window's decode steps through harli's controller offline (no GPU): the shares it takes and the
+steps that run over the budget and the objective, with the predictor's share-visit rule on and off.
+
+    python bench/replay_controller.py RESULT.json[.gz] --profile PROFILE.json[.gz] \\
+        [--policy harli:launch=ahead] [--cells steady/heavy] [--seeds 5]
+
+Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
+step of the window, in order (its batch and KV tokens; mixed and prefill steps are left out), is decided
+again by a fresh ``Controller`` held to the window's objective and the run's margin. A step on share s is
+"measured" as its raw prediction there times a ratio drawn (seeded) from the ratios the window's own steps
+on s showed (what the policy learnt from, max(step latency, token interval), over the raw prediction); a
+share the window never ran on takes the ratios of the nearest share it did. A replay shows how the
+correction's rules move decode over the ladder against the same load and the same per-share errors, not
+what a GPU run would measure: a share's errors do not depend on what came before it here.
+
+Printed last, per cell and variant (the medians over the seeds): steps on each share, visits to each (steps
+on it after a step elsewhere), and steps over the budget and over the objective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from analyze_colocate import rows_of, windows  # noqa: E402
+from colocate_matrix import load  # noqa: E402
+
+from harli_train.colocate.controller import Controller  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
+from harli_train.colocate.sm import SMLadder  # noqa: E402
+
+
+def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
+    """Per share, what the window's decode steps beside the trainer took over their raw prediction."""
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") != "decode" or r.get("train") != "beside" or not r.get("measured_s"):
+            continue
+        seen = max(r["measured_s"], r.get("interval_s") or 0.0)
+        raw = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], True, raw=True)
+        ratios[r["infer_sms"]].append(seen / raw)
+    return ratios
+
+
+def replay(
+    predictor: LatencyPredictor,
+    ladder: SMLadder,
+    steps: list[tuple[int, int]],
+    ratios: dict[int, list[float]],
+    tpot_s: float,
+    margin: float,
+    seed: int,
+) -> dict[str, object]:
+    """One replay of ``steps`` ((batch, KV tokens) each): shares taken, visits, steps over budget / objective."""
+    predictor.reset_corrections()
+    ctl = Controller(predictor, ladder, tpot_s, margin)
+    rng = random.Random(seed)
+    measured_shares = sorted(ratios)
+    taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
+    for batch, kv_tokens in steps:
+        d = ctl.decide(batch, kv_tokens)
+        sms = d.partition.infer_sms
+        near = min(measured_shares, key=lambda s: abs(s - sms))
+        seen = predictor.predict(batch, kv_tokens, sms, d.corun, raw=True) * rng.choice(ratios[near])
+        ctl.observe(d, seen)
+        taken[sms] += 1
+        visits[sms] += sms != prev
+        over_budget += seen > ctl.budget_s
+        over_tpot += seen > tpot_s
+        prev = sms
+    return {"taken": taken, "visits": visits, "over_budget": over_budget, "over_tpot": over_tpot}
+
+
+def _median(runs: list[dict], key: str, share: int | None = None) -> float:
+    """The median over the replays of a count (of one share's, with ``share``)."""
+    return statistics.median(run[key][share] if share is not None else run[key] for run in runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a bench_colocate result written with --keep-steps")
+    ap.add_argument("--profile", required=True, help="the decode profile the run used (.json or .json.gz)")
+    ap.add_argument("--policy", default="harli", help="the policy whose windows are replayed")
+    ap.add_argument("--cells", default="", help="cells to replay (comma-separated; default: every one)")
+    ap.add_argument("--seeds", type=int, default=5, help="replays per variant (their medians are printed)")
+    args = ap.parse_args()
+    result, profile = load(Path(args.result)), load(Path(args.profile))
+    meta = profile.get("meta", {})
+    predictor = LatencyPredictor.fit(
+        profile["samples"],
+        int(profile["key"]["sm_count"]),
+        float(meta["kv_bytes_per_token"]),
+        **fit_options(meta),
+    )
+    rungs = result["setup"]["ladder"]["rungs"]
+    total = max(r["infer_sms"] for r in rungs)
+    step = min(r["infer_sms"] for r in rungs)
+    ladder = SMLadder.cpu_standin(total, step, group_sms=8)
+    margin = result["setup"]["margin"]
+    wanted = {c for c in args.cells.split(",") if c}
+    lines = []
+    for objective, tpot_s, cells in windows(result):
+        for cell, policies in cells.items():
+            entry = policies.get(args.policy)
+            if (wanted and cell not in wanted) or not isinstance(entry, dict) or "steps" not in entry:
+                continue
+            rows = rows_of(entry)
+            steps = [(r["batch"], r["kv_tokens"]) for r in rows if r.get("kind") == "decode" and r["batch"]]
+            ratios = share_ratios(predictor, rows)
+            if not ratios:
+                continue
+            for variant, confirm in (("visits confirm", predictor.share_confirm), ("rule off", math.inf)):
+                kept, predictor.share_confirm = predictor.share_confirm, confirm
+                runs = [
+                    replay(predictor, ladder, steps, ratios, tpot_s, margin, s) for s in range(args.seeds)
+                ]
+                predictor.share_confirm = kept
+                shares = sorted({s for run in runs for s in run["taken"]})
+                lines.append(
+                    [
+                        f"{objective} {cell}",
+                        variant,
+                        "  ".join(
+                            f"{s}: {_median(runs, 'taken', s):.0f}/{_median(runs, 'visits', s):.0f}"
+                            for s in shares
+                        ),
+                        f"{_median(runs, 'over_budget'):.0f}",
+                        f"{_median(runs, 'over_tpot'):.0f}",
+                        len(steps),
+                    ]
+                )
+    header = ["cell", "variant", "share: steps/visits", "over budget", "over objective", "decode steps"]
+    print(common.table(lines, header))
+
+
+if __name__ == "__main__":
+    main()
