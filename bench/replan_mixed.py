@@ -71,6 +71,17 @@ def replan(
     return {"moves": out, "chunks": chunks}
 
 
+def fitted(profile: dict) -> LatencyPredictor:
+    """The latency predictor fitted to a decode profile's document (as ``colocate_matrix.load`` reads it)."""
+    meta = profile.get("meta", {})
+    return LatencyPredictor.fit(
+        profile["samples"],
+        int(profile["key"]["sm_count"]),
+        float(meta["kv_bytes_per_token"]),
+        **fit_options(meta),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", help="a bench_colocate result written with --keep-steps")
@@ -81,14 +92,7 @@ def main() -> None:
         "--corun-correction", type=float, default=1.0, help="scales predictions beside the trainer"
     )
     args = ap.parse_args()
-    result, profile = load(Path(args.result)), load(Path(args.profile))
-    meta = profile.get("meta", {})
-    predictor = LatencyPredictor.fit(
-        profile["samples"],
-        int(profile["key"]["sm_count"]),
-        float(meta["kv_bytes_per_token"]),
-        **fit_options(meta),
-    )
+    result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
     shares = sorted(r["infer_sms"] for r in result["setup"]["ladder"]["rungs"])
     margin = result["setup"]["margin"]
     floors = [int(f) for f in args.floors.split(",") if f]

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from analyze_colocate import rows_of, windows  # noqa: E402
 from colocate_matrix import load  # noqa: E402
+from replan_mixed import fitted  # noqa: E402
 
 from harli_train.colocate.controller import Controller  # noqa: E402
-from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
+from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 from harli_train.colocate.sm import SMLadder  # noqa: E402
 
 
@@ -91,14 +92,7 @@ def main() -> None:
     ap.add_argument("--cells", default="", help="cells to replay (comma-separated; default: every one)")
     ap.add_argument("--seeds", type=int, default=5, help="replays per variant (their medians are printed)")
     args = ap.parse_args()
-    result, profile = load(Path(args.result)), load(Path(args.profile))
-    meta = profile.get("meta", {})
-    predictor = LatencyPredictor.fit(
-        profile["samples"],
-        int(profile["key"]["sm_count"]),
-        float(meta["kv_bytes_per_token"]),
-        **fit_options(meta),
-    )
+    result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
     rungs = result["setup"]["ladder"]["rungs"]
     total = max(r["infer_sms"] for r in rungs)
     step = min(r["infer_sms"] for r in rungs)
