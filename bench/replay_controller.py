@@ -13,8 +13,13 @@ share the window never ran on takes the ratios of the nearest share it did. A re
 correction's rules move decode over the ladder against the same load and the same per-share errors, not
 what a GPU run would measure: a share's errors do not depend on what came before it here.
 
+Variants: the share-visit rule on and off, and each ``--options`` entry (harli's controller options,
+``settle=on``, ``margin=learn``, comma-joined for both) on top of the rule. A replay's clock is the sum of
+its steps' "measured" times; ``settle`` weighs a shrink against ``--micro-step-ms`` of queued trainer work.
+
 Printed last, per cell and variant (the medians over the seeds): steps on each share, visits to each (steps
-on it after a step elsewhere), and steps over the budget and over the objective.
+on it after a step elsewhere), steps over the budget and over the objective, and the trainer's mean SMs over
+the decode steps' time (what decode leaves it; the cost of a switch is not in it).
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ from replan_mixed import fitted  # noqa: E402
 from harli_train.colocate.controller import Controller  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 from harli_train.colocate.sm import SMLadder  # noqa: E402
+from harli_train.policy_names import parse_harli_options  # noqa: E402
+
+CONTROLLER_OPTIONS = {
+    "settle": "settle",
+    "learn_margin": "learn_margin",
+}  # harli's options the replay honours
 
 
 def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
@@ -58,25 +69,52 @@ def replay(
     tpot_s: float,
     margin: float,
     seed: int,
+    options: dict[str, bool] | None = None,
+    micro_step_s: float = 0.005,
 ) -> dict[str, object]:
-    """One replay of ``steps`` ((batch, KV tokens) each): shares taken, visits, steps over budget / objective."""
+    """One replay of ``steps`` ((batch, KV tokens) each): shares taken, visits, steps over budget / objective,
+    and the trainer's time-weighted mean SMs; ``options`` are Controller keywords (``settle``, ``learn_margin``)."""
     predictor.reset_corrections()
-    ctl = Controller(predictor, ladder, tpot_s, margin)
+    now = [0.0]
+    ctl = Controller(predictor, ladder, tpot_s, margin, clock=lambda: now[0], **(options or {}))
+    if ctl.settle:
+        ctl.observe_train_slice(micro_step_s)
     rng = random.Random(seed)
     measured_shares = sorted(ratios)
     taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
+    trainer_sm_s = 0.0
     for batch, kv_tokens in steps:
         d = ctl.decide(batch, kv_tokens)
         sms = d.partition.infer_sms
         near = min(measured_shares, key=lambda s: abs(s - sms))
         seen = predictor.predict(batch, kv_tokens, sms, d.corun, raw=True) * rng.choice(ratios[near])
         ctl.observe(d, seen)
+        now[0] += seen
+        trainer_sm_s += 0.0 if d.pause_trainer else (ladder.total_sms - sms) * seen
         taken[sms] += 1
         visits[sms] += sms != prev
         over_budget += seen > ctl.budget_s
         over_tpot += seen > tpot_s
         prev = sms
-    return {"taken": taken, "visits": visits, "over_budget": over_budget, "over_tpot": over_tpot}
+    return {
+        "taken": taken,
+        "visits": visits,
+        "over_budget": over_budget,
+        "over_tpot": over_tpot,
+        "trainer_sms": trainer_sm_s / now[0] if now[0] else 0.0,
+    }
+
+
+def variants(options: list[str], confirm: float) -> list[tuple[str, float, dict[str, bool]]]:
+    """(name, the predictor's share_confirm, Controller keywords) of each replayed variant."""
+    out = [("visits confirm", confirm, {}), ("rule off", math.inf, {})]
+    for text in options:
+        parsed = parse_harli_options(text)
+        unknown = sorted(set(parsed) - set(CONTROLLER_OPTIONS))
+        if unknown:
+            raise SystemExit(f"--options {text!r}: the replay honours only settle and margin, not {unknown}")
+        out.append((text, confirm, {CONTROLLER_OPTIONS[k]: v for k, v in parsed.items()}))
+    return out
 
 
 def _median(runs: list[dict], key: str, share: int | None = None) -> float:
@@ -91,7 +129,19 @@ def main() -> None:
     ap.add_argument("--policy", default="harli", help="the policy whose windows are replayed")
     ap.add_argument("--cells", default="", help="cells to replay (comma-separated; default: every one)")
     ap.add_argument("--seeds", type=int, default=5, help="replays per variant (their medians are printed)")
+    ap.add_argument(
+        "--options",
+        default="",
+        help="more variants: harli controller options, ';'-separated (settle=on;margin=learn)",
+    )
+    ap.add_argument(
+        "--micro-step-ms", type=float, default=5.0, help="the trainer's micro-step (settle's cost)"
+    )
     args = ap.parse_args()
+    try:
+        chosen = variants([o for o in args.options.split(";") if o], math.nan)
+    except ValueError as err:
+        ap.error(f"--options: {err}")
     result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
     rungs = result["setup"]["ladder"]["rungs"]
     total = max(r["infer_sms"] for r in rungs)
@@ -110,10 +160,14 @@ def main() -> None:
             ratios = share_ratios(predictor, rows)
             if not ratios:
                 continue
-            for variant, confirm in (("visits confirm", predictor.share_confirm), ("rule off", math.inf)):
+            for variant, confirm, options in chosen:
+                confirm = predictor.share_confirm if math.isnan(confirm) else confirm
                 kept, predictor.share_confirm = predictor.share_confirm, confirm
                 runs = [
-                    replay(predictor, ladder, steps, ratios, tpot_s, margin, s) for s in range(args.seeds)
+                    replay(
+                        predictor, ladder, steps, ratios, tpot_s, margin, s, options, args.micro_step_ms / 1e3
+                    )
+                    for s in range(args.seeds)
                 ]
                 predictor.share_confirm = kept
                 shares = sorted({s for run in runs for s in run["taken"]})
@@ -127,10 +181,19 @@ def main() -> None:
                         ),
                         f"{_median(runs, 'over_budget'):.0f}",
                         f"{_median(runs, 'over_tpot'):.0f}",
+                        f"{_median(runs, 'trainer_sms'):.1f}",
                         len(steps),
                     ]
                 )
-    header = ["cell", "variant", "share: steps/visits", "over budget", "over objective", "decode steps"]
+    header = [
+        "cell",
+        "variant",
+        "share: steps/visits",
+        "over budget",
+        "over objective",
+        "trainer SMs",
+        "decode steps",
+    ]
     print(common.table(lines, header))
 
 

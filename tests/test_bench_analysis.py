@@ -284,6 +284,35 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     assert replay_controller.share_ratios(predictor, rows) == {48: [pytest.approx(0.0075 / raw)]}
 
 
+def test_replay_controller_variants_take_harlis_controller_options_and_report_the_trainers_sms():
+    """``--options``: each entry is harli's controller options (settle, margin) on top of the visit rule; an
+    option the replay cannot honour is refused by name. Steps that run exactly at their raw prediction let a
+    learned margin (it falls to its floor) move decode to a smaller share than the fixed 0.15 allows, and the
+    trainer's mean SMs rise with it."""
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
+    meta = profile["meta"]
+    predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
+    ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
+    chosen = replay_controller.variants(["settle=on", "margin=learn", "settle=on,margin=learn"], 0.05)
+    assert [(name, kw) for name, _, kw in chosen] == [
+        ("visits confirm", {}),
+        ("rule off", {}),
+        ("settle=on", {"settle": True}),
+        ("margin=learn", {"learn_margin": True}),
+        ("settle=on,margin=learn", {"settle": True, "learn_margin": True}),
+    ]
+    with pytest.raises(SystemExit, match="grow_headroom"):
+        replay_controller.variants(["grow=0.1"], 0.05)
+    steps = [(2, 1400)] * 600
+    raw32 = predictor.predict(2, 1400, 32, True, raw=True)
+    tpot = raw32 / 0.9  # 32 SMs fit a 10 % margin, not 15 %
+    ratios = {s: [1.0] for s in (32, 48, 64)}
+    fixed = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0)
+    learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, {"learn_margin": True})
+    assert fixed["taken"][32] == 0 and learnt["taken"][32] > 400
+    assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
+
+
 def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tmp_path, monkeypatch):
     """A --standalone file measured on another GPU (or naming none) is not reused: the rates are measured
     on this one, named after it, and the file stays as it was; a file of this GPU is read back."""
