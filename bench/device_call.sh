@@ -54,8 +54,14 @@ fi
 git rev-parse HEAD >>"$log" 2>&1
 bash bench/tree_hash.sh >>"$log" 2>&1
 profile="$work/profile.json"
+# A profile an earlier call made on this (still warm) machine is kept in the ignored bench_out/, so that a
+# GPU with no stored profile (an H100) profiles once per machine, not once per call (DEVICE_CALL_CACHE: where).
+cached="${DEVICE_CALL_CACHE:-$repo/bench_out}/device-call-profile.json"
 stored=$(ls bench/profiles/*.json.gz 2>/dev/null | head -n 1)
-if [ -n "$stored" ]; then
+if [ -s "$cached" ]; then
+  cp "$cached" "$profile"
+  echo "profile: kept from an earlier call on this machine" >>"$log"
+elif [ -n "$stored" ]; then
   gunzip -c "$stored" >"$profile"
 fi
 
@@ -109,6 +115,9 @@ while [ $# -gt 0 ]; do
   tables+=("$dir/log")
 done
 
+if [ -s "$profile" ]; then
+  mkdir -p "$(dirname "$cached")" && cp "$profile" "$cached"
+fi
 find "$work" -name '*-timelines.tar.gz' -delete
 # Weights a main job writes (the adapter, checkpoints) would outgrow what a call brings back: files over
 # 4 MiB stay behind, named in the call's log.

@@ -523,6 +523,7 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     dry-run bench step, then one skipped for want of time; everything in one archive (but a file over 4 MiB,
     such as a main job's adapter, left behind and named), nothing else under $OUT."""
     env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "125", "DEVICE_CALL_INSTALL": "0"}
+    env["DEVICE_CALL_CACHE"] = str(tmp_path.parent / f"{tmp_path.name}-cache")
     call = ["bash", str(BENCH / "device_call.sh")]
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
@@ -547,9 +548,10 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
 @pytest.mark.slow
 def test_device_call_makes_the_profile_again_for_the_steps_after_it(tmp_path):
     """device_call.sh's ``profile`` step re-profiles (whatever the stored profile holds) into the call's
-    profile: the bench step after it reuses that profile instead of profiling, and it comes back in the
-    archive."""
+    profile: the bench step after it reuses that profile instead of profiling, it comes back in the
+    archive, and a later call on the same machine starts from it."""
     env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "300", "DEVICE_CALL_INSTALL": "0"}
+    env["DEVICE_CALL_CACHE"] = str(tmp_path / "cache")
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     steps = ["profile", "--dry-run", "colocate", dry]
     proc = subprocess.run(
@@ -563,6 +565,19 @@ def test_device_call_makes_the_profile_again_for_the_steps_after_it(tmp_path):
     assert "profiling decode" in logs["c1/1-profile/log"]
     assert "profiling decode" not in logs["c1/2-colocate/log"]  # the fresh profile, reused
     assert made["key"]["model_id"].startswith("tiny")
+    proc = subprocess.run(
+        ["bash", str(BENCH / "device_call.sh"), "colocate", dry],
+        env={**env, "TAG": "c2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with tarfile.open(tmp_path / "c2.tar.gz") as tar:
+        log = tar.extractfile("c2/call.log").read().decode()
+        bench_log = tar.extractfile("c2/1-colocate/log").read().decode()
+    assert "profile: kept from an earlier call on this machine" in log
+    assert "profiling decode" not in bench_log
 
 
 def test_repeats_cut_short_by_the_time_budget_keep_the_windows_that_ran(tmp_path):
