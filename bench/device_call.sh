@@ -57,7 +57,10 @@ profile="$work/profile.json"
 # A profile an earlier call made on this (still warm) machine is kept in the ignored bench_out/, so that a
 # GPU with no stored profile (an H100) profiles once per machine, not once per call (DEVICE_CALL_CACHE: where).
 cached="${DEVICE_CALL_CACHE:-$repo/bench_out}/device-call-profile.json"
-stored=$(ls bench/profiles/*.json.gz 2>/dev/null | head -n 1)
+# The stored profile of this GPU (bench/profiles/<name, spaces as _>-*.json.gz), else the first stored one.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr ' ' '_')
+stored=$(ls bench/profiles/"${gpu:-none}"-*.json.gz 2>/dev/null | head -n 1)
+stored=${stored:-$(ls bench/profiles/*.json.gz 2>/dev/null | head -n 1)}
 if [ -s "$cached" ]; then
   cp "$cached" "$profile"
   echo "profile: kept from an earlier call on this machine" >>"$log"
