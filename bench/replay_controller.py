@@ -43,10 +43,8 @@ from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 from harli_train.colocate.sm import SMLadder  # noqa: E402
 from harli_train.policy_names import parse_harli_options  # noqa: E402
 
-CONTROLLER_OPTIONS = {
-    "settle": "settle",
-    "learn_margin": "learn_margin",
-}  # harli's options the replay honours
+# harli's options the replay honours: parse_harli_options' keys -> Controller's keywords.
+CONTROLLER_OPTIONS = {"settle": "settle", "learn_margin": "learn_margin"}
 
 
 def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
