@@ -15,7 +15,8 @@
 #   cmd "COMMAND"    bash -c COMMAND (e.g. a co-located main job), with OUT set to the step's folder
 # P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
 # steps of a --live-fraction cell, rewrites it, and it comes back in the archive); S is the standalone rates
-# file of the matrix (STANDALONE, default bench/results/2026-12-04-bench_colocate-standalone.json).
+# file of the matrix (STANDALONE; default: the newest bench/results/*-bench_colocate-standalone*.json measured
+# on this GPU, else the H200's of 2026-12-04).
 # CALL_S is the call's own limit (default 570 s, under the tool's 600); a step starts only with 60 s left.
 # Each step writes under $OUT/$TAG/<n>-<step>/; the tables each prints last are echoed at the end.
 set -u
@@ -25,7 +26,16 @@ cd "$repo" || exit 1
 OUT="${OUT:-$repo/bench_out}"
 TAG="${TAG:-call}"
 CALL_S="${CALL_S:-570}"
-STANDALONE="${STANDALONE:-$repo/bench/results/2026-12-04-bench_colocate-standalone.json}"
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+if [ -z "${STANDALONE:-}" ]; then
+  STANDALONE=$(python - "$gpu_name" "$repo"/bench/results/*-bench_colocate-standalone*.json <<'PY'
+import json, sys
+name, files = sys.argv[1], sorted(sys.argv[2:], reverse=True)
+print(next((f for f in files if json.load(open(f)).get("gpu_name") == name), ""))
+PY
+  )
+  STANDALONE=${STANDALONE:-$repo/bench/results/2026-12-04-bench_colocate-standalone.json}
+fi
 start=$(date +%s)
 # The steps are checked before anything runs: a typo must not cost a device call's set-up.
 rest=("$@")
@@ -58,7 +68,7 @@ profile="$work/profile.json"
 # GPU with no stored profile (an H100) profiles once per machine, not once per call (DEVICE_CALL_CACHE: where).
 cached="${DEVICE_CALL_CACHE:-$repo/bench_out}/device-call-profile.json"
 # The stored profile of this GPU (bench/profiles/<name, spaces as _>-*.json.gz), else the first stored one.
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr ' ' '_')
+gpu=$(echo "$gpu_name" | tr ' ' '_')
 stored=$(ls bench/profiles/"${gpu:-none}"-*.json.gz 2>/dev/null | head -n 1)
 stored=${stored:-$(ls bench/profiles/*.json.gz 2>/dev/null | head -n 1)}
 if [ -s "$cached" ]; then
