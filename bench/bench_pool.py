@@ -56,6 +56,7 @@ prefer_cuda_env()  # before any CUDA context exists
 import common  # noqa: E402
 import torch  # noqa: E402
 
+from harli_train.colocate import assembly  # noqa: E402
 from harli_train.colocate.assembly import assemble  # noqa: E402
 from harli_train.colocate.colocation import Colocation  # noqa: E402
 from harli_train.colocate.report import read_steps  # noqa: E402
@@ -224,11 +225,19 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a recipe override of every phase (e.g. train.cuda_graphs=true); repeatable",
     )
+    ap.add_argument(
+        "--graphs-on-pool",
+        action="store_true",
+        help="with train.cuda_graphs=true on a GPU: the graphs in the pool (assembly.GRAPHS_ON_CUDA_POOL), "
+        "which the command line keeps off",
+    )
     ap.add_argument("--profile", default=None, help="decode profile file: reused when it matches")
     ap.add_argument("--out", default=None, help="the result JSON (default $OUT/bench_pool.json)")
     ap.add_argument("--in-process", action="store_true", help="run the phases in this process")
     args = ap.parse_args()
     dry = args.dry_run
+    if args.graphs_on_pool:
+        assembly.GRAPHS_ON_CUDA_POOL = True
     args.recipe = Path(args.recipe or ROOT / "recipes" / ("quickstart.yaml" if dry else "llama-8b-lora.yaml"))
     args.policy = args.policy or ("static:48" if dry else "static:64")
     args.memory_gib = args.memory_gib or (0.006 if dry else 60.0)

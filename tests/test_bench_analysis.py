@@ -466,6 +466,7 @@ def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(t
             "1",
             "--traces",
             "steady",
+            "--graphs-on-pool",
             "--out",
             str(out),
         ],
@@ -476,6 +477,7 @@ def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(t
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result["setup"]) == {"plain", "loss", "pool"}
+    assert result["args"]["graphs_on_pool"] == "True"  # recorded (it opens the gate on a GPU only)
     # Whether the tiny load presses the pool depends on the host's timing: the reclaim tests are elsewhere.
     assert result["loss"]["losses_equal"] and result["loss"]["pressure"]["steps"] > 0
     for phase in ("plain", "pool"):
