@@ -76,7 +76,10 @@ if [ -s "$cached" ]; then
   echo "profile: kept from an earlier call on this machine" >>"$log"
 elif [ -n "$stored" ]; then
   gunzip -c "$stored" >"$profile"
+  echo "profile: $stored" >>"$log"
 fi
+echo "gpu: ${gpu_name:-none}" >>"$log"
+echo "standalone: $STANDALONE" >>"$log"
 
 n=0
 tables=()

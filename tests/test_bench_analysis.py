@@ -547,6 +547,41 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
 
 
+def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tmp_path):
+    """device_call.sh names the GPU by nvidia-smi: on an H100 it unpacks the H100's stored profile and passes
+    the H100's standalone rates, on an H200 the H200's, and on a machine without a GPU the first stored
+    profile and the H200's rates of 2026-12-04."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    seen = {}
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", None):
+        smi = fake / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho '{gpu}'\n" if gpu else "#!/bin/sh\nexit 9\n")
+        smi.chmod(0o755)
+        out = tmp_path / f"out-{len(seen)}"
+        env = {**os.environ, "OUT": str(out), "TAG": "c", "CALL_S": "120", "DEVICE_CALL_INSTALL": "0"}
+        env["DEVICE_CALL_CACHE"] = str(tmp_path / f"cache-{len(seen)}")
+        env["PATH"] = f"{fake}:{env['PATH']}"
+        proc = subprocess.run(
+            ["bash", str(BENCH / "device_call.sh"), "cmd", "true"], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with tarfile.open(out / "c.tar.gz") as tar:
+            log = tar.extractfile("c/call.log").read().decode()
+        seen[gpu] = {k: v for line in log.splitlines() for k, v in [line.partition(": ")[::2]]}
+    h100, h200, none = seen["NVIDIA H100 80GB HBM3"], seen["NVIDIA H200"], seen[None]
+    assert h100["gpu"] == "NVIDIA H100 80GB HBM3" and none["gpu"] == "none"
+    assert h100["profile"].endswith(
+        "bench/profiles/NVIDIA_H100_80GB_HBM3-llama-8b_torch.bfloat16_batch64_green.json.gz"
+    )
+    assert h100["standalone"].endswith("/2026-12-05-bench_colocate-standalone-h100.json")
+    assert h200["profile"].endswith(
+        "bench/profiles/NVIDIA_H200-llama-8b_torch.bfloat16_batch64_green.json.gz"
+    )
+    assert h200["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
+    assert none["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
+
+
 @pytest.mark.slow
 def test_device_call_makes_the_profile_again_for_the_steps_after_it(tmp_path):
     """device_call.sh's ``profile`` step re-profiles (whatever the stored profile holds) into the call's
