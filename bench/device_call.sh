@@ -129,11 +129,11 @@ while [ $# -gt 0 ]; do
   rc=$?
   echo "=== $n $step: exit $rc after $(($(date +%s) - t0))s ===" | tee -a "$log"
   tables+=("$dir/log")
+  if [ -s "$profile" ]; then  # after every step: a call cut short by the tool's limit keeps it too
+    mkdir -p "$(dirname "$cached")" && cp "$profile" "$cached"
+  fi
 done
 
-if [ -s "$profile" ]; then
-  mkdir -p "$(dirname "$cached")" && cp "$profile" "$cached"
-fi
 find "$work" -name '*-timelines.tar.gz' -delete
 # Weights a main job writes (the adapter, checkpoints) would outgrow what a call brings back: files over
 # 4 MiB stay behind, named in the call's log.
