@@ -103,15 +103,18 @@ def replay(
     }
 
 
-def variants(options: list[str], confirm: float) -> list[tuple[str, float, dict[str, bool]]]:
-    """(name, the predictor's share_confirm, Controller keywords) of each replayed variant."""
-    out = [("visits confirm", confirm, {}), ("rule off", math.inf, {})]
+def variants(options: list[str]) -> list[tuple[str, float | None, dict[str, bool]]]:
+    """(name, the predictor's share_confirm (None: its own), Controller keywords) of each replayed variant."""
+    out: list[tuple[str, float | None, dict[str, bool]]] = [
+        ("visits confirm", None, {}),
+        ("rule off", math.inf, {}),
+    ]
     for text in options:
         parsed = parse_harli_options(text)
         unknown = sorted(set(parsed) - set(CONTROLLER_OPTIONS))
         if unknown:
             raise SystemExit(f"--options {text!r}: the replay honours only settle and margin, not {unknown}")
-        out.append((text, confirm, {CONTROLLER_OPTIONS[k]: v for k, v in parsed.items()}))
+        out.append((text, None, {CONTROLLER_OPTIONS[k]: v for k, v in parsed.items()}))
     return out
 
 
@@ -137,7 +140,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     try:
-        chosen = variants([o for o in args.options.split(";") if o], math.nan)
+        chosen = variants([o for o in args.options.split(";") if o])
     except ValueError as err:
         ap.error(f"--options: {err}")
     result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
@@ -159,7 +162,7 @@ def main() -> None:
             if not ratios:
                 continue
             for variant, confirm, options in chosen:
-                confirm = predictor.share_confirm if math.isnan(confirm) else confirm
+                confirm = predictor.share_confirm if confirm is None else confirm
                 kept, predictor.share_confirm = predictor.share_confirm, confirm
                 runs = [
                     replay(

@@ -293,7 +293,7 @@ def test_replay_controller_variants_take_harlis_controller_options_and_report_th
     meta = profile["meta"]
     predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
-    chosen = replay_controller.variants(["settle=on", "margin=learn", "settle=on,margin=learn"], 0.05)
+    chosen = replay_controller.variants(["settle=on", "margin=learn", "settle=on,margin=learn"])
     assert [(name, kw) for name, _, kw in chosen] == [
         ("visits confirm", {}),
         ("rule off", {}),
@@ -302,7 +302,7 @@ def test_replay_controller_variants_take_harlis_controller_options_and_report_th
         ("settle=on,margin=learn", {"settle": True, "learn_margin": True}),
     ]
     with pytest.raises(SystemExit, match="grow_headroom"):
-        replay_controller.variants(["grow=0.1"], 0.05)
+        replay_controller.variants(["grow=0.1"])
     steps = [(2, 1400)] * 600
     raw32 = predictor.predict(2, 1400, 32, True, raw=True)
     tpot = raw32 / 0.9  # 32 SMs fit a 10 % margin, not 15 %
