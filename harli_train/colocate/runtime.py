@@ -99,7 +99,6 @@ class ColocatedRuntime(AlonePhases):
         self.decode_ooms = 0
         self.gc_pauses = GcPauses(scheduled=self.opts.scheduled_gc)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
-        self._launch_ahead = launches_ahead(policy.launch_ahead, self.opts.launch_ahead)  # ``_step``
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -113,7 +112,8 @@ class ColocatedRuntime(AlonePhases):
         opts = self.opts
         self.progress = Progress(self.policy.name, opts.progress_every_s, opts.quiet, opts.gauges, self.t0)
         self._prev: Partition | None = None
-        self.ahead = StepsAhead(self._launch_ahead)  # the steps launched ahead and their plans (``_step``)
+        # The steps launched ahead and their plans (``_step``).
+        self.ahead = StepsAhead(launches_ahead(self.policy.launch_ahead, opts.launch_ahead))
         self._last_end, self._last_kind = 0.0, "idle"
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
