@@ -149,7 +149,7 @@ tests_serving() {
 tests_kernels() {
   run gpu-tests-kernels 300 "tests_ok gpu-tests-kernels" -- bash -c "cd '$repo' && $pytest_gpu \
     -k '$not_here and not cuda_pool_gives_pages_back and not graphed_steps_on_the_cuda_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
-    tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py"
+    tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py tests/test_cuda_capture.py"
 }
 if [ "$part" != commands ]; then chain tests-pool tests_pool; chain tests-serving tests_serving; chain tests-kernels tests_kernels; fi
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import torch
 
 from .native import PagePool, PoolError, Tenant, _check, _lib, native_library_path
+
+log = logging.getLogger(__name__)
 
 
 class TrainerMemory:
@@ -96,6 +100,20 @@ class TrainerMemory:
         )
         begin(self.pool.device.index, self.mempool.id)
 
+    def _end_stale_routings(self, most: int = 64) -> None:
+        """End what still routes to the MemPool with no scope() open: captures into it that failed before
+        ending their routing. Each is logged."""
+        dev = self.pool.device.index
+        for _ in range(most):
+            try:
+                torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
+            except RuntimeError:  # nothing (more) routes to it
+                return
+            torch._C._cuda_releasePool(dev, self.mempool.id)
+            log.warning(
+                "TrainerMemory.close: ended a failed graph capture's routing into the trainer's MemPool"
+            )
+
     def _unroute(self) -> None:
         """End one routing to the MemPool (the innermost)."""
         dev = self.pool.device.index
@@ -103,11 +121,22 @@ class TrainerMemory:
         torch._C._cuda_releasePool(dev, self.mempool.id)
 
     def close(self) -> None:
-        """Drop the MemPool so torch frees its segments into the pool. Every tensor allocated in scope()
-        must be dead by now; survivors are reported (PoolError) and the pool stays bound to torch, so their
-        memory stays valid (torch would otherwise free them with cudaFree: pytorch#146431)."""
+        """Drop the MemPool so torch frees its segments into the pool. No scope() may be open any more
+        (PoolError, the MemPool kept: dropping it with a routing open aborts the process in torch's
+        allocator), and every tensor allocated in scope() must be dead by now; survivors are reported
+        (PoolError) and the pool stays bound to torch, so their memory stays valid (torch would otherwise
+        free them with cudaFree: pytorch#146431). A graph capture into the MemPool that failed without
+        ending its routing (`cuda_capture`) is ended here first."""
         if self.mempool is None:
             return
+        if self._routes:
+            # Never destroyed, not even at interpreter exit: its destructor would abort the process.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.mempool))
+            raise PoolError(
+                f"TrainerMemory.close: {len(self._routes)} scope() still open (a thread still training in "
+                "it?); the MemPool is kept, and the page pool with it"
+            )
+        self._end_stale_routings()
         self.mempool = None
         torch.cuda.synchronize(self.pool.device)
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):

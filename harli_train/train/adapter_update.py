@@ -19,11 +19,11 @@ masters (`kernels.lora_linear`), is told directly.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
+from harli_train.cuda_capture import capturing
 from harli_train.kernels.launch_config import launch_gate
 from harli_train.kernels.lora_linear import forget_master_casts
 from harli_train.train.shape_graphs import GraphCaptureError, set_key
@@ -139,14 +139,8 @@ class AdapterUpdate:
             with torch.cuda.stream(stream):
                 stream.wait_stream(current)
                 # thread_local: the decode thread goes on with its own CUDA calls meanwhile.
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
+                with capturing(graph, torch.cuda.graph_pool_handle()):
                     self._launch(lr_dev, norm_out)
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the first error is the one that says why
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
         except torch.OutOfMemoryError:
             raise
         except Exception as err:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from harli_train import kernels
+from harli_train.cuda_capture import capturing
 from harli_train.model.attention import DocumentAttention
 from harli_train.model.llama import LlamaForCausalLM
 from harli_train.saved_tensors import storages
@@ -264,16 +265,8 @@ class ShapeGraphs:
         graphs: dict[str, Any] = {}
         for name, fn in self.order():
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the decode thread goes on with its own CUDA calls while the trainer captures.
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
+            with capturing(graph, self.pool):  # thread_local: the decode thread goes on meanwhile
                 fn()
-            except BaseException:
-                # End the stream's capture; the first error is the one that says why.
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
-                raise
-            graph.capture_end()
             graphs[name] = graph
         return graphs
 

@@ -1,0 +1,132 @@
+"""A graph capture whose launches raise leaves torch's allocator as capture_end would have (`cuda_capture`),
+and TrainerMemory.close neither drops its MemPool under an open routing nor leaves a failed capture's
+routing behind. The allocator's entry points are fakes here (they exist only in CUDA builds); the real
+capture is tests/test_gpu.py's."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harli_train.cuda_capture import capturing, end_failed_capture
+from harli_train.memory import trainer_memory
+from harli_train.memory.native import PoolError
+
+
+class FakeGraph:
+    def __init__(self, end_fails: bool):
+        self.end_fails, self.calls = end_fails, []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.calls.append(("begin", pool, capture_error_mode))
+
+    def capture_end(self):
+        self.calls.append(("end",))
+        if self.end_fails:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    """Fake allocator entry points: `routed` is the (device, pool) entries registered as capturing."""
+    state = {"routed": [], "released": []}
+
+    def end(dev, pool):
+        if (dev, pool) not in state["routed"]:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        state["routed"].remove((dev, pool))
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(
+        torch._C, "_cuda_releasePool", lambda d, p: state["released"].append((d, p)), raising=False
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return state
+
+
+def test_a_failed_capture_whose_end_fails_is_ended_in_the_allocator_and_its_error_propagates(allocator):
+    graph, pool = FakeGraph(end_fails=True), (0, 7)
+    allocator["routed"].append((0, pool))  # what capture_begin registered
+    with pytest.raises(ValueError, match="the body's error"), capturing(graph, pool):
+        raise ValueError("the body's error")
+    assert graph.calls == [("begin", pool, "thread_local"), ("end",)]
+    assert allocator["routed"] == [] and allocator["released"] == [(0, pool)]
+
+
+def test_a_failed_capture_that_capture_end_closes_is_left_to_torch(allocator):
+    graph, pool = FakeGraph(end_fails=False), (0, 7)
+    with pytest.raises(KeyError), capturing(graph, pool, error_mode="global"):
+        raise KeyError("x")
+    assert graph.calls == [("begin", pool, "global"), ("end",)]
+    assert allocator["released"] == []
+
+
+def test_a_capture_end_that_failed_after_ending_the_routing_releases_nothing(allocator):
+    # capture_end got past endAllocateToPool (e.g. instantiation failed): nothing is registered any more.
+    assert end_failed_capture(FakeGraph(end_fails=True), (0, 9), device=0) is False
+    assert allocator["released"] == []
+
+
+def test_a_clean_capture_ends_once():
+    graph = FakeGraph(end_fails=False)
+    with capturing(graph, (0, 3)):
+        pass
+    assert graph.calls == [("begin", (0, 3), "thread_local"), ("end",)]
+
+
+def _memory(routes):
+    mem = object.__new__(trainer_memory.TrainerMemory)
+    mem.mempool = type("Pool", (), {"id": (0, 5)})()
+    mem._routes = list(routes)
+    mem.pool = type("P", (), {"device": torch.device("cpu")})()
+    mem.pool.device = type("D", (), {"index": 0})()
+    return mem
+
+
+def test_close_with_a_scope_open_refuses_and_keeps_the_mempool():
+    mem = _memory([("stream", True)])
+    kept = mem.mempool
+    before = sys.getrefcount(kept)
+    with pytest.raises(PoolError, match=r"1 scope\(\) still open"):
+        mem.close()
+    assert mem.mempool is kept and sys.getrefcount(kept) > before  # a reference never dropped
+
+
+def test_close_ends_the_routings_that_failed_captures_left_on_the_mempool(allocator, caplog):
+    mem = _memory([])
+    allocator["routed"] += [(0, (0, 5)), (0, (0, 5))]
+    with caplog.at_level(logging.WARNING, logger=trainer_memory.__name__):
+        mem._end_stale_routings()
+    assert allocator["routed"] == [] and allocator["released"] == [(0, (0, 5))] * 2
+    assert sum("failed graph capture" in r.message for r in caplog.records) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_a_capture_invalidated_on_the_gpu_leaves_a_mempool_that_closes_cleanly():
+    """A synchronize inside a capture invalidates it (capture_end then fails); with `capturing` the MemPool
+    the capture used is destroyed and the process exits cleanly instead of aborting in torch's allocator."""
+    code = """
+import torch
+from harli_train.cuda_capture import capturing
+pool = torch.cuda.MemPool()
+x = torch.ones(1024, device="cuda")
+graph = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+try:
+    with torch.cuda.stream(s), capturing(graph, pool.id):
+        y = x * 2
+        torch.cuda.synchronize()
+except Exception as err:
+    print("capture failed:", type(err).__name__)
+else:
+    raise SystemExit("the capture did not fail")
+del graph, pool
+torch.cuda.empty_cache()
+print("closed")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
