@@ -24,9 +24,9 @@ its policy fixed (``--policy static:N``) so that the runs compare. Phases (``--p
   host memory while the long-context cache holds its pages, which is pressure's cost, not the pool's.
 
 Each phase runs in a process of its own (``--in-process``: all in this one), so that no phase inherits
-another's GPU memory. The default budget, 60 GiB, is below what the loss phase's pressured run wants on the
-H200 (~68 GiB: the KV cache's peak beside the trainer's working set), so the cache must take pages from the
-trainer.
+another's GPU memory. The loss phase's default budget (`loss_budget_gib`), 60 GiB on the H200, is below what
+its pressured run wants there (~68 GiB: the KV cache's peak beside the trainer's working set), so the cache
+must take pages from the trainer; on an 80 GB card the recipe's default budget already is.
 One JSON (``--out``) holds every phase that ran (a phase that fails records its error and the others run);
 the table comes last. Throughput figures are medians over the windows, each window after the first is
 judged against the same trace's other windows, and the pool's cost is 1 - median(pool) / median(plain).
@@ -81,6 +81,15 @@ def load_trace(name: str, dry: bool) -> list[TraceRequest]:
     ]
 
 
+def loss_budget_gib(dry: bool) -> float | str:
+    """The loss phase's default pool budget: 60 GiB on a GPU of 100 GiB or more (the H200: its pressured run
+    wants ~68), else ``"default"``, the recipe's default budget (on an 80 GB card what is free after the
+    weights less the margin, ~39 GiB, is below what the pressured run wants already)."""
+    if dry:
+        return 0.006
+    return 60.0 if torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30 else "default"
+
+
 def set_up(
     args: argparse.Namespace, phase: str, loads: list[list[TraceRequest]], scratch: Path
 ) -> Colocation:
@@ -95,7 +104,7 @@ def set_up(
         f"colocation.policy={args.policy}",
         f"colocation.memory_pool={str(pool).lower()}",
     ]
-    if phase == "loss" and args.memory_gib:
+    if phase == "loss" and args.memory_gib != "default":
         overrides.append(f"colocation.memory_gib={args.memory_gib}")
     if args.profile:
         overrides.append(f"colocation.profile={Path(args.profile).resolve()}")
@@ -211,7 +220,8 @@ def main() -> None:
         "--memory-gib",
         type=float,
         default=None,
-        help="the loss phase's pool budget (default 60; dry 0.006); the pool phase runs on the default budget",
+        help="the loss phase's pool budget in GiB (default 60 on a GPU of 100 GiB or more, else the recipe's "
+        "default budget; dry 0.006); the pool phase runs on the recipe's default budget",
     )
     ap.add_argument("--steps", type=int, default=None, help="training steps of each loss run (30; dry 8)")
     ap.add_argument("--traces", default="steady,bursty", help="the throughput windows' traces")
@@ -240,7 +250,7 @@ def main() -> None:
         assembly.GRAPHS_ON_CUDA_POOL = True
     args.recipe = Path(args.recipe or ROOT / "recipes" / ("quickstart.yaml" if dry else "llama-8b-lora.yaml"))
     args.policy = args.policy or ("static:48" if dry else "static:64")
-    args.memory_gib = args.memory_gib or (0.006 if dry else 60.0)
+    args.memory_gib = args.memory_gib or loss_budget_gib(dry)
     args.steps = args.steps or (8 if dry else 30)
     args.window_s = args.window_s or (1.5 if dry else 20.0)
     if dry:
