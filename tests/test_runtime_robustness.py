@@ -2,6 +2,7 @@
 collection pauses, the CUDA environment, host profiles and the step rows."""
 
 import gc
+import logging
 import os
 import signal
 import time
@@ -110,6 +111,37 @@ def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standal
     summary = runtime(tmp_path, ladder, make, load, opts, spy, hook).run()
     assert state["raised"] and hook.ooms == 1 and hook.decodes > 0
     assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_a_trainer_that_keeps_running_out_of_memory_is_held_back_longer_each_time(
+    tmp_path, standalone, caplog
+):
+    """Six failures in a row (a pool that stays full): two pauses, the second twice the first, then the
+    step completes and the run trains what standalone training trains."""
+    state = {"n": 0, "raised": 0}
+
+    def spy(trainer, gen):
+        for ms in gen:
+            state["n"] += 1
+            if state["n"] >= 15 and state["raised"] < 6:
+                state["raised"] += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            yield ms
+
+    hook = CountingHook()
+    ladder = TimeSliceLadder.cpu_standin(TOTAL)
+    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
+    load = requests([(0.0, 3, 300)])
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=False)
+    with caplog.at_level(logging.WARNING, logger="harli_train.colocate.trainer_side"):
+        summary = runtime(tmp_path, ladder, make, load, opts, spy, hook).run()
+    pauses = [r.message for r in caplog.records if "paused for" in r.message]
+    assert len(pauses) == 2 and "paused for 64 decode steps" in pauses[0], pauses
+    assert "paused for 128 decode steps" in pauses[1], pauses
+    feed = summary["finetune"]["feed"]
+    assert hook.ooms == 6 and summary["finetune"]["oom_recoveries"] == 6 and feed["oom_pauses"] == 2
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
 

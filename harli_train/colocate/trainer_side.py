@@ -12,7 +12,8 @@ Three things make this more than ``next(gen)``:
   (``MicroTracker``): one chunk's forward of extra work, where holding the backward would idle the trainer until
   decode shrinks, and redoing the step would throw the step's work away.
 - Running out of memory abandons the step in flight, reports it (``on_oom``: the serving side frees what it can)
-  and restarts the step; repeated failures hold the trainer back for a number of decode decisions.
+  and restarts the step; repeated failures hold the trainer back for a number of decode decisions, longer
+  while no step completes (`OomBackoff`).
 
 Abandoning a step restores the data position and RNG saved at the step's start, so the redone step computes
 exactly what the abandoned one would have: co-location changes when work runs, never what is computed.
@@ -35,6 +36,7 @@ import torch
 from harli_train import kernels
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.micro_tracker import MicroTracker
+from harli_train.colocate.oom_backoff import OomBackoff
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
 from harli_train.colocate.sm import StandInEvent, is_cuda_stream
 from harli_train.train.shape_graphs import GraphCaptureError
@@ -74,7 +76,7 @@ class TrainerSide:
         # the driver, and decode's submissions with them (bench/results/README.md).
         self.max_in_flight = max_in_flight
         self.on_slice, self.should_stop = on_slice, should_stop
-        self.max_oom_retries, self.oom_backoff = max_oom_retries, oom_backoff_steps
+        self.backoff = OomBackoff(max_oom_retries, oom_backoff_steps)
         self.on_gpu = trainer.device.type == "cuda"
         train = trainer.cfg.train
         self.tracker = MicroTracker(
@@ -97,7 +99,7 @@ class TrainerSide:
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
         self.oom_recoveries = self.abandoned_steps = self.launched_total = 0
-        self.decisions = self._held_until = self._oom_streak = self._starved = 0
+        self.decisions = self._held_until = self._starved = 0
         cfg = trainer.cfg
         self._step_tokens = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum
         # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
@@ -329,7 +331,7 @@ class TrainerSide:
         self._last_rung = (stream, sms, first_sm)
         self.launches.append((ms.phase, getattr(stream, "name", None) or repr(stream), sms))
         if self.tracker.track(ms, first_sm):
-            self._oom_streak = 0
+            self.backoff.completed()
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
@@ -411,7 +413,6 @@ class TrainerSide:
     def recover_oom(self, err: BaseException) -> None:
         """The trainer ran out of memory: abandon its step, report it, hold it back after repeated ones."""
         self.oom_recoveries += 1
-        self._oom_streak += 1
         log.warning(
             "trainer ran out of memory at step %d (%s): step abandoned, releasing memory",
             self.trainer.step + 1,
@@ -422,14 +423,16 @@ class TrainerSide:
         self.in_flight.clear()
         self.rollback()  # the generator died with the error; a fresh one redoes the step
         self.on_oom()
-        if self._oom_streak >= self.max_oom_retries:
+        hold = self.backoff.failed()
+        if hold:
             log.warning(
-                "trainer out of memory %d times in a row: paused for %d decode steps",
-                self._oom_streak,
-                self.oom_backoff,
+                "trainer out of memory %d times in a row: paused for %d decode steps (pause %d since its "
+                "last completed step)",
+                self.backoff.retries,
+                hold,
+                self.backoff.doublings,
             )
-            self.hold(self.oom_backoff)
-            self._oom_streak = 0
+            self.hold(hold)
 
     def close(self) -> None:
         self.drain()
@@ -449,6 +452,7 @@ class TrainerSide:
             "micro_steps": self.micro_steps,
             "ewma_micro_step_ms": self.ewma_s * 1e3,
             "oom_recoveries": self.oom_recoveries,
+            "oom_pauses": self.backoff.pauses,
             "rounds": self.rounds,
             "round_stops": dict(sorted(self.stops.items())),
             "gpu_busy_s": self.gpu_s,
