@@ -91,15 +91,17 @@ class CountingHook:
         return 0
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "trainer-thread"])
-def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone, threaded):
-    state = {"n": 0, "raised": False}
+def _oom_run(tmp_path, failures: int, threaded: bool) -> tuple[dict, CountingHook]:
+    """A co-located run whose trainer runs out of memory at its 15th micro-step and at the next
+    ``failures - 1`` launches after it (each a retry of the abandoned step): (summary, hook). The run stops
+    only after more failures in a row with nothing else running than that."""
+    state = {"n": 0, "raised": 0}
 
     def spy(trainer, gen):
         for ms in gen:
             state["n"] += 1
-            if state["n"] == 15 and not state["raised"]:
-                state["raised"] = True
+            if state["n"] >= 15 and state["raised"] < failures:
+                state["raised"] += 1
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             yield ms
 
@@ -107,9 +109,16 @@ def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standal
     ladder = TimeSliceLadder.cpu_standin(TOTAL)
     make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
     load = requests([(0.0, 3, 300)])
-    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=threaded)
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=threaded, max_solo_ooms=failures + 1)
     summary = runtime(tmp_path, ladder, make, load, opts, spy, hook).run()
-    assert state["raised"] and hook.ooms == 1 and hook.decodes > 0
+    assert state["raised"] == failures
+    return summary, hook
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "trainer-thread"])
+def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone, threaded):
+    summary, hook = _oom_run(tmp_path, 1, threaded)
+    assert hook.ooms == 1 and hook.decodes > 0
     assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))
@@ -120,23 +129,8 @@ def test_a_trainer_that_keeps_running_out_of_memory_is_held_back_longer_each_tim
 ):
     """Six failures in a row (a pool that stays full): two pauses, the second twice the first, then the
     step completes and the run trains what standalone training trains."""
-    state = {"n": 0, "raised": 0}
-
-    def spy(trainer, gen):
-        for ms in gen:
-            state["n"] += 1
-            if state["n"] >= 15 and state["raised"] < 6:
-                state["raised"] += 1
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            yield ms
-
-    hook = CountingHook()
-    ladder = TimeSliceLadder.cpu_standin(TOTAL)
-    make = lambda ladder: HarliPolicy(ladder, synthetic_predictor(ladder.shares, 1e-4), 0.05, 0.1, 2)
-    load = requests([(0.0, 3, 300)])
-    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=False)
     with caplog.at_level(logging.WARNING, logger="harli_train.colocate.trainer_side"):
-        summary = runtime(tmp_path, ladder, make, load, opts, spy, hook).run()
+        summary, hook = _oom_run(tmp_path, 6, threaded=False)
     pauses = [r.message for r in caplog.records if "paused for" in r.message]
     assert len(pauses) == 2 and "paused for 64 decode steps" in pauses[0], pauses
     assert "paused for 128 decode steps" in pauses[1], pauses
