@@ -76,14 +76,14 @@ def test_a_time_sliced_step_never_lets_a_micro_step_overrun_its_slack(tmp_path):
     for _ in range(20):  # past the hysteresis that starts it paused
         plan = policy.plan(preview("decode", 1, 10))
     assert plan.train == "after" and plan.strict
-    feeder._kind_s.clear()
+    feeder.times.by_kind.clear()
     # Before any micro-step has been timed nothing is known to fit: the first micro-step waits for a step
     # with no objective at stake (on the H200 a fresh trainer's first micro-step, estimated at 0, held the
     # next step 78 ms).
     assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("next"), 0, "next")
     assert feeder._may_launch(policy.idle_plan(), False, 0.005, feeder.expected_s("next"), 0, "next")
-    feeder._kind_s["fwd"] = deque([0.020])  # one slow sample
-    feeder._kind_s["optim"] = deque([0.001, 0.001, 0.001])
+    feeder.times.by_kind["fwd"] = deque([0.020])  # one slow sample
+    feeder.times.by_kind["optim"] = deque([0.001, 0.001, 0.001])
     # A kind never timed (the step boundary's) is estimated at the largest median, not the mean.
     assert feeder.expected_s("next") == 0.020
     for _ in range(50):

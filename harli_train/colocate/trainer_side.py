@@ -35,6 +35,7 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.micro_step_times import MicroStepTimes
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.oom_backoff import OomBackoff
 from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
@@ -85,14 +86,8 @@ class TrainerSide:
         trainer.recompute_chunk = self.tracker.take_rebuild
         self.gen = trainer.micro_steps()
         self.done = trainer.done
-        self.ewma_s = 0.0  # one micro-step's duration
         self.in_flight: deque[tuple[Any, Any, str]] = deque()  # (start, end, kind) of queued micro-steps
-        # Recent durations per kind of micro-step; ``estimates`` (seconds per kind, measured beside no
-        # decode: `colocation.time_micro_steps`) stand in until the run has timed its own.
-        self._kind_s: dict[str, deque[float]] = {
-            k: deque([v], maxlen=5) for k, v in (estimates or {}).items()
-        }
-        self._recent: deque[float] = deque(maxlen=9)  # recent durations of any kind
+        self.times = MicroStepTimes(estimates)
         self.last_stream: Any = None
         self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
         self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
@@ -105,8 +100,6 @@ class TrainerSide:
         # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
         # spent launching them, and why launch rounds stopped.
         self.gpu_s = self.launch_host_s = 0.0
-        self._finish_at = 0.0  # host clock: when the queued micro-steps should be done (GPU)
-        self._host_recent: deque[float] = deque(maxlen=9)
         self.rounds = 0
         self.stops: dict[str, int] = {}
         self.on_launch: Callable[[], None] = lambda: None  # called around every launch (snapshots)
@@ -138,18 +131,8 @@ class TrainerSide:
         self._held_until = max(self._held_until, self.decisions + decisions)
 
     def queued_s(self) -> float:
-        """GPU work the trainer has queued that is still to run, in seconds: the estimated finish time of the
-        last queued micro-step (each starts when the one before it ends, or when it was launched) minus
-        now. A queue running late still counts a quarter micro-step until it is retired."""
-        if not self.in_flight:
-            return 0.0
-        ahead = self._finish_at - time.perf_counter()
-        return ahead if ahead > 0 else 0.25 * self.ewma_s
-
-    def host_s(self) -> float:
-        """Host time one launch takes (median of the recent ones)."""
-        recent = self._host_recent
-        return sorted(recent)[len(recent) // 2] if recent else 0.0
+        """GPU work the trainer has queued that is still to run, in seconds (`MicroStepTimes.queued_s`)."""
+        return self.times.queued_s(bool(self.in_flight))
 
     def progress_tokens(self) -> float:
         """Tokens trained so far, counting the launched part of the step in flight pro rata."""
@@ -159,14 +142,8 @@ class TrainerSide:
         return tokens + self._step_tokens * self.tracker.done_fraction(len(self.in_flight))
 
     def expected_s(self, kind: str) -> float:
-        """Expected duration of a micro-step of ``kind``: the median of its recent ones; before any, the
-        largest median of the kinds timed so far (a kind not yet timed, such as the step boundary's, is not
-        assumed short), else the running mean (0 before any micro-step)."""
-        recent = self._kind_s.get(kind)
-        if recent:
-            return sorted(recent)[len(recent) // 2]
-        known = [sorted(v)[len(v) // 2] for v in self._kind_s.values() if v]
-        return max(known) if known else self.ewma_s
+        """Expected duration of a micro-step of ``kind`` (`MicroStepTimes.expected_s`)."""
+        return self.times.expected_s(kind)
 
     # ---- launching -----------------------------------------------------------------------------------
     def launch_round(
@@ -185,7 +162,7 @@ class TrainerSide:
         elif plan.train == BESIDE:
             # Keep the decode step covered, plus about one micro-step queued past it, plus the host time the
             # next launch takes: the GPU must not run dry while the trainer is still launching.
-            budget = plan.horizon_s + self.ewma_s + self.host_s() - self.queued_s()
+            budget = plan.horizon_s + self.times.ewma_s + self.times.host_s() - self.queued_s()
         else:
             budget = plan.horizon_s - self.queued_s()
         launched, why = 0, "done"
@@ -205,7 +182,7 @@ class TrainerSide:
             )
             kind = "rebuild" if stale else tracker.next_kind()
             cost = self.expected_s(kind)
-            if stale and kind not in self._kind_s:
+            if stale and kind not in self.times.by_kind:
                 cost = self.expected_s("fwd") + self.expected_s("bwd")
             if not self._may_launch(plan, sync, budget, cost, launched, kind):
                 why = "budget"
@@ -224,9 +201,7 @@ class TrainerSide:
                 why = "oom" if self.oom_recoveries != ooms else "graphs_dropped"
                 break  # the step was abandoned: the next try waits for a decision
             if not sync:
-                self._host_recent.append(host)
-                # Its kernels start once the queue ahead is done, and none ends before its launch has.
-                self._finish_at = max(max(self._finish_at, t0) + cost, t0 + host)
+                self.times.launched(t0, host, cost)
             launched += 1
             if plan.train == AFTER:
                 self._starved = 0
@@ -263,7 +238,7 @@ class TrainerSide:
     ) -> bool:
         if plan.train == AFTER:  # time slicing: under an objective the slack is a hard limit
             # A micro-step fits only by a measured estimate: before any micro-step has been timed, none does.
-            if cost <= budget and (self._kind_s or not plan.strict):
+            if cost <= budget and (self.times.timed or not plan.strict):
                 return True
             if not launched and not plan.strict:
                 return True
@@ -358,11 +333,9 @@ class TrainerSide:
     # ---- completion ----------------------------------------------------------------------------------
     def _observe(self, seconds: float, kind: str) -> None:
         self.gpu_s += seconds
-        self.ewma_s = seconds if self.ewma_s == 0 else self.ewma_s + 0.2 * (seconds - self.ewma_s)
-        self._kind_s.setdefault(kind, deque(maxlen=5)).append(seconds)
-        self._recent.append(seconds)
+        typical = self.times.observe(seconds, kind)
         if self.on_slice is not None:  # a median: one stalled micro-step must not pause the trainer for good
-            self.on_slice(sorted(self._recent)[len(self._recent) // 2])
+            self.on_slice(typical)
 
     def poll(self) -> None:
         """Retire finished micro-steps (GPU) and fold their durations into the estimates."""
@@ -450,7 +423,7 @@ class TrainerSide:
         """Where the trainer's time went: launch rounds and why they stopped, host and GPU seconds."""
         return {
             "micro_steps": self.micro_steps,
-            "ewma_micro_step_ms": self.ewma_s * 1e3,
+            "ewma_micro_step_ms": self.times.ewma_s * 1e3,
             "oom_recoveries": self.oom_recoveries,
             "oom_pauses": self.backoff.pauses,
             "rounds": self.rounds,
@@ -461,6 +434,6 @@ class TrainerSide:
             "stayed_on_rung": self.stayed,
             "graphs": self._graph_stats(),
             "abandoned_steps": self.abandoned_steps,
-            "micro_step_ms": {k: 1e3 * sorted(v)[len(v) // 2] for k, v in self._kind_s.items() if v},
+            "micro_step_ms": {k: 1e3 * self.times.expected_s(k) for k, v in self.times.by_kind.items() if v},
             "host_priority": self.priority.stats(),
         }
