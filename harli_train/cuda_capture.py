@@ -26,14 +26,20 @@ def capturing(graph: Any, pool: Any, error_mode: str = "thread_local") -> Iterat
     """Capture the launches of the ``with`` body on the current stream into ``graph``, its memory from
     ``pool``. ``error_mode`` is ``CUDAGraph.capture_begin``'s ``capture_error_mode``; the default,
     ``thread_local``, lets other threads go on with their own CUDA calls meanwhile. When the body raises,
-    the capture is ended (``end_failed_capture``) and the body's error propagates."""
+    the capture is ended (``end_failed_capture``) and the body's error propagates; when the body ran but
+    ``capture_end`` fails (a capture invalidated from outside it), the routing is ended the same way and
+    ``capture_end``'s error propagates."""
     graph.capture_begin(pool=pool, capture_error_mode=error_mode)
     try:
         yield
     except BaseException:
         end_failed_capture(graph, pool)
         raise
-    graph.capture_end()
+    try:
+        graph.capture_end()
+    except BaseException:
+        _end_routing(pool)
+        raise
 
 
 def end_failed_capture(graph: Any, pool: Any, device: int | None = None) -> bool:
@@ -44,9 +50,14 @@ def end_failed_capture(graph: Any, pool: Any, device: int | None = None) -> bool
         graph.capture_end()
         return False
     except Exception:
-        pass
-    dev = torch.cuda.current_device() if device is None else device
+        return _end_routing(pool, device)
+
+
+def _end_routing(pool: Any, device: int | None = None) -> bool:
+    """Remove ``pool``'s capturing registration and release the capture's reference on it, if it is still
+    registered (``capture_end`` failed before ending it); whether it was. Never raises."""
     try:
+        dev = torch.cuda.current_device() if device is None else device
         torch._C._cuda_endAllocateToPool(dev, pool)
     except Exception:  # capture_end got past this point (it failed later): nothing is left registered
         return False

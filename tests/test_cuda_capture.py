@@ -69,6 +69,15 @@ def test_a_capture_end_that_failed_after_ending_the_routing_releases_nothing(all
     assert allocator["released"] == []
 
 
+def test_a_capture_end_that_fails_after_a_clean_body_ends_the_routing_and_raises(allocator):
+    # A capture invalidated from outside it: the body ran, capture_end fails before ending the routing.
+    graph, pool = FakeGraph(end_fails=True), (0, 8)
+    allocator["routed"].append((0, pool))
+    with pytest.raises(RuntimeError, match="during capture"), capturing(graph, pool):
+        pass
+    assert allocator["routed"] == [] and allocator["released"] == [(0, pool)]
+
+
 def test_a_clean_capture_ends_once():
     graph = FakeGraph(end_fails=False)
     with capturing(graph, (0, 3)):
