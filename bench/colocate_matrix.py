@@ -80,13 +80,14 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def write(path: str | Path, data: dict[str, Any]) -> Path:
-    """``data`` as JSON at ``path``, gzipped when the name ends in ``.gz``."""
+    """``data`` as JSON at ``path``: gzipped and compact when the name ends in ``.gz`` (results travel to
+    the GPU machine with the tree, whose size is bounded), else indented for reading."""
     path = Path(path)
-    text = json.dumps(data, indent=1, default=str)
     if path.suffix == ".gz":
-        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+        text = json.dumps(data, separators=(",", ":"), default=str)
+        path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
     else:
-        path.write_text(text)
+        path.write_text(json.dumps(data, indent=1, default=str))
     return path
 
 
