@@ -181,3 +181,23 @@ def test_default_path_is_per_gpu_and_model(tmp_path, monkeypatch):
     monkeypatch.setenv("HARLI_PROFILE_DIR", str(tmp_path))
     path = default_profile_path(KEY)
     assert path.parent == tmp_path and path.name == "NVIDIA_H200-llama-8b.json"
+
+
+def test_a_decode_point_beside_the_trainer_takes_corun_reps_steps():
+    ladder = SMLadder.cpu_standin(total_sms=64, step=16)
+    calls = []
+    rows = run_profile_grid(
+        lambda b, kv, p: calls.append((b, kv)),
+        lambda p: None,
+        ladder,
+        batches=(2,),
+        kv_lens=(8,),
+        shares=[32],
+        warmup=1,
+        reps=2,
+        corun_reps=5,
+    )
+    assert sorted(r["corun"] for r in rows) == [False, True]
+    assert len(calls) == (1 + 2) + (
+        1 + 5
+    )  # alone: warm-up and reps; beside the trainer: warm-up and corun_reps

@@ -102,6 +102,7 @@ def build_predictor(
         shares=shares,
         warmup=3 if on_gpu else 1,
         reps=reps or (10 if on_gpu else 3),
+        corun_reps=3 * (reps or 10) if on_gpu else None,
         mixed_step_fn=engine.synthetic_mixed,
         mixed_grid=mixed,
         # With adapter slots: what one adapter and each one more add to a decode step (LoRACost).

@@ -73,13 +73,16 @@ def run_profile_grid(
     mixed_step_fn: MixedStepFn | None = None,
     mixed_grid: MixedGrid | None = None,
     lora_slots: Sequence[int] = (),
+    corun_reps: int | None = None,
 ) -> list[dict[str, Any]]:
     """Median latency of decode steps per (partition, batch, kv_len), and of mixed steps per (partition,
     ``mixed_grid`` point) when ``mixed_step_fn`` is given, alone and beside the trainer. With ``lora_slots``
     (adapter counts, e.g. (1, 2)): decode steps of the middle batch at the shortest KV length whose rows run
     on that many adapters, alone (``decode_step_fn(b, kv, partition, n)``), for ``LoRACost``; and, with
     mixed steps, the grid's ``adapter_points`` with every row on one adapter, alone
-    (``mixed_step_fn(b, kv, n, c, partition, 1)``), for ``MixedLoRACost``.
+    (``mixed_step_fn(b, kv, n, c, partition, 1)``), for ``MixedLoRACost``. A decode point beside the
+    trainer is the median of ``corun_reps`` steps (default ``reps``): what the trainer's kernels draw beside
+    decode varies from step to step, more than a step alone does.
 
     ``decode_step_fn`` and ``mixed_step_fn`` must launch on ``partition.infer_stream`` and ``corun_fn`` on
     ``train_stream``
@@ -128,8 +131,9 @@ def run_profile_grid(
             t_solo = median(time_calls(step, p.infer_stream, n_warm, n_reps))
             samples.append({**base, "corun": False, "latency_s": t_solo})
             if beside:
-                trainer = Corunner(corun_fn, p, t_solo * (n_warm + n_reps), t_train)
-                t_co = median(time_calls(step, p.infer_stream, n_warm, n_reps, trainer))
+                n_co = (corun_reps or n_reps) if chunk is None else n_reps  # a mixed point: its grid's
+                trainer = Corunner(corun_fn, p, t_solo * (n_warm + n_co), t_train)
+                t_co = median(time_calls(step, p.infer_stream, n_warm, n_co, trainer))
                 samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
     return samples
