@@ -38,7 +38,7 @@ def capturing(graph: Any, pool: Any, error_mode: str = "thread_local") -> Iterat
     try:
         graph.capture_end()
     except BaseException:
-        _end_routing(pool)
+        end_routing(pool)
         raise
 
 
@@ -50,12 +50,12 @@ def end_failed_capture(graph: Any, pool: Any, device: int | None = None) -> bool
         graph.capture_end()
         return False
     except Exception:
-        return _end_routing(pool, device)
+        return end_routing(pool, device)
 
 
-def _end_routing(pool: Any, device: int | None = None) -> bool:
-    """Remove ``pool``'s capturing registration and release the capture's reference on it, if it is still
-    registered (``capture_end`` failed before ending it); whether it was. Never raises."""
+def end_routing(pool: Any, device: int | None = None) -> bool:
+    """Remove one capturing registration of ``pool`` (a capture's, or a MemPool routing's) and release the
+    reference it took on the pool, if one is still registered; whether one was. Never raises."""
     try:
         dev = torch.cuda.current_device() if device is None else device
         torch._C._cuda_endAllocateToPool(dev, pool)

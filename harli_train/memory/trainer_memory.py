@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from harli_train.cuda_capture import end_routing
+
 from .native import PagePool, PoolError, Tenant, _check, _lib, native_library_path
 
 log = logging.getLogger(__name__)
@@ -103,13 +105,9 @@ class TrainerMemory:
     def _end_stale_routings(self, most: int = 64) -> None:
         """End what still routes to the MemPool with no scope() open: captures into it that failed before
         ending their routing. Each is logged."""
-        dev = self.pool.device.index
         for _ in range(most):
-            try:
-                torch._C._cuda_endAllocateToPool(dev, self.mempool.id)
-            except RuntimeError:  # nothing (more) routes to it
+            if not end_routing(self.mempool.id, self.pool.device.index):  # nothing (more) routes to it
                 return
-            torch._C._cuda_releasePool(dev, self.mempool.id)
             log.warning(
                 "TrainerMemory.close: ended a failed graph capture's routing into the trainer's MemPool"
             )
