@@ -92,6 +92,7 @@ def build_predictor(
     kv_lens = tuple(sorted({min(k, max_len) for k in kv_lens or (GPU_KV_LENS if on_gpu else CPU_KV_LENS)}))
     if len(kv_lens) < 2:  # stage 1 of the predictor needs two KV sizes per share
         kv_lens = (max(max_len // 4, 1), max_len)
+    reps = reps or (10 if on_gpu else 3)
     key = ProfileKey.current(model_id, sm_count=ladder.total_sms)
     cfg = engine.engine.config
     shares = sorted(set(shares or ladder.shares))
@@ -101,8 +102,8 @@ def build_predictor(
         kv_lens=kv_lens,
         shares=shares,
         warmup=3 if on_gpu else 1,
-        reps=reps or (10 if on_gpu else 3),
-        corun_reps=3 * (reps or 10) if on_gpu else None,
+        reps=reps,
+        corun_reps=3 * reps if on_gpu else None,
         mixed_step_fn=engine.synthetic_mixed,
         mixed_grid=mixed,
         # With adapter slots: what one adapter and each one more add to a decode step (LoRACost).
