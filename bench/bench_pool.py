@@ -81,13 +81,13 @@ def load_trace(name: str, dry: bool) -> list[TraceRequest]:
     ]
 
 
-def loss_budget_gib(dry: bool) -> float | str:
+def loss_budget_gib(dry: bool) -> float | None:
     """The loss phase's default pool budget: 60 GiB on a GPU of 100 GiB or more (the H200: its pressured run
-    wants ~68), else ``"default"``, the recipe's default budget (on an 80 GB card what is free after the
-    weights less the margin, ~39 GiB, is below what the pressured run wants already)."""
+    wants ~68), else None, the recipe's default budget (on an 80 GB card what is free after the weights less
+    the margin, ~39 GiB, is below what the pressured run wants already)."""
     if dry:
         return 0.006
-    return 60.0 if torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30 else "default"
+    return 60.0 if torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30 else None
 
 
 def set_up(
@@ -104,7 +104,7 @@ def set_up(
         f"colocation.policy={args.policy}",
         f"colocation.memory_pool={str(pool).lower()}",
     ]
-    if phase == "loss" and args.memory_gib != "default":
+    if phase == "loss" and args.memory_gib is not None:
         overrides.append(f"colocation.memory_gib={args.memory_gib}")
     if args.profile:
         overrides.append(f"colocation.profile={Path(args.profile).resolve()}")
