@@ -139,6 +139,7 @@ pytest_gpu="python3 -m pytest -q -m 'gpu and not slow' -p no:cacheprovider --dur
 not_here="not fp32 and not fp16 and not exits_cleanly"
 pool_test="tests/test_gpu.py::test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trains_the_same \
   tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages \
+  tests/test_gpu.py::test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool \
   'tests/test_gpu.py::test_colocated_run_on_green_contexts_exits_cleanly[cuda_graphs]'"
 tests_ok() { grep -q -E '[0-9]+ passed' "$1.out" && ! grep -q -E '[0-9]+ failed' "$1.out"; }
 tests_pool() { run gpu-tests-pool 300 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
@@ -148,7 +149,7 @@ tests_serving() {
 }
 tests_kernels() {
   run gpu-tests-kernels 300 "tests_ok gpu-tests-kernels" -- bash -c "cd '$repo' && $pytest_gpu \
-    -k '$not_here and not cuda_pool_gives_pages_back and not graphed_steps_on_the_cuda_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
+    -k '$not_here and not cuda_pool_gives_pages_back and not graphed_steps_on_the_cuda_pool and not captures_again_on_the_cuda_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
     tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py tests/test_cuda_capture.py"
 }
 if [ "$part" != commands ]; then chain tests-pool tests_pool; chain tests-serving tests_serving; chain tests-kernels tests_kernels; fi

@@ -10,6 +10,11 @@ why the capture failed is the one the caller sees, and the process stays whole.
 
 The pool is always named by the caller (``torch.cuda.graph_pool_handle()`` for a pool of its own): after a
 failed capture torch no longer tells a graph's pool.
+
+A pool id that graphs are captured into again after every earlier graph of it is gone (a trainer replaced on
+the same ``torch.cuda.MemPool``) needs ``anchor_pool``: torch's pinned-host allocator keeps its own pool per
+capture pool id, counted by the graphs alive, and refuses a new capture into an id whose count fell to zero
+(an internal assert in ``CachingHostAllocator``, raised after the device allocator registered the capture).
 """
 
 from __future__ import annotations
@@ -28,8 +33,17 @@ def capturing(graph: Any, pool: Any, error_mode: str = "thread_local") -> Iterat
     ``thread_local``, lets other threads go on with their own CUDA calls meanwhile. When the body raises,
     the capture is ended (``end_failed_capture``) and the body's error propagates; when the body ran but
     ``capture_end`` fails (a capture invalidated from outside it), the routing is ended the same way and
-    ``capture_end``'s error propagates."""
-    graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+    ``capture_end``'s error propagates; when ``capture_begin`` fails after registering the capture, that
+    registration is ended and its error propagates. Nothing else may route to ``pool`` when it begins."""
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+    except BaseException as err:
+        # Refused after the device allocator registered the capture (the host allocator's refusal): end
+        # that registration. "already recording" is the device allocator's own refusal of a pool someone
+        # else records to: that registration is theirs.
+        if "already recording" not in str(err):
+            end_routing(pool)
+        raise
     try:
         yield
     except BaseException:
@@ -64,3 +78,19 @@ def end_routing(pool: Any, device: int | None = None) -> bool:
     with contextlib.suppress(Exception):
         torch._C._cuda_releasePool(dev, pool)
     return True
+
+
+def anchor_pool(pool: Any, device: torch.device) -> Any:
+    """A one-kernel graph captured into ``pool`` (from a side stream of ``device``): while it lives, the
+    pinned-host allocator's count for ``pool`` stays above zero, so graphs can be captured into ``pool``
+    again after all others captured into it are gone. Keep it as long as ``pool`` takes captures; drop it
+    before ``pool`` itself. Call with nothing routed to ``pool``."""
+    flag = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    stream, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream), capturing(graph, pool):
+        flag.add_(1)
+    current.wait_stream(stream)
+    graph.flag = flag  # the buffer the graph writes lives as long as the graph
+    return graph

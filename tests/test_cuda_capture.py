@@ -16,11 +16,13 @@ from harli_train.memory.native import PoolError
 
 
 class FakeGraph:
-    def __init__(self, end_fails: bool):
-        self.end_fails, self.calls = end_fails, []
+    def __init__(self, end_fails: bool, begin_error: Exception | None = None):
+        self.end_fails, self.begin_error, self.calls = end_fails, begin_error, []
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
         self.calls.append(("begin", pool, capture_error_mode))
+        if self.begin_error is not None:
+            raise self.begin_error
 
     def capture_end(self):
         self.calls.append(("end",))
@@ -85,10 +87,43 @@ def test_a_clean_capture_ends_once():
     assert graph.calls == [("begin", (0, 3), "thread_local"), ("end",)]
 
 
+def test_a_capture_begin_refused_after_registering_ends_the_registration(allocator):
+    # torch's pinned-host allocator refuses a pool id whose graphs are all gone, after the device
+    # allocator registered the capture: that registration must not outlive the error.
+    pool = (0, 1)
+    allocator["routed"].append((0, pool))  # what capture_begin registered before the refusal
+    refusal = RuntimeError('it->second->use_count > 0 INTERNAL ASSERT FAILED at "CachingHostAllocator.h"')
+    body = []
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT"):
+        with capturing(FakeGraph(end_fails=False, begin_error=refusal), pool):
+            body.append(1)
+    assert body == [] and allocator["routed"] == [] and allocator["released"] == [(0, pool)]
+
+
+def test_a_capture_begin_refused_as_already_recording_leaves_the_other_registration(allocator):
+    pool = (0, 1)
+    allocator["routed"].append((0, pool))  # someone else's
+    refusal = RuntimeError("beginAllocateToPool: already recording to mempool_id")
+    with pytest.raises(RuntimeError, match="already recording"), capturing(FakeGraph(False, refusal), pool):
+        pass
+    assert allocator["routed"] == [(0, pool)] and allocator["released"] == []
+
+
+def test_the_trainer_mempool_is_anchored_once_at_its_first_capture(monkeypatch):
+    anchors = []
+    monkeypatch.setattr(trainer_memory, "anchor_pool", lambda pool, dev: anchors.append(pool) or "graph")
+    mem = _memory([])
+    for _ in range(3):
+        with mem.capture() as pool:
+            assert pool == (0, 5)
+    assert anchors == [(0, 5)] and mem._anchor == "graph"
+
+
 def _memory(routes):
     mem = object.__new__(trainer_memory.TrainerMemory)
     mem.mempool = type("Pool", (), {"id": (0, 5)})()
     mem._routes = list(routes)
+    mem._anchor = None
     mem.pool = type("P", (), {"device": torch.device("cpu")})()
     mem.pool.device = type("D", (), {"index": 0})()
     return mem
@@ -138,4 +173,34 @@ print("closed")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_an_anchored_mempool_takes_captures_again_after_its_graphs_are_gone():
+    """A trainer replaced on the same MemPool: every graph of the first is released before the second
+    captures. With the pool anchored (`anchor_pool`) the second capture succeeds, replays, and the process
+    exits cleanly."""
+    code = """
+import torch
+from harli_train.cuda_capture import anchor_pool, capturing
+pool = torch.cuda.MemPool()
+anchor = anchor_pool(pool.id, torch.device("cuda"))
+x = torch.ones(1024, device="cuda")
+s = torch.cuda.Stream()
+for round in range(3):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), capturing(graph, pool.id):
+        y = x * (round + 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(y[0]) == round + 2, float(y[0])
+    del graph, y
+del anchor, pool
+torch.cuda.empty_cache()
+print("recaptured")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "recaptured" in proc.stdout, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr

@@ -378,3 +378,34 @@ def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pa
     assert pressed["reclaims"]["count"] + pressed["trainer_oom_recoveries"] > 0, report
     assert pressed["refusals"] == 0, report
     assert pressed_losses == losses
+
+
+def test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool(tmp_path, monkeypatch):
+    """The bench's windows give each run a fresh trainer (`Colocation.new_trainer`): the replaced trainer's
+    graphs are all released, then the new one captures into the same trainer MemPool. Every new trainer
+    keeps its graphs (no capture refused: `cuda_capture.anchor_pool`), and the process exits cleanly."""
+    monkeypatch.setenv("HARLI_PROFILE_DIR", str(tmp_path / "profiles"))
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    overrides = ["train.steps=24", "train.cuda_graphs=true", "colocation.policy=static:64"]
+    overrides += ["colocation.memory_gib=16", f"output.dir={tmp_path / 'run'}"]
+    code = f"""
+import harli_train.colocate.assembly as assembly
+from harli_train.config import load_recipe
+assembly.GRAPHS_ON_CUDA_POOL = True
+cfg = load_recipe({recipe!r}, {overrides!r})
+col = assembly.assemble(cfg, "tiny", loads=[], spatial=True)
+assert col.memory is not None and col.memory.trainer_memory is not None, "not on the CUDA pool"
+for i in range(3):
+    if i:
+        col.new_trainer({str(tmp_path)!r} + "/t" + str(i))
+        col.prepare(col.new_policy("static:64"))
+    assert col.trainer.graphs is not None and col.trainer.graphs.captures > 0, f"trainer {{i}} lost its graphs"
+col.close()
+print("recaptured")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "recaptured" in proc.stdout, _stderr_excerpt(proc.stderr)
+    for marker in ("terminate called", "Traceback", "failed (RuntimeError"):
+        assert marker not in proc.stderr, _stderr_excerpt(proc.stderr)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from harli_train.cuda_capture import end_routing
+from harli_train.cuda_capture import anchor_pool, end_routing
 
 from .native import PagePool, PoolError, Tenant, _check, _lib, native_library_path
 
@@ -47,6 +47,7 @@ class TrainerMemory:
         self.mempool: Any = torch.cuda.MemPool(self._allocator.allocator())
         self._warm_streams: set[int] = set()
         self._routes: list[tuple[Any, bool]] = []  # the open scopes' (stream, by stream), innermost last
+        self._anchor: Any = None  # `cuda_capture.anchor_pool`'s graph, from the first capture to close()
 
     def _warm_cublas(self) -> None:
         # cuBLAS(Lt) keeps a workspace per (handle, stream) for the process's lifetime, allocated by the
@@ -81,11 +82,15 @@ class TrainerMemory:
     def capture(self) -> Iterator[Any]:
         """Around a CUDA graph capture, in ``scope()`` or not: yields the pool id to capture into (this
         MemPool's, so the graphs' memory is the tenant's pages too). An open scope's routing is lifted
-        meanwhile (the capture routes its stream's allocations to the same pool itself), then restored."""
+        meanwhile (the capture routes its stream's allocations to the same pool itself), then restored. The
+        first capture anchors the MemPool (`cuda_capture.anchor_pool`, until close()), so that a trainer
+        replaced after every graph of the last one is gone captures into it again."""
         lifted = list(self._routes)
         for _ in lifted:
             self._unroute()
         try:
+            if self._anchor is None:  # a trainer replaced later captures into the same MemPool again
+                self._anchor = anchor_pool(self.mempool.id, self.pool.device)
             yield self.mempool.id
         finally:
             for stream, by_stream in lifted:
@@ -135,6 +140,7 @@ class TrainerMemory:
                 "it?); the MemPool is kept, and the page pool with it"
             )
         self._end_stale_routings()
+        self._anchor = None  # a graph holds its pool: it goes first
         self.mempool = None
         torch.cuda.synchronize(self.pool.device)
         if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
