@@ -231,10 +231,13 @@ class ColocationSection:
     serve_adapter_every: int = key(1, "int", at_least(1))
     # One page pool for the KV cache and the trainer (harli_train/colocate/pool_memory.py); false: a fixed KV
     # tensor and torch's allocator, as without the pool (the A/B). memory_gib: the pool's budget (default:
-    # what is free after the weights, less a safety margin); trainer_memory_gib: the trainer's quota in it.
+    # what is free after the weights, less a safety margin); trainer_memory_gib: the trainer's quota in it;
+    # spill_host_gib: pinned host memory made at set-up for the trainer's spills on a GPU (default: what its
+    # stashes and the pool can hold, at most an eighth of the host's memory; 0: pinned as spills need it).
     memory_pool: bool = key(True, "bool")
     memory_gib: float | None = key(None, "float", above(0), optional=True)
     trainer_memory_gib: float | None = key(None, "float", above(0), optional=True)
+    spill_host_gib: float | None = key(None, "float", at_least(0), optional=True)
 
     def __post_init__(self) -> None:
         validate(self, "colocation")

@@ -13,9 +13,16 @@ import torch
 from click.testing import CliRunner
 
 from harli_train.cli import main
+from harli_train.colocate import pool_budget as pool_budget_module
 from harli_train.colocate.assembly import build_engine
 from harli_train.colocate.commands import run_colocated
-from harli_train.colocate.pool_budget import GIB, PoolBudget, host_page_bytes, pool_budget
+from harli_train.colocate.pool_budget import (
+    GIB,
+    PoolBudget,
+    host_page_bytes,
+    pool_budget,
+    spill_reserve_bytes,
+)
 from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.sm import TimeSliceLadder
 from harli_train.config import RecipeError, load_recipe
@@ -182,6 +189,31 @@ def test_pool_keys_are_checked_with_the_key_named(tmp_path):
     )
     default = pool_budget(recipe(tmp_path), torch.device("cpu"))
     assert default.bytes > 0 and "margin" in default.source
+
+
+def test_the_spill_reserve_is_what_a_spill_can_fill_within_an_eighth_of_the_host(tmp_path, monkeypatch):
+    # Default: every byte a spill can move (the stashes' bound, within the pool), up to an eighth of the host.
+    assert spill_reserve_bytes(10 * GIB, 40 * GIB, None, 128 * GIB) == 10 * GIB
+    assert spill_reserve_bytes(100 * GIB, 40 * GIB, None, 128 * GIB) == 16 * GIB
+    assert spill_reserve_bytes(100 * GIB, 12 * GIB, None, 1024 * GIB) == 12 * GIB
+    # colocation.spill_host_gib: what it says, never more than a spill can fill; 0 pins nothing ahead.
+    assert spill_reserve_bytes(20 * GIB, 40 * GIB, 30 * GIB, 128 * GIB) == 20 * GIB
+    assert spill_reserve_bytes(20 * GIB, 40 * GIB, 4 * GIB, 128 * GIB) == 4 * GIB
+    assert spill_reserve_bytes(20 * GIB, 40 * GIB, 0, 128 * GIB) == 0
+    with pytest.raises(
+        RecipeError, match=r"colocation.spill_host_gib: expected a number >= 0 or null, got -1"
+    ):
+        recipe(tmp_path, "colocation.spill_host_gib=-1")
+    cfg = recipe(tmp_path, "colocation.memory_gib=0.5", "colocation.spill_host_gib=3")
+    assert pool_budget(cfg, torch.device("cpu")).spill_host_bytes == 3 * GIB
+    assert pool_budget(recipe(tmp_path), torch.device("cpu")).spill_host_bytes is None
+    # On a GPU a reserve past the host memory available is refused with the key named.
+    monkeypatch.setattr(pool_budget_module, "available_bytes", lambda device: (40 * GIB, 80 * GIB))
+    monkeypatch.setattr(pool_budget_module, "host_bytes", lambda: (2 * GIB, 8 * GIB))
+    with pytest.raises(
+        RecipeError, match=r"colocation.spill_host_gib: expected at most the 2.00 GiB of host"
+    ):
+        pool_budget(cfg, torch.device("cuda", 0))
 
 
 def test_the_cli_refuses_a_pool_budget_past_free_memory_in_one_line(tmp_path):

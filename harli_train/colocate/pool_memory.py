@@ -33,7 +33,14 @@ import torch
 from harli_train.colocate.kv_resizer import KVResizer, Resized
 from harli_train.colocate.memory_hook import CacheReleaseHook
 from harli_train.colocate.optimizer_placement import OptimizerPlacement
-from harli_train.colocate.pool_budget import PoolBudget, chunk_saved_bytes, host_page_bytes, stash_min_bytes
+from harli_train.colocate.pool_budget import (
+    PoolBudget,
+    chunk_saved_bytes,
+    host_bytes,
+    host_page_bytes,
+    spill_reserve_bytes,
+    stash_min_bytes,
+)
 from harli_train.colocate.pool_report import pool_report
 from harli_train.memory import (
     ActivationSwapper,
@@ -49,10 +56,6 @@ HEADROOM_GROUPS = 1  # page groups kept mapped beyond what the next steps need
 SHRINK_SLACK_GROUPS = 2  # idle groups beyond the headroom before a shrink is ordered
 RETRY_DECISIONS = 8  # decisions between two tries of a grow the pool could not serve
 SAMPLE_S = 0.05  # the resizer thread samples the pool's usage this often (and after every order)
-# Pinned host slabs the trainer's spills start with on a GPU, at most what its stashes can hold (more are
-# pinned when a reclaim spills more at once, and kept): pinning in a reclaim would hold the KV grow waiting
-# on it (docs/design.md).
-SPILL_HOST_RESERVE = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,13 @@ class PoolMemory(CacheReleaseHook):
             lookahead=1,
             exclude=[*self.model.parameters(), *self.model.buffers()],
             min_bytes=stash_min_bytes(chunk_bytes),
-            host_reserve=min(SPILL_HOST_RESERVE, stashes * chunk_bytes) if cuda else 0,
+            host_reserve=(
+                spill_reserve_bytes(
+                    stashes * chunk_bytes, self.budget.bytes, self.budget.spill_host_bytes, host_bytes()[1]
+                )
+                if cuda
+                else 0
+            ),
         )
         trainer_memory = TrainerMemory(pool, tenant) if cuda else None
         # Nothing is kept unless all of it could be made (the caller then runs without the pool).
