@@ -57,6 +57,8 @@ ADDED_COLUMNS = (
     "trainer_queue",
     "adapter_rows",
     "mixed_raw_s",
+    "host_gap_s",
+    "plan_s",
 )
 
 

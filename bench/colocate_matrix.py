@@ -68,6 +68,8 @@ STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/ana
     "prefill_tokens",
     "adapter_rows",
     "mixed_raw_s",
+    "host_gap_s",
+    "plan_s",
 )
 
 

@@ -143,6 +143,10 @@ def test_colocated_run_writes_outputs_and_equals_standalone(tmp_path, standalone
         "measured_s",
         "micro_steps",
     } <= last_decode.keys()
+    # The host's time before each step's launch, and of it the plan's (the stalls' first suspects).
+    timed = [r for r in step_rows if r["kind"] in ("decode", "mixed")][1:]
+    assert all(r["host_gap_s"] >= r["plan_s"] >= 0 for r in timed if r["host_gap_s"] is not None)
+    assert any(r["host_gap_s"] is not None for r in timed)
     # Co-location changes when the trainer's work runs, never what it computes.
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))

@@ -115,6 +115,7 @@ class ColocatedRuntime(AlonePhases):
         # The steps launched ahead and their plans (``_step``).
         self.ahead = StepsAhead(launches_ahead(self.policy.launch_ahead, opts.launch_ahead))
         self._last_end, self._last_kind = 0.0, "idle"
+        self._host_from: float | None = None  # perf_counter at the last step's return: the host's gap from
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
         threaded = self.opts.trainer_thread
@@ -263,6 +264,7 @@ class ColocatedRuntime(AlonePhases):
         prefill-first, a prefill step next; a successor that would launch eagerly), it completes alone.
         ``StepsAhead`` keeps the plans and states the rules."""
         worker, policy = self.worker, self.policy
+        t_enter = time.perf_counter()
         worker.tick()
         # The step in flight (an abort may have completed it), or the plan carried over for this step.
         done, plan = self.ahead.take(bool(self.engine.in_flight), preview)
@@ -308,6 +310,10 @@ class ColocatedRuntime(AlonePhases):
         plan, snap, on_gpu = done
         end = t_end - self.t0
         row = step_row(result, plan, measured, launched, snap, on_gpu)
+        # The host's time between the last step's return and this one's launch (its records, the loop's
+        # submissions, the memory hook, the preview), and of that the plan (policy, switch, trainer feed).
+        row.update(host_gap_s=None if self._host_from is None else t_start - self._host_from)
+        row.update(plan_s=t_start - t_enter)
         if result.num_decode:
             # The step's token interval for its decode rows (from the last step that drew their tokens),
             # which the policy learns from: it is what the objective judges, host time between steps
@@ -324,6 +330,7 @@ class ColocatedRuntime(AlonePhases):
         self.tally.count(result.kind, result.num_decode, plan.partition.infer_sms, plan.paused)
         self._last_end = end
         self._record(row, t=end)
+        self._host_from = time.perf_counter()
 
     def _hold(self, plan: StepPlan | None) -> None:
         """The trainer holds ``plan``'s SMs from now (None: none); closes the interval of the plan before."""
