@@ -41,6 +41,8 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         prefill,
         0,
         None,
+        None,
+        None,
     ]
 
 
