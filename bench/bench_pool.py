@@ -28,7 +28,9 @@ another's GPU memory. The loss phase's default budget (`loss_budget_gib`), 60 Gi
 its pressured run wants there (~68 GiB: the KV cache's peak beside the trainer's working set), so the cache
 must take pages from the trainer; on an 80 GB card the recipe's default budget already is.
 One JSON (``--out``) holds every phase that ran (a phase that fails records its error and the others run);
-the table comes last. Throughput figures are medians over the windows, each window after the first is
+it is written again as each phase's process ends, and a SIGINT (a device call's time limit: ``timeout -s
+INT``) stops the phase running (its process with it) and writes what the finished ones gave, the cut
+recorded as ``interrupted``. The table comes last. Throughput figures are medians over the windows, each window after the first is
 judged against the same trace's other windows, and the pool's cost is 1 - median(pool) / median(plain).
 """
 
@@ -38,6 +40,7 @@ import argparse
 import gc
 import json
 import logging
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +70,7 @@ from harli_train.engine.load import TraceRequest, read_trace  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "recipes" / "traces"
 AFTER_RECLAIM = 5  # decode steps after a reclaim in which a violation counts against it
+CHILD_GRACE_S = 15.0  # a phase's process, signalled, has this long to end before it is killed
 log = logging.getLogger("bench_pool")
 
 
@@ -263,13 +267,21 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="bench_pool_"))
     loads = [longctx, *traces.values()]
     phases = [p for p in args.phases.split(",") if p]
+    out = Path(args.out) if args.out else common.out_dir() / "bench_pool.json"
     if not args.in_process and len(phases) > 1:
-        for phase in phases:
-            got = phase_in_child(phase, scratch)
-            result.setdefault("setup", {}).update(got.pop("setup", {}))
-            result.update(got)
+        try:
+            for phase in phases:
+                got = phase_in_child(phase, scratch)
+                result.setdefault("setup", {}).update(got.pop("setup", {}))
+                result.update(got)
+                result["total_s"] = round(time.perf_counter() - t0, 1)
+                write_result(result, out)  # what a cut-short call still returns
+        except KeyboardInterrupt:
+            done = [p for p in phases if p in result]
+            result["interrupted"] = f"SIGINT after {time.perf_counter() - t0:.0f} s; phases done: {done}"
+            log.warning("bench_pool: %s", result["interrupted"])
         result["total_s"] = round(time.perf_counter() - t0, 1)
-        finish(result, Path(args.out) if args.out else common.out_dir() / "bench_pool.json")
+        finish(result, out)
         return
     for phase in phases:
         col = None
@@ -294,7 +306,7 @@ def main() -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    finish(result, Path(args.out) if args.out else common.out_dir() / "bench_pool.json")
+    finish(result, out)
 
 
 def phase_in_child(phase: str, scratch: Path) -> dict[str, Any]:
@@ -308,14 +320,25 @@ def phase_in_child(phase: str, scratch: Path) -> dict[str, Any]:
             del argv[i : i + 2]
         argv = [a for a in argv if not a.startswith(flag + "=")]
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--phases", phase, "--out", str(out)]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:  # the phase's process goes too: no orphan keeps the GPU busy
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=CHILD_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
     if not out.exists():
         return {phase: {"error": f"the phase's process exited with {proc.returncode} and wrote nothing"}}
     child = json.loads(out.read_text())
     return {phase: child.get(phase), "setup": child.get("setup", {})}
 
 
-def finish(result: dict[str, Any], path: Path) -> None:
+def write_result(result: dict[str, Any], path: Path) -> None:
+    """``result`` to ``path`` (the pool's cost against plain filled in where both phases ran)."""
     plain, pool = result.get("plain", {}), result.get("pool", {})
     for trace in pool:
         if isinstance(pool.get(trace), dict) and trace in plain and "median" in plain[trace]:
@@ -323,7 +346,12 @@ def finish(result: dict[str, Any], path: Path) -> None:
             pool[trace]["cost_vs_plain"] = 1 - pool[trace]["median"] / base if base else None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def finish(result: dict[str, Any], path: Path) -> None:
+    write_result(result, path)
     print(f"wrote {path}")
+    plain, pool = result.get("plain", {}), result.get("pool", {})
     rows = []
     loss = result.get("loss", {})
     for name in ("quiet", "pressure"):

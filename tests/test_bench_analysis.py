@@ -4,9 +4,11 @@ bench/bench_colocate.py's dry run: the matrix layout, step records analyze reads
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -486,6 +488,46 @@ def test_bench_pool_dry_run_runs_each_phase_in_its_own_process_and_merges_them(t
         assert result[phase]["steady"]["median"] > 0, phase
     assert "cost_vs_plain" in result["pool"]["steady"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_pool.json"]  # the phases' files elsewhere
+
+
+def test_bench_pool_cut_short_by_sigint_keeps_the_phases_done_and_ends_its_phase_process(tmp_path):
+    """A device call's time limit (`timeout -s INT`) stops bench_pool.py mid-phase: the result written
+    holds the phases that ended and says where it was cut, and the phase's own process ends too (an orphan
+    would hold the GPU for the call's next step)."""
+    root = BENCH.parent / "recipes"
+    recipe = tmp_path / "cut.yaml"  # a path only this test's processes carry on their command lines
+    recipe.write_text(
+        (root / "quickstart.yaml")
+        .read_text()
+        .replace("path: data/quickstart.jsonl", f"path: {root / 'data' / 'quickstart.jsonl'}")
+    )
+    out = tmp_path / "bench_pool.json"
+    args = ["--dry-run", "--recipe", str(recipe), "--windows", "1", "--traces", "steady", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "bench_pool.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not out.exists():  # written as the first phase (plain) ends
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["plain"]["steady"]["median"] > 0 and "pool" not in result
+    assert "SIGINT" in result["interrupted"] and "plain" in result["interrupted"]
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(recipe).encode() in cmdline:
+            left.append(pid)
+    assert not left
 
 
 @pytest.mark.slow
