@@ -225,6 +225,11 @@ def _step(row: dict) -> str:
         f"t={row['t']:.3f} {row['kind']} batch {row.get('batch')} on {row.get('infer_sms')} SMs "
         f"(trainer {row.get('train_sms')}, {row.get('train')}): predicted {ms('predicted_s')} ms, "
         f"measured {ms('measured_s')}, GPU {ms('gpu_s')} (launch {ms('launch_s')}), interval {ms('interval_s')}"
+        + (
+            f", host gap before it {ms('host_gap_s')} (plan {ms('plan_s')})"
+            if row.get("host_gap_s") is not None
+            else ""
+        )
         + (f", trainer launching {row['trainer_phase']}" if row.get("trainer_phase") else "")
         + (f", queued {row['trainer_queue']}" if row.get("trainer_queue") else "")
         + f" | {row.get('reason')}"
