@@ -115,7 +115,7 @@ class ColocatedRuntime(AlonePhases):
         # The steps launched ahead and their plans (``_step``).
         self.ahead = StepsAhead(launches_ahead(self.policy.launch_ahead, opts.launch_ahead))
         self._last_end, self._last_kind = 0.0, "idle"
-        self._host_from: float | None = None  # perf_counter at the last step's return: the host's gap from
+        self._host_from: float | None = None  # perf_counter as the last step returned (host_gap_s's start)
         self.start_tokens = self.worker.progress_tokens()
         self.start_step = self.trainer.step
         threaded = self.opts.trainer_thread
