@@ -137,9 +137,12 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
     """Decode steps over the objective within AFTER_RECLAIM decode steps of a reclaim (by the step rows'
     running count of reclaims), beside the same count over the run's other decode steps: a load the fixed
     split cannot keep violates everywhere, so a reclaim costs only what its steps violate past the rest
-    (``excess_rate``). ``violating`` lists the first ``listed`` violating steps after a reclaim (kind,
-    batch, prefill tokens, share, measured / predicted seconds, token interval, steps since the reclaim)."""
-    decode = [r for r in steps if r["kind"] in ("decode", "mixed")]
+    (``excess_rate``). ``violating`` lists the first ``listed`` violating steps after a reclaim (kind, time,
+    batch, prefill tokens, share, measured / predicted seconds, token interval, the host's gap before its
+    launch, both tenants' pages, steps since the reclaim) with ``between``: the steps recorded since the
+    decode step before it (prefill steps; none when the engine stood idle, waiting for blocks)."""
+    at = [i for i, r in enumerate(steps) if r["kind"] in ("decode", "mixed")]
+    decode = [steps[i] for i in at]
     marks = [
         i for i in range(1, len(decode)) if decode[i].get("reclaims", 0) > decode[i - 1].get("reclaims", 0)
     ]
@@ -153,7 +156,13 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
     violations_elsewhere = sum(bool(r.get("violated")) for j, r in enumerate(decode) if j not in since)
     rate = len(violations) / len(judged) if judged else None
     rate_elsewhere = violations_elsewhere / elsewhere if elsewhere else None
-    keys = ("kind", "batch", "prefill_tokens", "infer_sms", "measured_s", "predicted_s", "interval_s")
+    keys = ("kind", "t", "batch", "prefill_tokens", "infer_sms", "measured_s", "predicted_s", "interval_s")
+    keys += ("launch_s", "host_gap_s", "plan_s", "kv_pages", "trainer_pages")
+
+    def between(j: int) -> list[dict[str, Any]]:
+        first = at[j - 1] + 1 if j else 0
+        return [{k: steps[i].get(k) for k in ("kind", "t", "measured_s")} for i in range(first, at[j])]
+
     return {
         "reclaim_steps": len(marks),
         "steps_judged": len(judged),
@@ -164,7 +173,7 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
         "violation_rate_elsewhere": rate_elsewhere,
         "excess_rate": None if rate is None or rate_elsewhere is None else rate - rate_elsewhere,
         "violating": [
-            {**{k: decode[j].get(k) for k in keys}, "steps_after_reclaim": since[j]}
+            {**{k: decode[j].get(k) for k in keys}, "steps_after_reclaim": since[j], "between": between(j)}
             for j in violations[:listed]
         ],
     }
@@ -194,6 +203,7 @@ def loss_phase(col: Colocation, args: argparse.Namespace, scratch: Path, longctx
             "abandoned_steps": summary["finetune"]["abandoned_steps"],
             "served": summary["serving"]["requests"],
             "refused": summary["serving"]["refused"],
+            "preemptions": summary["serving"]["preemptions"],
             "violation_rate": summary["serving"]["violation_rate"],
             "after_reclaim": after_reclaims(steps),
         }

@@ -452,6 +452,8 @@ def test_bench_pool_weighs_the_steps_after_a_reclaim_against_the_runs_other_step
     assert got["excess_rate"] == pytest.approx(3 / 7 - 2 / 14)
     assert [v["steps_after_reclaim"] for v in got["violating"]] == [0, 0, 3]
     assert got["violating"][0]["kind"] == "mixed" and got["violating"][0]["measured_s"] == 0.02
+    # What ran since the decode step before each (the prefill step before the first; nothing else).
+    assert [[b["kind"] for b in v["between"]] for v in got["violating"]] == [["prefill"], [], []]
     quiet = bench_pool.after_reclaims([step("decode", 0, False)] * 3)
     assert quiet["steps_judged"] == 0 and quiet["violation_rate"] is None and quiet["excess_rate"] is None
 
