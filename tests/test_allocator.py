@@ -468,6 +468,27 @@ def test_spills_reuse_their_host_slabs_and_a_stash_spans_several():
         pool.check()
 
 
+def test_a_reserve_the_host_refuses_part_way_keeps_what_it_pinned_and_warns(monkeypatch, caplog):
+    """Pinned memory refused at set-up (the host's RAM or its locked-memory limit) ends the reserve with a
+    warning; the slabs made stay, and spills make more as they need them."""
+    from harli_train.memory import host_slabs
+
+    slabs = host_slabs.HostSlabs(slab_bytes=PAGE)
+    made = slabs._make
+
+    def refused_after_two() -> torch.Tensor:
+        if slabs.count >= 2:
+            raise torch.OutOfMemoryError("CUDA error: out of memory (cudaHostAlloc)")
+        return made()
+
+    monkeypatch.setattr(slabs, "_make", refused_after_two)
+    with caplog.at_level("WARNING", logger=host_slabs.__name__):
+        assert slabs.reserve(5 * PAGE) == 2 * PAGE
+    assert slabs.count == 2 and "pinned 0.00 GiB of the 0.00 GiB" in caplog.text
+    monkeypatch.setattr(slabs, "_make", made)
+    assert len(slabs.take(3 * PAGE)) == 3 and slabs.count == 3  # the two kept, one more made
+
+
 def test_release_idle_gives_back_only_empty_stashes_and_training_stays_identical():
     losses, params = _train(3)
     with host_pool(150) as pool:

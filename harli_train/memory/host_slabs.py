@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Spilled bytes go to host slabs of this size, kept for the run and reused (`HostSlabs`).
 SLAB_BYTES = 64 << 20
@@ -29,10 +32,23 @@ class HostSlabs:
     def nbytes(self) -> int:
         return self.count * self.slab_bytes
 
-    def reserve(self, nbytes: int) -> None:
-        """Make slabs until ``nbytes`` are held (free or taken)."""
+    def reserve(self, nbytes: int) -> int:
+        """Make slabs until ``nbytes`` are held (free or taken), as far as the host lets: a slab that cannot
+        be made (pinned memory refused: the host's RAM or its locked-memory limit) ends the reserve with a
+        warning, and spills pin what they need later. Returns the bytes held."""
         while self.nbytes < nbytes:
-            self._free.append(self._make())
+            try:
+                self._free.append(self._make())
+            except RuntimeError as err:  # torch's pinned allocation refused (OutOfMemoryError included)
+                log.warning(
+                    "pinned %.2f GiB of the %.2f GiB of host slabs wanted for the trainer's spills (%s); "
+                    "spills pin more as they need it",
+                    self.nbytes / 2**30,
+                    nbytes / 2**30,
+                    str(err).splitlines()[0] if str(err) else type(err).__name__,
+                )
+                break
+        return self.nbytes
 
     def take(self, nbytes: int) -> list[torch.Tensor]:
         """Slabs that hold ``nbytes`` together (the first ones full, the last one part)."""
