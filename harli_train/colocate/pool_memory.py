@@ -148,14 +148,18 @@ class PoolMemory(CacheReleaseHook):
         self._decisions = 0
         self._zero_counts()
         self.resizer = KVResizer(self.kv, self._sample, SAMPLE_S)
+        slabs = self.swapper.host
         log.info(
-            "page pool: %s backend, %d pages of %d KiB (%.2f GiB, %s); KV page group of %d blocks",
+            "page pool: %s backend, %d pages of %d KiB (%.2f GiB, %s); KV page group of %d blocks; "
+            "%.2f GiB of host slabs for the trainer's spills made in %.1f s",
             pool.backend,
             pool.budget_pages,
             pool.page_bytes >> 10,
             pool.budget_pages * pool.page_bytes / 2**30,
             self.budget.source,
             self.kv.blocks_per_page,
+            slabs.nbytes / 2**30,
+            slabs.pin_seconds,
         )
         return self.kv
 
