@@ -59,6 +59,7 @@ ADDED_COLUMNS = (
     "mixed_raw_s",
     "host_gap_s",
     "plan_s",
+    "train_step",
 )
 
 

@@ -70,6 +70,7 @@ STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/ana
     "mixed_raw_s",
     "host_gap_s",
     "plan_s",
+    "train_step",
 )
 
 

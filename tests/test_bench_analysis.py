@@ -45,6 +45,7 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         None,
         None,
         None,
+        None,
     ]
 
 
