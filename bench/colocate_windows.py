@@ -22,7 +22,7 @@ from typing import Any
 
 import colocate_matrix
 import torch
-from stall_sampler import StallSampler, stall_spans
+from stall_sampler import HostCounters, StallSampler, stall_spans
 
 from harli_train.colocate import report
 from harli_train.colocate.colocation import Colocation
@@ -103,10 +103,12 @@ class Windows:
             )
             rt = self.col.runtime(policy, list(requests), run_dir / "colocate", opts)
             sampler = StallSampler() if self.sample_stalls else None
+            counters = HostCounters().start()  # the decode loop runs on this thread
             with sampler or contextlib.nullcontext():
                 summary = rt.run()
             steps = report.read_steps(run_dir / "colocate" / "steps.jsonl")
             row = colocate_matrix.policy_row(summary, steps, self.keep_steps)
+            row["host_counters"] = counters.delta()
             if sampler is not None:
                 row["stall_samples"] = sampler.around(stall_spans(steps)[:20], rt.t0)
             if plot_to is not None:

@@ -4,7 +4,10 @@ A daemon thread wakes every ``period_s`` and records, per Python thread, the top
 (``file:line function``) and how late it woke. A late wake-up means the GIL was held without a switch (a C call
 that does not release it); a decode thread caught mid-stall in a frame of its own while the sampler woke on
 time means decode was blocked in a call that released the GIL (a driver call, a lock). ``around`` returns the
-samples inside given time spans, on the runtime's clock (seconds from ``t0``).
+samples inside given time spans, on the runtime's clock (seconds from ``t0``), and the first one after each:
+a span with no sample inside and a late one after it held the sampler too (the GIL held throughout, or the
+whole process descheduled). ``HostCounters`` reads what the OS says of the window: the CPU time the
+hypervisor stole from the machine and the decode thread's involuntary context switches.
 
 Sampling costs the GIL every period: it perturbs what it measures a little, so only diagnostic runs use it
 (``bench_colocate.py --sample-stalls``).
@@ -12,6 +15,7 @@ Sampling costs the GIL every period: it perturbs what it measures a little, so o
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -63,6 +67,7 @@ class StallSampler:
         out = []
         for start, end in spans:
             inside = [s for s in self.samples if start <= s[0] - t0 <= end]
+            after = next((s for s in self.samples if s[0] - t0 > end), None)
             out.append(
                 {
                     "span": [round(start, 4), round(end, 4)],
@@ -70,8 +75,46 @@ class StallSampler:
                         {"t": round(t - t0, 4), "late_ms": round(1e3 * late, 2), "stacks": stacks}
                         for t, late, stacks in inside[:limit]
                     ],
+                    "after": None
+                    if after is None
+                    else {"t": round(after[0] - t0, 4), "late_ms": round(1e3 * after[1], 2)},
                 }
             )
+        return out
+
+
+class HostCounters:
+    """What the OS counts for the calling thread and the machine, from ``start()`` to ``delta()``: the CPU
+    time the hypervisor stole from every CPU together (``steal_s``, /proc/stat; 0 on bare metal) and this
+    thread's voluntary and involuntary context switches (/proc/thread-self/status). Empty where /proc
+    lacks them."""
+
+    def start(self) -> HostCounters:
+        self._first = self._read()
+        return self
+
+    def delta(self) -> dict[str, float]:
+        now = self._read()
+        return {k: round(now[k] - self._first[k], 3) for k in now if k in self._first}
+
+    @staticmethod
+    def _read() -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+            if fields[0] == "cpu" and len(fields) > 8:
+                out["steal_s"] = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/proc/thread-self/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                        out[key] = int(value)
+        except (OSError, ValueError):
+            pass
         return out
 
 

@@ -376,6 +376,7 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
                     assert "error" not in row, row.get("trace")
                     assert {"tpot_attainment", "violation_rate", "clean", "share_efficiency"} <= set(row)
                     assert {"tpot_clean", "ttft_attainment", "requests_without_first_token"} <= set(row)
+                    assert row["host_counters"]["nonvoluntary_ctxt_switches"] >= 0  # the OS's view
                     assert not row["clean"] or (row["tpot_clean"] and row["ttft_attainment"] >= 0.99)
                     assert row["decode_steps"] > 0 and row["trainer_sm_seconds"]
     assert {"streams", "temporal"} <= set(steady["objectives"]["auto:2"]["cells"]["steady/light"]["policies"])

@@ -1,0 +1,33 @@
+"""The bench's stall diagnosis (bench/stall_sampler.py): the sampler tells a stall that held it too from one
+it watched, and the OS counters of a window are read."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from stall_sampler import HostCounters, StallSampler  # noqa: E402
+
+
+def test_a_stall_that_holds_the_gil_leaves_no_sample_inside_and_a_late_one_after():
+    sampler = StallSampler(period_s=1e-3)
+    with sampler:
+        time.sleep(0.02)  # samples on time
+        t0 = time.perf_counter()
+        sum(range(3_000_000))  # one C call: the GIL is held throughout (tens of ms)
+        held = time.perf_counter() - t0
+        time.sleep(0.02)
+    (got,) = sampler.around([(0.002, held - 0.001)], t0)
+    assert got["samples"] == []  # nobody sampled while the GIL was held
+    assert got["after"] is not None and got["after"]["late_ms"] > 0.5e3 * held  # the sampler waited too
+    (calm,) = sampler.around([(-0.015, -0.005)], t0)
+    assert calm["samples"] and all(s["late_ms"] < 0.5e3 * held for s in calm["samples"])
+
+
+def test_host_counters_report_this_threads_context_switches_and_the_machines_steal():
+    counters = HostCounters().start()
+    for _ in range(5):
+        time.sleep(0.001)  # each sleep gives the CPU up: a voluntary switch
+    got = counters.delta()
+    assert got["voluntary_ctxt_switches"] >= 5 and got["nonvoluntary_ctxt_switches"] >= 0
+    assert got["steal_s"] >= 0
