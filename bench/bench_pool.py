@@ -30,8 +30,9 @@ must take pages from the trainer; on an 80 GB card the recipe's default budget a
 One JSON (``--out``) holds every phase that ran (a phase that fails records its error and the others run);
 it is written again as each phase's process ends, and a SIGINT (a device call's time limit: ``timeout -s
 INT``) stops the phase running (its process with it) and writes what the finished ones gave, the cut
-recorded as ``interrupted``. The table comes last. Throughput figures are medians over the windows, each window after the first is
-judged against the same trace's other windows, and the pool's cost is 1 - median(pool) / median(plain).
+recorded as ``interrupted``. The table comes last. Throughput figures are medians over the windows, each
+window after the first is judged against the same trace's other windows, and the pool's cost is
+1 - median(pool) / median(plain).
 """
 
 from __future__ import annotations
