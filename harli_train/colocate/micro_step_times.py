@@ -50,8 +50,12 @@ class MicroStepTimes:
         recent = self.by_kind.get(kind)
         if recent:
             return _median(recent)
-        known = [_median(v) for v in self.by_kind.values() if v]
-        return max(known) if known else self.ewma_s
+        known = self.medians()
+        return max(known.values()) if known else self.ewma_s
+
+    def medians(self) -> dict[str, float]:
+        """Each timed kind's median of its recent durations."""
+        return {k: _median(v) for k, v in self.by_kind.items() if v}
 
     def host_s(self) -> float:
         """Host time one launch takes (median of the recent ones)."""
