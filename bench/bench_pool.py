@@ -141,7 +141,8 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
     (``excess_rate``). ``violating`` lists the first ``listed`` violating steps after a reclaim (kind, time,
     batch, prefill tokens, share, measured / predicted seconds, token interval, the host's gap before its
     launch, both tenants' pages, steps since the reclaim) with ``between``: the steps recorded since the
-    decode step before it (prefill steps; none when the engine stood idle, waiting for blocks)."""
+    decode step before it (prefill steps, ``oom`` rows of steps that ran out of memory and ran again with
+    their ``recovery_s``; none when the engine stood idle, waiting for blocks)."""
     at = [i for i, r in enumerate(steps) if r["kind"] in ("decode", "mixed")]
     decode = [steps[i] for i in at]
     marks = [
@@ -162,7 +163,8 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
 
     def between(j: int) -> list[dict[str, Any]]:
         first = at[j - 1] + 1 if j else 0
-        return [{k: steps[i].get(k) for k in ("kind", "t", "measured_s")} for i in range(first, at[j])]
+        keep = ("kind", "t", "measured_s", "recovery_s")  # recovery_s: a step out of memory, run again
+        return [{k: steps[i].get(k) for k in keep if k in steps[i]} for i in range(first, at[j])]
 
     return {
         "reclaim_steps": len(marks),
@@ -205,6 +207,8 @@ def loss_phase(col: Colocation, args: argparse.Namespace, scratch: Path, longctx
             "served": summary["serving"]["requests"],
             "refused": summary["serving"]["refused"],
             "preemptions": summary["serving"]["preemptions"],
+            "decode_oom_recoveries": summary["serving"].get("decode_oom_recoveries"),
+            "decode_oom_s": summary["serving"].get("decode_oom_s"),
             "violation_rate": summary["serving"]["violation_rate"],
             "after_reclaim": after_reclaims(steps),
         }
@@ -380,11 +384,11 @@ def finish(result: dict[str, Any], path: Path) -> None:
                     f"{rec.get('pin_seconds', 0.0):.2f}/{rec.get('copy_gpu_seconds', 0.0):.2f}/{rec['seconds']:.2f}",
                     "-" if rec["grow_ms"]["p50"] is None else f"{rec['grow_ms']['p50']:.1f}",
                     _violations(r["after_reclaim"]),
-                    r["oom_recoveries"],
+                    f"{r['oom_recoveries']}/{r.get('decode_oom_recoveries', '-')}",
                 ]
             )
     header = ["run", "steps", "reclaims", "pages", "spilled MiB", "GiB/s", "pin/copy/all s", "grow ms p50"]
-    header += ["viol.<=5 (elsewhere)", "OOM"]
+    header += ["viol.<=5 (elsewhere)", "OOM trainer/decode"]
     if rows:
         print(common.table(rows, header))
         print(f"loss curves equal: {loss.get('losses_equal')}")

@@ -107,6 +107,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         **{k: sv[k] for k in ("ttft_ms", "tpot_ms", "token_interval_ms", "requests", "aborted_at_end")},
         "requests_judged": sv["requests_judged"],
         "preemptions": sv.get("preemptions"),
+        "decode_oom_recoveries": sv.get("decode_oom_recoveries"),
         "longest_wait": sv.get("longest_wait"),
         "decode_steps": sv["decode_steps"],
         "launched_ahead_steps": sv.get("launched_ahead_steps"),  # colocation.launch_ahead

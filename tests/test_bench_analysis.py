@@ -445,7 +445,8 @@ def test_bench_pool_weighs_the_steps_after_a_reclaim_against_the_runs_other_step
     steps = [step("decode", 0, False) for _ in range(10)]
     steps[4]["violated"] = True  # the load's own violation, before any reclaim
     steps.append(step("prefill", 0, True))
-    steps += [step("mixed", 1, True), step("decode", 1, False), step("decode", 2, True)]  # two reclaims
+    oom = {"kind": "oom", "t": 1.0, "error": "out of memory", "recovery_s": 0.3}  # a step run again
+    steps += [step("mixed", 1, True), step("decode", 1, False), oom, step("decode", 2, True)]  # two reclaims
     steps += [step("decode", 2, i in (2, 6)) for i in range(8)]  # decode rows 15 (judged) and 19 (not)
     got = bench_pool.after_reclaims(steps)
     assert got["reclaim_steps"] == 2 and got["steps_judged"] == 7  # steps 10..16 of the decode rows
@@ -454,8 +455,10 @@ def test_bench_pool_weighs_the_steps_after_a_reclaim_against_the_runs_other_step
     assert got["excess_rate"] == pytest.approx(3 / 7 - 2 / 14)
     assert [v["steps_after_reclaim"] for v in got["violating"]] == [0, 0, 3]
     assert got["violating"][0]["kind"] == "mixed" and got["violating"][0]["measured_s"] == 0.02
-    # What ran since the decode step before each (the prefill step before the first; nothing else).
-    assert [[b["kind"] for b in v["between"]] for v in got["violating"]] == [["prefill"], [], []]
+    # What ran since the decode step before each (the prefill step before the first, the step that ran out
+    # of memory before the second, with its recovery's time; nothing else).
+    assert [[b["kind"] for b in v["between"]] for v in got["violating"]] == [["prefill"], ["oom"], []]
+    assert got["violating"][1]["between"][0]["recovery_s"] == 0.3
     quiet = bench_pool.after_reclaims([step("decode", 0, False)] * 3)
     assert quiet["steps_judged"] == 0 and quiet["violation_rate"] is None and quiet["excess_rate"] is None
 

@@ -2,6 +2,7 @@
 collection pauses, the CUDA environment, host profiles and the step rows."""
 
 import gc
+import json
 import logging
 import os
 import signal
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from harli_train.colocate.assembly import build_engine
-from harli_train.colocate.commands import out_of_memory_message, run_colocated
+from harli_train.colocate.commands import decode_out_of_memory_message, out_of_memory_message, run_colocated
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.policy import HarliPolicy, StepPlan, make_policy
 from harli_train.colocate.runtime_options import RuntimeOptions
@@ -451,3 +452,48 @@ def test_the_warm_up_step_runs_the_recipes_micro_steps_on_a_synthetic_batch(tmp_
     phases = [ms.phase for ms in synthetic_step(trainer, batch)]
     assert {"fwd", "loss", "bwd"} <= set(phases)
     assert all(p.grad is not None for p in trainer.model.lora_parameters())
+
+
+def _decode_oom_run(tmp_path, failures: set[int], max_decode_ooms: int = 3):
+    """A co-located run whose engine steps run out of memory at the launches numbered in ``failures``
+    (counting from 1): (summary, runtime)."""
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    make = lambda ladder: ScriptedPolicy(ladder, lambda: 48)
+    opts = RuntimeOptions(quiet=True, plots=False, trainer_thread=False, max_decode_ooms=max_decode_ooms)
+    rt = runtime(tmp_path, ladder, make, requests([(0.0, 3, 40)]), opts)
+    runner = rt.engine.engine.runner
+    launch, calls = runner.launch, {"n": 0}
+
+    def failing_launch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in failures:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated decode step)")
+        return launch(*args, **kwargs)
+
+    runner.launch = failing_launch
+    return rt.run(), rt
+
+
+def test_a_decode_step_out_of_memory_runs_again_and_is_counted(tmp_path, standalone):
+    summary, _ = _decode_oom_run(tmp_path, {6})
+    serving = summary["serving"]
+    assert summary["stop_reason"] == "trained" and serving["decode_oom_recoveries"] == 1
+    assert serving["decode_oom_s"] > 0 and serving["requests"] == 3 and serving["refused"] == 0
+    oom = [r for r in rows(tmp_path) if r["kind"] == "oom"]
+    assert len(oom) == 1 and "simulated decode step" in oom[0]["error"] and oom[0]["recovery_s"] > 0
+    # Every request got all its tokens; the trainer's abandoned step ran again to the same result.
+    records = [json.loads(line) for line in (tmp_path / "colocate" / "serve" / "requests.jsonl").open()]
+    assert sorted(r["output_tokens"] for r in records) == [40, 40, 40]
+    assert losses(tmp_path) == losses(standalone)
+    assert_same_adapter(adapter(tmp_path), adapter(standalone))
+
+
+def test_decode_steps_that_never_fit_stop_the_run_with_its_steps_checkpointed(tmp_path):
+    summary, rt = _decode_oom_run(tmp_path, set(range(8, 10_000)), max_decode_ooms=2)
+    assert summary["stop_reason"] == "decode_out_of_memory" and rt.decode_oom_recoveries == 3
+    assert len([r for r in rows(tmp_path) if r["kind"] == "oom"]) == 2  # the third stopped the run
+    steps = summary["trainer"]["steps"]
+    assert (tmp_path / "checkpoints" / f"step_{steps:06d}").is_dir()
+    message = decode_out_of_memory_message(summary)
+    assert "decode engine's steps do not fit" in message and "colocation.max_batch" in message
+    assert f"steps 1-{steps} are checkpointed" in message

@@ -108,6 +108,8 @@ def run_colocated(
     summary["adapter"] = summary["trainer"].get("adapter")
     if summary["stop_reason"] == "out_of_memory":
         summary["error"] = out_of_memory_message(summary)
+    elif summary["stop_reason"] == "decode_out_of_memory":
+        summary["error"] = decode_out_of_memory_message(summary)
     return summary
 
 
@@ -126,13 +128,34 @@ def out_of_memory_message(summary: dict[str, Any]) -> str:
     else:
         where = "the GPU memory left beside the decode engine's KV cache"
         fix = "lower train.batch_size or data.seq_len, or serve a smaller colocation.max_batch"
-    trainer = summary.get("trainer", {})
-    kept = (
-        f"; steps 1-{trainer['steps']} are checkpointed in {trainer['checkpoint']} (--resume continues)"
-        if trainer.get("checkpoint")
-        else ""
+    return (
+        f"the trainer does not fit in {where}: it ran out of memory with nothing else running; {fix}"
+        f"{_checkpointed(summary)}"
     )
-    return f"the trainer does not fit in {where}: it ran out of memory with nothing else running; {fix}{kept}"
+
+
+def decode_out_of_memory_message(summary: dict[str, Any]) -> str:
+    """Why a run stopped as ``decode_out_of_memory`` (engine steps failed again and again with the trainer's
+    memory released), what to change, and where the trainer's completed steps are."""
+    pooled = summary.get("memory", {}).get("pool", {}).get("enabled")
+    fix = "serve a smaller colocation.max_batch or shorter requests"
+    if pooled:
+        fix += ", raise colocation.memory_gib or lower colocation.trainer_memory_gib"
+    else:
+        fix += ", or lower train.batch_size or data.seq_len"
+    ooms = summary.get("serving", {}).get("decode_oom_recoveries")
+    return (
+        f"the decode engine's steps do not fit in the GPU memory left beside the trainer: they ran out of "
+        f"memory again and again with the trainer's memory released ({ooms} out-of-memory steps in the run); "
+        f"{fix}{_checkpointed(summary)}"
+    )
+
+
+def _checkpointed(summary: dict[str, Any]) -> str:
+    trainer = summary.get("trainer", {})
+    if not trainer.get("checkpoint"):
+        return ""
+    return f"; steps 1-{trainer['steps']} are checkpointed in {trainer['checkpoint']} (--resume continues)"
 
 
 def _with_server(col, serve_model: str, serve, api_key, exit_after_training: bool, options: RuntimeOptions):

@@ -92,6 +92,9 @@ def build_summary(
             "tpot_ms": objective["tpot_ms"],
             "token_interval_ms": objective["token_interval_ms"],
             "preemptions": objective["preemptions"],
+            # Steps that ran out of memory and ran again once the trainer had released its memory.
+            "decode_oom_recoveries": rt.decode_oom_recoveries,
+            "decode_oom_s": rt.decode_oom_s,
             "longest_wait": objective["longest_wait"],
             "decode_step_ms": serving.get("decode_step_ms"),
             "mixed_step_ms": serving.get("mixed_step_ms"),

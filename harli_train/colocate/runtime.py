@@ -10,8 +10,8 @@ load's window closes (``until="load"``, for benchmarks). ``exclusive`` serves al
 Ctrl-C (or SIGTERM) stops at the next step boundary: the trainer checkpoints its last completed step.
 
 Outputs under ``out_dir``: ``steps.jsonl`` (one line per engine step: batch, KV tokens, share, predicted
-and measured latency, micro-steps launched), ``summary.json``, ``timeline.png``, ``throughput.png`` and the
-engine's per-request records under ``serve/``.
+and measured latency, micro-steps launched; an ``oom`` row for a step that ran out of memory and ran again),
+``summary.json``, ``timeline.png``, ``throughput.png`` and the engine's per-request records under ``serve/``.
 
 With a ``LiveAdapter`` the trainer's adapter is served under the run's name: refreshed after optimizer steps
 (``TrainerSide.on_optimizer_step``), its posted versions taken up between engine steps, and the final one
@@ -96,7 +96,8 @@ class ColocatedRuntime(AlonePhases):
         self.tpot_s = policy.tpot_s
         self.stop_reason = "trained"
         self.tally = StepTally(policy.ladder.total_sms)  # streaming counts (the detail goes to steps.jsonl)
-        self.decode_ooms = 0
+        self.decode_ooms = 0  # in a row (the run stops past ``opts.max_decode_ooms``)
+        self.decode_oom_recoveries, self.decode_oom_s = 0, 0.0  # all of them, and the time they took
         self.gc_pauses = GcPauses(scheduled=self.opts.scheduled_gc)
         self._priority: HostPriority | None = None  # the decode thread's claim on the host, when installed
 
@@ -215,7 +216,8 @@ class ColocatedRuntime(AlonePhases):
                 if port is not None:
                     port.publish()
             self._progress()
-        self.stop_reason = "interrupted"
+        if self.stop_reason == "trained":  # (not a stop the loop decided itself)
+            self.stop_reason = "interrupted"
 
     def _poll_live(self) -> None:
         """Take up the live adapter's new versions; once training is done, serve its final one."""
@@ -296,7 +298,7 @@ class ColocatedRuntime(AlonePhases):
         try:
             result = self.engine.step(where.partition, where.prefill_tokens, ahead)
         except OOM_ERRORS as err:
-            self._decode_oom(err)
+            self._decode_oom(err, t_start)
             return
         t_end = time.perf_counter()
         self.decode_ooms = 0
@@ -339,15 +341,32 @@ class ColocatedRuntime(AlonePhases):
         else:
             self.tally.hold(self._now(), plan.train_sms, plan.partition.infer_sms)
 
-    def _decode_oom(self, err: BaseException) -> None:
+    def _decode_oom(self, err: BaseException, t_start: float) -> None:
+        """A step ran out of memory: release the trainer's memory and hold it back, so the step runs again at
+        the next decision (its tokens are not lost: the scheduler re-plans it), and record an ``oom`` row with
+        the recovery's time. Past ``opts.max_decode_ooms`` in a row the engine's steps do not fit beside the
+        trainer: the run stops as ``decode_out_of_memory`` and the trainer keeps its last completed step."""
         self.decode_ooms += 1
-        log.warning(
-            "decode step ran out of memory (%s): releasing the trainer's memory and holding it back",
-            str(err).splitlines()[0] if str(err) else type(err).__name__,
-        )
+        self.decode_oom_recoveries += 1
+        what = str(err).splitlines()[0] if str(err) else type(err).__name__
         if self.decode_ooms > self.opts.max_decode_ooms:
-            raise err
+            log.error(
+                "decode ran out of memory %d times in a row with the trainer's memory released (%s): its steps "
+                "do not fit beside the trainer; stopping",
+                self.decode_ooms,
+                what,
+            )
+            self.stop_reason = "decode_out_of_memory"
+            self._stop.set()
+            return
+        log.warning(
+            "decode step ran out of memory (%s): releasing the trainer's memory and holding it back", what
+        )
         self.worker.release_memory(decisions=256)
+        spent = time.perf_counter() - t_start
+        self.decode_oom_s += spent
+        self._record({"kind": "oom", "error": what, "recovery_s": spent})
+        self._host_from = time.perf_counter()
 
     # ---- records and progress ------------------------------------------------------------------------
     def _record(self, row: dict[str, Any], t: float | None = None) -> None:
