@@ -5,6 +5,7 @@ changes what the trainer computes; the recipe keys and the report."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +152,37 @@ def test_the_cache_grows_for_admission_and_shrinks_in_batches_as_sequences_finis
     memory.before_decode(engine)
     assert memory.counts["shrinks"] >= 1 and eng.block_manager.num_blocks == kv.num_blocks
     assert kv.num_blocks <= memory.headroom_blocks + one_group
+    memory.close()
+    memory.pool.check()
+
+
+def test_after_a_trainer_oom_decode_orders_the_idle_groups_unmap_and_only_the_trainer_waits_for_it():
+    memory, engine = engine_on_pool(32 << 20)
+    kv, eng = memory.kv, engine.engine
+    for _ in range(4):  # the cache grows past one page group, then every sequence ends
+        eng.add_request(list(range(1, 200)), SamplingParams(max_tokens=4, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while eng.has_unfinished() and time.monotonic() < deadline:
+        memory.before_decode(engine)
+        if eng.step().kind == "idle":
+            time.sleep(1e-3)
+    grown = kv.num_blocks
+    assert not eng.has_unfinished() and grown > memory.headroom_blocks + kv.blocks_per_page
+    held, shrink, shrinks = threading.Event(), kv.shrink, memory.counts["shrinks"]
+    kv.shrink = lambda n: (held.wait(10), shrink(n))  # the resizer's unmap waits until released
+    t0 = time.monotonic()
+    ticket = memory.on_trainer_oom()
+    assert ticket is not None and time.monotonic() - t0 < 1  # ordered, not waited for
+    assert eng.block_manager.num_blocks < grown == kv.num_blocks  # no longer used, still mapped
+    trainer_half = threading.Thread(target=memory.after_trainer_oom, args=(ticket,))
+    trainer_half.start()
+    time.sleep(0.05)
+    assert trainer_half.is_alive()  # the trainer's half waits for the unmap
+    held.set()
+    trainer_half.join(10)
+    assert not trainer_half.is_alive() and kv.num_blocks == eng.block_manager.num_blocks
+    memory.before_decode(engine)  # the decode thread takes the shrink's result in
+    assert memory.counts["shrinks"] == shrinks + 1
     memory.close()
     memory.pool.check()
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -81,15 +82,25 @@ def test_baseline_policies_honour_their_rules(tmp_path, name):
 
 
 class CountingHook:
+    """Counts decode decisions and trainer OOMs; records which thread ran each half of an OOM's recovery
+    and the ticket the second half got."""
+
     def __init__(self):
         self.ooms = self.decodes = 0
+        self.threads: list[tuple[str, str]] = []  # (half, thread name)
+        self.tickets: list = []
 
     def before_decode(self, engine):
         self.decodes += 1
 
     def on_trainer_oom(self):
         self.ooms += 1
-        return 0
+        self.threads.append(("serving", threading.current_thread().name))
+        return f"ticket-{self.ooms}"
+
+    def after_trainer_oom(self, ticket):
+        self.threads.append(("trainer", threading.current_thread().name))
+        self.tickets.append(ticket)
 
 
 def _oom_run(tmp_path, failures: int, threaded: bool) -> tuple[dict, CountingHook]:
@@ -120,6 +131,11 @@ def _oom_run(tmp_path, failures: int, threaded: bool) -> tuple[dict, CountingHoo
 def test_trainer_oom_triggers_a_reclaim_and_training_continues(tmp_path, standalone, threaded):
     summary, hook = _oom_run(tmp_path, 1, threaded)
     assert hook.ooms == 1 and hook.decodes > 0
+    # The serving side's half on the decode thread, then the trainer's half (with its ticket) on the
+    # trainer's thread: a recovery's waits are never the decode thread's.
+    main = threading.main_thread().name
+    assert hook.threads == [("serving", main), ("trainer", "harli-train" if threaded else main)]
+    assert hook.tickets == ["ticket-1"]
     assert summary["finetune"]["oom_recoveries"] == 1 and summary["serving"]["decode_steps"] > 0
     assert losses(tmp_path) == losses(standalone)
     assert_same_adapter(adapter(tmp_path), adapter(standalone))

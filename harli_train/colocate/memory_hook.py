@@ -1,9 +1,13 @@
 """How the runtime reacts to memory pressure: a small hook, so the loop works with or without the page pool.
 
 ``before_decode`` runs ahead of every engine step (a pooled KV cache orders its resizes there, which may
-make the trainer's tenant give pages back through the pool's reclaim protocol); ``on_trainer_oom`` runs
-after the trainer ran out of memory and its step was abandoned (the hook frees what the serving side can
-spare). Neither may raise for the serving side's sake: a failure is logged and the loop goes on.
+make the trainer's tenant give pages back through the pool's reclaim protocol). After the trainer ran out of
+memory and its step was abandoned, ``on_trainer_oom`` runs on the decode thread (the one that owns the
+engine) and gives up what the serving side can spare without waiting for anything (it orders the unmaps and
+returns a ticket), then ``after_trainer_oom(ticket)`` runs on the trainer's thread: it frees the trainer's
+own caches and waits for what was ordered, so a recovery never holds up a decode step. Inline (no trainer
+thread) both run in turn on the one thread. None of them may raise for the serving side's sake: a failure is
+logged and the loop goes on.
 
 A hook may also have ``begin_run()`` (a run starts), ``trainer_scope()`` (a context entered around each
 trainer micro-step: where its allocations go), ``step_row()`` (fields for each step record) and
@@ -28,7 +32,9 @@ log = logging.getLogger(__name__)
 class MemoryHook(Protocol):
     def before_decode(self, engine: Any) -> None: ...
 
-    def on_trainer_oom(self) -> int: ...
+    def on_trainer_oom(self) -> Any: ...
+
+    def after_trainer_oom(self, ticket: Any) -> None: ...
 
 
 class CacheReleaseHook:
@@ -61,10 +67,13 @@ class CacheReleaseHook:
         """GPU memory the trainer may still take: what the driver has free (the KV cache is allocated)."""
         return torch.cuda.mem_get_info()[0]
 
-    def on_trainer_oom(self) -> int:
+    def on_trainer_oom(self) -> Any:
+        """Decode thread: nothing of the serving side's to give up (its KV cache is a fixed tensor)."""
+        return None
+
+    def after_trainer_oom(self, ticket: Any) -> None:
+        """Trainer's thread: collect the abandoned step's cyclic garbage and return torch's cached blocks to
+        the driver."""
         gc.collect()
-        if not torch.cuda.is_available():
-            return 0
-        before = torch.cuda.memory_reserved()
-        torch.cuda.empty_cache()
-        return max(before - torch.cuda.memory_reserved(), 0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

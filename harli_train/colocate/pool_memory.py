@@ -278,24 +278,27 @@ class PoolMemory(CacheReleaseHook):
             if keep < bm.num_blocks and eng.shrink_kv_blocks(keep):
                 self._shrink_order = self.resizer.shrink(keep)
 
-    def on_trainer_oom(self) -> int:
-        """The trainer could not get memory: give it its own empty stashes' pages and the cache's idle page
-        groups now (a recovery, never a step's path: it waits for the unmaps)."""
-        freed = super().on_trainer_oom()
-        freed += self.swapper.release_idle() * self.pool.page_bytes
+    def on_trainer_oom(self) -> int | None:
+        """Decode thread, after the trainer ran out of memory: stop using the cache's idle page groups and
+        order their unmap (the resizer's thread does it); returns the order to wait for (None: none)."""
         eng = self.engine
         if eng is None:
-            return freed
+            return None
         self._take_results()
         bm = eng.block_manager
         keep = self._round(max(bm.used_blocks, default=-1) + 1 + self.headroom_blocks)
         if self._grow_order is None and keep < bm.num_blocks and eng.shrink_kv_blocks(keep):
-            before = self.kv.mapped_bytes
             self._shrink_order = self.resizer.shrink(keep)
-            self.resizer.wait(self._shrink_order)
-            self._take_results()
-            freed += max(before - self.kv.mapped_bytes, 0)
-        return freed
+            return self._shrink_order
+        return None
+
+    def after_trainer_oom(self, ticket: int | None) -> None:
+        """Trainer's thread: its own empty stashes' pages back to the pool, torch's cached blocks too, and
+        wait for the cache's unmap ordered by ``on_trainer_oom`` (``ticket``), so its next try finds them."""
+        super().after_trainer_oom(ticket)
+        self.swapper.release_idle()
+        if ticket is not None:
+            self.resizer.wait(ticket)
 
     def step_row(self) -> dict[str, Any]:
         """Fields for the runtime's step records: pages per tenant and reclaims so far (last sample)."""

@@ -10,7 +10,8 @@ the trainer side (``TrainerSide``) can be owned by a thread of its own (``start(
 - reads ``snapshot``, an immutable ``TrainerSnapshot`` the owner replaces around every launch and call.
 
 Nothing else is shared. The worker reports back through an outbox: an out-of-memory recovery (the decode thread
-then runs the memory hook, which touches the serving side, and tells the worker to go on) or the error that
+then runs the memory hook's serving half, which touches the engine and waits for nothing, and hands the worker
+its ticket; the worker runs the trainer's half, waiting for what was ordered, and goes on) or the error that
 ended it (raised in the decode thread at its next decision). Without a thread (the CPU default, or before
 ``start``) every message is handled at once on the caller's thread, by the same code.
 """
@@ -193,9 +194,11 @@ class TrainerWorker:
         self._call(self.side.settle)
 
     def release_memory(self, decisions: int) -> None:
-        """Decode needs memory: abandon the trainer's step, free its cache and hold it back a while."""
+        """Decode needs memory: abandon the trainer's step, free its cache and hold it back a while (decode
+        waits for all of it: its step runs again only then)."""
         self._call(lambda: self.side.abandon_step("decode ran out of memory"))
-        self._run_hook()
+        ticket = self._serving_side_release()
+        self._call(lambda: self._trainer_side_release(ticket))
         self._call(lambda: self.side.hold(decisions))
 
     def stats(self) -> dict[str, Any]:
@@ -222,17 +225,32 @@ class TrainerWorker:
                     self._read_outbox()  # a worker that died fails no future: its error comes here
 
     def _on_oom(self) -> None:
-        """The side recovered from an OOM: run the hook now (inline) or have the decode thread run it."""
+        """The side abandoned a step that ran out of memory. Inline, the hook's two halves run now; with the
+        worker, the decode thread runs the serving side's (``tick``) and hands its ticket back, and the worker
+        runs its own half when that arrives, launching nothing meanwhile."""
         if self._thread is None or threading.current_thread() is not self._thread:
-            self._run_hook()
+            self._trainer_side_release(self._serving_side_release())
             return
         self._awaiting_hook = True
         self._outbox.put(("oom", None))
 
-    def _run_hook(self) -> None:
+    def _serving_side_release(self) -> Any:
+        """Decode thread: what the serving side gives up after a trainer OOM, without waiting (the hook's
+        ``on_trainer_oom``); returns the hook's ticket."""
         try:
-            self.hook.on_trainer_oom()
+            return self.hook.on_trainer_oom()
         except Exception as err:  # the serving side must not fail because the hook did
+            log.warning("memory hook failed after a trainer OOM: %s", err)
+            return None
+
+    def _trainer_side_release(self, ticket: Any) -> None:
+        """Trainer's thread: the hook's ``after_trainer_oom`` (its own caches, and waiting for the ticket)."""
+        after = getattr(self.hook, "after_trainer_oom", None)
+        if after is None:
+            return
+        try:
+            after(ticket)
+        except Exception as err:  # nor may the trainer's recovery fail because of it: its next try will tell
             log.warning("memory hook failed after a trainer OOM: %s", err)
 
     def _read_outbox(self) -> None:
@@ -242,8 +260,11 @@ class TrainerWorker:
             except queue.Empty:
                 return
             if kind == "oom":
-                self._run_hook()
-                self._mailbox.put((_HOOK_DONE, None, self._decisions))
+                ticket = self._serving_side_release()
+                if self._thread is None:  # the worker has ended (``stop``): its half runs here
+                    self._trainer_side_release(ticket)
+                else:
+                    self._mailbox.put((_HOOK_DONE, ticket, self._decisions))
             else:  # the worker's error: it has ended
                 self._join()
                 raise payload
@@ -292,6 +313,7 @@ class TrainerWorker:
                 if kind == _STOP:
                     return
                 if kind == _HOOK_DONE:
+                    self._trainer_side_release(payload)
                     self._awaiting_hook = False
                 elif kind == _CALL:
                     fn, fut = payload
