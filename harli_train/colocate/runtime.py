@@ -7,7 +7,7 @@ stream; measure it and tell the policy. With nothing to decode the trainer has t
 
 A run ends when training is done (``until="train"``: new requests stop, running ones finish) or when the
 load's window closes (``until="load"``, for benchmarks). ``exclusive`` serves alone, then trains alone.
-Ctrl-C (or SIGTERM) stops at the next step boundary: the trainer checkpoints its last completed step.
+How a run stops and what it keeps: ``run_end.RunEnd``.
 
 Outputs under ``out_dir``: ``steps.jsonl`` (one line per engine step: batch, KV tokens, share, predicted
 and measured latency, micro-steps launched; an ``oom`` row for a step that ran out of memory and ran again),
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -31,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harli_train.colocate import report
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.alone_phases import AlonePhases
 from harli_train.colocate.engine_adapter import EngineAdapter
@@ -41,6 +39,7 @@ from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import MemoryHook
 from harli_train.colocate.policy import AFTER, BESIDE, Policy, StepPlan
 from harli_train.colocate.progress import Progress, RunView
+from harli_train.colocate.run_end import RunEnd
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import Partition
 from harli_train.colocate.step_tally import StepTally, step_row
@@ -54,7 +53,7 @@ from harli_train.kernels.launch_config import set_launch_gate
 log = logging.getLogger(__name__)
 
 
-class ColocatedRuntime(AlonePhases):
+class ColocatedRuntime(AlonePhases, RunEnd):
     """Drives a ``Trainer`` and an ``EngineAdapter`` under a ``Policy``; ``run()`` returns the summary."""
 
     def __init__(
@@ -341,33 +340,6 @@ class ColocatedRuntime(AlonePhases):
         else:
             self.tally.hold(self._now(), plan.train_sms, plan.partition.infer_sms)
 
-    def _decode_oom(self, err: BaseException, t_start: float) -> None:
-        """A step ran out of memory: release the trainer's memory and hold it back, so the step runs again at
-        the next decision (its tokens are not lost: the scheduler re-plans it), and record an ``oom`` row with
-        the recovery's time. Past ``opts.max_decode_ooms`` in a row the engine's steps do not fit beside the
-        trainer: the run stops as ``decode_out_of_memory`` and the trainer keeps its last completed step."""
-        self.decode_ooms += 1
-        self.decode_oom_recoveries += 1
-        what = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if self.decode_ooms > self.opts.max_decode_ooms:
-            log.error(
-                "decode ran out of memory %d times in a row with the trainer's memory released (%s): its steps "
-                "do not fit beside the trainer; stopping",
-                self.decode_ooms,
-                what,
-            )
-            self.stop_reason = "decode_out_of_memory"
-            self._stop.set()
-            return
-        log.warning(
-            "decode step ran out of memory (%s): releasing the trainer's memory and holding it back", what
-        )
-        self.worker.release_memory(decisions=256)
-        spent = time.perf_counter() - t_start
-        self.decode_oom_s += spent
-        self._record({"kind": "oom", "error": what, "recovery_s": spent})
-        self._host_from = time.perf_counter()
-
     # ---- records and progress ------------------------------------------------------------------------
     def _record(self, row: dict[str, Any], t: float | None = None) -> None:
         row = {
@@ -400,20 +372,6 @@ class ColocatedRuntime(AlonePhases):
             objective=self.objective(),  # one pass over the requests for both
         )
 
-    # ---- signals and the end -------------------------------------------------------------------------
-    def _install_signals(self):
-        """Ctrl-C / SIGTERM ask the loop to stop at the next step boundary; a second Ctrl-C interrupts."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def ask_stop(signum, frame):
-            if self._stop.is_set() and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop.set()
-
-        previous = {s: signal.signal(s, ask_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        return lambda: [signal.signal(s, h) for s, h in previous.items()]
-
     def objective(self) -> dict[str, Any]:
         """The objective figures over every request so far (recorded, running and queued): what the console
         shows and, at the end, the summary (``accounting.objective_stats``)."""
@@ -421,52 +379,3 @@ class ColocatedRuntime(AlonePhases):
         return objective_stats(
             eng.metrics, self.tpot_s, eng.running(), self.policy.ttft_s, eng.waiting(), eng.now()
         )
-
-    def request_stop(self) -> None:
-        """Stop at the next step boundary, as Ctrl-C does."""
-        self._stop.set()
-
-    def _finish(self) -> dict[str, Any]:
-        worker, trainer = self.worker, self.trainer
-        self._mark("end")
-        self._hold(None)
-        if self.stop_reason == "trained" and not worker.done:
-            self.stop_reason = "window"
-        if not self.opts.quiet:
-            self._progress(force=True)
-            self.progress.end_line()
-        worker.drain()
-        end_tokens = worker.progress_tokens()
-        if not self._hard_stop:
-            worker.settle()  # an optimizer step that ran is counted (and checkpointed) before stopping
-        if not worker.done:
-            worker.close()
-            if self.stop_reason == "interrupted":
-                trainer.interrupt()  # back to the last completed step; finish() checkpoints it
-            else:
-                worker.rollback()
-        if self.opts.port is not None:
-            self.opts.port.close()  # its clients learn their requests ended (the records keep them)
-        aborted = self.engine.abort_all() if self.engine.has_unfinished() else 0
-        self._steps_file.close()
-        if self.opts.finish:
-            trained = trainer.finish()
-        else:
-            trainer.metrics.close()
-            trained = {
-                "steps": trainer.step,
-                "total_steps": trainer.total_steps,
-                "loss": trainer.last_loss,
-                "eval_loss": trainer.last_eval_loss,
-                "interrupted": self.stop_reason == "interrupted",
-            }
-        serving = self.engine.metrics.write(self.out_dir / "serve")
-        summary = report.build_summary(self, serving, trained, aborted, end_tokens)
-        if self.opts.plots:
-            summary["files"].update(
-                report.write_plots(
-                    self.out_dir, self.tpot_s, self.policy.budget_s, title=f"{self.policy.name}"
-                )
-            )
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        return summary
