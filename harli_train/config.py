@@ -235,6 +235,11 @@ class ColocationSection:
     # spill_host_gib: pinned host memory made at set-up for the trainer's spills on a GPU (default: what its
     # stashes and the pool can hold, at most an eighth of the host's memory; 0: pinned as spills need it).
     memory_pool: bool = key(True, "bool")
+    # KV room kept for every running request's next this many tokens: a prompt is admitted only when that room
+    # stays free, and the pooled cache grows that far ahead, so that running requests need no preemption
+    # while a grow waits for the trainer's pages (EngineConfig.decode_reserve_tokens). 0: admit while a
+    # prompt fits; the A/B under pressure is bench/bench_pool.py's loss phase.
+    decode_reserve_tokens: int = key(0, "int", at_least(0))
     memory_gib: float | None = key(None, "float", above(0), optional=True)
     trainer_memory_gib: float | None = key(None, "float", above(0), optional=True)
     spill_host_gib: float | None = key(None, "float", at_least(0), optional=True)

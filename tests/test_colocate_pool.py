@@ -115,12 +115,20 @@ def test_kv_demand_beyond_the_free_pages_takes_pages_from_the_trainer_and_change
     assert_same_adapter(adapter(tmp_path / "pressed"), adapter(alone))
 
 
-def engine_on_pool(budget_bytes: int):
+def engine_on_pool(budget_bytes: int, decode_reserve_tokens: int = 0):
     model = load_model("tiny", torch.float32, "cpu")
     memory = PoolMemory(PoolBudget(budget_bytes, "test", None), torch.device("cpu"), model, (2, 32, 1))
     ladder = TimeSliceLadder.cpu_standin(132)
     load = [TraceRequest(0.0, 20, prompt_len=1000)]  # sizes max_model_len
-    engine = build_engine(model, load_tokenizer("tiny", True), ladder, load, 8, kv_storage=memory_kv(memory))
+    engine = build_engine(
+        model,
+        load_tokenizer("tiny", True),
+        ladder,
+        load,
+        8,
+        kv_storage=memory_kv(memory),
+        decode_reserve_tokens=decode_reserve_tokens,
+    )
     memory.bind(engine.engine)
     return memory, engine
 
@@ -154,6 +162,34 @@ def test_the_cache_grows_for_admission_and_shrinks_in_batches_as_sequences_finis
     assert kv.num_blocks <= memory.headroom_blocks + one_group
     memory.close()
     memory.pool.check()
+
+
+def _blocks_for_two_decoding(reserve: int) -> tuple[int, int]:
+    """Two 199-token prompts decoding 8 steps on a pooled cache with ``reserve``: (blocks mapped, blocks
+    in use) at the end."""
+    memory, engine = engine_on_pool(32 << 20, decode_reserve_tokens=reserve)
+    eng, steps = engine.engine, 0
+    for _ in range(2):
+        eng.add_request(list(range(1, 200)), SamplingParams(max_tokens=500, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while steps < 8 and time.monotonic() < deadline:
+        memory.before_decode(engine)
+        if eng.step().kind == "decode":
+            steps += 1
+        else:
+            time.sleep(1e-3)
+    memory.resizer.poke(wait=True)  # (orders run in turn: the grows ordered before it are done)
+    memory.before_decode(engine)
+    out = (memory.kv.num_blocks, len(eng.block_manager.used_blocks))
+    memory.close()
+    return out
+
+
+def test_the_pooled_cache_grows_ahead_by_the_decode_reserve():
+    plain_mapped, plain_used = _blocks_for_two_decoding(0)
+    mapped, used = _blocks_for_two_decoding(400)  # 25 blocks of 16 tokens a sequence
+    assert used == plain_used
+    assert mapped >= used + 2 * 24 > plain_mapped  # the reserve is mapped ahead (one group of headroom more)
 
 
 def test_after_a_trainer_oom_decode_orders_the_idle_groups_unmap_and_only_the_trainer_waits_for_it():
@@ -205,6 +241,8 @@ def test_pool_keys_are_checked_with_the_key_named(tmp_path):
         recipe(tmp_path, "colocation.memory_gib=2", "colocation.trainer_memory_gib=3")
     with pytest.raises(RecipeError, match=r"colocation.memory_pool: expected true or false"):
         recipe(tmp_path, "colocation.memory_pool=maybe")
+    with pytest.raises(RecipeError, match=r"colocation.decode_reserve_tokens: expected an integer >= 0"):
+        recipe(tmp_path, "colocation.decode_reserve_tokens=-8")
     cfg = recipe(tmp_path, "colocation.memory_gib=1000000")
     with pytest.raises(
         RecipeError, match=r"colocation.memory_gib: expected at most the [\d.]+ GiB free on this"

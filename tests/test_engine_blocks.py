@@ -5,7 +5,7 @@ import random
 import pytest
 
 from harli_train.engine.block_manager import BlockManager
-from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.engine_config import EngineConfig, EngineError
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.scheduler import Scheduler
 from harli_train.engine.sequence import Sequence, SequenceStatus
@@ -17,9 +17,10 @@ def _holders(sched: Scheduler) -> list[Sequence]:
     return list(sched.running) + [s for s in sched.waiting if s.block_table]
 
 
+@pytest.mark.parametrize("reserve", [0, 6])
 @pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_scheduler_random_load_keeps_block_invariants(seed, mixed):
+def test_scheduler_random_load_keeps_block_invariants(seed, mixed, reserve):
     rng = random.Random(seed)
     cfg = EngineConfig(
         block_size=4,
@@ -29,6 +30,7 @@ def test_scheduler_random_load_keeps_block_invariants(seed, mixed):
         max_model_len=64,
         mixed_prefill=mixed,
         prefill_chunk_tokens=7,
+        decode_reserve_tokens=reserve,
     )
     bm = BlockManager(24, 4, cfg.max_num_seqs, cfg.max_blocks_per_seq)
     sched = Scheduler(cfg, bm, {EOS})
@@ -98,6 +100,44 @@ def test_scheduler_random_load_keeps_block_invariants(seed, mixed):
         assert s.num_completion_tokens <= s.params.max_tokens
         if s.finish_reason == "eos":
             assert s.token_ids[-1] == EOS and not s.params.ignore_eos
+
+
+def _run_two(reserve: int) -> tuple[int, list[str], list[Sequence]]:
+    """A decoding sequence A (12-token prompt, 20 tokens to draw) and a 24-token prompt B arriving once A
+    decodes, in 10 blocks of 4 tokens: (preemptions, the step kinds, the finished sequences)."""
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=10, max_num_seqs=4, max_model_len=64, decode_reserve_tokens=reserve
+    )
+    bm = BlockManager(10, 4, cfg.max_num_seqs, cfg.max_blocks_per_seq)
+    sched = Scheduler(cfg, bm, {EOS})
+    a = Sequence(0, list(range(12)), SamplingParams(max_tokens=20, ignore_eos=True), 0.0)
+    b = Sequence(1, list(range(24)), SamplingParams(max_tokens=4, ignore_eos=True), 1.0)
+    sched.add(a)
+    preemptions, kinds, finished = 0, [], []
+    for step in range(200):
+        if step == 1:
+            sched.add(b)
+        batch = sched.schedule()
+        if batch is None:
+            break
+        preemptions += len(batch.preempted)
+        kinds.append(batch.kind)
+        finished += sched.postprocess(
+            batch, [1 if batch.samples(i) else None for i in range(len(batch.seqs))], 0.0
+        )
+        bm.check(_holders(sched))
+    return preemptions, kinds, finished
+
+
+def test_a_decode_reserve_admits_a_prompt_only_when_the_running_sequences_keep_room_to_grow():
+    preemptions, _, finished = _run_two(0)
+    assert preemptions >= 1  # B took the blocks A then needed: A preempted B and recomputes it later
+    preemptions, kinds, finished = _run_two(8)
+    assert preemptions == 0  # B waited until A's next 8 tokens (capped at its last) stayed free beside it
+    assert [s.seq_id for s in finished] == [0, 1] and all(s.finish_reason == "length" for s in finished)
+    assert kinds.index("prefill", 1) > 1  # B's prefill came after some of A's decode steps
+    with pytest.raises(EngineError, match="decode_reserve_tokens"):
+        EngineConfig(decode_reserve_tokens=-1)
 
 
 def test_block_manager_random_allocate_free():

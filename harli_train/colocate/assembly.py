@@ -91,6 +91,7 @@ def build_engine(
     kv_storage: Callable[[KVCacheSpec, EngineConfig], Any] | None = None,
     whole_context: bool = False,
     varlen_decode_kernels: bool = True,
+    decode_reserve_tokens: int = 0,
 ) -> EngineAdapter:
     """A decode engine over ``model`` (LoRA-free), its default partition on the ladder's full rung;
     ``mixed_prefill``: prefill chunks ride in decode steps (else prefill steps of their own). With
@@ -101,8 +102,9 @@ def build_engine(
 
     Sized for the longest of ``requests`` (``whole_context``: for the model's whole context, as HTTP clients
     send what they like) but never past the model's context: a longer request is refused (and recorded so)
-    when it arrives, as is one that needs more than the whole KV cache. ``varlen_decode_kernels``: see
-    ``EngineConfig`` (False only to measure the model's forward against it).
+    when it arrives, as is one that needs more than the whole KV cache. ``varlen_decode_kernels``,
+    ``decode_reserve_tokens``: see ``EngineConfig`` (the first False only to measure the model's forward
+    against it).
     """
     longest = max(((r.prompt_len or len(r.prompt.encode()) + 1) + r.output_len for r in requests), default=0)
     if whole_context:
@@ -118,6 +120,7 @@ def build_engine(
         max_loras=2 if lora_rank else 0,
         max_lora_rank=lora_rank or 16,
         varlen_decode_kernels=varlen_decode_kernels,
+        decode_reserve_tokens=decode_reserve_tokens,
     )
     cfg = capped_to_context(cfg, model.config.max_position_embeddings)  # before the cache is sized from it
     device = model.lm_head.weight.device
@@ -259,6 +262,7 @@ def assemble(
         base_id=served_id(serve_model),
         kv_storage=kv_storage,
         whole_context=http,
+        decode_reserve_tokens=col.decode_reserve_tokens,
     )
     if memory is not None and memory.kv is None:
         memory = None  # it could not be set up: a fixed cache instead (memory_info says why)

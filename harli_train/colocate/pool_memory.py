@@ -313,12 +313,13 @@ class PoolMemory(CacheReleaseHook):
         return min(self.kv.max_blocks, -(-max(blocks, 1) // per) * per)
 
     def _demand(self, eng: Any) -> int:
-        """Blocks the next steps use: those in use, each running sequence's next token, the prompts
-        admission would take next (FCFS, up to the batch limit), and the headroom."""
+        """Blocks the next steps use: those in use, each running sequence's next token (and the tokens the
+        engine's ``decode_reserve_tokens`` keeps room for: ``Scheduler.reach``), the prompts admission would
+        take next (FCFS, up to the batch limit) with their reserve, and the headroom."""
         bm, sched = eng.block_manager, eng.scheduler
-        need = sum(bm.blocks_needed(s, len(s) + 1) for s in sched.running)
+        need = sum(bm.blocks_needed(s, max(len(s) + 1, sched.reach(s))) for s in sched.running)
         room = max(eng.config.max_num_seqs - len(sched.running), 0)
-        need += sum(bm.blocks_needed(s, len(s)) for s in itertools.islice(sched.waiting, room))
+        need += sum(bm.blocks_needed(s, sched.reach(s)) for s in itertools.islice(sched.waiting, room))
         return bm.num_blocks - bm.num_free + need + self.headroom_blocks
 
     def _take_results(self) -> None:

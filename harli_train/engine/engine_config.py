@@ -45,6 +45,10 @@ class EngineConfig:
     # (`colocation.mixed_prefill`), where each mixed step's chunk is sized to the objective by the predictor.
     mixed_prefill: bool = False
     prefill_chunk_tokens: int = 512
+    # KV slots kept free for every running sequence's next this many tokens (never past its last): a prompt
+    # is admitted only when its blocks and, after it, those are free, so that the running sequences grow that
+    # far without a preemption (while a pooled cache grows, or others finish). 0: admit while the prompt fits.
+    decode_reserve_tokens: int = 0
     enforce_eager: bool = False
     kernels: str = "auto"  # "triton", "torch" (references), or "auto": triton on a GPU, torch on the CPU
     graph_batch_sizes: tuple[int, ...] = ()  # derived from max_num_seqs when empty
@@ -83,6 +87,10 @@ class EngineConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise EngineError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_reserve_tokens < 0:
+            raise EngineError(
+                f"engine config: decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}"
+            )
         if self.max_loras < 0:
             raise EngineError(f"engine config: max_loras must be >= 0, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 256:

@@ -142,9 +142,10 @@ class Scheduler:
     step with nothing to decode is a pure prefill step. Prefill-first (nano-vllm, `mixed_prefill=False`): a
     step is either prefill (new or continuing chunks) or decode.
 
-    Admission needs free blocks for the whole prompt; when a decoding sequence needs a block and none is free,
-    the newest sequence is preempted: its blocks are freed and it is recomputed later, so the oldest one always
-    progresses."""
+    Admission needs free blocks for the whole prompt and, with `decode_reserve_tokens`, for the next tokens of
+    every running sequence (the new one included; `reach`), unless nothing runs; when a decoding sequence
+    needs a block and none is free, the newest sequence is preempted: its blocks are freed and it is
+    recomputed later, so the oldest one always progresses."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_ids: set[int]):
         self.config = config
@@ -160,6 +161,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reach(self, seq: Sequence, tokens: int | None = None) -> int:
+        """The tokens whose KV slots `seq` is kept room for: those it has (`tokens`, default `len(seq)`) and
+        `decode_reserve_tokens` more, never past its last computed token (its last drawn token never is)."""
+        tokens = len(seq) if tokens is None else tokens
+        last = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        return max(tokens, min(tokens + self.config.decode_reserve_tokens, last))
+
+    def _reserved_blocks(self, planned: dict[int, int] | None = None) -> int:
+        """Blocks the running sequences still need to `reach` their reserve (0 without one), beyond those they
+        hold and those the step being planned gives them (`planned`: id(sequence) -> its tokens after it)."""
+        if not self.config.decode_reserve_tokens:
+            return 0
+        bm, planned = self.block_manager, planned or {}
+        total = 0
+        for s in self.running:
+            if s.status is SequenceStatus.RUNNING:
+                tokens = planned.get(id(s), len(s))
+                have = max(len(s.block_table), bm.blocks_for(planned.get(id(s), 0)))
+                total += max(0, bm.blocks_for(self.reach(s, tokens)) - have)
+        return total
+
     def _decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status is SequenceStatus.RUNNING and s.pending == 1]
 
@@ -171,13 +193,19 @@ class Scheduler:
         return max(0, min(cap, prefill_tokens))
 
     def _prefill_plan(
-        self, budget: int, free_blocks: int, free_rows: int, ahead: dict[int, int] | None = None
+        self,
+        budget: int,
+        free_blocks: int,
+        free_rows: int,
+        ahead: dict[int, int] | None = None,
+        planned: dict[int, int] | None = None,
     ) -> list[tuple[Sequence, int, bool]]:
         """(sequence, tokens, admitted now) of each prefill piece a step with `budget` prefill tokens takes:
-        continuing chunks first, then waiting prompts in order while blocks for the whole prompt, a table row
-        and a batch slot are free. Changes nothing: `schedule` applies it, `peek` describes it. `ahead`
-        (id(sequence) -> tokens): what a step in flight computes of each of its sequences; a chunk continues
-        after them."""
+        continuing chunks first, then waiting prompts in order while blocks for the whole prompt (and the
+        reserve: the class's rule), a table row and a batch slot are free. Changes nothing: `schedule` applies
+        it, `peek` describes it. `ahead` (id(sequence) -> tokens): what a step in flight computes of each of
+        its sequences; a chunk continues after them. `planned` (id(sequence) -> tokens): the decode rows'
+        lengths after the step, where their blocks are not allocated yet (`free_blocks` is net of them)."""
         plan: list[tuple[Sequence, int, bool]] = []
         ahead = ahead or {}
         for seq in self.running:
@@ -193,13 +221,15 @@ class Scheduler:
                 budget -= n
         bm = self.block_manager
         running = len(self.running)
+        reserved = self._reserved_blocks(planned)
         for seq in self.waiting:
             if budget <= 0 or running >= self.config.max_num_seqs or free_rows <= 0:
                 break
             # Blocks for the whole prompt up front: a chunked prefill that stalled half-way for blocks would
             # hold them while it was re-tried instead of decoding (a livelock).
             need = bm.blocks_needed(seq, len(seq))
-            if need > free_blocks:
+            grows = bm.blocks_needed(seq, self.reach(seq)) - need  # its own reserve, after the prompt
+            if need > free_blocks or (running and need + grows + reserved > free_blocks):
                 break
             n = min(seq.pending, budget)
             plan.append((seq, n, True))
@@ -209,6 +239,7 @@ class Scheduler:
                 free_rows - 1,
                 running + 1,
             )
+            reserved += grows
         return plan
 
     def schedule(self, prefill_tokens: int | None = None) -> ScheduledBatch | None:
@@ -267,7 +298,8 @@ class Scheduler:
             ahead, decoding, kv = self._after(after), self._continuing(after), 1  # each one token further
         need = sum(bm.blocks_needed(s, len(s) + kv) for s in decoding) if mixed else 0
         budget = self._budget(len(decoding) if mixed else 0, self.config.max_num_batched_tokens)
-        plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows), ahead)
+        planned = {id(s): len(s) + kv for s in decoding} if mixed else None
+        plan = self._prefill_plan(budget, max(bm.num_free - need, 0), len(bm.free_rows), ahead, planned)
         done = ahead or {}
         pieces = tuple(
             PrefillPiece(
@@ -332,7 +364,8 @@ class Scheduler:
         plan: list[tuple[Sequence, int, bool]] = []  # against the blocks the decode rows leave free
         if mixed:
             budget = self._budget(len(seqs), prefill_tokens)
-            plan = self._prefill_plan(budget, bm.num_free - need, len(bm.free_rows), computed)
+            planned = {id(s): len(s) + 1 for s in seqs}
+            plan = self._prefill_plan(budget, bm.num_free - need, len(bm.free_rows), computed, planned)
             tokens = len(seqs) + sum(n for _, n, _ in plan)
             if plan and launchable is not None and not launchable(tokens, len(seqs) + len(plan)):
                 return None
