@@ -385,10 +385,11 @@ def finish(result: dict[str, Any], path: Path) -> None:
                     "-" if rec["grow_ms"]["p50"] is None else f"{rec['grow_ms']['p50']:.1f}",
                     _violations(r["after_reclaim"]),
                     f"{r['oom_recoveries']}/{r.get('decode_oom_recoveries', '-')}",
+                    r.get("preemptions", "-"),
                 ]
             )
     header = ["run", "steps", "reclaims", "pages", "spilled MiB", "GiB/s", "pin/copy/all s", "grow ms p50"]
-    header += ["viol.<=5 (elsewhere)", "OOM trainer/decode"]
+    header += ["viol.<=5 (elsewhere)", "OOM trainer/decode", "preempted"]
     if rows:
         print(common.table(rows, header))
         print(f"loss curves equal: {loss.get('losses_equal')}")
