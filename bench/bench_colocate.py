@@ -264,6 +264,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "trainer_thread": args.trainer_thread != "off",
         "max_in_flight": args.max_in_flight,
         "host_priority": not args.no_host_priority,
+        "decode_core": args.decode_core,
         "scheduled_gc": args.gc == "scheduled",
     }
 
@@ -466,6 +467,11 @@ def parse_args() -> argparse.Namespace:
         "--no-host-priority",
         action="store_true",
         help="diagnosis: the trainer's launches never wait for decode's",
+    )
+    add(
+        "--decode-core",
+        action="store_true",
+        help="A/B: while serving, the decode thread alone on a CPU core, the other threads on the rest",
     )
     add(
         "--gc",

@@ -21,9 +21,15 @@ log = logging.getLogger(__name__)
 def single_threaded_ops() -> bool:
     """Make torch CPU ops called from this thread run on this thread alone; True when it took effect (False
     where torch's OpenMP runtime is not libgomp, e.g. a build without OpenMP: nothing to cut then)."""
+    return thread_ops(1)
+
+
+def thread_ops(n: int) -> bool:
+    """Make torch CPU ops called from this thread run on an OpenMP team of ``n`` threads (this one included);
+    True when it took effect (see ``single_threaded_ops``)."""
     torch.get_num_threads()  # torch's per-thread OpenMP set-up runs first, so it does not undo what follows
     try:
-        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)  # the per-thread ICV of the runtime torch loaded
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)  # the per-thread ICV of the runtime torch loaded
     except (OSError, AttributeError):
         return False
-    return torch.get_num_threads() == 1
+    return torch.get_num_threads() == n

@@ -32,6 +32,7 @@ from typing import Any
 
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.alone_phases import AlonePhases
+from harli_train.colocate.decode_core import DecodeCore
 from harli_train.colocate.engine_adapter import EngineAdapter
 from harli_train.colocate.gc_pauses import GcPauses
 from harli_train.colocate.host_priority import HostPriority
@@ -132,7 +133,8 @@ class ColocatedRuntime(AlonePhases, RunEnd):
                         self._prioritise(True)
                     self.worker.start()
                 with host_profile("decode-loop"):  # with the trainer inline (no thread), its launches too
-                    self._serve()
+                    with DecodeCore() if self.opts.decode_core else contextlib.nullcontext():
+                        self._serve()  # (the threads it pins are started by now)
                     if self._solo_wanted():
                         self.gc_pauses.automatic()  # nothing left to serve: CPython collects again
                         self._solo()

@@ -33,6 +33,9 @@ class RuntimeOptions:
     # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
     # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
     host_priority: bool = True
+    # While serving, the decode thread alone on a CPU core (and its hyperthread siblings), the process's other
+    # threads on the rest (harli_train.colocate.decode_core); off until measured.
+    decode_core: bool = False
     # Python's cyclic collector runs where the decode thread would only wait (a step on the GPU, nothing to
     # decode) instead of wherever an allocation trips it (harli_train.colocate.gc_pauses); off: CPython's own.
     scheduled_gc: bool = True
