@@ -257,8 +257,8 @@ def main() -> None:
     ap.add_argument(
         "--graphs-on-pool",
         action="store_true",
-        help="with train.cuda_graphs=true on a GPU: the graphs in the pool (assembly.GRAPHS_ON_CUDA_POOL), "
-        "which the command line keeps off",
+        help="with train.cuda_graphs=true on a GPU: the graphs in the pool (assembly.GRAPHS_ON_CUDA_POOL, "
+        "on by default now: the flag keeps older command lines working)",
     )
     ap.add_argument("--profile", default=None, help="decode profile file: reused when it matches")
     ap.add_argument("--out", default=None, help="the result JSON (default $OUT/bench_pool.json)")

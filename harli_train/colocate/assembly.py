@@ -160,10 +160,10 @@ def kv_reserve_blocks(requests: Sequence[TraceRequest], col: Any, block_size: in
 
 
 # With train.cuda_graphs the trainer's saved-tensor arena lives in its tenant's stashes (PoolMemory.attach),
-# and on a GPU its graphs capture into the tenant's MemPool. False runs graphed steps on a GPU without the
-# pool, until a graphed run under pool pressure closes its MemPool cleanly (docs/design.md, "The arena in
-# the page pool"); tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_... opens the gate in its runs.
-GRAPHS_ON_CUDA_POOL = False
+# and on a GPU its graphs capture into the tenant's MemPool (docs/design.md, "The arena in the page pool").
+# False runs graphed steps on a GPU without the pool (an A/B: tests/test_gpu.py closes it for its runs
+# without the pool).
+GRAPHS_ON_CUDA_POOL = True
 
 
 def open_pool(
