@@ -164,7 +164,7 @@ def after_reclaims(steps: list[dict[str, Any]], listed: int = 20) -> dict[str, A
     def between(j: int) -> list[dict[str, Any]]:
         first = at[j - 1] + 1 if j else 0
         keep = ("kind", "t", "measured_s", "recovery_s")  # recovery_s: a step out of memory, run again
-        return [{k: steps[i].get(k) for k in keep if k in steps[i]} for i in range(first, at[j])]
+        return [{k: steps[i][k] for k in keep if k in steps[i]} for i in range(first, at[j])]
 
     return {
         "reclaim_steps": len(marks),

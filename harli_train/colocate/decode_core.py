@@ -37,7 +37,6 @@ class DecodeCore:
         self.core = core
         self.active = False
         self._saved: dict[int, set[int]] = {}  # thread id -> its affinity before
-        self._threads = 0
         self._omp_threads = 1
 
     def __enter__(self) -> DecodeCore:
@@ -71,13 +70,13 @@ class DecodeCore:
                 self._restore()
                 return self
             self._saved[tid] = before
-        self.core, self.active, self._threads = core, True, len(self._saved)
+        self.core, self.active = core, True
         self._omp_threads = torch.get_num_threads()
         single_threaded_ops()  # an OpenMP team made now would inherit the decode thread's one core
         log.info(
             "decode core: the decode thread on CPU %d, %d other threads on %s",
             core,
-            self._threads - 1,
+            len(self._saved) - 1,
             sorted(rest),
         )
         return self

@@ -12,8 +12,9 @@ Three things make this more than ``next(gen)``:
   (``MicroTracker``): one chunk's forward of extra work, where holding the backward would idle the trainer until
   decode shrinks, and redoing the step would throw the step's work away.
 - Running out of memory abandons the step in flight, reports it (``on_oom``: the memory hook gives back what
-  the serving side can spare and the trainer's own caches, ``memory_hook``) and restarts the step; repeated failures hold the trainer back for a number of decode decisions, longer
-  while no step completes (`OomBackoff`).
+  the serving side can spare and the trainer's own caches, ``memory_hook``) and restarts the step; repeated
+  failures hold the trainer back for a number of decode decisions, longer while no step completes
+  (`OomBackoff`).
 
 Abandoning a step restores the data position and RNG saved at the step's start, so the redone step computes
 exactly what the abandoned one would have: co-location changes when work runs, never what is computed.

@@ -245,11 +245,8 @@ class TrainerWorker:
 
     def _trainer_side_release(self, ticket: Any) -> None:
         """Trainer's thread: the hook's ``after_trainer_oom`` (its own caches, and waiting for the ticket)."""
-        after = getattr(self.hook, "after_trainer_oom", None)
-        if after is None:
-            return
         try:
-            after(ticket)
+            self.hook.after_trainer_oom(ticket)
         except Exception as err:  # nor may the trainer's recovery fail because of it: its next try will tell
             log.warning("memory hook failed after a trainer OOM: %s", err)
 
