@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import logging
-import time
 
 import pytest
 
@@ -202,71 +201,3 @@ def test_a_decode_point_beside_the_trainer_takes_corun_reps_steps():
     assert len(calls) == (1 + 2) + (
         1 + 5
     )  # alone: warm-up and reps; beside the trainer: warm-up and corun_reps
-
-
-class _FakeQueue:
-    """A trainer stream stand-in: each recorded micro-step completes after ``lag`` later queries of the
-    oldest one (the GPU running behind the host)."""
-
-    def __init__(self, lag: int) -> None:
-        self.lag, self.pending = lag, []
-
-    def record(self, part):
-        queue = self
-
-        class Mark:
-            left = queue.lag
-
-            def query(self):
-                if queue.pending[0] is not self:
-                    return False
-                self.left -= 1
-                done = self.left < 0
-                if done:
-                    queue.pending.pop(0)
-                return done
-
-        mark = Mark()
-        self.pending.append(mark)
-        return mark
-
-
-def test_the_corunner_keeps_its_depth_of_micro_steps_queued_before_every_timed_launch():
-    """Beside decode on a GPU the trainer is topped up before each launch, never queued for the whole window
-    at once (a full launch queue would block the host until most of it has run, and the later decode steps
-    would run alone): at most ``depth`` micro-steps are queued, and never fewer after a top-up."""
-    from harli_train.colocate.profile_grid import Corunner
-
-    ladder = SMLadder.cpu_standin(total_sms=64, step=16)
-    part = ladder.partitions[1]
-    launched = []
-    queue = _FakeQueue(lag=1)
-    trainer = Corunner(lambda p: launched.append(p.infer_sms), part, step_s=0.010, t_step=0.015,
-                       record=queue.record)  # fmt: skip
-    assert trainer.depth == 3  # two decode steps of 10 ms at 15 ms a micro-step, and one more
-    trainer.start(on_gpu=True)
-    assert len(queue.pending) == 3 and trainer.launched == 3
-    for _ in range(40):  # a long window: the trainer keeps pace, its queue never grows past its depth
-        trainer.top_up()
-        assert len(queue.pending) == 3
-    assert trainer.launched > 3 + 10 and launched == [part.infer_sms] * trainer.launched
-    trainer.stop()
-    # A micro-step longer than the window's decode steps: two stay queued.
-    assert Corunner(lambda p: None, part, step_s=0.005, t_step=0.050).depth == 2
-
-
-def test_the_corunner_launches_nothing_between_launches_on_the_cpu_stand_in():
-    from harli_train.colocate.profile_grid import Corunner
-
-    ladder = SMLadder.cpu_standin(total_sms=64, step=16)
-
-    def no_events(part):
-        raise AssertionError("the CPU stand-in records no events")
-
-    trainer = Corunner(lambda p: time.sleep(0.001), ladder.partitions[1], step_s=0.01, t_step=0.01,
-                       record=no_events)  # fmt: skip
-    trainer.start(on_gpu=False)  # a thread runs micro-steps until stop
-    trainer.top_up()
-    time.sleep(0.02)
-    trainer.stop()
-    assert trainer.launched >= 1

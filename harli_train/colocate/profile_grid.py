@@ -10,11 +10,9 @@ over a ``MixedGrid``; ``build_profile`` wraps the samples as a ``Profile`` with 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -134,7 +132,7 @@ def run_profile_grid(
             samples.append({**base, "corun": False, "latency_s": t_solo})
             if beside:
                 n_co = (corun_reps or n_reps) if chunk is None else n_reps  # a mixed point: its grid's
-                trainer = Corunner(corun_fn, p, t_solo, t_train)
+                trainer = Corunner(corun_fn, p, t_solo * (n_warm + n_co), t_train)
                 t_co = median(time_calls(step, p.infer_stream, n_warm, n_co, trainer))
                 samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
@@ -261,72 +259,33 @@ def _sample_point(s: dict) -> tuple:
 
 
 class Corunner:
-    """Keeps the trainer busy on its stream while decode is timed beside it.
+    """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed."""
 
-    On a GPU the trainer's micro-steps are queued a few at a time: ``top_up`` (called before every timed
-    launch, outside its events) keeps ``depth`` of them not yet complete, enough to cover two decode steps
-    of ``step_s`` at the trainer's ``t_step``, so the trainer runs beside every timed step however long the
-    window (a whole window's micro-steps queued up front may not fit the device's launch queue, and what
-    was queued may run out before the window ends). On the CPU stand-in a thread runs micro-steps until
-    ``stop``.
-    ``record(partition)`` marks the end of one queued micro-step and returns an object whose ``query()``
-    says whether it has completed (default: a CUDA event on the partition's trainer stream).
-    """
-
-    def __init__(
-        self,
-        corun_fn: CorunFn,
-        part: Partition,
-        step_s: float,
-        t_step: float | None,
-        record: Callable[[Partition], Any] | None = None,
-    ) -> None:
+    def __init__(self, corun_fn: CorunFn, part: Partition, seconds: float, t_step: float | None) -> None:
         self.fn, self.part = corun_fn, part
-        self.depth = max(2, math.ceil(2.0 * step_s / max(t_step or step_s, 1e-6)) + 1)
-        self.launched = 0
-        self._record = record or _cuda_event
-        self._queued: deque[Any] = deque()
-        self._on_gpu = False
+        self.n = min(int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, 5000)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self, on_gpu: bool) -> None:
-        self._on_gpu = on_gpu
-        if on_gpu:
-            self.top_up()
+        if on_gpu:  # queue enough micro-steps ahead of the decode steps to overlap all of them
+            import torch
+
+            with torch.cuda.stream(self.part.train_stream):
+                for _ in range(self.n):
+                    self.fn(self.part)
             return
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def top_up(self) -> None:
-        """Queue micro-steps until ``depth`` are not yet complete (GPU; nothing on the CPU stand-in)."""
-        if not self._on_gpu:
-            return
-        while self._queued and self._queued[0].query():
-            self._queued.popleft()
-        while len(self._queued) < self.depth:
-            self.fn(self.part)
-            self._queued.append(self._record(self.part))
-            self.launched += 1
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.fn(self.part)
-            self.launched += 1
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._queued.clear()
-
-
-def _cuda_event(part: Partition) -> Any:
-    import torch
-
-    event = torch.cuda.Event()
-    event.record(part.train_stream)
-    return event
 
 
 def fastest_step_s(
@@ -339,11 +298,7 @@ def fastest_step_s(
 
 
 def time_calls(call: Callable[[], Any], stream: Any, warmup: int, reps: int, trainer: Corunner | None = None):
-    """Seconds of each of ``reps`` calls of ``call`` after ``warmup`` more (CUDA events on a GPU stream, the
-    host clock on the CPU stand-in), with ``trainer`` kept busy beside them (topped up before each launch,
-    outside its events)."""
     on_gpu = is_cuda_stream(stream)
-    top_up = trainer.top_up if trainer is not None else _nothing
     if trainer is not None:
         trainer.start(on_gpu)
     try:
@@ -360,11 +315,9 @@ def time_calls(call: Callable[[], Any], stream: Any, warmup: int, reps: int, tra
 
         with torch.cuda.stream(stream):
             for _ in range(warmup):
-                top_up()
                 call()
             marks = []
             for _ in range(reps):
-                top_up()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
                 call()
@@ -375,10 +328,6 @@ def time_calls(call: Callable[[], Any], stream: Any, warmup: int, reps: int, tra
     finally:
         if trainer is not None:
             trainer.stop()
-
-
-def _nothing() -> None:
-    pass
 
 
 def median_step_s(call: Callable[[], Any], stream: Any, warmup: int = 3, reps: int = 10) -> float:
