@@ -46,6 +46,7 @@ from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options 
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 CHUNK_SIZES = ((1, 63), (64, 127), (128, 255), (256, None))  # prefill tokens of a mixed step, inclusive
+BATCH_SIZES = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64))  # decode rows, inclusive (then 65+)
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
 ADDED_COLUMNS = (
     "predicted_s",
@@ -104,6 +105,29 @@ def transitions(rows: list[dict], total_sms: int) -> dict[str, list[float]]:
             out[kind].append(meas / pred)
         prev = row
     return out
+
+
+def batch_size(batch: int) -> str:
+    """The ``BATCH_SIZES`` range a decode step of ``batch`` rows falls in (the decode GEMV's row tiles)."""
+    for lo, hi in BATCH_SIZES:
+        if lo <= batch <= hi:
+            return str(lo) if lo == hi else f"{lo}-{hi}"
+    return f"{BATCH_SIZES[-1][1] + 1}+"
+
+
+def beside_fit(rows: list[dict]) -> dict[tuple[int, str], list[float]]:
+    """measured/predicted of every decode step beside the trainer, by (decode SMs, ``batch_size``): where the
+    co-run model under-predicts is a share and a batch range, not a transition."""
+    out: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for row in rows:
+        pred, meas = row.get("predicted_s"), row.get("measured_s")
+        if row["kind"] == "decode" and row.get("train") == "beside" and pred and meas:
+            out[(row["infer_sms"], batch_size(row["batch"]))].append(meas / pred)
+    return out
+
+
+def _size_order(size: str) -> int:
+    return int(size.split("-")[0].rstrip("+"))
 
 
 def chunk_size(tokens: int) -> str:
@@ -271,6 +295,7 @@ def analyze(results: dict) -> dict[str, Any]:
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    beside: dict[str, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     margin = results.get("setup", {}).get("margin")
     for objective, tpot_s, cells in windows(results):
         report["objectives"][objective] = tpot_s * 1e3
@@ -288,6 +313,8 @@ def analyze(results: dict) -> dict[str, Any]:
                 by_size, whole_gpu_mixed_s = mixed_chunks(rows, total)
                 for size, rs in by_size.items():
                     chunks[name][size] += rs
+                for key, rs in beside_fit(rows).items():
+                    beside[name][key] += rs
                 held = (
                     near_budget(rows, tpot_s * (1 - margin), grow_headroom(entry.get("policy") or name))
                     if margin is not None
@@ -336,6 +363,18 @@ def analyze(results: dict) -> dict[str, Any]:
             for size, rs in by_size.items()
         }
         for name, by_size in chunks.items()
+    }
+    report["beside_fit"] = {
+        name: {
+            f"{sms} SMs, batch {size}": {
+                "steps": len(rs),
+                "median": statistics.median(rs),
+                "p95": sorted(rs)[max(math.ceil(0.95 * len(rs)) - 1, 0)],  # nearest rank
+                "max": max(rs),
+            }
+            for (sms, size), rs in sorted(by_key.items(), key=lambda kv: (kv[0][0], _size_order(kv[0][1])))
+        }
+        for name, by_key in beside.items()
     }
     report["host_gaps_ms"] = {
         name: {
@@ -443,6 +482,13 @@ def main() -> None:
         if (t := by_kind.get(kind))
     ]
     print(common.table(trows, ["policy", "before", "steps", "median", "max", "over 1"]))
+    print("\nmeasured / predicted decode step beside the trainer, by its share and batch")
+    brows = [
+        [name, where, t["steps"], t["median"], t["p95"], t["max"]]
+        for name, by_key in report["beside_fit"].items()
+        for where, t in by_key.items()
+    ]
+    print(common.table(brows, ["policy", "decode share, batch", "steps", "median", "p95", "max"]))
     print("\nhost ms between decode steps (token interval less the step's latency)")
     grows = [
         [name, key, g["steps"], g["p50"], g["p99"], g["max"]]

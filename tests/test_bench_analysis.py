@@ -108,6 +108,16 @@ def test_analysis_attributes_steps_and_shares():
     assert chunks["1-63"]["steps"] == 2 and chunks["1-63"]["median"] == pytest.approx(0.775)
     assert chunks["128-255"]["max"] == pytest.approx(0.9) and "64-127" not in chunks
     assert r["whole_gpu_mixed_s"] == pytest.approx(0.0135)
+    # Decode steps beside the trainer by share and batch (every row here has 4 sequences).
+    beside = report["beside_fit"]["harli"]
+    assert list(beside) == ["48 SMs, batch 2-8", "64 SMs, batch 2-8"]
+    assert beside["48 SMs, batch 2-8"]["steps"] == 4 and beside["48 SMs, batch 2-8"]["max"] == pytest.approx(
+        3.0
+    )
+    assert beside["48 SMs, batch 2-8"]["median"] == pytest.approx(1.0625)
+    assert beside["64 SMs, batch 2-8"]["median"] == pytest.approx(1.15)
+    sizes = [analyze_colocate.batch_size(b) for b in (1, 2, 8, 9, 17, 32, 33, 64, 65, 200)]
+    assert sizes == ["1", "2-8", "2-8", "9-16", "17-32", "17-32", "33-64", "33-64", "65+", "65+"]
 
 
 def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each_batch_took():
