@@ -580,6 +580,40 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
     }
 
 
+def test_probe_corun_times_the_profile_points_on_the_command_lines_assembly(tmp_path):
+    """probe_corun.py on the tiny model (the CPU stand-in: the eager workload only): each share's beside /
+    alone ratios and the co-run fit of their predictor, in one JSON."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "probe_corun.py"),
+            "recipes/quickstart.yaml",
+            "--colocate-with",
+            "tiny",
+            "--shares",
+            "32",
+            "--batches",
+            "1",
+            "--kv-lens",
+            "32,64",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH.parent,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "probe_corun.json").read_text())
+    assert "graphed" not in result and result["grid"]["shares"] == [32]
+    eager = result["eager"]
+    assert [p[:3] for p in eager["points"]] == [[32, 1, 32], [32, 1, 64]] and all(
+        p[3] > 0 for p in eager["points"]
+    )
+    assert eager["by_share"]["32"]["min"] <= eager["by_share"]["32"]["max"]
+    assert eager["fit_corun_mape_pct"] >= 0
+
+
 @pytest.mark.slow
 def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_path):
     """bench/device_call.sh (what a device call runs): an unknown step refused before anything runs; a
