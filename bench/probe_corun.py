@@ -40,29 +40,23 @@ class _Captured(Exception):
 
 
 def assembled(recipe: str, model: str, overrides: list[str]) -> dict[str, Any]:
-    """The engine, SM ladder, profile workload and its arguments the assembly hands its profile (nothing is
-    profiled: the assembly stops there)."""
+    """The engine, SM ladder and profile workload the assembly hands its profile (nothing is profiled: the
+    assembly stops there)."""
     got: dict[str, Any] = {}
 
     def capture(engine, ladder, model_id, corun, max_batch, *args, **kwargs):
         got.update(engine=engine, ladder=ladder, corun=corun)
         raise _Captured
 
-    workload = assembly.corun_workload
-
-    def recorded(*args):
-        got["workload_args"] = args
-        return workload(*args)
-
     cfg = load_recipe(recipe, [f"output.dir={tempfile.mkdtemp(prefix='probe_corun-')}", *overrides])
     build = assembly.build_predictor
-    assembly.build_predictor, assembly.corun_workload = capture, recorded
+    assembly.build_predictor = capture
     try:
         assembly.assemble(cfg, model, warm_up=False, spatial=True)
     except _Captured:
         pass
     finally:
-        assembly.build_predictor, assembly.corun_workload = build, workload
+        assembly.build_predictor = build
     return got
 
 
