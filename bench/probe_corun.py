@@ -5,13 +5,14 @@
 Assembles the co-located job (``assembly.assemble``, the command line's assembly) up to its profile, then
 runs the profile grid's decode points (``run_profile_grid``: alone, then beside the trainer's micro-steps
 queued up front) on a few shares twice in one process: with the profile's trainer workload
-(``predictor_setup.corun_workload``: eager launches) and with the same workload captured as one CUDA graph
-per partition (a launch costs microseconds, so the queue really is ahead of the GPU, as the graphed trainer
-of a co-located run is). For each it reports every point's beside / alone ratio, each share's spread of
-them, the workload's micro-step seconds, and the co-run error of the predictor fitted to those samples
-(``LatencyPredictor.fit``'s in-sample MAPE). A workload whose ratios hold one factor a share where the
-other's scatter is the one whose profile the predictor can fit. Writes ``$OUT/probe_corun.json`` and prints
-tables. On the CPU stand-in only the eager workload runs (a busy loop in a thread; the flow only).
+(``predictor_setup.corun_workload``, its eager launches whatever ``GRAPHED_CORUN`` says) and with the same
+workload captured as one CUDA graph per partition (``predictor_setup.graphed_workload``: a launch costs
+microseconds, so the queue really is ahead of the GPU, as the graphed trainer of a co-located run is).
+For each it reports every point's beside / alone ratio, each share's spread of them, the workload's
+micro-step seconds, and the co-run error of the predictor fitted to those samples (``LatencyPredictor.fit``'s
+in-sample MAPE). A workload whose ratios hold one factor a share where the other's scatter is the one whose
+profile the predictor can fit. Writes ``$OUT/probe_corun.json`` and prints tables. On the CPU stand-in only
+the eager workload runs (a busy loop in a thread; the flow only).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import common  # noqa: E402
 
-from harli_train.colocate import assembly  # noqa: E402
+from harli_train.colocate import assembly, predictor_setup  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
+from harli_train.colocate.predictor_setup import graphed_workload  # noqa: E402
 from harli_train.colocate.profile_grid import run_profile_grid  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 
@@ -49,39 +51,15 @@ def assembled(recipe: str, model: str, overrides: list[str]) -> dict[str, Any]:
         raise _Captured
 
     cfg = load_recipe(recipe, [f"output.dir={tempfile.mkdtemp(prefix='probe_corun-')}", *overrides])
-    build = assembly.build_predictor
-    assembly.build_predictor = capture
+    build, graphs = assembly.build_predictor, predictor_setup.GRAPHED_CORUN
+    assembly.build_predictor, predictor_setup.GRAPHED_CORUN = capture, False
     try:
         assembly.assemble(cfg, model, warm_up=False, spatial=True)
     except _Captured:
         pass
     finally:
-        assembly.build_predictor = build
+        assembly.build_predictor, predictor_setup.GRAPHED_CORUN = build, graphs
     return got
-
-
-def graphed(eager) -> Any:
-    """``eager`` (a profile workload: ``fn(partition)`` launching on its trainer stream) captured once per
-    partition on that stream, after one eager warm-up; one memory pool for every partition's graph (they
-    never run at once)."""
-    import torch
-
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
-    pool = torch.cuda.graph_pool_handle()
-
-    def run(part) -> None:
-        graph = graphs.get(part.infer_sms)
-        if graph is None:
-            eager(part)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=part.train_stream):
-                eager(part)
-            graphs[part.infer_sms] = graph
-        with torch.cuda.stream(part.train_stream):
-            graph.replay()
-
-    return run
 
 
 def summarize(rows: list[dict], shares: list[int], total_sms: int, kv_bytes: float) -> dict[str, Any]:
@@ -139,7 +117,7 @@ def main() -> None:
     )
     workloads = {"eager": eager}
     if on_gpu:
-        workloads["graphed"] = graphed(eager)
+        workloads["graphed"] = graphed_workload(eager)
     result: dict[str, Any] = {"grid": {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()}}
     for name, fn in workloads.items():
         try:

@@ -18,8 +18,9 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:
-    """The SMs a grid of `programs` one-warp programs ran on when launched on `stream`."""
+def _write_sm_ids(out: torch.Tensor) -> None:
+    """Launch one one-warp program per element of `out` (int32) on the current stream, each writing the SM it
+    ran on."""
     import triton
     import triton.language as tl
 
@@ -31,9 +32,14 @@ def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:
         )
         tl.store(out_ptr + pid, smid)
 
+    smid_kernel[(out.numel(),)](out, num_warps=1)
+
+
+def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:
+    """The SMs a grid of `programs` one-warp programs ran on when launched on `stream`."""
     out = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
     with torch.cuda.stream(stream):
-        smid_kernel[(programs,)](out, num_warps=1)
+        _write_sm_ids(out)
     stream.synchronize()
     assert (out >= 0).all()
     return set(out.tolist())
@@ -51,6 +57,42 @@ def test_green_context_rungs_confine_kernels_to_disjoint_sms():
             infer, train = _sm_ids(p.infer_stream), _sm_ids(p.train_stream)
             assert len(infer) <= p.infer_sms and len(train) <= p.train_sms, p
             assert not infer & train, f"{p}: inference and trainer SMs overlap"
+    finally:
+        ladder.close()
+
+
+def test_the_graphed_profile_workload_replays_one_capture_per_partition_on_its_trainer_sms():
+    """`predictor_setup.graphed_workload`: the first call on a partition runs the workload once and captures
+    it on that partition's trainer stream, every call replays the partition's own graph (once each), and the
+    replays run on the trainer's SMs only."""
+    from harli_train.colocate.predictor_setup import graphed_workload
+    from harli_train.colocate.sm import SMLadder
+
+    ladder = SMLadder.create(step=16)
+    try:
+        count = torch.zeros(1, device="cuda")
+        seen = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+        calls = []
+
+        def eager(part):
+            calls.append(part.infer_sms)
+            with torch.cuda.stream(part.train_stream):
+                count.add_(1)
+                _write_sm_ids(seen)
+
+        run = graphed_workload(eager)
+        a, b = ladder.spatial[0], ladder.spatial[-1]
+        for part in (a, a, b, a):
+            run(part)
+        torch.cuda.synchronize()
+        assert calls == [a.infer_sms, a.infer_sms, b.infer_sms, b.infer_sms]  # a warm-up and a capture each
+        assert count[0].item() == 2 + 4  # the two warm-ups, then four replays (a capture runs nothing)
+        seen.fill_(-1)
+        torch.cuda.synchronize()
+        run(b)
+        b.train_stream.synchronize()
+        assert (seen >= 0).all() and len(set(seen.tolist())) <= b.train_sms
+        assert not set(seen.tolist()) & _sm_ids(b.infer_stream), "the replay ran on decode's SMs"
     finally:
         ladder.close()
 

@@ -5,6 +5,7 @@ check that the recipe's objective is one a decode step can meet at all."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,21 @@ log = logging.getLogger(__name__)
 
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
+# Whether the profile's trainer workload runs as a CUDA graph per partition (`graphed_workload`) rather than
+# launched eagerly; off until `bench/probe_corun.py` shows its co-run points fit better.
+GRAPHED_CORUN = False
 
 
-def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
-    """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad."""
+def corun_workload(
+    model: LlamaForCausalLM,
+    batch: int,
+    seq_len: int,
+    layers: int,
+    dtype: torch.dtype,
+    graphed: bool | None = None,
+):
+    """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad;
+    captured per partition (``graphed_workload``) when ``graphed`` (None: ``GRAPHED_CORUN``)."""
     device = model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=gen, device=device).to(dtype)
@@ -45,7 +57,31 @@ def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: in
             with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                 model.run_layers(0, layers, hidden, None, cos, sin)
 
-    return corun
+    return graphed_workload(corun) if (GRAPHED_CORUN if graphed is None else graphed) else corun
+
+
+def graphed_workload(eager: Callable[[Partition], None]) -> Callable[[Partition], None]:
+    """``eager`` (a profile workload launching on a partition's trainer stream) captured as a CUDA graph on
+    each partition's stream at its first call there, after one eager warm-up, and replayed from then on. A
+    replay costs the host microseconds, so the micro-steps the profile queues beside a timed decode step
+    are all ahead of the GPU however fast the partition runs them. One memory pool serves every partition's
+    graph (they never run at once); the graphs live as long as the returned function."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    pool = torch.cuda.graph_pool_handle()
+
+    def run(part: Partition) -> None:
+        graph = graphs.get(part.infer_sms)
+        if graph is None:
+            eager(part)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=part.train_stream):
+                eager(part)
+            graphs[part.infer_sms] = graph
+        with torch.cuda.stream(part.train_stream):
+            graph.replay()
+
+    return run
 
 
 def mixed_grid(max_batch: int, max_tokens: int, max_len: int, on_gpu: bool) -> MixedGrid:
