@@ -33,6 +33,10 @@ WINDOW_OVERHEAD_S = 5.0  # a window's cost besides its length, until one has bee
 log = logging.getLogger("bench_colocate")
 
 
+def _trainer_mode(graphs: bool) -> str:
+    return "graphed" if graphs else "eager"
+
+
 def gpu_name() -> str:
     """The name of this process's GPU (``"cpu"`` without one): what standalone rates are valid on."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -167,19 +171,24 @@ class Windows:
 
     def standalone(self, path: Path | None, solo_s: float) -> dict[str, Any]:
         """The trainer alone, ``solo_s`` each, on the whole GPU (``exclusive``) and on the trainer side of
-        every split (``exclusive:N``), keyed by its SMs (the whole GPU's too), with the GPU's name: read from
-        ``path`` when that exists and was measured on a GPU of this name, else measured (and written to
-        ``path`` unless it holds another GPU's rates)."""
-        here = gpu_name()
+        every split (``exclusive:N``), keyed by its SMs (the whole GPU's too), with the GPU's name and
+        whether the trainer's steps ran as CUDA graphs (``cuda_graphs``): read from ``path`` when that exists
+        and was measured on a GPU of this name with the trainer as this run's (a file without the key was
+        measured eager), else measured (and written to ``path`` unless it holds other rates)."""
+        here, graphs = gpu_name(), bool(self.col.cfg.train.cuda_graphs)
         if path is not None and path.is_file():
             stored = json.loads(path.read_text())
-            if stored.get("gpu_name") == here:
+            theirs = (stored.get("gpu_name"), bool(stored.get("cuda_graphs", False)))
+            if theirs == (here, graphs):
                 return {**stored, "source": str(path)}
             log.warning(
-                "%s holds standalone rates of %s, this is %s: measuring them again",
+                "%s holds standalone rates of %s with the trainer %s, this run is %s with it %s: measuring "
+                "them again",
                 path,
-                stored.get("gpu_name", "an unnamed GPU"),
+                theirs[0] or "an unnamed GPU",
+                _trainer_mode(theirs[1]),
                 here,
+                _trainer_mode(graphs),
             )
             path = None
 
@@ -193,6 +202,7 @@ class Windows:
             "by_train_sms": {**by_sms, str(self.col.ladder.total_sms): whole},
             "solo_s": solo_s,
             "gpu_name": here,
+            "cuda_graphs": graphs,
         }
         if path is not None:
             path.write_text(json.dumps(out, indent=1))

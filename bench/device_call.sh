@@ -16,7 +16,7 @@
 # P is the stored profile of this GPU (bench/profiles/, unpacked; a run that adds to it, such as the adapter
 # steps of a --live-fraction cell, rewrites it, and it comes back in the archive); S is the standalone rates
 # file of the matrix (STANDALONE; default: the newest bench/results/*-bench_colocate-standalone*.json measured
-# on this GPU, else the H200's of 2026-12-04).
+# on this GPU with the trainer as the step's ARGS run it, graphed or eager: `standalone_for`).
 # CALL_S is the call's own limit (default 570 s, under the tool's 600); a step starts only with 60 s left.
 # Each step writes under $OUT/$TAG/<n>-<step>/; the tables each prints last are echoed at the end.
 set -u
@@ -27,15 +27,25 @@ OUT="${OUT:-$repo/bench_out}"
 TAG="${TAG:-call}"
 CALL_S="${CALL_S:-570}"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-if [ -z "${STANDALONE:-}" ]; then
-  STANDALONE=$(python - "$gpu_name" "$repo"/bench/results/*-bench_colocate-standalone*.json <<'PY'
+# standalone_for GRAPHS: STANDALONE, else the newest stored standalone rates of this GPU with the trainer's
+# steps graphed (GRAPHS 1) or eager (0; a file without `cuda_graphs` was eager), else the H200's of 2026-12-04
+# (bench_colocate measures rates again when the file's GPU or trainer is not the run's).
+standalone_for() {
+  if [ -n "${STANDALONE:-}" ]; then
+    echo "$STANDALONE"
+    return
+  fi
+  found=$(python - "$gpu_name" "$1" "$repo"/bench/results/*-bench_colocate-standalone*.json <<'PY'
 import json, sys
-name, files = sys.argv[1], sorted(sys.argv[2:], reverse=True)
-print(next((f for f in files if json.load(open(f)).get("gpu_name") == name), ""))
+name, graphs, files = sys.argv[1], sys.argv[2] == "1", sorted(sys.argv[3:], reverse=True)
+rates = {f: json.load(open(f)) for f in files}
+print(next((f for f, r in rates.items() if (r.get("gpu_name"), bool(r.get("cuda_graphs"))) == (name, graphs)), ""))
 PY
   )
-  STANDALONE=${STANDALONE:-$repo/bench/results/2026-12-04-bench_colocate-standalone.json}
-fi
+  echo "${found:-$repo/bench/results/2026-12-04-bench_colocate-standalone.json}"
+}
+# 1 when a step's ARGS run the trainer's steps as CUDA graphs
+graphed() { case " $1 " in *train.cuda_graphs=true*) echo 1 ;; *) echo 0 ;; esac; }
 start=$(date +%s)
 # The steps are checked before anything runs: a typo must not cost a device call's set-up.
 rest=("$@")
@@ -79,7 +89,8 @@ elif [ -n "$stored" ]; then
   echo "profile: $stored" >>"$log"
 fi
 echo "gpu: ${gpu_name:-none}" >>"$log"
-echo "standalone: $STANDALONE" >>"$log"
+echo "standalone: $(standalone_for 0)" >>"$log"
+echo "standalone graphed: $(standalone_for 1)" >>"$log"
 
 n=0
 tables=()
@@ -105,7 +116,8 @@ while [ $# -gt 0 ]; do
     colocate)
       # shellcheck disable=SC2086  # ARGS are words
       OUT="$dir" timeout -s INT -k 20 "$((budget + 20))s" python bench/bench_colocate.py \
-        --objectives auto:1.5 --profile "$profile" --standalone "$STANDALONE" --keep-steps 3000 \
+        --objectives auto:1.5 --profile "$profile" --standalone "$(standalone_for "$(graphed "$args")")" \
+        --keep-steps 3000 \
         --time-budget-s "$budget" $args >"$dir/log" 2>&1
       ;;
     pool)
@@ -117,7 +129,8 @@ while [ $# -gt 0 ]; do
       # shellcheck disable=SC2086
       OUT="$dir" timeout -s INT -k 20 "${budget}s" python bench/bench_colocate.py --objectives auto:1.5 \
         --policies none --trace steady --loads light --profile "$dir/profile.json" \
-        --standalone "$STANDALONE" $args >"$dir/log" 2>&1 && mv "$dir/profile.json" "$profile"
+        --standalone "$(standalone_for "$(graphed "$args")")" $args >"$dir/log" 2>&1 &&
+        mv "$dir/profile.json" "$profile"
       ;;
     smoke)
       OUT="$dir" SMOKE_BUDGET_S="$budget" bash bench/smoke_gpu.sh >"$dir/log" 2>&1

@@ -328,12 +328,17 @@ def test_replay_controller_variants_take_harlis_controller_options_and_report_th
     assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
 
 
-def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tmp_path, monkeypatch):
-    """A --standalone file measured on another GPU (or naming none) is not reused: the rates are measured
-    on this one, named after it, and the file stays as it was; a file of this GPU is read back."""
+def test_standalone_rates_of_another_gpu_or_trainer_are_measured_again_and_the_file_kept(
+    tmp_path, monkeypatch
+):
+    """A --standalone file measured on another GPU (or naming none), or with the trainer's steps graphed
+    where this run's are eager (or the reverse; a file without the key was eager), is not reused: the
+    rates are measured on this one, named after it and its trainer, and the file stays as it was; a file of
+    this GPU and trainer is read back."""
     ladder = SimpleNamespace(spatial=[SimpleNamespace(train_sms=84, infer_sms=48)], total_sms=132)
     win = colocate_windows.Windows.__new__(colocate_windows.Windows)
-    win.col = SimpleNamespace(tpot_s=0.01, ladder=ladder)
+    cfg = SimpleNamespace(train=SimpleNamespace(cuda_graphs=False))
+    win.col = SimpleNamespace(tpot_s=0.01, ladder=ladder, cfg=cfg)
     ran = []
 
     def run(name, tpot_s, solo_s):
@@ -344,7 +349,8 @@ def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tm
     monkeypatch.setattr(colocate_windows, "gpu_name", lambda: "GPU B")
     path = tmp_path / "standalone.json"
     theirs = {"whole_gpu_tokens_per_s": 9.0, "by_train_sms": {"132": 9.0}, "solo_s": 5.0, "gpu_name": "GPU A"}
-    for stored in (theirs, {k: v for k, v in theirs.items() if k != "gpu_name"}):
+    graphed_here = {**theirs, "gpu_name": "GPU B", "cuda_graphs": True}
+    for stored in (theirs, {k: v for k, v in theirs.items() if k != "gpu_name"}, graphed_here):
         path.write_text(json.dumps(stored))
         ran.clear()
         got = win.standalone(path, 0.5)
@@ -354,7 +360,14 @@ def test_standalone_rates_of_another_gpu_are_measured_again_and_the_file_kept(tm
             "by_train_sms": {"84": 60.0, "132": 100.0},
             "solo_s": 0.5,
             "gpu_name": "GPU B",
+            "cuda_graphs": False,
         }
+    path.write_text(json.dumps({**theirs, "gpu_name": "GPU B"}))  # this GPU's, eager by its missing key
+    ran.clear()
+    assert win.standalone(path, 0.5)["whole_gpu_tokens_per_s"] == 9.0 and not ran
+    cfg.train.cuda_graphs = True  # a graphed run does not take it
+    assert win.standalone(path, 0.5)["cuda_graphs"] is True and ran == ["exclusive", "exclusive:48"]
+    cfg.train.cuda_graphs = False
     path.unlink()
     measured = win.standalone(path, 0.5)  # no file: measured and written
     ran.clear()
@@ -645,7 +658,8 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
 def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tmp_path):
     """device_call.sh names the GPU by nvidia-smi: on an H100 it unpacks the H100's stored profile and passes
     the H100's standalone rates, on an H200 the H200's, and on a machine without a GPU the first stored
-    profile and the H200's rates of 2026-12-04."""
+    profile and the H200's rates of 2026-12-04. Steps whose trainer is graphed take rates measured graphed
+    on that GPU (none is stored yet: the H200's eager ones, which bench_colocate measures again)."""
     fake = tmp_path / "bin"
     fake.mkdir()
     seen = {}
@@ -675,6 +689,7 @@ def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tm
     )
     assert h200["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
     assert none["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
+    assert h100["standalone graphed"].endswith("/2026-12-04-bench_colocate-standalone.json")
 
 
 @pytest.mark.slow
