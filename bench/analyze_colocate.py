@@ -46,7 +46,7 @@ from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options 
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 CHUNK_SIZES = ((1, 63), (64, 127), (128, 255), (256, None))  # prefill tokens of a mixed step, inclusive
-BATCH_SIZES = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64))  # decode rows, inclusive (then 65+)
+BATCH_SIZES = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64), (65, None))  # decode rows, inclusive
 # Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
 ADDED_COLUMNS = (
     "predicted_s",
@@ -107,35 +107,37 @@ def transitions(rows: list[dict], total_sms: int) -> dict[str, list[float]]:
     return out
 
 
+def size_range(n: int, ranges: tuple[tuple[int, int | None], ...]) -> str:
+    """The range of ``ranges`` (inclusive ``(lo, hi)``, ``hi`` None: open) that ``n`` falls in, as 'lo-hi',
+    'lo' (a range of one) or 'lo+'; '0' when none holds it."""
+    for lo, hi in ranges:
+        if n >= lo and (hi is None or n <= hi):
+            return f"{lo}+" if hi is None else str(lo) if lo == hi else f"{lo}-{hi}"
+    return "0"
+
+
 def batch_size(batch: int) -> str:
     """The ``BATCH_SIZES`` range a decode step of ``batch`` rows falls in (the decode GEMV's row tiles)."""
-    for lo, hi in BATCH_SIZES:
-        if lo <= batch <= hi:
-            return str(lo) if lo == hi else f"{lo}-{hi}"
-    return f"{BATCH_SIZES[-1][1] + 1}+"
+    return size_range(batch, BATCH_SIZES)
 
 
-def beside_fit(rows: list[dict]) -> dict[tuple[int, str], list[float]]:
-    """measured/predicted of every decode step beside the trainer, by (decode SMs, ``batch_size``): where the
-    co-run model under-predicts is a share and a batch range, not a transition."""
-    out: dict[tuple[int, str], list[float]] = defaultdict(list)
+def beside_fit(rows: list[dict]) -> dict[tuple[int, int], list[float]]:
+    """measured/predicted of every decode step beside the trainer, by (decode SMs, the least batch of its
+    ``BATCH_SIZES`` range): where the co-run model under-predicts is a share and a batch range, not a
+    transition."""
+    out: dict[tuple[int, int], list[float]] = defaultdict(list)
+    lows = [lo for lo, _ in BATCH_SIZES]
     for row in rows:
         pred, meas = row.get("predicted_s"), row.get("measured_s")
         if row["kind"] == "decode" and row.get("train") == "beside" and pred and meas:
-            out[(row["infer_sms"], batch_size(row["batch"]))].append(meas / pred)
+            low = max(lo for lo in lows if lo <= row["batch"])
+            out[(row["infer_sms"], low)].append(meas / pred)
     return out
-
-
-def _size_order(size: str) -> int:
-    return int(size.split("-")[0].rstrip("+"))
 
 
 def chunk_size(tokens: int) -> str:
     """The ``CHUNK_SIZES`` range ``tokens`` prefill tokens fall in, as 'lo-hi' (or 'lo+')."""
-    for lo, hi in CHUNK_SIZES:
-        if tokens >= lo and (hi is None or tokens <= hi):
-            return f"{lo}+" if hi is None else f"{lo}-{hi}"
-    return "0"
+    return size_range(tokens, CHUNK_SIZES)
 
 
 def mixed_chunks(rows: list[dict], total_sms: int) -> tuple[dict[str, list[float]], float]:
@@ -295,7 +297,7 @@ def analyze(results: dict) -> dict[str, Any]:
     ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    beside: dict[str, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    beside: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
     margin = results.get("setup", {}).get("margin")
     for objective, tpot_s, cells in windows(results):
         report["objectives"][objective] = tpot_s * 1e3
@@ -366,13 +368,13 @@ def analyze(results: dict) -> dict[str, Any]:
     }
     report["beside_fit"] = {
         name: {
-            f"{sms} SMs, batch {size}": {
+            f"{sms} SMs, batch {batch_size(low)}": {
                 "steps": len(rs),
                 "median": statistics.median(rs),
                 "p95": sorted(rs)[max(math.ceil(0.95 * len(rs)) - 1, 0)],  # nearest rank
                 "max": max(rs),
             }
-            for (sms, size), rs in sorted(by_key.items(), key=lambda kv: (kv[0][0], _size_order(kv[0][1])))
+            for (sms, low), rs in sorted(by_key.items())
         }
         for name, by_key in beside.items()
     }
@@ -498,10 +500,10 @@ def main() -> None:
     print(common.table(grows, ["policy", "when", "steps", "p50", "p99", "max"]))
     print("\nmeasured / predicted mixed step, by its prefill tokens")
     mrows = [
-        [name, f"{lo}-{hi}" if hi else f"{lo}+", m["steps"], m["median"], m["p95"], m["max"]]
+        [name, size, m["steps"], m["median"], m["p95"], m["max"]]
         for name, by_size in report["mixed_chunks"].items()
-        for lo, hi in CHUNK_SIZES
-        if (m := by_size.get(f"{lo}-{hi}" if hi else f"{lo}+"))
+        for size in (chunk_size(lo) for lo, _ in CHUNK_SIZES)
+        if (m := by_size.get(size))
     ]
     print(common.table(mrows, ["policy", "tokens", "steps", "median", "p95", "max"]))
     mixed_s = [
