@@ -63,13 +63,11 @@ def assembled(recipe: str, model: str, overrides: list[str]) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict], shares: list[int], total_sms: int, kv_bytes: float) -> dict[str, Any]:
-    alone = {(r["infer_sms"], r["batch"], r["kv_len"]): r["latency_s"] for r in rows if not r["corun"]}
-    ratios = {
-        (r["infer_sms"], r["batch"], r["kv_len"]): r["latency_s"]
-        / alone[(r["infer_sms"], r["batch"], r["kv_len"])]
-        for r in rows
-        if r["corun"]
-    }
+    def point(r: dict) -> tuple[int, int, int]:
+        return r["infer_sms"], r["batch"], r["kv_len"]
+
+    alone = {point(r): r["latency_s"] for r in rows if not r["corun"]}
+    ratios = {point(r): r["latency_s"] / alone[point(r)] for r in rows if r["corun"]}
     step_s = {r["infer_sms"]: r["train_step_s"] for r in rows if r["corun"]}
     by_share = {}
     for s in shares:

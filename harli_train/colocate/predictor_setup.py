@@ -36,16 +36,9 @@ CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 GRAPHED_CORUN = False
 
 
-def corun_workload(
-    model: LlamaForCausalLM,
-    batch: int,
-    seq_len: int,
-    layers: int,
-    dtype: torch.dtype,
-    graphed: bool | None = None,
-):
+def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
     """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad;
-    captured per partition (``graphed_workload``) when ``graphed`` (None: ``GRAPHED_CORUN``)."""
+    captured per partition (``graphed_workload``) when ``GRAPHED_CORUN``."""
     device = model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=gen, device=device).to(dtype)
@@ -57,7 +50,7 @@ def corun_workload(
             with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                 model.run_layers(0, layers, hidden, None, cos, sin)
 
-    return graphed_workload(corun) if (GRAPHED_CORUN if graphed is None else graphed) else corun
+    return graphed_workload(corun) if GRAPHED_CORUN else corun
 
 
 def graphed_workload(eager: Callable[[Partition], None]) -> Callable[[Partition], None]:
