@@ -5,15 +5,15 @@ it runs: if the OS takes its core away (another runnable thread, of this process
 the step's interval grows by a scheduler slice, milliseconds, and no other Python thread runs meanwhile
 either. ``DecodeCore`` gives the decode thread one core that none of the process's other threads may use
 (their affinity is the rest, less that core's hyperthread siblings where there are others), and the decode
-thread no other core: the trainer thread, the KV resizer,
-torch's worker threads and the driver's threads run on the remaining cores. What other processes and the
-kernel do on that core is not this process's to change.
+thread no other core: the trainer thread, the KV resizer, torch's worker threads and the driver's threads
+run on the remaining cores. What other processes and the kernel do on that core is not this process's to
+change.
 
 Threads inherit their creator's affinity, so one the decode thread starts inside the block would share its
 core: the runtime enters the block after starting its own threads, and the decode thread's torch CPU ops run
 on itself alone meanwhile (``host_threads.single_threaded_ops``: an OpenMP team of its own would be created
-on its core). On leaving, every thread's affinity is put back. Without at least two usable cores, or where the
-OS refuses (no ``sched_setaffinity``), it does nothing and says so.
+on its core). On leaving, every thread's affinity is put back. Without at least two usable cores, or where
+the OS refuses (no ``sched_setaffinity``), it does nothing and says so.
 """
 
 from __future__ import annotations
