@@ -9,7 +9,9 @@ queued up front) on a few shares twice in one process: with the profile's traine
 workload captured as one CUDA graph per partition (``predictor_setup.graphed_workload``: a launch costs
 microseconds, so the queue really is ahead of the GPU, as the graphed trainer of a co-located run is).
 For each it reports every point's beside / alone ratio, each share's spread of them, the workload's
-micro-step seconds, and the co-run error of the predictor fitted to those samples (``LatencyPredictor.fit``'s
+micro-step seconds, the points whose trainer queue ran dry before their decode steps ended
+(``profile_grid.time_beside`` times such a point again with a longer queue, unless the workload's launches
+are what holds it back), and the co-run error of the predictor fitted to those samples (``LatencyPredictor.fit``'s
 in-sample MAPE). A workload whose ratios hold one factor a share where the other's scatter is the one whose
 profile the predictor can fit. Writes ``$OUT/probe_corun.json`` and prints tables. On the CPU stand-in only
 the eager workload runs (a busy loop in a thread; the flow only).
@@ -69,6 +71,7 @@ def summarize(rows: list[dict], shares: list[int], total_sms: int, kv_bytes: flo
     alone = {point(r): r["latency_s"] for r in rows if not r["corun"]}
     ratios = {point(r): r["latency_s"] / alone[point(r)] for r in rows if r["corun"]}
     step_s = {r["infer_sms"]: r["train_step_s"] for r in rows if r["corun"]}
+    uncovered = [point(r) for r in rows if r["corun"] and r.get("corun_covered") is False]
     by_share = {}
     for s in shares:
         mine = [v for k, v in ratios.items() if k[0] == s]
@@ -79,6 +82,8 @@ def summarize(rows: list[dict], shares: list[int], total_sms: int, kv_bytes: flo
                 "max": max(mine),
                 "spread": statistics.pstdev(mine),
                 "train_step_s": step_s.get(s),
+                "uncovered": sum(1 for k in uncovered if k[0] == s),
+                "points": len(mine),
             }
     fit = LatencyPredictor.fit(rows, total_sms, kv_bytes).fit_report
     return {
@@ -135,12 +140,19 @@ def main() -> None:
             f"\n{name}: co-run fit MAPE {r['fit_corun_mape_pct']:.2f} %, solo {r['fit_solo_mape_pct']:.2f} %"
         )
         rows = [
-            [s, v["min"], v["median"], v["max"], v["spread"], v["train_step_s"]]
+            [
+                s,
+                v["min"],
+                v["median"],
+                v["max"],
+                v["spread"],
+                v["train_step_s"],
+                f"{v['uncovered']}/{v['points']}",
+            ]
             for s, v in r["by_share"].items()
         ]
-        print(
-            common.table(rows, ["decode SMs", "beside/alone min", "median", "max", "spread", "micro-step s"])
-        )
+        heads = ["decode SMs", "beside/alone min", "median", "max", "spread", "micro-step s", "queue ran dry"]
+        print(common.table(rows, heads))
 
 
 if __name__ == "__main__":

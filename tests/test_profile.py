@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from harli_train.colocate import profile_grid
 from harli_train.colocate.predictor import LatencyPredictor, fit_options
 from harli_train.colocate.profile import (
     Profile,
@@ -201,3 +202,35 @@ def test_a_decode_point_beside_the_trainer_takes_corun_reps_steps():
     assert len(calls) == (1 + 2) + (
         1 + 5
     )  # alone: warm-up and reps; beside the trainer: warm-up and corun_reps
+
+
+@pytest.mark.parametrize(
+    "covers_from, launch_bound, queues, covered",
+    [
+        (0, False, 1, True),  # the first queue outlasts the decode steps
+        (2, False, 2, True),  # it ran dry once: timed again with twice the queue
+        (10**6, False, profile_grid.CORUN_ATTEMPTS, False),  # never covered: the last timing, marked
+        (10**6, True, 1, False),  # the launches hold the queue back: a longer one would not help
+    ],
+)
+def test_a_point_whose_trainer_queue_ran_dry_is_timed_again_with_a_longer_queue(
+    monkeypatch, covers_from, launch_bound, queues, covered
+):
+    """On a GPU, ``Corunner.check`` says whether the trainer's queue ended after the last timed decode step;
+    this stands in for it: a queue of at least ``covers_from`` times the first one's micro-steps covers."""
+    ladder = SMLadder.cpu_standin(total_sms=64, step=16)
+    part = next(p for p in ladder.partitions if p.infer_sms == 32)
+    sizes = []
+
+    def timed(call, stream, warmup, reps, trainer=None):
+        sizes.append(trainer.n)
+        trainer.covered = trainer.n >= covers_from * sizes[0]
+        trainer.launch_bound = launch_bound
+        return [0.001 * len(sizes)] * reps
+
+    monkeypatch.setattr(profile_grid, "time_calls", timed)
+    t, got = profile_grid.time_beside(lambda: None, lambda p: None, part, 1, 4, t_solo=0.01, t_train=0.01)
+    assert got is covered
+    assert len(sizes) == queues
+    assert sizes == [sizes[0] * 2**i for i in range(queues)]  # each queue twice the one before
+    assert t == pytest.approx(0.001 * queues)  # the last attempt's timing

@@ -132,9 +132,11 @@ def run_profile_grid(
             samples.append({**base, "corun": False, "latency_s": t_solo})
             if beside:
                 n_co = (corun_reps or n_reps) if chunk is None else n_reps  # a mixed point: its grid's
-                trainer = Corunner(corun_fn, p, t_solo * (n_warm + n_co), t_train)
-                t_co = median(time_calls(step, p.infer_stream, n_warm, n_co, trainer))
-                samples.append({**base, "corun": True, "latency_s": t_co, "train_step_s": t_train})
+                t_co, covered = time_beside(step, corun_fn, p, n_warm, n_co, t_solo, t_train)
+                sample = {**base, "corun": True, "latency_s": t_co, "train_step_s": t_train}
+                if covered is not None:
+                    sample["corun_covered"] = covered
+                samples.append(sample)
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
     return samples
 
@@ -258,12 +260,59 @@ def _sample_point(s: dict) -> tuple:
     )
 
 
-class Corunner:
-    """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed."""
+CORUN_ATTEMPTS = 3  # a point whose trainer queue ran dry is timed again with twice the queue, this often
 
-    def __init__(self, corun_fn: CorunFn, part: Partition, seconds: float, t_step: float | None) -> None:
+
+def time_beside(
+    step: Callable[[], Any],
+    corun_fn: CorunFn,
+    part: Partition,
+    warmup: int,
+    reps: int,
+    t_solo: float,
+    t_train: float | None,
+) -> tuple[float, bool | None]:
+    """The median of ``reps`` launches of ``step`` beside the trainer's micro-steps, and whether the trainer's
+    queue outlasted the last of them (None on the CPU stand-in, whose trainer loops until told to stop).
+
+    On a GPU the micro-steps are queued before the decode steps; a point whose queue ran dry first is timed
+    again with twice the queue, up to ``CORUN_ATTEMPTS`` times, unless launching the queue took about as long
+    as running it (``Corunner.launch_bound``: a longer queue would not get further ahead). A point never
+    covered keeps its last timing, marked ``covered`` False: what it measured is partly decode alone."""
+    trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train)
+    for attempt in range(CORUN_ATTEMPTS):
+        times = time_calls(step, part.infer_stream, warmup, reps, trainer)
+        if trainer.covered is not False or trainer.launch_bound or attempt == CORUN_ATTEMPTS - 1:
+            break
+        trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, trainer.n * 2)
+    if trainer.covered is False:
+        log.warning(
+            "profile: the trainer's %d micro-steps ended before the decode steps at %d SMs; the point is "
+            "partly decode alone",
+            trainer.n,
+            part.infer_sms,
+        )
+    return median(times), trainer.covered
+
+
+class Corunner:
+    """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed: ``n`` micro-steps
+    queued up front on a GPU (twice what ``seconds`` takes at ``t_step`` a step, or ``n``), a thread looping
+    on the CPU stand-in. ``covered``: on a GPU, once ``check`` has run, whether the queue ended after the
+    decode step it was given (None before, and on the CPU); ``launch_bound``: whether the GPU ran the queue
+    in less than 1.2x the host's time to launch it, so that it never got far ahead."""
+
+    MAX_STEPS = 5000
+
+    def __init__(
+        self, corun_fn: CorunFn, part: Partition, seconds: float, t_step: float | None, n: int | None = None
+    ) -> None:
         self.fn, self.part = corun_fn, part
-        self.n = min(int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, 5000)
+        self.n = min(n or int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, self.MAX_STEPS)
+        self.covered: bool | None = None
+        self.launch_bound = False
+        self._launch_s = 0.0
+        self._marks: tuple[Any, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -271,12 +320,28 @@ class Corunner:
         if on_gpu:  # queue enough micro-steps ahead of the decode steps to overlap all of them
             import torch
 
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.part.train_stream):
+                first.record()
+                t0 = time.perf_counter()
                 for _ in range(self.n):
                     self.fn(self.part)
+                self._launch_s = time.perf_counter() - t0
+                last.record()
+            self._marks = (first, last)
             return
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    def check(self, decode_end: Any) -> None:
+        """Whether the queue ended no earlier than ``decode_end`` (a timing event on decode's stream,
+        completed): both are timed from the event recorded before the queue, which precedes them."""
+        if self._marks is None:
+            return
+        first, last = self._marks
+        queue_ms = first.elapsed_time(last)
+        self.covered = queue_ms >= first.elapsed_time(decode_end)
+        self.launch_bound = queue_ms < 1.2e3 * self._launch_s
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -324,6 +389,8 @@ def time_calls(call: Callable[[], Any], stream: Any, warmup: int, reps: int, tra
                 end.record(stream)
                 marks.append((start, end))
         torch.cuda.synchronize()
+        if trainer is not None:
+            trainer.check(marks[-1][1])
         return [s.elapsed_time(e) * 1e-3 for s, e in marks]
     finally:
         if trainer is not None:
