@@ -750,3 +750,29 @@ def test_repeats_cut_short_by_the_time_budget_keep_the_windows_that_ran(tmp_path
     with pytest.raises(colocate_windows.OutOfTime) as first:
         win.repeated(1, "harli", 0.01, (), window_s=1.0)
     assert first.value.kept is None  # nothing ran: nothing kept
+
+
+def test_heldout_error_also_counts_only_the_points_whose_trainer_queue_outlasted_them(tmp_path):
+    """bench/predictor_heldout.py on the stored H100 profile, some co-run points marked as having run their
+    trainer queue dry: the held-out co-run error is also given over the covered points, and those counted."""
+    stored = BENCH / "profiles" / "NVIDIA_H100_80GB_HBM3-llama-8b_torch.bfloat16_batch64_green.json.gz"
+    profile = json.loads(gzip.decompress(stored.read_bytes()))
+    dry = 0
+    for r in profile["samples"]:
+        if r["corun"] and r["infer_sms"] <= 32 and r["batch"] >= 32:
+            r["corun_covered"], dry = False, dry + 1
+        elif r["corun"]:
+            r["corun_covered"] = True
+    path = tmp_path / "marked.json"
+    path.write_text(json.dumps(profile))
+    env = {**os.environ, "OUT": str(tmp_path)}
+    cmd = [sys.executable, str(BENCH / "predictor_heldout.py"), str(path), "--seeds", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "predictor_heldout.json").read_text())
+    assert dry > 0 and result["corun_ran_dry"] == dry
+    assert f"{dry} co-run points" in proc.stdout
+    for run in result["runs"]:
+        assert run["covered_corun_n"] < run["corun_n"]  # the marked held-out points are left out
+        assert run["covered_solo_n"] == run["solo_n"]
+    assert set(result["mean"]) == {"solo_mape_pct", "corun_mape_pct", "covered_corun_mape_pct"}
