@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 # Whether the profile's trainer workload runs as a CUDA graph per partition (`graphed_workload`) rather than
-# launched eagerly; off until `bench/probe_corun.py` shows its co-run points fit better.
+# launched eagerly. Off: graphed, its forward micro-steps back to back slow decode more than the live trainer
+# does (docs/design.md, the predictor); `bench/probe_corun.py` measures both against the same decode points.
 GRAPHED_CORUN = False
 
 
