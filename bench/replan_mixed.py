@@ -29,7 +29,7 @@ from colocate_matrix import load  # noqa: E402
 
 from harli_train.colocate.policy.base import chunk_fits, largest_chunk  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
-from harli_train.engine.scheduler import PrefillPiece, StepPreview  # noqa: E402
+from harli_train.engine.step_work import PrefillPiece, StepPreview  # noqa: E402
 
 
 def replan(

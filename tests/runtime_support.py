@@ -17,7 +17,7 @@ from harli_train.colocate.sm import SMLadder
 from harli_train.config import load_recipe
 from harli_train.data.tokenizer import load_tokenizer
 from harli_train.engine.load import TraceRequest
-from harli_train.engine.scheduler import PrefillPiece, StepPreview
+from harli_train.engine.step_work import PrefillPiece, StepPreview
 from harli_train.model import load_model
 from harli_train.train.trainer import Trainer
 

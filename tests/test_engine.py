@@ -31,7 +31,7 @@ from harli_train.engine import (  # noqa: E402
     serve_trace,
 )
 from harli_train.engine.kv_cache import KVCacheSpec, kv_cache_blocks  # noqa: E402
-from harli_train.engine.scheduler import PrefillPiece, StepPreview  # noqa: E402
+from harli_train.engine.step_work import PrefillPiece, StepPreview  # noqa: E402
 from harli_train.model import load_model, model_config  # noqa: E402
 
 from .hf_models import save_tiny_llama  # noqa: E402

@@ -229,7 +229,7 @@ def test_a_chunk_on_an_adapter_is_priced_by_the_steps_rows_and_the_base_mixed_fi
 
 
 def test_the_preview_counts_the_adapters_of_the_chunks_a_step_takes():
-    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+    from harli_train.engine.step_work import PrefillPiece, StepPreview
 
     pieces = (PrefillPiece(40, 0, 0, 2), PrefillPiece(30, 0, 10, 0), PrefillPiece(20, 0, 0, 3))
     preview = StepPreview(4, 400, pieces, True, frozenset({1}))
@@ -296,7 +296,7 @@ def test_a_chunk_on_an_adapter_is_cut_to_the_bucket_that_fits_where_the_same_chu
     the base and on an adapter, the base chunk goes whole (the 128-row graph) and the adapter's is cut to
     what the 64-row graph holds beside the 8 decode rows."""
     from harli_train.colocate.policy.base import largest_chunk
-    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+    from harli_train.engine.step_work import PrefillPiece, StepPreview
 
     pred = LatencyPredictor.fit(samples() + mixed_samples(), 132, 1.0, mixed_buckets=BUCKETS)
     on_base, on_adapter = (StepPreview(8, 8 * 256, (PrefillPiece(100, 0, 0, slot),), True) for slot in (0, 1))

@@ -17,8 +17,8 @@ from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder
 from harli_train.engine.metrics import EngineMetrics
 from harli_train.engine.sampling_params import SamplingParams
-from harli_train.engine.scheduler import PrefillPiece, StepPreview
 from harli_train.engine.sequence import Sequence
+from harli_train.engine.step_work import PrefillPiece, StepPreview
 from harli_train.policy_names import MIN_PREFILL_FLOOR
 
 from .runtime_support import TOTAL, requests, rows, runtime, synthetic_predictor

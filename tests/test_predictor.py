@@ -323,7 +323,7 @@ def test_mixed_steps_are_predicted_on_the_buckets_of_the_engine_that_runs_them()
     from harli_train.colocate.policy.base import graph_room
     from harli_train.engine.engine_config import EngineConfig
     from harli_train.engine.mixed_graphs import token_buckets
-    from harli_train.engine.scheduler import PrefillPiece, StepPreview
+    from harli_train.engine.step_work import PrefillPiece, StepPreview
 
     assert token_buckets(EngineConfig(max_num_seqs=64)) == (16, 32, 64, 96, *range(128, 577, 64))
     profiled = (16, 32, 64, 128)

@@ -20,8 +20,8 @@ from harli_train.engine import DecodeEngine, EngineMetrics, RequestRefused, Samp
 from harli_train.engine.adapters import AdapterCatalog
 from harli_train.engine.load import TraceRequest, synthetic_prompt
 from harli_train.engine.runner import DEFAULT_PARTITION
-from harli_train.engine.scheduler import StepPreview
 from harli_train.engine.sequence import Sequence
+from harli_train.engine.step_work import StepPreview
 
 log = logging.getLogger(__name__)
 

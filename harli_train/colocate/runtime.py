@@ -48,7 +48,7 @@ from harli_train.colocate.steps_ahead import StepsAhead, gate, launches_ahead
 from harli_train.colocate.trainer_side import OOM_ERRORS
 from harli_train.colocate.trainer_worker import TrainerWorker
 from harli_train.engine.load import TraceReplay, TraceRequest
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 from harli_train.kernels.launch_config import set_launch_gate
 
 log = logging.getLogger(__name__)

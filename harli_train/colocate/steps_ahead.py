@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harli_train.colocate.policy import AFTER, StepPlan
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 
 # (plan, the trainer's snapshot at its launch, the trainer's micro-steps on the GPU as it started)
 Flying = tuple[StepPlan, Any, Any]

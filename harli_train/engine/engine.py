@@ -16,9 +16,10 @@ from harli_train.engine.kv_cache import KVCacheSpec, KVStorage, TensorKVStorage,
 from harli_train.engine.metrics import EngineMetrics, StepRecord
 from harli_train.engine.runner import DEFAULT_PARTITION, LaunchedStep, ModelRunner
 from harli_train.engine.sampling_params import SamplingParams
-from harli_train.engine.scheduler import Scheduler, StepPreview
+from harli_train.engine.scheduler import Scheduler
 from harli_train.engine.sequence import Sequence, SequenceStatus
 from harli_train.engine.step_result import RequestRefused, StepResult
+from harli_train.engine.step_work import StepPreview
 from harli_train.engine.warm_up import WARMUP_PROMPT_LENS, warm_up_prefill
 from harli_train.model import LlamaForCausalLM
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harli_train.engine.scheduler import ScheduledBatch
+from harli_train.engine.step_work import ScheduledBatch
 
 
 @dataclass(slots=True)

@@ -19,9 +19,9 @@ from harli_train.engine.launched_step import LaunchedStep, Partition
 from harli_train.engine.lora_slots import LoRASlots, adapter_slots
 from harli_train.engine.mixed_graphs import MixedGraphs
 from harli_train.engine.sampler import Sampler, SamplingBatch
-from harli_train.engine.scheduler import ScheduledBatch
 from harli_train.engine.sequence import Sequence
 from harli_train.engine.step_inputs import StepInputs
+from harli_train.engine.step_work import ScheduledBatch
 from harli_train.model import LlamaForCausalLM
 
 DEFAULT_PARTITION = "default"

@@ -11,7 +11,7 @@ from harli_train.colocate.mixed_model import attention_pairs
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, Ewma, StepPlan, after, beside, paused, whole_gpu
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 
 MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
 # A backlog of prompts is drained on the whole GPU once this many times the time it needs there is all that

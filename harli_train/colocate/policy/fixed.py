@@ -8,7 +8,7 @@ from harli_train.colocate.policy.base import Policy
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, beside, paused
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 
 
 def split_rung(ladder: SMLadder, infer_sms: int, policy: str) -> Partition:

@@ -39,7 +39,7 @@ from harli_train.colocate.policy.prefill_placement import PrefillPlacement
 from harli_train.colocate.policy.trainer_rungs import TrainerRungs
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 from harli_train.policy_names import (
     DEFAULT_BACKWARD_AWARE,
     DEFAULT_FLOOR_MATCH,

@@ -6,7 +6,7 @@ from harli_train.colocate.policy.base import Policy
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, whole_gpu
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 
 
 def whole_gpu_pair(ladder: SMLadder) -> Partition:

@@ -8,7 +8,7 @@ from harli_train.colocate.policy.base import ControlledPolicy
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, paused, whole_gpu
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder, TimeSliceLadder
-from harli_train.engine.scheduler import StepPreview
+from harli_train.engine.step_work import StepPreview
 
 
 def time_slice_view(ladder: SMLadder) -> TimeSliceLadder:
