@@ -93,6 +93,7 @@ def run_profile_grid(
     parts = [p for p in ladder.partitions if wanted is None or p.infer_sms in wanted]
     samples = []
     for p in parts:
+        dry = 0
         corun = corun_fn is not None and p.train_sms > 0 and not p.time_sliced
         t_train = median(time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
         # (batch, kv_len, chunk or None, timing reps, warm-up, beside the trainer too)
@@ -136,8 +137,16 @@ def run_profile_grid(
                 sample = {**base, "corun": True, "latency_s": t_co, "train_step_s": t_train}
                 if covered is not None:
                     sample["corun_covered"] = covered
+                    dry += not covered
                 samples.append(sample)
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
+        if dry:
+            log.warning(
+                "profile: at %d decode SMs the trainer's queue ended before the decode steps at %d point(s), "
+                "even when timed again: those points are partly decode alone (corun_covered false)",
+                p.infer_sms,
+                dry,
+            )
     return samples
 
 
@@ -285,13 +294,6 @@ def time_beside(
         if trainer.covered is not False or trainer.launch_bound or attempt == CORUN_ATTEMPTS - 1:
             break
         trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, trainer.n * 2)
-    if trainer.covered is False:
-        log.warning(
-            "profile: the trainer's %d micro-steps ended before the decode steps at %d SMs; the point is "
-            "partly decode alone",
-            trainer.n,
-            part.infer_sms,
-        )
     return median(times), trainer.covered
 
 
