@@ -432,7 +432,7 @@ def test_a_step_row_lists_only_the_trainer_micro_steps_still_on_the_gpu_as_the_s
 
 def test_time_slicing_sizes_its_first_launch_by_the_micro_step_times_measured_at_set_up(tmp_path):
     # Under an objective, time slicing launches a micro-step only into slack its estimate fits. Before the
-    # run has timed one, the estimates come from `Colocation.time_micro_steps` (the whole GPU at set-up);
+    # run has timed one, the estimates come from `trainer_warmup.time_micro_steps` (the whole GPU at set-up);
     # without them none fits, and a load that never leaves the engine idle never trains.
     from harli_train.colocate.host_priority import HostPriority
     from harli_train.colocate.policy import AFTER
@@ -457,7 +457,7 @@ def test_time_slicing_sizes_its_first_launch_by_the_micro_step_times_measured_at
 def test_the_warm_up_step_runs_the_recipes_micro_steps_on_a_synthetic_batch(tmp_path):
     # The synthetic step that warms the trainer's kernels and times its micro-steps on a GPU
     # (`warm_up_trainer`, `time_micro_steps`) is the run's own: the recipe's shape, chunking and stashes.
-    from harli_train.colocate.colocation import synthetic_batch, synthetic_step
+    from harli_train.colocate.trainer_warmup import synthetic_batch, synthetic_step
 
     trainer = Trainer(recipe(tmp_path), model=load_model("tiny", torch.float32, "cpu"), quiet=True)
     trainer.setup()

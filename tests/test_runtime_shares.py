@@ -205,7 +205,7 @@ def test_warming_a_steps_end_leaves_the_gradients_and_the_optimizer_state_as_the
     # on the stream current; the trainer's gradients, moments and step counts are untouched. The fused path
     # (`AdapterUpdate`, a GPU trainer's) warms over one scratch element per adapter tensor: the stack of the
     # per-tensor norms and the norm over them pick their kernels by the count.
-    from harli_train.colocate.colocation import warm_step_end
+    from harli_train.colocate.trainer_warmup import warm_step_end
     from harli_train.train.adapter_update import AdapterUpdate
 
     trainer = Trainer(recipe(tmp_path / "run"), model=load_model("tiny", torch.float32, "cpu"), quiet=True)

@@ -209,7 +209,7 @@ def test_retired_rungs_leave_the_ladder_and_the_rest_reindexes():
 def test_warm_up_failures_name_their_budgets_and_the_whole_gpu_must_work(caplog):
     import torch
 
-    from harli_train.colocate.colocation import try_budgets
+    from harli_train.colocate.trainer_warmup import try_budgets
 
     ran = []
 

@@ -22,7 +22,7 @@ class MicroStepTimes:
     def __init__(self, estimates: dict[str, float] | None = None) -> None:
         self.ewma_s = 0.0  # one micro-step's duration, any kind
         # Recent durations per kind; ``estimates`` (seconds per kind, measured beside no decode:
-        # `colocation.time_micro_steps`) stand in until the run has timed its own.
+        # `trainer_warmup.time_micro_steps`) stand in until the run has timed its own.
         self.by_kind: dict[str, deque[float]] = {
             k: deque([v], maxlen=5) for k, v in (estimates or {}).items()
         }

@@ -207,7 +207,8 @@ class Trainer:
         return state
 
     # ---- training ------------------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context the trainer's micro-steps run under (none in fp32 or on a CPU)."""
         if self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.dtype)
         return contextlib.nullcontext()
@@ -265,7 +266,7 @@ class Trainer:
                 self.model,
                 batches,
                 cfg.layers_per_microstep,
-                self._autocast,
+                self.autocast,
                 self.recompute_chunk,
                 self.buffers,
                 self.eager_stash,
@@ -279,7 +280,7 @@ class Trainer:
             self._commit_step()
             if self.validation is not None and self.validation.due(self.step, self.done):
                 self._record["eval_loss"] = self.last_eval_loss = yield from self.validation.run(
-                    self.model, self._autocast, self.buffers
+                    self.model, self.autocast, self.buffers
                 )
             self._log_record()
             every = self.cfg.output.checkpoint_every
