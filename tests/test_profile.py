@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 
 import pytest
 
@@ -205,32 +206,55 @@ def test_a_decode_point_beside_the_trainer_takes_corun_reps_steps():
 
 
 @pytest.mark.parametrize(
-    "covers_from, launch_bound, queues, covered",
+    "first_covers, needed, retry_covers, queues, covered",
     [
-        (0, False, 1, True),  # the first queue outlasts the decode steps
-        (2, False, 2, True),  # it ran dry once: timed again with twice the queue
-        (10**6, False, profile_grid.CORUN_ATTEMPTS, False),  # never covered: the last timing, marked
-        (10**6, True, 1, False),  # the launches hold the queue back: a longer one would not help
+        (True, None, None, 1, True),  # the first queue outlasts the decode steps
+        (False, 1.5, True, 2, True),  # it ran dry: timed once more with the queue the first timing asks for
+        (False, 1.5, False, 2, False),  # dry again: the second timing, marked
+        (False, 3.0, None, 1, False),  # the queue needed is over RETRY_GROWTH times the first: not retried
+        (False, None, None, 1, False),  # the launches hold the queue back: no queue would get ahead
     ],
 )
-def test_a_point_whose_trainer_queue_ran_dry_is_timed_again_with_a_longer_queue(
-    monkeypatch, covers_from, launch_bound, queues, covered
+def test_a_point_whose_trainer_queue_ran_dry_is_timed_once_more_with_the_queue_it_needs(
+    monkeypatch, first_covers, needed, retry_covers, queues, covered
 ):
-    """On a GPU, ``Corunner.check`` says whether the trainer's queue ended after the last timed decode step;
-    this stands in for it: a queue of at least ``covers_from`` times the first one's micro-steps covers."""
+    """On a GPU, ``Corunner.check`` says whether the trainer's queue ended after the last timed decode step
+    and ``steps_to_cover`` what queue would have; this stands in for both (``needed``: that queue over the
+    first one)."""
     ladder = SMLadder.cpu_standin(total_sms=64, step=16)
     part = next(p for p in ladder.partitions if p.infer_sms == 32)
     sizes = []
 
     def timed(call, stream, warmup, reps, trainer=None):
         sizes.append(trainer.n)
-        trainer.covered = trainer.n >= covers_from * sizes[0]
-        trainer.launch_bound = launch_bound
+        trainer.covered = first_covers if len(sizes) == 1 else retry_covers
         return [0.001 * len(sizes)] * reps
 
     monkeypatch.setattr(profile_grid, "time_calls", timed)
+    monkeypatch.setattr(
+        profile_grid.Corunner,
+        "steps_to_cover",
+        lambda self: None if needed is None else int(needed * self.n),
+    )
     t, got = profile_grid.time_beside(lambda: None, lambda p: None, part, 1, 4, t_solo=0.01, t_train=0.01)
     assert got is covered
     assert len(sizes) == queues
-    assert sizes == [sizes[0] * 2**i for i in range(queues)]  # each queue twice the one before
-    assert t == pytest.approx(0.001 * queues)  # the last attempt's timing
+    if queues == 2:
+        assert sizes[1] == int(needed * sizes[0])
+    assert t == pytest.approx(0.001 * queues)  # the last timing
+
+
+def test_the_queue_that_covers_is_computed_from_the_first_timings_gpu_and_host_seconds():
+    """A queue of 100 steps ran 1.0 s on the GPU and took 0.6 s to launch (4 ms of lead a step); the decode
+    steps, launched after it, ended 2.2 s after its start, so they needed 1.6 s of lead: 400 steps, 500
+    with the margin. A GPU no faster than the host: no queue covers."""
+    ladder = SMLadder.cpu_standin(total_sms=64, step=16)
+    part = next(p for p in ladder.partitions if p.infer_sms == 32)
+    runner = profile_grid.Corunner(lambda p: None, part, 1.0, 0.01, n=100)
+    runner._marks = (object(), object())
+    runner._queue_s, runner._launch_s, runner._decode_end_s = 1.0, 0.6, 2.2
+    assert runner.steps_to_cover() == math.ceil(profile_grid.COVER_MARGIN * 1.6 / 0.004)
+    runner._launch_s = 1.0
+    assert runner.steps_to_cover() is None
+    runner._launch_s, runner._decode_end_s = 0.0, 1e4  # more than MAX_STEPS
+    assert runner.steps_to_cover() is None

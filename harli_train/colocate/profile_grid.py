@@ -10,6 +10,7 @@ over a ``MixedGrid``; ``build_profile`` wraps the samples as a ``Profile`` with 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 import time
@@ -269,7 +270,10 @@ def _sample_point(s: dict) -> tuple:
     )
 
 
-CORUN_ATTEMPTS = 3  # a point whose trainer queue ran dry is timed again with twice the queue, this often
+# A point whose trainer queue ran dry is timed once more, with the queue its first timing says would have
+# outlasted it (and this much to spare), unless that queue is more than RETRY_GROWTH times the first: the
+# retry's cost is bounded, and a workload that launches about as slowly as it runs is left uncovered.
+COVER_MARGIN, RETRY_GROWTH = 1.25, 2.0
 
 
 def time_beside(
@@ -284,16 +288,18 @@ def time_beside(
     """The median of ``reps`` launches of ``step`` beside the trainer's micro-steps, and whether the trainer's
     queue outlasted the last of them (None on the CPU stand-in, whose trainer loops until told to stop).
 
-    On a GPU the micro-steps are queued before the decode steps; a point whose queue ran dry first is timed
-    again with twice the queue, up to ``CORUN_ATTEMPTS`` times, unless launching the queue took about as long
-    as running it (``Corunner.launch_bound``: a longer queue would not get further ahead). A point never
-    covered keeps its last timing, marked ``covered`` False: what it measured is partly decode alone."""
+    On a GPU the micro-steps are queued before the decode steps. A point whose queue ran dry first is timed
+    once more with the queue ``Corunner.steps_to_cover`` computes from the first timing, when that is at most
+    ``RETRY_GROWTH`` times the first queue (at most 1 + ``RETRY_GROWTH`` queues' GPU time a point). A point
+    still not covered keeps its last timing, marked ``covered`` False: what it measured is partly decode
+    alone."""
     trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train)
-    for attempt in range(CORUN_ATTEMPTS):
-        times = time_calls(step, part.infer_stream, warmup, reps, trainer)
-        if trainer.covered is not False or trainer.launch_bound or attempt == CORUN_ATTEMPTS - 1:
-            break
-        trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, trainer.n * 2)
+    times = time_calls(step, part.infer_stream, warmup, reps, trainer)
+    if trainer.covered is False:
+        n = trainer.steps_to_cover()
+        if n is not None and n <= RETRY_GROWTH * trainer.n:
+            trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, max(n, trainer.n + 1))
+            times = time_calls(step, part.infer_stream, warmup, reps, trainer)
     return median(times), trainer.covered
 
 
@@ -301,8 +307,7 @@ class Corunner:
     """Keeps the trainer busy on its stream for at least ``seconds`` while decode is timed: ``n`` micro-steps
     queued up front on a GPU (twice what ``seconds`` takes at ``t_step`` a step, or ``n``), a thread looping
     on the CPU stand-in. ``covered``: on a GPU, once ``check`` has run, whether the queue ended after the
-    decode step it was given (None before, and on the CPU); ``launch_bound``: whether the GPU ran the queue
-    in less than 1.2x the host's time to launch it, so that it never got far ahead."""
+    decode step it was given (None before, and on the CPU)."""
 
     MAX_STEPS = 5000
 
@@ -312,8 +317,7 @@ class Corunner:
         self.fn, self.part = corun_fn, part
         self.n = min(n or int(2.0 * seconds / max(t_step or seconds, 1e-6)) + 2, self.MAX_STEPS)
         self.covered: bool | None = None
-        self.launch_bound = False
-        self._launch_s = 0.0
+        self._launch_s = self._queue_s = self._decode_end_s = 0.0
         self._marks: tuple[Any, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -341,9 +345,24 @@ class Corunner:
         if self._marks is None:
             return
         first, last = self._marks
-        queue_ms = first.elapsed_time(last)
-        self.covered = queue_ms >= first.elapsed_time(decode_end)
-        self.launch_bound = queue_ms < 1.2e3 * self._launch_s
+        self._queue_s, self._decode_end_s = (
+            first.elapsed_time(last) * 1e-3,
+            first.elapsed_time(decode_end) * 1e-3,
+        )
+        self.covered = self._queue_s >= self._decode_end_s
+
+    def steps_to_cover(self) -> int | None:
+        """After ``check``: the micro-steps a queue needs to outlast the same decode steps by
+        ``COVER_MARGIN``, from this one's GPU and host seconds a step (the decode steps are launched once the
+        queue is, so each step adds its GPU time less its launch time to the queue's lead); None when the
+        GPU runs a step no slower than the host launches it (no queue gets ahead) or more than ``MAX_STEPS``
+        would be needed."""
+        gpu, host = self._queue_s / self.n, self._launch_s / self.n
+        decode_s = max(self._decode_end_s - self._launch_s, 0.0)
+        if self._marks is None or gpu <= host:
+            return None
+        n = math.ceil(COVER_MARGIN * decode_s / (gpu - host))
+        return n if n <= self.MAX_STEPS else None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
