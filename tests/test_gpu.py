@@ -395,17 +395,37 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     assert pressed_losses == losses
 
 
-def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "launch",
+    [
+        "wait",
+        pytest.param(
+            "ahead",
+            marks=[
+                pytest.mark.slow,  # out of the smoke (`-m 'gpu and not slow'`) until it passes
+                pytest.mark.xfail(
+                    reason="launched ahead, the pressed run broke a capture and trained nothing (H100, "
+                    "2026-12-06): bench/results/README.md, thirty-fourth session",
+                    strict=False,
+                ),
+            ],
+        ),
+    ],
+)
+def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(
+    tmp_path, monkeypatch, launch
+):
     """train.cuda_graphs beside the CUDA page pool (the assembly's gate opened for these runs): the graphs
     capture into the trainer tenant's MemPool and their saved-tensor arena lives in its stashes; the run
     trains what the same graphed run without the pool trains, and under a budget one page group short of
     both peaks the pressure resolves (a reclaim of arena pages, or a recovery) with the same losses, and
     the process exits cleanly (a capture that failed under pressure leaves no routing into the MemPool for
-    its destructor to abort on: `harli_train.cuda_capture`)."""
+    its destructor to abort on: `harli_train.cuda_capture`). ``launch``: each step's successor launched
+    before its tokens are read (``colocation.launch_ahead``), or not."""
     monkeypatch.setenv("HARLI_PROFILE_DIR", str(tmp_path / "profiles"))
-    graphs = "train.cuda_graphs=true"
-    _, plain_losses = _pool_run(tmp_path, "plain", graphs, "colocation.memory_pool=false")
-    pool, losses = _pool_run(tmp_path, "roomy", graphs, graphs_on_pool=True)
+    graphs = ("train.cuda_graphs=true", f"colocation.launch_ahead={str(launch == 'ahead').lower()}")
+    _, plain_losses = _pool_run(tmp_path, "plain", *graphs, "colocation.memory_pool=false")
+    pool, losses = _pool_run(tmp_path, "roomy", *graphs, graphs_on_pool=True)
     report = json.dumps(pool, indent=1)
     assert pool["enabled"] and pool["backend"] == "cuda", report
     # The arena's slots are placed at capture, during set-up's warm-up: a level, not the run's stashed bytes.
@@ -414,7 +434,7 @@ def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pa
     kv, trainer = pool["tenants"]["kv"]["peak"], pool["tenants"]["trainer"]["peak"]
     budget_gib = (trainer + kv - pool["kv"]["pages_per_group"]) * (2 << 20) / 2**30
     pressed, pressed_losses = _pool_run(
-        tmp_path, "pressed", graphs, f"colocation.memory_gib={budget_gib}", graphs_on_pool=True
+        tmp_path, "pressed", *graphs, f"colocation.memory_gib={budget_gib}", graphs_on_pool=True
     )
     report = json.dumps(pressed, indent=1)
     assert pressed["reclaims"]["count"] + pressed["trainer_oom_recoveries"] > 0, report
