@@ -20,10 +20,15 @@ capture pool id, counted by the graphs alive, and refuses a new capture into an 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+# Taken to begin a capture, and by another thread to look at a stream and record an event there: no capture
+# begins on the stream between the look and the record (``record_unless_capturing``).
+_BEGIN = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -36,7 +41,8 @@ def capturing(graph: Any, pool: Any, error_mode: str = "thread_local") -> Iterat
     ``capture_end``'s error propagates; when ``capture_begin`` fails after registering the capture, that
     registration is ended and its error propagates. Nothing else may route to ``pool`` when it begins."""
     try:
-        graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+        with _BEGIN:
+            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
     except BaseException as err:
         # Refused after the device allocator registered the capture (the host allocator's refusal): end
         # that registration. "already recording" is the device allocator's own refusal of a pool someone
@@ -54,6 +60,21 @@ def capturing(graph: Any, pool: Any, error_mode: str = "thread_local") -> Iterat
     except BaseException:
         end_routing(pool)
         raise
+
+
+def record_unless_capturing(stream: Any) -> Any:
+    """An event recorded now on ``stream`` (a CUDA stream another thread launches on), or None while a graph
+    is being captured on it: an event recorded there would join that capture (which then fails unjoined),
+    and waiting on it fails (cudaErrorCapturedEvent). No capture begins on ``stream`` between the look and
+    the record (``capturing`` begins under the same lock); one that begins after it leaves the event
+    outside the capture."""
+    with _BEGIN:
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():
+                return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
 
 def end_failed_capture(graph: Any, pool: Any, device: int | None = None) -> bool:

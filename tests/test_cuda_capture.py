@@ -207,3 +207,59 @@ torch.cuda.empty_cache()
 print("recaptured")
 """
     _exits_cleanly(code, "recaptured")
+
+
+def test_a_capture_begins_under_the_lock_another_threads_record_looks_under(allocator, monkeypatch):
+    """`capturing` begins a capture holding the lock `record_unless_capturing` holds between its look at a
+    stream and its record there, so no capture begins in between."""
+    from harli_train import cuda_capture
+
+    held = []
+    graph = FakeGraph(end_fails=False)
+    begin = graph.capture_begin
+    monkeypatch.setattr(
+        graph, "capture_begin", lambda **kw: held.append(cuda_capture._BEGIN.locked()) or begin(**kw)
+    )
+    with capturing(graph, (0, 1)):
+        assert not cuda_capture._BEGIN.locked()  # only the begin holds it: other threads go on meanwhile
+    assert held == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_no_event_is_recorded_on_a_stream_another_thread_captures_on():
+    """A second thread asks for an event on a stream while the first captures a graph there: None (an event
+    recorded there would join the capture, and waiting on it fails); an event once the capture ended. The
+    graph is unharmed: it replays what was captured."""
+    code = """
+import threading
+import torch
+from harli_train.cuda_capture import capturing, record_unless_capturing
+s = torch.cuda.Stream()
+x = torch.zeros(4, device="cuda")
+with torch.cuda.stream(s):
+    x.add_(0)  # the kernel loaded before the capture
+s.synchronize()
+graph = torch.cuda.CUDAGraph()
+inside, looked, seen = threading.Event(), threading.Event(), []
+def other():
+    inside.wait(30)
+    seen.append(record_unless_capturing(s))
+    looked.set()
+t = threading.Thread(target=other)
+t.start()
+with torch.cuda.stream(s), capturing(graph, torch.cuda.graph_pool_handle()):
+    x.add_(1)
+    inside.set()
+    looked.wait(30)
+t.join()
+assert seen == [None], seen
+event = record_unless_capturing(s)
+assert event is not None
+event.synchronize()
+graph.replay()
+torch.cuda.synchronize()
+assert x.tolist() == [1.0] * 4, x.tolist()
+print("unharmed")
+"""
+    _exits_cleanly(code, "unharmed")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from harli_train.cuda_capture import record_unless_capturing
+
 from .host_slabs import SLAB_BYTES, HostSlabs
 from .native import PagePool, PoolExhausted, Region, Tenant
 
@@ -230,7 +232,8 @@ class StashPages:
 
     def spill(self, n_pages: int, protect: set[int]) -> int:
         """Unmap stashes outside ``protect`` until ``n_pages`` are free, copying out the bytes still needed;
-        blocks until the copies (and the trainer's queued work) are done. Returns the pages freed."""
+        blocks until the copies (and the trainer's queued work) are done. Returns the pages freed: none
+        while a graph is being captured on the trainer's stream, which the copies would have to follow."""
         # Empty and dead stashes cost nothing to unmap; then the lowest layers, which backward needs last.
         order = sorted(self.stashes.items(), key=lambda kv: (kv[1].holds, kv[0]))
         chosen, pages = [], 0
@@ -245,9 +248,14 @@ class StashPages:
         t0 = time.perf_counter()
         copies = [s for s in chosen if s.holds]
         if self.cuda:
+            # Also orders the unmap after every queued trainer kernel that may still read the pages. A spill
+            # may run on another thread (a KV grow's reclaim) while the trainer captures a graph on that
+            # stream: then nothing is freed now.
+            after = record_unless_capturing(self._last_stream())
+            if after is None:
+                return 0
             side = self._side_stream()
-            # Also orders the unmap after every queued trainer kernel that may still read the pages.
-            side.wait_stream(self._last_stream())
+            side.wait_event(after)
             started = torch.cuda.Event(enable_timing=True)
             started.record(side)  # reached once the trainer's queued work is done
             pinned = self.host.pin_seconds
