@@ -236,8 +236,10 @@ def test_a_point_whose_trainer_queue_ran_dry_is_timed_once_more_with_the_queue_i
         "steps_to_cover",
         lambda self: None if needed is None else int(needed * self.n),
     )
-    t, got = profile_grid.time_beside(lambda: None, lambda p: None, part, 1, 4, t_solo=0.01, t_train=0.01)
-    assert got is covered
+    t, got, retimed = profile_grid.time_beside(
+        lambda: None, lambda p: None, part, 1, 4, t_solo=0.01, t_train=0.01
+    )
+    assert got is covered and retimed is (queues == 2)
     assert len(sizes) == queues
     if queues == 2:
         assert sizes[1] == int(needed * sizes[0])

@@ -94,7 +94,7 @@ def run_profile_grid(
     parts = [p for p in ladder.partitions if wanted is None or p.infer_sms in wanted]
     samples = []
     for p in parts:
-        dry = 0
+        dry = dry_retimed = 0
         corun = corun_fn is not None and p.train_sms > 0 and not p.time_sliced
         t_train = median(time_calls(lambda p=p: corun_fn(p), p.train_stream, warmup, reps)) if corun else None
         # (batch, kv_len, chunk or None, timing reps, warm-up, beside the trainer too)
@@ -134,19 +134,22 @@ def run_profile_grid(
             samples.append({**base, "corun": False, "latency_s": t_solo})
             if beside:
                 n_co = (corun_reps or n_reps) if chunk is None else n_reps  # a mixed point: its grid's
-                t_co, covered = time_beside(step, corun_fn, p, n_warm, n_co, t_solo, t_train)
+                t_co, covered, retimed = time_beside(step, corun_fn, p, n_warm, n_co, t_solo, t_train)
                 sample = {**base, "corun": True, "latency_s": t_co, "train_step_s": t_train}
                 if covered is not None:
-                    sample["corun_covered"] = covered
+                    sample.update(corun_covered=covered, corun_retimed=retimed)
                     dry += not covered
+                    dry_retimed += retimed and not covered
                 samples.append(sample)
         log.info("profiled %d/%d SMs: %d samples so far", p.infer_sms, p.train_sms, len(samples))
         if dry:
             log.warning(
-                "profile: at %d decode SMs the trainer's queue ended before the decode steps at %d point(s), "
-                "even when timed again: those points are partly decode alone (corun_covered false)",
+                "profile: at %d decode SMs the trainer's queue ended before the decode steps at %d point(s) "
+                "(%d of them timed again with a longer queue): those points are partly decode alone "
+                "(corun_covered false)",
                 p.infer_sms,
                 dry,
+                dry_retimed,
             )
     return samples
 
@@ -284,9 +287,10 @@ def time_beside(
     reps: int,
     t_solo: float,
     t_train: float | None,
-) -> tuple[float, bool | None]:
-    """The median of ``reps`` launches of ``step`` beside the trainer's micro-steps, and whether the trainer's
-    queue outlasted the last of them (None on the CPU stand-in, whose trainer loops until told to stop).
+) -> tuple[float, bool | None, bool]:
+    """The median of ``reps`` launches of ``step`` beside the trainer's micro-steps, whether the trainer's
+    queue outlasted the last of them (None on the CPU stand-in, whose trainer loops until told to stop), and
+    whether the point was timed again.
 
     On a GPU the micro-steps are queued before the decode steps. A point whose queue ran dry first is timed
     once more with the queue ``Corunner.steps_to_cover`` computes from the first timing, when that is at most
@@ -295,12 +299,14 @@ def time_beside(
     alone."""
     trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train)
     times = time_calls(step, part.infer_stream, warmup, reps, trainer)
+    retimed = False
     if trainer.covered is False:
         n = trainer.steps_to_cover()
         if n is not None and n <= RETRY_GROWTH * trainer.n:
             trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, max(n, trainer.n + 1))
             times = time_calls(step, part.infer_stream, warmup, reps, trainer)
-    return median(times), trainer.covered
+            retimed = True
+    return median(times), trainer.covered, retimed
 
 
 class Corunner:
