@@ -148,11 +148,18 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
         )
     if serve is not None:
         raise click.UsageError("--tensor-parallel does not take --serve yet (use `harli-train serve`)")
-    if colocate_with is not None and launches_ahead(cfg.colocation):
-        raise click.UsageError(
-            "--tensor-parallel runs no step ahead (the other ranks replay rank 0's steps as published): "
-            "set colocation.launch_ahead=false, and no harli:launch=ahead policy"
-        )
+    if colocate_with is not None:
+        # The other ranks replay rank 0's steps as published: no step may run ahead of them.
+        if launches_ahead(cfg.colocation, launch_ahead=False):
+            raise click.UsageError(
+                "--tensor-parallel runs no step ahead (the other ranks replay rank 0's steps as published): "
+                f"policy {cfg.colocation.policy!r} asks for it; drop its launch=ahead"
+            )
+        if cfg.colocation.launch_ahead:
+            logging.getLogger(__name__).warning(
+                "--tensor-parallel runs no step ahead: colocation.launch_ahead is taken as false"
+            )
+            cfg.colocation.launch_ahead = False
     models = [cfg.model.name] + ([colocate_with] if colocate_with else [])
     if colocate_with is None:
         return tensor_parallel_run("train", n, models, cfg.train.device, {"cfg": cfg, "quiet": quiet})
@@ -160,14 +167,16 @@ def _tensor_parallel_train(cfg, colocate_with, n, resume_path, quiet, serve) -> 
     return tensor_parallel_run("colocate", n, models, cfg.train.device, args)
 
 
-def launches_ahead(col) -> bool:
-    """Whether a co-located run of recipe section ``col`` launches steps ahead (the key, or harli's option)."""
+def launches_ahead(col, launch_ahead: bool | None = None) -> bool:
+    """Whether a co-located run of recipe section ``col`` launches steps ahead: harli's option, else the key
+    (or ``launch_ahead`` in its place)."""
     from harli_train.colocate.steps_ahead import launches_ahead as rule
     from harli_train.policy_names import parse_harli_options
 
     base, _, options = col.policy.partition(":")
     return rule(
-        parse_harli_options(options).get("launch_ahead") if base == "harli" else None, col.launch_ahead
+        parse_harli_options(options).get("launch_ahead") if base == "harli" else None,
+        col.launch_ahead if launch_ahead is None else launch_ahead,
     )
 
 

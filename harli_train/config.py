@@ -223,8 +223,8 @@ class ColocationSection:
     # true: each step's successor (decode or mixed) is launched before the step's tokens are read back, so
     # the GPU goes from one step to the next without waiting for the host's bookkeeping, planning and
     # staging; the policy's plan then places the step launched in its call (ColocatedRuntime._step).
-    # Off by default until the graphed trainer on the page pool passes the GPU smoke with it (docs/design.md).
-    launch_ahead: bool = key(False, "bool")
+    # Under tensor parallelism no step runs ahead (the key is then taken as false).
+    launch_ahead: bool = key(True, "bool")
     max_queue: int = key(256, "int", at_least(1))  # with --serve: requests waiting at most (more get 429)
     # With --serve: the adapter being trained is served as model id <output dir name>, refreshed from the
     # trainer's masters every this many optimizer steps.

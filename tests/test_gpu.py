@@ -395,23 +395,7 @@ def test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trai
     assert pressed_losses == losses
 
 
-@pytest.mark.parametrize(
-    "launch",
-    [
-        "wait",
-        pytest.param(
-            "ahead",
-            marks=[
-                pytest.mark.slow,  # out of the smoke (`-m 'gpu and not slow'`) until it passes
-                pytest.mark.xfail(
-                    reason="launched ahead, the pressed run broke a capture and trained nothing (H100, "
-                    "2026-12-06): bench/results/README.md, thirty-fourth session",
-                    strict=False,
-                ),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("launch", ["wait", "ahead"])
 def test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages(
     tmp_path, monkeypatch, launch
 ):

@@ -151,21 +151,23 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_one_line(tmp_p
     assert result.exit_code == 2 and "expected a positive number of ranks" in result.output
 
 
-def test_steps_launched_ahead_are_refused_under_tensor_parallelism(tmp_path):
-    args = [
-        str(QUICKSTART),
-        "--colocate-with",
-        "tiny",
-        "--tensor-parallel",
-        "2",
-        "colocation.launch_ahead=true",
-    ]
+def test_no_step_runs_ahead_under_tensor_parallelism(tmp_path, monkeypatch, caplog):
+    """The ranks replay rank 0's steps as published: the recipe's launch_ahead (on by default) is taken as
+    false, with a warning; a policy that asks for steps launched ahead is refused."""
+    import harli_train.cli as cli
+
+    runs = []
+    monkeypatch.setattr(
+        cli, "tensor_parallel_run", lambda kind, n, models, device, args: runs.append(args) or {}
+    )
+    args = [str(QUICKSTART), "--colocate-with", "tiny", "--tensor-parallel", "2"]
     result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path / 'r'}", "train.device=cpu"])
+    assert len(runs) == 1 and runs[0]["cfg"].colocation.launch_ahead is False, result.output
+    assert "colocation.launch_ahead is taken as false" in caplog.text
+    policy = "colocation.policy=harli:launch=ahead"
+    result = CliRunner().invoke(main, [*args, policy, f"output.dir={tmp_path / 'p'}", "train.device=cpu"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "set colocation.launch_ahead=false" in result.output
-    args[-1] = "colocation.policy=harli:launch=ahead"
-    result = CliRunner().invoke(main, [*args, f"output.dir={tmp_path / 'p'}", "train.device=cpu"])
-    assert result.exit_code == 2 and "no harli:launch=ahead policy" in result.output
+    assert "drop its launch=ahead" in result.output and len(runs) == 1
 
 
 @pytest.mark.slow
