@@ -133,7 +133,8 @@ b=recipes/llama-8b-lora.yaml
 # The GPU tests, in three processes: every GPU-only test, and the training kernels' tests in bf16 natively
 # (fp32/fp16 run in CI's interpreter). The clean-exit tests of the co-located and profile commands are left
 # to this script's own runs of them, except the co-located run on CUDA graphs (no README command runs it),
-# which shares the pool pressure test's process with the graphed runs on the pool (~90 s + ~40 s + ~60 s).
+# which shares the pool pressure test's process with the graphed runs on the pool, their steps waiting for
+# their tokens and launched ahead (~120 s + ~20 s + 2 x ~65 s + ~20 s on an H100).
 # The LoRA-serving tests (~60 s) have a process; the kernels and the rest share the third.
 pytest_gpu="python3 -m pytest -q -m 'gpu and not slow' -p no:cacheprovider --durations=5"
 not_here="not fp32 and not fp16 and not exits_cleanly"
@@ -142,7 +143,7 @@ pool_test="tests/test_gpu.py::test_colocated_run_on_the_cuda_pool_gives_pages_ba
   tests/test_gpu.py::test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool \
   'tests/test_gpu.py::test_colocated_run_on_green_contexts_exits_cleanly[cuda_graphs]'"
 tests_ok() { grep -q -E '[0-9]+ passed' "$1.out" && ! grep -q -E '[0-9]+ failed' "$1.out"; }
-tests_pool() { run gpu-tests-pool 300 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
+tests_pool() { run gpu-tests-pool 420 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
 tests_serving() {
   run gpu-tests-serving 300 "tests_ok gpu-tests-serving" -- bash -c "cd '$repo' && $pytest_gpu -k '$not_here' \
     tests/test_lora_serving.py tests/test_engine.py"
