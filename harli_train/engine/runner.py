@@ -18,7 +18,7 @@ from harli_train.engine.kv_cache import KVStorage
 from harli_train.engine.launched_step import LaunchedStep, Partition
 from harli_train.engine.lora_slots import LoRASlots, adapter_slots
 from harli_train.engine.mixed_graphs import MixedGraphs
-from harli_train.engine.sampler import Sampler, SamplingBatch
+from harli_train.engine.sampler import Sampler, sampling_batch
 from harli_train.engine.sequence import Sequence
 from harli_train.engine.step_inputs import StepInputs
 from harli_train.engine.step_work import ScheduledBatch
@@ -201,7 +201,7 @@ class ModelRunner:
                     s.num_computed + batch.ahead_of(i) + batch.num_tokens[i] - len(s)
                     for i, s in zip(sampling, seqs, strict=True)
                 ]
-                tokens = self.sampler(logits, self._sampling_batch(seqs, offsets))
+                tokens = self.sampler(logits, sampling_batch(seqs, offsets, self.seed, self._to_device))
             if stream is not None:
                 if tokens is not None:
                     host = self._token_host[self._num_launched % 2]
@@ -450,25 +450,3 @@ class ModelRunner:
                 event = torch.cuda.Event()
                 event.record(current)
                 self._last = (current, event)
-
-    def _sampling_batch(self, seqs: list[Sequence], offsets: list[int]) -> SamplingBatch | None:
-        """The sampling inputs of `seqs`, each drawing the token at index len(seq) + its offset (1: a row
-        launched ahead of the token before it); None when every one is greedy."""
-        if all(s.params.greedy for s in seqs):
-            return None
-        seeds = [
-            s.params.seed if s.params.seed is not None else self.seed * 1_000_003 + s.seq_id for s in seqs
-        ]
-        return SamplingBatch(
-            temperatures=self._to_device([s.params.temperature for s in seqs], torch.float32),
-            top_ps=self._to_device([s.params.top_p for s in seqs], torch.float32),
-            seeds=self._to_device(seeds, torch.int64),
-            positions=self._to_device(
-                [len(s) + off for s, off in zip(seqs, offsets, strict=True)], torch.int64
-            ),
-            any_top_p=any(s.params.top_p < 1.0 for s in seqs),
-            top_ks=self._to_device([s.params.top_k for s in seqs], torch.int64)
-            if any(s.params.top_k for s in seqs)
-            else None,
-            max_top_k=max(s.params.top_k for s in seqs),
-        )

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from harli_train.engine.sequence import Sequence
 
 _MASK32 = 0xFFFFFFFF
 
@@ -39,6 +44,31 @@ class SamplingBatch:
     any_top_p: bool
     top_ks: torch.Tensor | None = None  # [B] int64, 0 = no cut; None: no row cuts
     max_top_k: int = 0  # the largest of them (host side: no device sync to size the cut)
+
+
+def sampling_batch(
+    seqs: list[Sequence],
+    offsets: list[int],
+    seed: int,
+    to_device: Callable[[list, torch.dtype], torch.Tensor],
+) -> SamplingBatch | None:
+    """The sampling inputs of `seqs`, each drawing the token at index len(seq) + its offset (1: a row
+    launched ahead of the token before it), made device tensors by `to_device`; None when every one is
+    greedy. A request without a seed draws from the engine's `seed` and its sequence id."""
+    if all(s.params.greedy for s in seqs):
+        return None
+    seeds = [s.params.seed if s.params.seed is not None else seed * 1_000_003 + s.seq_id for s in seqs]
+    return SamplingBatch(
+        temperatures=to_device([s.params.temperature for s in seqs], torch.float32),
+        top_ps=to_device([s.params.top_p for s in seqs], torch.float32),
+        seeds=to_device(seeds, torch.int64),
+        positions=to_device([len(s) + off for s, off in zip(seqs, offsets, strict=True)], torch.int64),
+        any_top_p=any(s.params.top_p < 1.0 for s in seqs),
+        top_ks=to_device([s.params.top_k for s in seqs], torch.int64)
+        if any(s.params.top_k for s in seqs)
+        else None,
+        max_top_k=max(s.params.top_k for s in seqs),
+    )
 
 
 class Sampler:
