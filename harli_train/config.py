@@ -190,9 +190,8 @@ class OutputSection:
         validate(self, "output")
 
 
-# Fraction of the TPOT objective kept free of predicted decode time. On the H200 a decode step's token interval
-# ran up to 1.15x its corrected prediction (host delays up to 2.8 ms beyond the GPU span, and GPU noise): with
-# 0.1 the default harli had 1-3 violations in 6 cells (bench/results/2026-11-29-bench_colocate-s5-decay.json.gz).
+# Fraction of the TPOT objective kept free of predicted decode time: room for what the prediction does not see
+# (host delays, GPU noise). Why 0.15: docs/design.md, "Measured facts behind the defaults".
 DEFAULT_MARGIN = 0.15
 
 
@@ -214,8 +213,8 @@ class ColocationSection:
     output_len: int = key(128, "int", at_least(1))
     max_batch: int = key(64, "int", at_least(1))
     profile: str | None = key(None, "path", optional=True)
-    # SMs between the ladder's rungs. 16 is what bench_colocate measured with no objective violations on the
-    # H200; 8 gives finer shares (decode on 24 SMs at light load) but missed the objective in bursty load.
+    # SMs between the ladder's rungs: 8 gives finer shares, 16 fewer switches (docs/design.md, "Measured facts
+    # behind the defaults").
     ladder_step: int = key(16, "int", _LADDER_STEP)
     # true: prefill chunks ride in decode steps (stall-free, replayed as CUDA graphs on a GPU); false: prefill
     # steps of their own, which stall decoding (the A/B: docs/design.md has both on the H200).

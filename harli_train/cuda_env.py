@@ -2,11 +2,8 @@
 
 ``CUDA_DEVICE_MAX_CONNECTIONS=32``: the number of hardware work queues the context maps its streams onto
 (default 8). The ladder alone has two streams per rung, so with 8 queues decode's streams share a queue with a
-trainer stream. On the H200, the trainer's kernel launches on a small rung filled its queue and blocked
-(``cuLaunchKernelEx`` in Triton's launcher), and decode's own submissions on the shared queue blocked with them:
-a stack sampler caught the decode loop in ``Event.record`` and in the engine's step for 25-36 ms while the
-trainer's autograd thread sat in a launch, the GIL free all along
-(``bench/results/2026-11-29-bench_colocate-s6-stall-samples.json.gz``, ``bench/stall_sampler.py``).
+trainer stream, and a trainer launch that finds its queue full blocks decode's submissions on it as well
+(docs/design.md, "Measured facts behind the defaults").
 
 A value the user set is left alone.
 """

@@ -80,13 +80,10 @@ class Controller:
         self.tpot_s, self.margin = tpot_s, margin
         self.budget_s = tpot_s * (1.0 - margin)
         self.hysteresis_steps = max(int(hysteresis_steps), 1)
-        # Leaving the whole GPU for a share, the trainer restarts beside decode. On the H200 those first
-        # steps ran up to 1.35x the prediction (2 of 8 to 3 of 12 over it; they were the default harli's
-        # violations in bench/results/2026-11-29-bench_colocate-objective1.5x-final.json.gz and -s5-decay.json.gz),
-        # where shrinks between shares ran 0.7-0.95x: that shrink goes to the least share that fits a budget
-        # smaller by this fraction (0.15 still let a 1.35x exit through). When none does, it takes the plain
-        # target: holding the whole GPU instead kept the trainer paused for 99 % of a heavy window
-        # (-objective1.5x-resume-margin.json).
+        # Leaving the whole GPU for a share, the trainer restarts beside decode, and the first steps there run
+        # slower than predicted (more than a shrink between shares does): that shrink goes to the least share
+        # that fits a budget smaller by this fraction. When none does, it takes the plain target rather than
+        # hold the whole GPU (docs/design.md, "Measured facts behind the defaults").
         self.resume_margin = resume_margin
         self.train_slice_s = train_slice_s
         self.log: deque[dict[str, Any]] = deque(maxlen=log_limit)
@@ -116,9 +113,9 @@ class Controller:
         return not self.ladder.time_sliced and self._cur == self._full.index
 
     def restart_shrink_streak(self) -> None:
-        """A prefill ran: the steps that allowed a smaller share saw a batch that has since changed, and on
-        the H200 the first decode steps after a prefill ran slower than the model (p90 1.05x against 0.99x
-        later), so decode keeps its share until ``hysteresis_steps`` more steps allow a smaller one."""
+        """A prefill ran: the steps that allowed a smaller share saw a batch that has since changed, and the
+        first decode steps after a prefill run slower than the model, so decode keeps its share until
+        ``hysteresis_steps`` more steps allow a smaller one."""
         self._streak, self._streak_max = 0, -1
 
     # --- deciding --------------------------------------------------------------------------------------

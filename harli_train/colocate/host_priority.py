@@ -3,10 +3,8 @@
 Both threads run Python, so they take turns on the GIL. While the decode thread prepares and launches a step,
 every time it lets the GIL go (a CUDA call, a copy) it waits for the trainer thread to hand it back, which is
 at best one switch interval later and at worst after whatever C call the trainer is in. Those waits add up
-inside decode's critical path. On the H200, on a host ~1.8x slower at Python than the run before it
-(`bench/results/2026-11-29-bench_colocate-s7-all-nogate-2.json.gz` against `-s7-all-nogate-1.json.gz`), harli's
-decode steps took 0.73 ms to launch at the median, 1.8 at p99 and 4.1 at most (0.41 / 1.2 / 2.0 before), and
-up to 3.7 ms passed between a step's last GPU work and its return: 8 objective violations, against none.
+inside decode's critical path, and more so on a slower host (docs/design.md, "Measured facts behind the
+defaults").
 
 ``HostPriority`` is a gate: the decode thread holds it while it readies and launches a step, and opens it
 while it waits for the GPU. Every Triton launcher calls ``harli_train.kernels.launch_config.launch_gate``

@@ -31,16 +31,16 @@ def warm_up_trainer(
 ) -> set[int]:
     """Compile the trainer's kernels for every SM budget it may get (a synthetic step each; no state kept).
 
-    Returns the budgets where the step failed (seen on the H200: cuBLAS cannot run its GEMMs on the 12-SM
-    leftover of an 8-SM ladder); the caller retires those rungs. Running out of memory is not such a failure.
+    Returns the budgets where the step failed (cuBLAS may not run its GEMMs on a ladder's small leftover
+    share); the caller retires those rungs. Running out of memory is not such a failure.
 
     Each step leaves a step's working set in torch's cache for its stream alone (a freed block is handed out
     again only on the stream that allocated it; ~19 GiB for Llama-3-8B at batch 4 x 1024). ``release=False``
     keeps it, for ``partitions`` that are exactly the streams the trainer will use: serving then starts with
     their caches warm, where a cold cache makes the trainer call cudaMalloc while decode serves. Otherwise the
     cache is emptied: more streams than fit beside the served model would run the GPU short of memory, and the
-    allocator's retry frees every cached block with a device-wide sync (the decode loop held for up to 266 ms on
-    the H200). ``scope()`` is entered around each step, as the feeder enters it around each micro-step (the
+    allocator's retry frees every cached block with a device-wide sync, which holds the decode loop.
+    ``scope()`` is entered around each step, as the feeder enters it around each micro-step (the
     page pool's, so that the caches warmed are those the run allocates from); the chunks' saved tensors go
     where the run's go (``trainer.stash_chunk``: the pool's stashes), so a stream's cache holds only what
     the run allocates from it.
