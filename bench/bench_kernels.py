@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-from harli_train.colocate.profile_grid import time_calls  # noqa: E402
+from harli_train.colocate.step_timing import time_calls  # noqa: E402
 
 LLAMA_8B = dict(
     batch=4, seq=1024, hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, rank=16, head_dim=128

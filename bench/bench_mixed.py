@@ -29,7 +29,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from harli_train.colocate.assembly import build_engine, build_ladder  # noqa: E402
-from harli_train.colocate.profile_grid import median_step_s  # noqa: E402
+from harli_train.colocate.step_timing import median_step_s  # noqa: E402
 from harli_train.data.tokenizer import load_tokenizer  # noqa: E402
 from harli_train.engine.load import TraceRequest  # noqa: E402
 from harli_train.model import load_model  # noqa: E402

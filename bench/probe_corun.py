@@ -10,7 +10,7 @@ workload captured as one CUDA graph per partition (``predictor_setup.graphed_wor
 microseconds, so the queue really is ahead of the GPU, as the graphed trainer of a co-located run is).
 For each it reports every point's beside / alone ratio, each share's spread of them, the workload's
 micro-step seconds, the points whose trainer queue ran dry before their decode steps ended
-(``profile_grid.time_beside`` times such a point once more with the queue its first timing says it needed,
+(``step_timing.time_beside`` times such a point once more with the queue its first timing says it needed,
 unless that queue would be over twice as long), and the co-run error of the predictor fitted to those samples (``LatencyPredictor.fit``'s
 in-sample MAPE). A workload whose ratios hold one factor a share where the other's scatter is the one whose
 profile the predictor can fit. Writes ``$OUT/probe_corun.json`` and prints tables. On the CPU stand-in only

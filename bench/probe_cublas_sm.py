@@ -14,8 +14,8 @@ import ctypes
 import common
 import torch
 
-from harli_train.colocate.profile_grid import time_calls
 from harli_train.colocate.sm import SMLadder
+from harli_train.colocate.step_timing import time_calls
 
 TOKENS, HIDDEN, INTER = 4096, 4096, 14336
 SHAPES = {  # name: (M, K, N) for x [M, K] @ W^T [K, N]

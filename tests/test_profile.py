@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from harli_train.colocate import profile_grid
+from harli_train.colocate import step_timing
 from harli_train.colocate.predictor import LatencyPredictor, fit_options
 from harli_train.colocate.profile import (
     Profile,
@@ -230,13 +230,13 @@ def test_a_point_whose_trainer_queue_ran_dry_is_timed_once_more_with_the_queue_i
         trainer.covered = first_covers if len(sizes) == 1 else retry_covers
         return [0.001 * len(sizes)] * reps
 
-    monkeypatch.setattr(profile_grid, "time_calls", timed)
+    monkeypatch.setattr(step_timing, "time_calls", timed)
     monkeypatch.setattr(
-        profile_grid.Corunner,
+        step_timing.Corunner,
         "steps_to_cover",
         lambda self: None if needed is None else int(needed * self.n),
     )
-    t, got, retimed = profile_grid.time_beside(
+    t, got, retimed = step_timing.time_beside(
         lambda: None, lambda p: None, part, 1, 4, t_solo=0.01, t_train=0.01
     )
     assert got is covered and retimed is (queues == 2)
@@ -252,10 +252,10 @@ def test_the_queue_that_covers_is_computed_from_the_first_timings_gpu_and_host_s
     with the margin. A GPU no faster than the host: no queue covers."""
     ladder = SMLadder.cpu_standin(total_sms=64, step=16)
     part = next(p for p in ladder.partitions if p.infer_sms == 32)
-    runner = profile_grid.Corunner(lambda p: None, part, 1.0, 0.01, n=100)
+    runner = step_timing.Corunner(lambda p: None, part, 1.0, 0.01, n=100)
     runner._marks = (object(), object())
     runner._queue_s, runner._launch_s, runner._decode_end_s = 1.0, 0.6, 2.2
-    assert runner.steps_to_cover() == math.ceil(profile_grid.COVER_MARGIN * 1.6 / 0.004)
+    assert runner.steps_to_cover() == math.ceil(step_timing.COVER_MARGIN * 1.6 / 0.004)
     runner._launch_s = 1.0
     assert runner.steps_to_cover() is None
     runner._launch_s, runner._decode_end_s = 0.0, 1e4  # more than MAX_STEPS

@@ -22,8 +22,9 @@ from harli_train.colocate.profile import (
     get_or_build_profile,
     save_profile,
 )
-from harli_train.colocate.profile_grid import MixedGrid, add_adapter_steps, build_profile, fastest_step_s
+from harli_train.colocate.profile_grid import MixedGrid, add_adapter_steps, build_profile
 from harli_train.colocate.sm import Partition, SMLadder, is_cuda_stream
+from harli_train.colocate.step_timing import fastest_step_s
 from harli_train.config import RecipeConfig, RecipeError
 from harli_train.model import LlamaForCausalLM
 
