@@ -42,13 +42,14 @@ def time_beside(
     ``RETRY_GROWTH`` times the first queue (at most 1 + ``RETRY_GROWTH`` queues' GPU time a point). A point
     still not covered keeps its last timing, marked ``covered`` False: what it measured is partly decode
     alone."""
-    trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train)
+    seconds = t_solo * (warmup + reps)  # what the decode steps take alone: the queue must outlast it
+    trainer = Corunner(corun_fn, part, seconds, t_train)
     times = time_calls(step, part.infer_stream, warmup, reps, trainer)
     retimed = False
     if trainer.covered is False:
         n = trainer.steps_to_cover()
         if n is not None and n <= RETRY_GROWTH * trainer.n:
-            trainer = Corunner(corun_fn, part, t_solo * (warmup + reps), t_train, max(n, trainer.n + 1))
+            trainer = Corunner(corun_fn, part, seconds, t_train, max(n, trainer.n + 1))
             times = time_calls(step, part.infer_stream, warmup, reps, trainer)
             retimed = True
     return median(times), trainer.covered, retimed
