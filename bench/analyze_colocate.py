@@ -61,6 +61,7 @@ ADDED_COLUMNS = (
     "host_gap_s",
     "plan_s",
     "train_step",
+    "forward_launch_s",
 )
 
 
@@ -251,7 +252,7 @@ def _step(row: dict) -> str:
     return (
         f"t={row['t']:.3f} {row['kind']} batch {row.get('batch')} on {row.get('infer_sms')} SMs "
         f"(trainer {row.get('train_sms')}, {row.get('train')}): predicted {ms('predicted_s')} ms, "
-        f"measured {ms('measured_s')}, GPU {ms('gpu_s')} (launch {ms('launch_s')}), interval {ms('interval_s')}"
+        f"measured {ms('measured_s')}, GPU {ms('gpu_s')} (launch {ms('launch_s')}, forward {ms('forward_launch_s')}), interval {ms('interval_s')}"
         + (
             f", host gap before it {ms('host_gap_s')} (plan {ms('plan_s')})"
             if row.get("host_gap_s") is not None

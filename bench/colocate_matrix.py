@@ -71,6 +71,7 @@ STEP_COLUMNS = (  # of the step records a row keeps with --keep-steps (bench/ana
     "host_gap_s",
     "plan_s",
     "train_step",
+    "forward_launch_s",
 )
 
 

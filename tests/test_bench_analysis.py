@@ -46,6 +46,7 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         None,
         None,
         None,
+        None,
     ]
 
 

@@ -217,7 +217,8 @@ def test_request_that_can_never_fit_is_refused_others_continue(hf_pair):
     )
     prompts = _prompts(3, [5, 8])
     a = engine.add_request(prompts[0], SamplingParams(max_tokens=6))
-    assert engine.step().gpu_s is None  # no stream to time on a CPU
+    first = engine.step()
+    assert first.gpu_s is None and first.forward_launch_s is None  # no stream to time on a CPU
     with pytest.raises(RequestRefused, match=r"needs 11 KV blocks .* the whole cache has 10"):
         engine.add_request(_prompts(4, [30])[0], SamplingParams(max_tokens=15))
     with pytest.raises(RequestRefused, match="exceeds max_model_len 64"):
@@ -667,6 +668,7 @@ def test_cuda_graphs_on_two_partitions_match_transformers(hf_pair, tmp_path):
             "side" if step % 2 else "default"
         )  # alternate partitions, as the controller would
         assert result.gpu_s is not None and 0 < result.gpu_s  # the step's span on its stream
+        assert 0 < result.forward_launch_s <= result.launch_s  # the forward's part of the launch
         step += 1
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.completion_token_ids == _hf_greedy(hf, prompt, 10)

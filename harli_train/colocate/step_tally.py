@@ -124,6 +124,7 @@ def step_row(
         "measured_s": measured_s,
         "gpu_s": result.gpu_s,
         "launch_s": result.launch_s,
+        "forward_launch_s": result.forward_launch_s,
         "micro_steps": launched,
         "trainer_launching": trainer.in_round,
         "trainer_phase": trainer.launching_kind if trainer.in_round else None,

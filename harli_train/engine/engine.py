@@ -372,6 +372,7 @@ class DecodeEngine:
             launched.gpu_s(),
             launched.launch_s,
             sum(1 for s in batch.seqs if s.lora_slot),
+            launched.forward_s,
         )
         self.metrics.add_step(
             StepRecord(

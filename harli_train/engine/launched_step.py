@@ -31,6 +31,7 @@ class LaunchedStep:
     start: torch.cuda.Event | None = None  # recorded before the step's work, on the same stream (GPU)
     launch_s: float | None = None  # host seconds from `start` to `event` (GPU): a stream waiting for its host
     partition: str | None = None  # the key of the partition it was launched on
+    forward_s: float | None = None  # the part of `launch_s` until the model's forward was queued (GPU)
 
     def gpu_s(self) -> float | None:
         """Seconds from the stream reaching the step to its tokens' copy (after `read()`; None on a CPU).

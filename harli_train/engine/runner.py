@@ -184,7 +184,7 @@ class ModelRunner:
             if stream is not None and self.lora is not None:
                 for event in self.lora.take_waits():  # an adapter written on another stream
                     stream.wait_event(event)
-            start = launch_s = None
+            start = launch_s = forward_s = None
             if stream is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
@@ -193,6 +193,8 @@ class ModelRunner:
                 logits = self._prefill(batch, sampling, partition, part, feed)
             else:
                 logits = self._decode(batch.seqs, partition, part, feed)
+            if stream is not None:
+                forward_s = time.perf_counter() - t_start
             tokens = host = event = None
             if sampling:
                 seqs = [batch.seqs[i] for i in sampling]
@@ -211,7 +213,7 @@ class ModelRunner:
                 launch_s = time.perf_counter() - t_start
                 self._last = (stream, event)
         self._num_launched += 1
-        return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s, partition)
+        return LaunchedStep(batch, sampling, tokens, host, event, start, launch_s, partition, forward_s)
 
     def replays_varlen(self, num_tokens: int, num_rows: int) -> bool:
         """Whether a varlen step of ``num_tokens`` packed tokens in ``num_rows`` rows launches as cheaply as

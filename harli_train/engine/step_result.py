@@ -33,3 +33,6 @@ class StepResult:
     gpu_s: float | None = None  # the step's span on its stream (GPU only): latency_s less this is host time
     launch_s: float | None = None  # host time queuing the step's work (GPU only), which gpu_s includes
     adapter_rows: int = 0  # rows that ran on an adapter slot (the step's LoRA work)
+    # The part of launch_s until the model's forward was queued (its inputs staged, its graph replayed or its
+    # kernels launched); the rest queued the sampling and the tokens' copy (GPU only).
+    forward_launch_s: float | None = None
