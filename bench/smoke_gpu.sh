@@ -130,20 +130,25 @@ run install 240 "true" -- python3 -m pip install -q --no-deps --no-build-isolati
 q=recipes/quickstart.yaml
 b=recipes/llama-8b-lora.yaml
 
-# The GPU tests, in three processes: every GPU-only test, and the training kernels' tests in bf16 natively
+# The GPU tests, in four processes: every GPU-only test, and the training kernels' tests in bf16 natively
 # (fp32/fp16 run in CI's interpreter). The clean-exit tests of the co-located and profile commands are left
 # to this script's own runs of them, except the co-located run on CUDA graphs (no README command runs it),
-# which shares the pool pressure test's process with the graphed runs on the pool, their steps waiting for
-# their tokens and launched ahead (~120 s + ~20 s + 2 x ~65 s + ~20 s on an H100).
-# The LoRA-serving tests (~60 s) have a process; the kernels and the rest share the third.
+# which shares the pool pressure test's process (~120 s + ~20 s on an H100). The graphed runs on the pool,
+# their steps waiting for their tokens and launched ahead, and a replaced graphed trainer have a process
+# (2 x ~65 s + ~20 s): together with the pressure test they ran ~300 s, the smoke's longest chain. Every pool
+# run has a fixed budget (16 GiB at most), so the two processes fit beside each other and the rest.
+# The LoRA-serving tests (~60 s) have a process; the kernels and the rest share the fourth.
 pytest_gpu="python3 -m pytest -q -m 'gpu and not slow' -p no:cacheprovider --durations=5"
 not_here="not fp32 and not fp16 and not exits_cleanly"
 pool_test="tests/test_gpu.py::test_colocated_run_on_the_cuda_pool_gives_pages_back_under_pressure_and_trains_the_same \
-  tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages \
-  tests/test_gpu.py::test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool \
   'tests/test_gpu.py::test_colocated_run_on_green_contexts_exits_cleanly[cuda_graphs]'"
+graphs_pool_test="tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages \
+  tests/test_gpu.py::test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool"
 tests_ok() { grep -q -E '[0-9]+ passed' "$1.out" && ! grep -q -E '[0-9]+ failed' "$1.out"; }
-tests_pool() { run gpu-tests-pool 420 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
+tests_pool() { run gpu-tests-pool 300 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
+tests_graphs_pool() {
+  run gpu-tests-graphs-pool 300 "tests_ok gpu-tests-graphs-pool" -- bash -c "cd '$repo' && $pytest_gpu $graphs_pool_test"
+}
 tests_serving() {
   run gpu-tests-serving 300 "tests_ok gpu-tests-serving" -- bash -c "cd '$repo' && $pytest_gpu -k '$not_here' \
     tests/test_lora_serving.py tests/test_engine.py"
@@ -153,7 +158,10 @@ tests_kernels() {
     -k '$not_here and not cuda_pool_gives_pages_back and not graphed_steps_on_the_cuda_pool and not captures_again_on_the_cuda_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
     tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py tests/test_cuda_capture.py"
 }
-if [ "$part" != commands ]; then chain tests-pool tests_pool; chain tests-serving tests_serving; chain tests-kernels tests_kernels; fi
+if [ "$part" != commands ]; then
+  chain tests-pool tests_pool; chain tests-graphs-pool tests_graphs_pool
+  chain tests-serving tests_serving; chain tests-kernels tests_kernels
+fi
 
 # The short commands, in chains (a chain's commands need the ones before them), all at once beside the GPU
 # tests. Each server has a port of its own; each engine a KV cache (--kv-cache-gib) or page pool
