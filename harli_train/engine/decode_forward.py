@@ -38,8 +38,7 @@ from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
 
 # From this many rows on, a single square-ish projection (N, K <= 4096: o_proj of an 8B model) goes to
-# cuBLAS: its tiled GEMM beat the split-K GEMV there on the H200 (bench_decode at 64 rows: 8.3 against
-# 10.6 us, and the whole step; see `tpot_o_gemv` in bench/results).
+# cuBLAS, whose tiled GEMM beats the split-K GEMV there (docs/design.md, "Measured facts behind the defaults").
 CUBLAS_SQUARE_ROWS = 64
 QKV, O, GATE_UP, DOWN = GROUPS  # the LoRA targets of each projection launch, in its column order
 # Up to this many rows an adapter step's norms compute the shrink of the q/k/v and gate/up projections after
@@ -51,8 +50,8 @@ SHRINK_AHEAD_ROWS = 16
 def _use_gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], lora: bool = False) -> bool:
     # Past MAX_GEMV_ROWS rows a step is no longer a pure weight stream: cuBLAS's tiled GEMM takes over. A
     # square projection at CUBLAS_SQUARE_ROWS rows stays on the GEMV when it carries the step's LoRA
-    # (`lora`): cuBLAS would need the delta computed apart (two launches and the addend's casts: ~13 us a
-    # layer at batch 64 on the H200, against ~5 us for the GEMV's own expand) to save ~2.3 us of GEMM.
+    # (`lora`): cuBLAS would need the delta computed apart (two launches and the addend's casts), which costs
+    # more than the GEMM saves (docs/design.md, "Measured facts behind the defaults").
     m, k = x.shape
     square = len(weights) == 1 and k <= 4096 and weights[0].shape[0] <= 4096
     return m <= MAX_GEMV_ROWS and not (square and m >= CUBLAS_SQUARE_ROWS and not lora)

@@ -41,8 +41,7 @@ from harli_train.kernels.launch_config import num_sms as current_num_sms
 SMEM_PER_SM = 228 * 1024
 # M == 1 streams with FMAs only on at least this many SMs. Its programs keep fewer bytes in flight than the
 # tensor-core tiles, which is enough when the whole GPU's SMs share HBM's bandwidth but not when a partition's
-# few SMs must each draw more of it: on the H200 a batch-1 step ran 6.35 / 5.59 ms on 48 / 64 SMs, slower than
-# a batch-8 step on the dot tiles (6.04 / 5.27 ms, with 8x the KV read), and within 3 % of it from 96 SMs up.
+# few SMs must each draw more of it (docs/design.md, "Measured facts behind the defaults").
 FMA_MIN_SMS = 96
 
 

@@ -70,10 +70,8 @@ class EngineConfig:
     # How a decode step's projection computes its adapters' delta (Triton kernels only): before it, as an
     # fp32 addend, with "split" (a shrink and an expand launch) or "fused" (one launch: each program shrinks
     # over the whole K, then expands); or "gemv", inside the projection's own launches (the shrink as extra
-    # row tiles of the GEMV, the expand in its split-sum kernel on tiles of rows grouped by slot). On the
-    # H200 (bench_decode's lora rows, Llama-3-8B, rank 16 on all seven targets, 2026-12-03) gemv cost
-    # 1.11-1.21x the base TPOT at batch 1-64 with one adapter and 1.13-1.24x with four, against split's
-    # 1.23-1.27x and 1.25-1.28x: gemv is the default; see bench/results.
+    # row tiles of the GEMV, the expand in its split-sum kernel on tiles of rows grouped by slot). gemv costs
+    # the least over the base TPOT (docs/design.md, "Measured facts behind the defaults").
     lora_kernel: str = "gemv"
 
     def __post_init__(self) -> None:

@@ -35,9 +35,8 @@ from harli_train.model import LlamaForCausalLM
 BUCKET_STEP = 64  # tokens between buckets past the small ones: a step pads at most 63 tokens
 # The GEMV's row tiles up to 64 (a small step streams the weights as decode does), then 96: the first step
 # past the GEMV's rows, halfway to 128. A mixed step's chunk is sized to fill the TPOT budget, and at light
-# load on the whole GPU that budget falls between the 64- and the 128-token graphs (H200, steady/light at
-# auto:1.5: 61 prompt tokens in 6.82 ms in the 64-token graph, 107 in 8.37 ms in the 128-token one, most of
-# whose steps were predicted past the 8.8 ms budget, so most prompts went through in 64-token steps).
+# load on the whole GPU that budget can fall between the 64- and the 128-token graphs (docs/design.md,
+# "Measured facts behind the defaults").
 SMALL_BUCKETS = (16, 32, 64, 96)
 
 

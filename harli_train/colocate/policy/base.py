@@ -15,9 +15,9 @@ from harli_train.engine.step_work import StepPreview
 
 MIN_CHUNK = 32  # prefill tokens a mixed step takes even where fewer would fit: prefill must progress
 # A backlog of prompts is drained on the whole GPU once this many times the time it needs there is all that
-# is left before a prompt's deadline (ttft_plan). The time is predicted: on the H200 whole-GPU mixed steps
-# ran at 0.69x their prediction at the median, and 1.5x beside the trainer's queued work; a drain started
-# at the last moment had to go past the TPOT budget in most of its steps.
+# is left before a prompt's deadline (ttft_plan). The time is predicted, and predictions of mixed steps miss
+# both ways; a drain started at the last moment goes past the TPOT budget (docs/design.md, "Measured facts
+# behind the defaults").
 DRAIN_HEADROOM = 2.0
 
 
@@ -40,8 +40,7 @@ def mixed_raw_s(predictor: LatencyPredictor, preview: StepPreview, n: int, sms: 
 def graph_room(predictor: LatencyPredictor, preview: StepPreview) -> int:
     """The most prefill tokens a mixed step beside ``preview``'s decode rows may take and still replay a
     CUDA graph: the largest token bucket less the decode rows (all that is pending where the engine runs
-    mixed steps eagerly). A step past it runs eagerly, which costs more than the tokens it adds: on the
-    H200 a 608-token mixed step ran 34 ms where the 576-token graph runs 16.5."""
+    mixed steps eagerly). A step past it runs eagerly, which costs more than the tokens it adds."""
     buckets = predictor.mixed.buckets if predictor.mixed is not None else ()
     if not buckets:
         return preview.prefill_tokens
