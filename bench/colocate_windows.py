@@ -114,7 +114,8 @@ class Windows:
             row = colocate_matrix.policy_row(summary, steps, self.keep_steps)
             row["host_counters"] = counters.delta()
             if sampler is not None:
-                row["stall_samples"] = sampler.around(stall_spans(steps)[:20], rt.t0)
+                longest = sorted(stall_spans(steps), key=lambda span: span[0] - span[1])[:20]
+                row["stall_samples"] = sampler.around(sorted(longest), rt.t0)
             if plot_to is not None:
                 plot_to.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(run_dir / "colocate" / "timeline.png", plot_to)

@@ -119,10 +119,19 @@ class HostCounters:
 
 
 def stall_spans(rows: list[dict[str, Any]], min_gap_s: float = 2.5e-3) -> list[tuple[float, float]]:
-    """Host stalls of the decode loop in a window's step rows: between steps (token interval less the step's
-    latency) and inside a step (its latency less its GPU span), as (start, end) on the runtime clock."""
+    """Host stalls of the decode loop in a window's step rows, as (start, end) on the runtime clock:
+    between decode steps (token interval less the step's latency), inside a decode step (its latency less its
+    GPU span), and the launch of any engine step that took over ``min_gap_s`` (``launch_s``). A launch's
+    span runs from that long before the row before it ended (a step launched ahead of its predecessor's
+    tokens launches while that one runs) to its own row's end, so it holds the launch either way."""
     spans = []
+    prev_t: float | None = None
     for r in rows:
+        launch = r.get("launch_s")
+        if launch is not None and launch > min_gap_s and r.get("kind") in ("decode", "mixed", "prefill"):
+            start = (prev_t if prev_t is not None else r["t"]) - launch - min_gap_s
+            spans.append((start, r["t"]))
+        prev_t = r["t"]
         if r.get("kind") != "decode":
             continue
         measured, gpu, interval = r.get("measured_s"), r.get("gpu_s"), r.get("interval_s")

@@ -234,8 +234,10 @@ def test_graphs_with_adapters_equal_eager_and_base_batches_replay_the_base_graph
     """On a GPU: decode (and mixed) steps replay the LoRA graph of their bucket for a mix of adapters and
     give the eager engine's tokens; a base-only batch replays the base graph."""
     base, alpha, beta = models
+    # A cache of its own size: sized from the device's free memory, it found none while the smoke's other
+    # GPU processes held theirs.
     cfg = dict(max_model_len=128, mixed_prefill=mixed, prefill_chunk_tokens=8, max_num_batched_tokens=64)
-    cfg["lora_kernel"] = lora_kernel
+    cfg.update(lora_kernel=lora_kernel, num_kv_blocks=64)
     graphs = build_catalog(
         str(base), "cuda", "float32", config=EngineConfig(**cfg), adapters=[str(alpha), str(beta)]
     )

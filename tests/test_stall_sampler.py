@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from stall_sampler import HostCounters, StallSampler  # noqa: E402
+from stall_sampler import HostCounters, StallSampler, stall_spans  # noqa: E402
 
 
 def test_a_stall_that_holds_the_gil_leaves_no_sample_inside_and_a_late_one_after():
@@ -31,3 +31,22 @@ def test_host_counters_report_this_threads_context_switches_and_the_machines_ste
     got = counters.delta()
     assert got["voluntary_ctxt_switches"] >= 5 and got["nonvoluntary_ctxt_switches"] >= 0
     assert got["steal_s"] >= 0
+
+
+def test_stall_spans_hold_slow_launches_gaps_and_waits_inside_decode_steps():
+    ms = 1e-3
+    rows = [
+        dict(
+            t=1.000, kind="mixed", measured_s=14 * ms, gpu_s=10 * ms, interval_s=14.5 * ms, launch_s=0.5 * ms
+        ),
+        # launched ahead of the mixed step's tokens: its 13 ms launch delayed them
+        dict(t=1.007, kind="decode", measured_s=6 * ms, gpu_s=11 * ms, interval_s=6.5 * ms, launch_s=13 * ms),
+        dict(t=1.020, kind="decode", measured_s=6 * ms, gpu_s=6 * ms, interval_s=10 * ms, launch_s=0.4 * ms),
+        dict(t=1.030, kind="decode", measured_s=9 * ms, gpu_s=6 * ms, interval_s=9 * ms, launch_s=None),
+    ]
+    spans = stall_spans(rows)
+    assert len(spans) == 3
+    launch, gap, inside = spans
+    assert launch[0] <= 1.000 - 13 * ms and launch[1] == 1.007  # from before the launch to its row's end
+    assert gap == (1.020 - 10 * ms, 1.020 - 6 * ms)  # the host gap before the step
+    assert inside == (1.030 - 9 * ms, 1.030)  # waiting inside the step past its GPU span
