@@ -17,7 +17,8 @@ the co-located job does off the decode thread:
 - ``cuda-free``: 256 MiB allocated through torch and given back to the driver (``empty_cache``);
 - ``python``: pure Python work (the GIL, handed over at the co-located job's switch interval).
 
-For each phase it prints the replays' host latency (p50 / p99 / max, and how many took over 2 ms) and the
+Before the phases it times the first launches of a fed step's token gather (``first_gathers``). For each
+phase it prints the replays' host latency (p50 / p99 / max, and how many took over 2 ms) and the
 second thread's operations per second, and writes them as JSON (``--out``; default
 ``$OUT/probe_launch_stall.json`` when ``OUT`` is set). A phase whose launches stall where ``idle``'s do not
 names work that must stay out of the decode loop's launch windows.
@@ -125,6 +126,26 @@ def busy_graph(stream: torch.cuda.Stream, gpu_ms: float) -> tuple[torch.cuda.CUD
     return graph, start.elapsed_time(end)
 
 
+def first_gathers(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> list[dict[str, float]]:
+    """Host ms of ``torch.index_select`` of int64 ids (a fed step's gather) with 1 and 17 indices, the first
+    launch of each and a second one, each behind a replay of ``graph`` queued on ``stream``: a kernel's first
+    launch in a context loads it (lazy module loading), which may wait for that queued work. Run before
+    anything else in the process gathers."""
+    src = torch.zeros(64, dtype=torch.int64, device="cuda")
+    out = torch.empty_like(src)
+    got = []
+    with torch.cuda.stream(stream):
+        for n in (1, 1, 17, 17):
+            index = torch.zeros(n, dtype=torch.int64, device="cuda")
+            stream.synchronize()
+            graph.replay()
+            t = time.perf_counter()
+            torch.index_select(src, 0, index, out=out[:n])
+            got.append({"indices": n, "host_ms": round(1e3 * (time.perf_counter() - t), 3)})
+            stream.synchronize()
+    return got
+
+
 def phases(pool_pages: int) -> dict[str, Callable[[], Callable[[], None]]]:
     """Each phase's set-up, returning the operation the second thread repeats."""
     from harli_train.memory import PagePool
@@ -218,12 +239,18 @@ def main() -> int:
     sys.setswitchinterval(RuntimeOptions().switch_interval_s)
     stream = torch.cuda.Stream()
     graph, gpu_ms = busy_graph(stream, args.gpu_ms)
+    gathers = first_gathers(graph, stream)
     launcher = Launcher(graph, stream)
     launcher.start()
     time.sleep(0.3)
     table = phases(args.pool_pages)
     wanted = [p for p in args.only.split(",") if p] or list(table)
-    results = {"gpu": torch.cuda.get_device_name(), "replay_gpu_ms": round(gpu_ms, 3), "phases": {}}
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "replay_gpu_ms": round(gpu_ms, 3),
+        "first_gathers": gathers,
+    }
+    results["phases"] = {}
     try:
         for name in wanted:
             results["phases"][name] = run_phase(launcher, table[name], args.phase_s)
@@ -235,6 +262,10 @@ def main() -> int:
     if out:
         Path(out).write_text(json.dumps(results, indent=1))
     print(f"{results['gpu']}: a replay runs {gpu_ms:.2f} ms on the GPU; host ms of each replay() call")
+    print(
+        "index_select behind a queued replay, host ms (first launch, then again): "
+        + ", ".join(f"{g['indices']} ids {g['host_ms']:.3f}" for g in gathers)
+    )
     print(f"{'phase':14} {'n':>6} {'p50':>8} {'p99':>8} {'max':>8} {'>2ms':>6} {'ops/s':>8}")
     for name, r in results["phases"].items():
         print(

@@ -802,3 +802,23 @@ def test_a_prefill_budget_caps_the_step_launched_ahead_as_well(hf_pair):
     assert (step.kind, step.prefill_tokens) == ("mixed", 4) and b.num_computed == 7
     engine.run_until_done()
     assert a.num_completion_tokens == b.num_completion_tokens == 8
+
+
+@pytest.mark.parametrize("max_rows,sizes", [(8, [1]), (16, [1]), (17, [1, 17]), (64, [1, 64])])
+def test_the_fed_tokens_gather_is_launched_on_both_sides_of_torchs_kernel_choice(
+    monkeypatch, max_rows, sizes
+):
+    """A step launched ahead gathers its fed tokens with index_select, whose kernel torch picks by the count
+    of indices (<= 16 or more); capture launches both so that no served step loads one (a stall)."""
+    from harli_train.engine import graph_capture
+
+    seen, real = [], torch.index_select
+
+    def record(src, dim, index, out=None):
+        seen.append((index.numel(), index.dtype, src.dtype))
+        return real(src, dim, index, out=out)
+
+    monkeypatch.setattr(torch, "index_select", record)
+    graph_capture.load_gather_kernels(torch.device("cpu"), max_rows)
+    assert [n for n, _, _ in seen] == sizes
+    assert all(d == torch.int64 and s == torch.int64 for _, d, s in seen)  # the sampler's token dtype

@@ -43,3 +43,22 @@ def capture_buckets(
             graphs[(key, bucket, variant)] = graph
     torch.cuda.synchronize()
     return pool
+
+
+# torch's index_select launches one kernel up to this many indices and another (a gather) past them.
+GATHER_SMALL_INDICES = 16
+
+
+def load_gather_kernels(device: torch.device, max_rows: int) -> None:
+    """Launch, on the current stream, the gather that a step launched ahead stages its fed tokens with
+    (``torch.index_select`` of int64 ids) at one row and, when ``max_rows`` passes
+    ``GATHER_SMALL_INDICES``, at ``max_rows``: torch picks its kernel by the count of indices, and CUDA loads
+    a kernel into a context on its first launch there (lazy module loading), which waits for the device's
+    queued work (docs/design.md, "Measured facts behind the defaults"). Call once per partition's stream (a
+    green context loads its own)."""
+    sizes = {1, max_rows} if max_rows > GATHER_SMALL_INDICES else {1}
+    src = torch.zeros(max(sizes), dtype=torch.int64, device=device)
+    out = torch.empty_like(src)
+    for n in sorted(sizes):
+        index = torch.zeros(n, dtype=torch.int64, device=device)
+        torch.index_select(src, 0, index, out=out[:n])
