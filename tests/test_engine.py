@@ -32,6 +32,7 @@ from harli_train.engine import (  # noqa: E402
 )
 from harli_train.engine.kv_cache import KVCacheSpec, kv_cache_blocks  # noqa: E402
 from harli_train.engine.step_work import PrefillPiece, StepPreview  # noqa: E402
+from harli_train.engine.warm_up import WARMUP_SAMPLING  # noqa: E402
 from harli_train.model import load_model, model_config  # noqa: E402
 
 from .hf_models import save_tiny_llama  # noqa: E402
@@ -500,8 +501,16 @@ def test_warm_up_runs_prefill_shapes_and_leaves_the_engine_as_it_was(hf_pair):
     engine = DecodeEngine(
         ours, EngineConfig(block_size=4, num_kv_blocks=40, max_num_seqs=8, max_model_len=64, kernels="torch")
     )
+    asked = []
+    add = engine.add_request
+    engine.add_request = lambda prompt, params, **kw: asked.append(params) or add(prompt, params, **kw)
     # Lengths are capped at max_model_len - 2 (100 -> 62): three alone, then the three packed.
     assert engine.warm_up((1, 17, 100)) == 3 + 3
+    # The sampler's paths in turn (greedy, temperature, top-k, top-p): the packed step samples in several.
+    assert asked == [WARMUP_SAMPLING[i % 4] for i in range(6)]
+    assert {p.greedy for p in asked[3:]} == {True, False} and any(p.top_k for p in asked)
+    assert any(p.top_p < 1 for p in asked)
+    del engine.add_request
     assert not engine.has_unfinished() and engine.block_manager.num_free == 40
     assert engine.metrics.steps == [] and engine.metrics.summary()["requests"] == 0
     engine.add_request(_prompts(3, [5])[0], SamplingParams(max_tokens=1))

@@ -16,11 +16,21 @@ if TYPE_CHECKING:
 # Prefill lengths a warm-up runs: every integer specialisation Triton makes (1, multiples of 16, others),
 # short and long, alone and packed.
 WARMUP_PROMPT_LENS = (1, 5, 16, 17, 100, 512, 1000)
+# The sampling of a warm-up's requests, one each in turn: greedy, then the sampler's other paths (a seeded
+# temperature, top-k, top-p), so that their kernels are loaded on the partition before a served request
+# needs them: a kernel's first launch in a context loads it, waiting for the device's queued work.
+WARMUP_SAMPLING = (
+    SamplingParams(max_tokens=2, ignore_eos=True),
+    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, seed=1),
+    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_k=50, seed=2),
+    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3),
+)
 
 
 def warm_up_prefill(engine: DecodeEngine, prompt_lens: tuple[int, ...], partition: str) -> int:
     """Compile what `engine`'s prefill steps on `partition` launch for the shapes traffic brings. Runs prompts of `prompt_lens` tokens (capped by the engine's limits) alone and then packed
-    into one step, each with one decode step after it; then forgets them (blocks freed, metrics reset).
+    into one step, each with one decode step after it, their sampling `WARMUP_SAMPLING` in turn (the
+    packed step samples every way at once); then forgets them (blocks freed, metrics reset).
     With adapters loaded, the packed group runs once more on the first of them (the LoRA kernels of the
     prefill path). Returns how many requests ran. The engine must be idle."""
     if engine.has_unfinished():
@@ -28,13 +38,13 @@ def warm_up_prefill(engine: DecodeEngine, prompt_lens: tuple[int, ...], partitio
     cfg = engine.config
     limit = min(cfg.max_model_len - 2, cfg.max_num_batched_tokens)
     lens = sorted({max(1, min(int(n), limit)) for n in prompt_lens})
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
     ran = 0
     loaded = [s for s, r in enumerate(engine.lora.ranks) if r] if engine.lora is not None else []
     groups = [([n], 0) for n in lens] + [(lens, 0)] + [(lens, s) for s in loaded[:1]]
     for group, slot in groups:
         for n in group:
             try:
+                params = WARMUP_SAMPLING[ran % len(WARMUP_SAMPLING)]
                 engine.add_request([3 + (7 * i) % 97 for i in range(n)], params, lora_slot=slot)
                 ran += 1
             except RequestRefused:
