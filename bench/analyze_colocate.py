@@ -23,7 +23,9 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
   mixed steps on the whole GPU (the trainer paused): how well the mixed-step model sizes the chunks;
 - harli's grow headroom: the seconds of decode steps predicted within it of the budget (the trainer then
   kept clear of the next larger share too), and how many of the window's grows came within 5 steps of one;
-- where the trainer's paused seconds went and the decode shares each batch took (``step_breakdown``).
+- where the trainer's paused seconds went and the decode shares each batch took (``step_breakdown``);
+- steps that launched slowly and, from a run with ``--sample-stalls``, where the decode thread sat in each
+  sampled stall (``stall_report``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
 import common  # noqa: E402
 from colocate_matrix import STEP_COLUMNS, load  # noqa: E402
+from stall_report import sampled_stalls, slow_launches  # noqa: E402
 from step_breakdown import beside_seconds, decode_shares, grows, paused_time  # noqa: E402
 
 from harli_train.policy_names import DEFAULT_GROW_HEADROOM, parse_harli_options  # noqa: E402
@@ -342,6 +345,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
                     "stalls": [_step(r) for r in stalls(rows)],
                     "spikes": [_step(r) for r in spikes(rows)],
+                    "slow_launches": slow_launches(rows),
+                    "sampled_stalls": sampled_stalls(entry.get("stall_samples") or []),
                 }
     report["transitions"] = {
         name: {
@@ -537,6 +542,10 @@ def main() -> None:
                 print(f"\nstall, {cell} {name}: {line}")
             for line in r["spikes"]:
                 print(f"\nGPU spike, {cell} {name}: {line}")
+            for line in r["slow_launches"]:
+                print(f"\nslow launch, {cell} {name}: {line}")
+            for line in r["sampled_stalls"]:
+                print(f"\nsampled stall, {cell} {name}: {line}")
 
 
 if __name__ == "__main__":

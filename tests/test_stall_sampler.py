@@ -50,3 +50,40 @@ def test_stall_spans_hold_slow_launches_gaps_and_waits_inside_decode_steps():
     assert launch[0] <= 1.000 - 13 * ms and launch[1] == 1.007  # from before the launch to its row's end
     assert gap == (1.020 - 10 * ms, 1.020 - 6 * ms)  # the host gap before the step
     assert inside == (1.030 - 9 * ms, 1.030)  # waiting inside the step past its GPU span
+
+
+def test_stall_report_names_slow_launches_and_where_the_decode_thread_sat():
+    from stall_report import sampled_stalls, slow_launches
+
+    rows = [
+        dict(
+            t=0.5,
+            kind="mixed",
+            batch=17,
+            infer_sms=132,
+            launch_s=0.0215,
+            forward_launch_s=0.0212,
+            gpu_s=0.022,
+        ),
+        dict(t=0.6, kind="decode", batch=4, infer_sms=32, launch_s=0.0005),
+        dict(t=0.1, kind="prefill", batch=0, infer_sms=132, launch_s=0.049),  # a prefill's launch is its work
+    ]
+    (line,) = slow_launches(rows)
+    assert "mixed batch 17 on 132 SMs: launch 21.5 ms (forward 21.2)" in line
+    stack = lambda frame: {"MainThread": [frame], "harli-train": ["trainer_worker.py:307 _loop"]}  # noqa: E731
+    spans = [
+        {  # on time, the decode thread in one frame: a call that released the GIL blocked
+            "span": [0.52, 0.55],
+            "samples": [
+                {"t": 0.52 + i * 1e-3, "late_ms": 0.1, "stacks": stack("mixed_graphs.py:205 replay")}
+                for i in range(9)
+            ]
+            + [{"t": 0.54, "late_ms": 0.4, "stacks": stack("runtime.py:355 _record")}],
+        },
+        {"span": [1.0, 1.02], "samples": [], "after": {"t": 1.021, "late_ms": 19.0}},  # the GIL held
+        {"span": [2.0, 2.002], "samples": []},  # too short to report
+    ]
+    held, blind = sampled_stalls(spans)
+    assert "mixed_graphs.py:205 replay (9 of 10 samples)" in held and "late by 0.4 ms" in held
+    assert "trainer_worker.py:307 _loop (10)" in held
+    assert "no sample inside" in blind and "19.0 ms late" in blind
