@@ -144,6 +144,12 @@ pool_test="tests/test_gpu.py::test_colocated_run_on_the_cuda_pool_gives_pages_ba
   'tests/test_gpu.py::test_colocated_run_on_green_contexts_exits_cleanly[cuda_graphs]'"
 graphs_pool_test="tests/test_gpu.py::test_graphed_steps_on_the_cuda_pool_train_the_same_with_the_arena_in_pool_pages \
   tests/test_gpu.py::test_a_replaced_graphed_trainer_captures_again_on_the_cuda_pool"
+# The kernels process runs the rest of tests/test_gpu.py: every test the pool processes run is left out of it
+# by its function's name, taken from the two lists above.
+not_pool=$(for t in $pool_test $graphs_pool_test; do
+  t=${t##*::}
+  echo "and not ${t%%[[]*}"
+done | sort -u | tr '\n' ' ')
 tests_ok() { grep -q -E '[0-9]+ passed' "$1.out" && ! grep -q -E '[0-9]+ failed' "$1.out"; }
 tests_pool() { run gpu-tests-pool 300 "tests_ok gpu-tests-pool" -- bash -c "cd '$repo' && $pytest_gpu $pool_test"; }
 tests_graphs_pool() {
@@ -155,7 +161,7 @@ tests_serving() {
 }
 tests_kernels() {
   run gpu-tests-kernels 300 "tests_ok gpu-tests-kernels" -- bash -c "cd '$repo' && $pytest_gpu \
-    -k '$not_here and not cuda_pool_gives_pages_back and not graphed_steps_on_the_cuda_pool and not captures_again_on_the_cuda_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
+    -k '$not_here $not_pool' tests/test_gpu.py tests/test_sm.py tests/test_kernels.py \
     tests/test_lora_ops.py tests/test_decode_linear.py tests/test_engine_kernels.py tests/test_cuda_capture.py"
 }
 if [ "$part" != commands ]; then
