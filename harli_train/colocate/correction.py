@@ -1,25 +1,24 @@
 """OnlineCorrection: the measured/predicted factors a ``LatencyPredictor`` applies to its predictions.
 
-A prediction is corrected online by EWMAs of measured/predicted latency per
-(solo, co-run): one per share and one GPU-wide, and the larger of the two applies. Both catch a slower step at
-once (alpha_up) and decay slowly (alpha). On the H200 the misses come in GPU-wide episodes: after a burst of
-prefills, or on the first steps after decode grows (most likely the trainer's micro-step in flight still
-holding some of the SMs decode just took: those steps ran about as long as on the share before), steps ran
-20-60 % over the model on every share decode grew through, one after the other. The GPU-wide EWMA carries such
-a miss to the share decode grows to next, and to a share not yet measured; the per-share one keeps a share
-that is slower on its own from being chosen again as soon as the GPU-wide one decays. A share's own excess
-over the GPU-wide factor relaxes toward it on every step measured elsewhere (``idle_alpha``): a share is only
-measured while it is in use, so without that a single spike there (one 27-44 ms stall seen on the H200) held it
-out of use, uncorrected, for the rest of a run (decode kept 80 SMs at batch 1-7 for 175 steps). Likewise the
-co-run family's GPU-wide factor relaxes toward the solo one while only solo steps run (the trainer paused), and
-the other way round.
+A prediction is corrected online by EWMAs of measured/predicted latency per (solo, co-run; decode, mixed):
+one per share and one GPU-wide, and the larger of the two applies. Both catch a slower step at once
+(``alpha_up``) and decay slowly (``alpha``). The GPU-wide factor carries a miss to the share decode grows to
+next, and to a share not yet measured; the per-share one keeps a share that is slower on its own from being
+chosen again as soon as the GPU-wide one decays. A share's own excess over the GPU-wide factor relaxes
+toward it on every step measured elsewhere (``idle_alpha``: a share is measured only while it is in use);
+likewise the co-run family's GPU-wide factor relaxes toward the solo one while only solo steps run (the
+trainer paused), and the other way round.
 
 A share that is slower than the model on its own, visit after visit, is not a spike: a visit (the decode
 steps of one family on one share in a row, judged on its first ``VISIT_STEPS``) whose median ratio exceeds
 the GPU-wide factor at its start by ``CONFIRM`` confirms the share's excess. Once ``n >= 2`` visits in a
 row have confirmed it (one may be a GPU-wide episode), the share's excess relaxes at ``idle_alpha / n`` and
 its misses are its own (they do not raise the GPU-wide factor, which would put the shares decode returns
-to over budget too); a visit as modelled ends the confirmation (docs/design.md has the H200 run behind it).
+to over budget too); a visit as modelled ends the confirmation.
+
+The runs behind each rule are in docs/design.md: the online correction's rows of "Measured facts behind
+the defaults", and the rows on the first step on a share decode just shrank to and on a share slower than
+the model visit after visit.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class OnlineCorrection:
         backward on the GPU; its ratio also feeds that case's own quantile (see ``correction``).
         ``own_share``: the step's error belongs to its share, not to the GPU (the controller's first step on a
         share it just shrank to); only that share's factor learns it, so the miss does not also put the shares
-        decode left over budget (docs/design.md has the H200 steps behind it).
+        decode left over budget.
         """
         family = int(corun) + 2 * mixed
         raw = raw_predicted_s
@@ -90,9 +89,8 @@ class OnlineCorrection:
         if not mixed:
             self._visit_step(infer_sms, family, ratio)
             own_share = own_share or self._confirmed.get((infer_sms, family), 0) >= 2
-        # Asymmetric: under-predicting risks the objective on the very next steps (seen on the H200: a share
-        # held at 13.3 ms against a 12.3 ms budget for 4 steps while a 0.1 EWMA crept up), over-predicting
-        # only costs the trainer some SMs until the decay brings the share back.
+        # Asymmetric: under-predicting risks the objective on the very next steps, over-predicting only costs
+        # the trainer some SMs until the decay brings the share back.
         for factors in (own,) if own_share else (own, self._glob):
             alpha = self.alpha_up if ratio > factors[family] else self.alpha
             factors[family] += alpha * (ratio - factors[family])
@@ -133,9 +131,8 @@ class OnlineCorrection:
         """What this step did not measure relaxes, by ``idle_alpha``, toward what it did: the GPU-wide factor
         of the same kind of step with the trainer in the other state (solo <-> co-run) toward this one's, and
         every share's factor of that kind that was not measured toward its family's GPU-wide one. Only an
-        excess relaxes. Without the first, a co-run spike learnt just before the trainer paused stayed in force
-        while decode ran alone on the whole GPU, so no share ever fitted beside the trainer again: on the H200
-        the trainer stayed paused for 92-94 % of two 5 s windows, decode at batch 2-3 stepping in under 5 ms."""
+        excess relaxes: a co-run spike learnt just before the trainer paused must not stay in force while
+        decode runs alone, or no share fits beside the trainer again."""
         a, other = self.idle_alpha, family ^ 1
         if self._glob[other] > self._glob[family]:
             self._glob[other] -= a * (self._glob[other] - self._glob[family])
@@ -151,8 +148,7 @@ class OnlineCorrection:
         """The factor ``predict`` (``predict_mixed``) applies on ``infer_sms``: the larger of the share's and
         the GPU-wide one; a mixed step's is at least its family's floor (``_mixed_floor``), and a co-run one
         ``beside_backward`` at least the quantile of the recent steps observed beside a backward, once there
-        are enough (a backward's kernels slow a mixed step beside them more than a forward's: on the H200,
-        measured / predicted at the 98th percentile 1.28 against 0.99)."""
+        are enough (a backward's kernels slow a mixed step beside them more than a forward's)."""
         family = int(corun) + 2 * mixed
         corr = self._corr.get(infer_sms)
         factor = max(1.0 if corr is None else corr[family], self._glob[family])
