@@ -310,3 +310,17 @@ def test_a_colocated_run_serves_http_clients_while_it_trains(tmp_path):
     assert summary["serving"]["requests"] >= 3 and summary["trainer"]["steps"] > 0
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "colocate" / "serve" / "requests.jsonl").is_file()
+
+
+def test_a_served_engine_is_warmed_up_on_a_gpu_before_clients_reach_it():
+    """`harli-train serve` warms the engine up on a GPU (compiles and kernel loads before the port opens); on a
+    CPU, whose interpreted kernels compile nothing, it does not."""
+    from types import SimpleNamespace
+
+    from harli_train.serve.command import warm_for_serving
+
+    calls = []
+    gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"), warm_up=lambda: calls.append("gpu") or 14)
+    cpu = SimpleNamespace(device=SimpleNamespace(type="cpu"), warm_up=lambda: calls.append("cpu") or 14)
+    assert warm_for_serving(gpu) >= 0.0 and warm_for_serving(cpu) == 0.0
+    assert calls == ["gpu"]

@@ -1,7 +1,8 @@
 """`harli-train serve`: the engine alone behind the OpenAI-compatible HTTP API, until SIGTERM or Ctrl-C.
 
-Shutdown stops admitting (new requests get 503), gives running requests ``grace_s`` to finish, aborts the
-rest, writes the records (``OUT/serve/requests.jsonl``, ``steps.jsonl``, ``summary.json``) and returns.
+On a GPU the engine is warmed up before the port opens (``warm_for_serving``). Shutdown stops admitting (new
+requests get 503), gives running requests ``grace_s`` to finish, aborts the rest, writes the records
+(``OUT/serve/requests.jsonl``, ``steps.jsonl``, ``summary.json``) and returns.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,7 @@ def run_server(
             model, device, config=cfg, adapters=adapters, extra_slots=extra, max_lora_rank=max_lora_rank
         )
         engine = catalog.engine
+        warm_for_serving(engine)
     loop = EngineLoop(engine, max_queue=max_queue, catalog=catalog)
     loop.start()
     server = Server(
@@ -96,6 +99,20 @@ def run_server(
     (out / "serve" / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     log.info("served %d requests; records in %s", summary.get("requests", 0), out / "serve")
     return summary
+
+
+def warm_for_serving(engine: Any) -> float:
+    """Warm ``engine`` up before clients reach it, on a GPU (``DecodeEngine.warm_up``: the prefill shapes
+    compiled, every way of sampling run), so that no client's request pays a kernel's compile or first load
+    (a compile alone stalls every running request for a second or more); returns the seconds it took (0 on
+    a CPU, whose interpreted kernels compile nothing). Needs an idle engine."""
+    if engine.device.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    ran = engine.warm_up()
+    seconds = time.perf_counter() - t0
+    log.info("engine warmed up in %.1f s (%d warm-up requests)", seconds, ran)
+    return seconds
 
 
 async def _serve(server, host: str, port: int, grace_s: float, ready: Callable[[int], None] | None) -> None:
