@@ -387,6 +387,15 @@ def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monke
     assert "launch_round (trainer_side.py" in trainer.split("=== by inclusive")[1]
     decode = (where / "decode-loop.txt").read_text().split("=== by inclusive")[1]
     assert "_serve (runtime.py" in decode and "launch_round" not in decode  # each thread its own stacks
+    # With nothing left to sample, the sampler's thread ends (its wake-ups would take the GIL for good).
+    from harli_train.colocate import host_profile
+
+    deadline = time.monotonic() + 2.0
+    while any(t.name == "harli-host-sampler" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "harli-host-sampler" for t in threading.enumerate())
+    with host_profile.host_profile("again"):  # and the next profiled block starts another
+        assert any(t.name == "harli-host-sampler" for t in threading.enumerate())
 
 
 def test_prepared_synthetic_prompts_are_the_ones_submit_would_make():

@@ -52,7 +52,8 @@ def _where(frame: FrameType) -> str:
 
 
 class Sampler:
-    """One thread that samples the stacks of the threads registered with it."""
+    """One thread that samples the stacks of the threads registered with it; it ends once none is (its
+    wake-ups take the GIL), and the next ``add`` starts another."""
 
     def __init__(self, interval_s: float = SAMPLE_S):
         self.interval_s = interval_s
@@ -77,8 +78,9 @@ class Sampler:
             time.sleep(self.interval_s)
             with self._lock:
                 watched = dict(self._threads)
-            if not watched:
-                continue
+                if not watched:
+                    self._thread = None
+                    return
             frames = sys._current_frames()
             for ident, entry in watched.items():
                 frame = frames.get(ident)
