@@ -22,7 +22,7 @@ import torch
 
 from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.engine_config import EngineConfig
-from harli_train.engine.graph_capture import capture_buckets, load_gather_kernels
+from harli_train.engine.graph_capture import capture_buckets
 from harli_train.engine.lora_ops import lora_layout
 from harli_train.engine.lora_slots import LoRASlots, LoRAStepMeta
 from harli_train.model import LlamaForCausalLM
@@ -124,9 +124,6 @@ class DecodeGraphs:
         forward = lambda n, with_lora: self._forward(n, num_sms, with_lora)  # noqa: E731
         self.pool = capture_buckets(self.graphs, key, self.buckets, variants, forward, stream, self.pool)
         self.attn.meta = None
-        with torch.cuda.stream(stream):
-            load_gather_kernels(stream.device, self.buckets[-1])  # a fed step's gather (`replay`)
-        stream.synchronize()
 
     def replay(
         self,

@@ -54,8 +54,8 @@ def load_gather_kernels(device: torch.device, max_rows: int) -> None:
     (``torch.index_select`` of int64 ids) at one row and, when ``max_rows`` passes
     ``GATHER_SMALL_INDICES``, at ``max_rows``: torch picks its kernel by the count of indices, and CUDA loads
     a kernel into a context on its first launch there (lazy module loading), which waits for the device's
-    queued work (docs/design.md, "Measured facts behind the defaults"). Call once per partition's stream (a
-    green context loads its own)."""
+    queued work (docs/design.md, "Measured facts behind the defaults"). Called once per partition's stream
+    after its graphs are captured (``ModelRunner.add_partition``; a green context loads its own)."""
     sizes = {1, max_rows} if max_rows > GATHER_SMALL_INDICES else {1}
     src = torch.zeros(max(sizes), dtype=torch.int64, device=device)
     out = torch.empty_like(src)

@@ -14,6 +14,7 @@ from harli_train.engine.attention import AttentionMetadata, PagedAttention
 from harli_train.engine.block_manager import BlockManager
 from harli_train.engine.decode_graphs import DecodeGraphs
 from harli_train.engine.engine_config import EngineConfig
+from harli_train.engine.graph_capture import load_gather_kernels
 from harli_train.engine.kv_cache import KVStorage
 from harli_train.engine.launched_step import LaunchedStep, Partition
 from harli_train.engine.lora_slots import LoRASlots, adapter_slots
@@ -139,6 +140,11 @@ class ModelRunner:
                 if self.mixed_graphs is not None:
                     self.mixed_graphs.pool = self.graphs.pool  # one pool: steps never overlap on the device
                     self.mixed_graphs.capture(key, stream, num_sms)
+                # The gather a fed step's tokens are staged with in either kind of graph's `replay`.
+                rows = max(self.graphs.buckets[-1], self.mixed_graphs.max_rows if self.mixed_graphs else 0)
+                with torch.cuda.stream(stream):
+                    load_gather_kernels(self.device, rows)
+                stream.synchronize()
 
     def close(self) -> None:
         """Drop every partition, its graphs and the pinned token buffers (see ``DecodeEngine.close``)."""
