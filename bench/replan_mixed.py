@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from analyze_colocate import rows_of, windows  # noqa: E402
 from colocate_matrix import load  # noqa: E402
+from step_measures import rows_of, windows  # noqa: E402
 
 from harli_train.colocate.policy.base import chunk_fits, largest_chunk  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402

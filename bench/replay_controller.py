@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from analyze_colocate import rows_of, windows  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 from replan_mixed import fitted  # noqa: E402
+from step_measures import rows_of, windows  # noqa: E402
 
 from harli_train.colocate.controller import Controller  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402

@@ -21,6 +21,7 @@ import colocate_matrix  # noqa: E402
 import colocate_windows  # noqa: E402
 import replan_mixed  # noqa: E402
 import replay_controller  # noqa: E402
+import step_measures  # noqa: E402
 
 from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa: E402
 
@@ -117,7 +118,7 @@ def test_analysis_attributes_steps_and_shares():
     )
     assert beside["48 SMs, batch 2-8"]["median"] == pytest.approx(1.0625)
     assert beside["64 SMs, batch 2-8"]["median"] == pytest.approx(1.15)
-    sizes = [analyze_colocate.batch_size(b) for b in (1, 2, 8, 9, 17, 32, 33, 64, 65, 200)]
+    sizes = [step_measures.batch_size(b) for b in (1, 2, 8, 9, 17, 32, 33, 64, 65, 200)]
     assert sizes == ["1", "2-8", "2-8", "9-16", "17-32", "17-32", "33-64", "33-64", "65+", "65+"]
 
 
@@ -241,12 +242,12 @@ def test_analysis_counts_what_harlis_grow_headroom_held_and_the_grows_it_came_be
     rows[6]["t"] = 0.16
     for i in range(7):
         rows.insert(6, {**rows[5], "t": 0.06 + 0.01 * i})
-    got = analyze_colocate.near_budget(rows, 0.008, 0.05)
+    got = step_measures.near_budget(rows, 0.008, 0.05)
     assert got["near_budget_steps"] == 2 and got["near_budget_s"] == pytest.approx(0.02)
     assert got["grows"] == 2 and got["grows_after_near"] == 1
     # 14 decode steps before the last, 6 of them within 5 steps after a near one (rows 2-7)
     assert got["grows_by_chance"] == pytest.approx(2 * 6 / 14)
-    assert analyze_colocate.near_budget(rows, 0.008, 0.0)["near_budget_steps"] == 0
+    assert step_measures.near_budget(rows, 0.008, 0.0)["near_budget_steps"] == 0
     assert analyze_colocate.grow_headroom("harli") == 0.05
     assert (
         analyze_colocate.grow_headroom("harli:grow=0.1") == 0.1
@@ -405,7 +406,7 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
                     assert row["decode_steps"] > 0 and row["trainer_sm_seconds"]
     assert {"streams", "temporal"} <= set(steady["objectives"]["auto:2"]["cells"]["steady/light"]["policies"])
     harli = steady["objectives"]["auto:2"]["cells"]["steady/heavy"]["policies"]["harli"]
-    decode = [r for r in analyze_colocate.rows_of(harli) if r["kind"] == "decode"]
+    decode = [r for r in step_measures.rows_of(harli) if r["kind"] == "decode"]
     assert decode and all("launch_s" in r and "kv_tokens" in r for r in decode)  # --keep-steps rows
     assert any(cell for cell in analyze_colocate.analyze(steady)["cells"])
     matrix = tmp_path / "matrix.json.gz"
@@ -690,7 +691,9 @@ def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tm
     )
     assert h200["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
     assert none["standalone"].endswith("/2026-12-04-bench_colocate-standalone.json")
-    assert h100["standalone graphed"].endswith("/2026-12-04-bench_colocate-standalone.json")
+    assert h100["standalone graphed"].endswith("/2026-12-06-bench_colocate-standalone-h100-graphs.json")
+    assert h200["standalone graphed"].endswith("/2026-12-06-bench_colocate-standalone-h200-graphs.json")
+    assert none["standalone graphed"].endswith("/2026-12-04-bench_colocate-standalone.json")
 
 
 @pytest.mark.slow
