@@ -1,25 +1,33 @@
-"""Replay a window's decode steps through harli's controller offline (no GPU): the shares it takes and the
-steps that run over the budget and the objective, with the predictor's share-visit rule on and off.
+"""Replay a window's decode steps through harli offline (no GPU): the shares it takes, the rungs it puts the
+trainer on, and the steps that run over the budget and the objective.
 
     python bench/replay_controller.py RESULT.json[.gz] --profile PROFILE.json[.gz] \\
-        [--policy harli:launch=ahead] [--cells steady/heavy] [--seeds 5]
+        [--policy harli] [--as harli:grow=0.05] [--cells steady/heavy] [--seeds 5] [--draws ordered] \\
+        [--options "grow=0;window=0.05"]
 
 Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
-step of the window, in order (its batch and KV tokens; mixed and prefill steps are left out), is decided
-again by a fresh ``Controller`` held to the window's objective and the run's margin. A step on share s is
-"measured" as its raw prediction there times a ratio drawn (seeded) from the ratios the window's own steps
-on s showed (what the policy learnt from, max(step latency, token interval), over the raw prediction); a
-share the window never ran on takes the ratios of the nearest share it did. A replay shows how the
-correction's rules move decode over the ladder against the same load and the same per-share errors, not
-what a GPU run would measure: a share's errors do not depend on what came before it here.
+step of ``--policy``'s window, in order (its batch and KV tokens; mixed and prefill steps are left out), is
+planned again by a fresh harli policy (``--as``, default ``--policy``'s own name: the policy a run builds
+from that name, so its controller, grow headroom and trainer rungs all apply) held to the window's
+objective and the run's margin. A step on share s is "measured" as its raw prediction there times a ratio
+from those the window's own steps on s showed (what the policy learnt from, max(step latency, token
+interval), over the raw prediction): ``--draws ordered`` (the default) takes them in the window's order from
+a seeded starting point, so runs of slow steps stay runs; ``iid`` draws each at random. A share the window
+never ran on takes the ratios of the nearest share it did. A replay shows how the policy's rules move
+decode and the trainer over the ladder against the same load and the same per-share errors, not what a GPU
+run would measure: the errors do not depend on what came before them here, and no mixed step restarts the
+hysteresis.
 
-Variants: the share-visit rule on and off, and each ``--options`` entry (harli's controller options,
-``settle=on``, ``margin=learn``, comma-joined for both) on top of the rule. A replay's clock is the sum of
-its steps' "measured" times; ``settle`` weighs a shrink against ``--micro-step-ms`` of queued trainer work.
+Variants: the share-visit rule on and off, and each ``--options`` entry (harli's options, comma-joined)
+added to the replayed policy. A replay's clock is the sum of its steps' "measured" times (the trainer's
+window and ``settle``'s dwell run on it); ``settle`` weighs a shrink against ``--micro-step-ms`` of queued
+trainer work.
 
-Printed last, per cell and variant (the medians over the seeds): steps on each share, visits to each (steps
-on it after a step elsewhere), steps over the budget and over the objective, and the trainer's mean SMs over
-the decode steps' time (what decode leaves it; the cost of a switch is not in it).
+Printed last, per cell: the run's own steps on each share, then per variant (the medians over the seeds):
+steps on each share, visits to each (steps on it after a step elsewhere), steps over the budget and over
+the objective, the trainer's mean SMs over the decode steps' time on the rungs harli launched it on, and
+the SMs decode left it (the gap is the trainer's trail of decode's recent peak and the grow headroom; the
+cost of a switch is not in either).
 """
 
 from __future__ import annotations
@@ -38,17 +46,18 @@ from colocate_matrix import load  # noqa: E402
 from replan_mixed import fitted  # noqa: E402
 from step_measures import rows_of, windows  # noqa: E402
 
-from harli_train.colocate.controller import Controller  # noqa: E402
+from harli_train.colocate.policy import BESIDE, HarliPolicy, make_policy  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 from harli_train.colocate.sm import SMLadder  # noqa: E402
+from harli_train.engine.step_work import StepPreview  # noqa: E402
 from harli_train.policy_names import parse_harli_options  # noqa: E402
 
-# harli's options the replay honours: parse_harli_options' keys -> Controller's keywords.
-CONTROLLER_OPTIONS = {"settle": "settle", "learn_margin": "learn_margin"}
+DRAWS = ("iid", "ordered")
 
 
 def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
-    """Per share, what the window's decode steps beside the trainer took over their raw prediction."""
+    """Per share, in the window's order, what its decode steps beside the trainer took over their raw
+    prediction."""
     ratios: dict[int, list[float]] = defaultdict(list)
     for r in rows:
         if r.get("kind") != "decode" or r.get("train") != "beside" or not r.get("measured_s"):
@@ -59,6 +68,27 @@ def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, lis
     return ratios
 
 
+class RatioDraws:
+    """The ratio a replayed step on a share takes: drawn at random from that share's (``iid``), or the next
+    of that share's in the window's order from a seeded starting point, wrapping round (``ordered``: runs
+    of slow steps stay runs). A share the window never ran on takes the nearest share's."""
+
+    def __init__(self, ratios: dict[int, list[float]], seed: int, draws: str = "iid") -> None:
+        if draws not in DRAWS:
+            raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
+        self.ratios, self.draws, self.rng = ratios, draws, random.Random(seed)
+        self.next = {s: self.rng.randrange(len(r)) for s, r in ratios.items()}
+
+    def __call__(self, sms: int) -> float:
+        near = min(self.ratios, key=lambda s: abs(s - sms))
+        seq = self.ratios[near]
+        if self.draws == "iid":
+            return self.rng.choice(seq)
+        i = self.next[near]
+        self.next[near] = (i + 1) % len(seq)
+        return seq[i]
+
+
 def replay(
     predictor: LatencyPredictor,
     ladder: SMLadder,
@@ -67,31 +97,37 @@ def replay(
     tpot_s: float,
     margin: float,
     seed: int,
-    options: dict[str, bool] | None = None,
+    policy: str = "harli",
     micro_step_s: float = 0.005,
+    draws: str = "iid",
 ) -> dict[str, object]:
-    """One replay of ``steps`` ((batch, KV tokens) each): shares taken, visits, steps over budget / objective,
-    and the trainer's time-weighted mean SMs; ``options`` are Controller keywords (``settle``, ``learn_margin``)."""
+    """One replay of ``steps`` ((batch, KV tokens) each) through a fresh ``policy`` (harli[:options], the
+    policy a run builds, so every option of its decode steps applies: the controller's, the grow headroom,
+    the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the
+    trainer's time-weighted mean SMs on the rungs the policy launched it on, and the SMs decode left it."""
     predictor.reset_corrections()
     now = [0.0]
-    ctl = Controller(predictor, ladder, tpot_s, margin, clock=lambda: now[0], **(options or {}))
-    if ctl.settle:
-        ctl.observe_train_slice(micro_step_s)
-    rng = random.Random(seed)
-    measured_shares = sorted(ratios)
+    pol = make_policy(policy, ladder, predictor, tpot_s, margin)
+    if not isinstance(pol, HarliPolicy):
+        raise ValueError(f"the replay runs harli's decode steps, not {policy!r}")
+    pol.controller.clock = pol.rungs.clock = lambda: now[0]
+    pol.observe_train_slice(micro_step_s)
+    draw = RatioDraws(ratios, seed, draws)
     taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
-    trainer_sm_s = 0.0
+    trainer_sm_s = left_sm_s = 0.0
     for batch, kv_tokens in steps:
-        d = ctl.decide(batch, kv_tokens)
-        sms = d.partition.infer_sms
-        near = min(measured_shares, key=lambda s: abs(s - sms))
-        seen = predictor.predict(batch, kv_tokens, sms, d.corun, raw=True) * rng.choice(ratios[near])
-        ctl.observe(d, seen)
+        plan = pol.plan(StepPreview(decode_seqs=batch, decode_kv_tokens=kv_tokens))
+        sms = plan.partition.infer_sms
+        d = plan.decision
+        seen = predictor.predict(batch, kv_tokens, sms, d is None or d.corun, raw=True) * draw(sms)
+        pol.observe(plan, seen)
         now[0] += seen
-        trainer_sm_s += 0.0 if d.pause_trainer else (ladder.total_sms - sms) * seen
+        if plan.train == BESIDE:
+            trainer_sm_s += plan.train_sms * seen
+            left_sm_s += (ladder.total_sms - sms) * seen
         taken[sms] += 1
         visits[sms] += sms != prev
-        over_budget += seen > ctl.budget_s
+        over_budget += seen > pol.controller.budget_s
         over_tpot += seen > tpot_s
         prev = sms
     return {
@@ -100,21 +136,23 @@ def replay(
         "over_budget": over_budget,
         "over_tpot": over_tpot,
         "trainer_sms": trainer_sm_s / now[0] if now[0] else 0.0,
+        "left_sms": left_sm_s / now[0] if now[0] else 0.0,
     }
 
 
-def variants(options: list[str]) -> list[tuple[str, float | None, dict[str, bool]]]:
-    """(name, the predictor's share_confirm (None: its own), Controller keywords) of each replayed variant."""
-    out: list[tuple[str, float | None, dict[str, bool]]] = [
-        ("visits confirm", None, {}),
-        ("rule off", math.inf, {}),
+def variants(base: str, options: list[str]) -> list[tuple[str, float | None, str]]:
+    """(name, the predictor's share_confirm (None: its own), policy name) of each replayed variant: ``base``
+    with the share-visit rule on and off, then ``base`` with each of ``options`` (harli's options, comma-
+    joined) added."""
+    parse_harli_options(base.partition(":")[2])  # a bad base fails here, by name
+    out: list[tuple[str, float | None, str]] = [
+        ("visits confirm", None, base),
+        ("rule off", math.inf, base),
     ]
     for text in options:
-        parsed = parse_harli_options(text)
-        unknown = sorted(set(parsed) - set(CONTROLLER_OPTIONS))
-        if unknown:
-            raise SystemExit(f"--options {text!r}: the replay honours only settle and margin, not {unknown}")
-        out.append((text, None, {CONTROLLER_OPTIONS[k]: v for k, v in parsed.items()}))
+        parse_harli_options(text)
+        joined = f"{base},{text}" if ":" in base else f"{base}:{text}"
+        out.append((text, None, joined))
     return out
 
 
@@ -128,19 +166,23 @@ def main() -> None:
     ap.add_argument("result", help="a bench_colocate result written with --keep-steps")
     ap.add_argument("--profile", required=True, help="the decode profile the run used (.json or .json.gz)")
     ap.add_argument("--policy", default="harli", help="the policy whose windows are replayed")
+    ap.add_argument(
+        "--as", dest="base", default="", help="the harli variant replayed (default: --policy's name)"
+    )
     ap.add_argument("--cells", default="", help="cells to replay (comma-separated; default: every one)")
     ap.add_argument("--seeds", type=int, default=5, help="replays per variant (their medians are printed)")
+    ap.add_argument("--draws", choices=DRAWS, default="ordered", help="how a step's ratio is drawn")
     ap.add_argument(
         "--options",
         default="",
-        help="more variants: harli controller options, ';'-separated (settle=on;margin=learn)",
+        help="more variants: harli options added to the replayed one, ';'-separated (grow=0;window=0.05)",
     )
     ap.add_argument(
         "--micro-step-ms", type=float, default=5.0, help="the trainer's micro-step (settle's cost)"
     )
     args = ap.parse_args()
     try:
-        chosen = variants([o for o in args.options.split(";") if o])
+        chosen = variants(args.base or args.policy, [o for o in args.options.split(";") if o])
     except ValueError as err:
         ap.error(f"--options: {err}")
     result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
@@ -161,12 +203,27 @@ def main() -> None:
             ratios = share_ratios(predictor, rows)
             if not ratios:
                 continue
-            for variant, confirm, options in chosen:
+            ran = Counter(r["infer_sms"] for r in rows if r.get("kind") == "decode" and r["batch"])
+            lines.append(
+                [f"{objective} {cell}", "the run", "  ".join(f"{s}: {n}" for s, n in sorted(ran.items()))]
+                + ["-"] * 4
+                + [sum(ran.values())]
+            )
+            for variant, confirm, policy in chosen:
                 confirm = predictor.share_confirm if confirm is None else confirm
                 kept, predictor.share_confirm = predictor.share_confirm, confirm
                 runs = [
                     replay(
-                        predictor, ladder, steps, ratios, tpot_s, margin, s, options, args.micro_step_ms / 1e3
+                        predictor,
+                        ladder,
+                        steps,
+                        ratios,
+                        tpot_s,
+                        margin,
+                        s,
+                        policy,
+                        args.micro_step_ms / 1e3,
+                        args.draws,
                     )
                     for s in range(args.seeds)
                 ]
@@ -183,6 +240,7 @@ def main() -> None:
                         f"{_median(runs, 'over_budget'):.0f}",
                         f"{_median(runs, 'over_tpot'):.0f}",
                         f"{_median(runs, 'trainer_sms'):.1f}",
+                        f"{_median(runs, 'left_sms'):.1f}",
                         len(steps),
                     ]
                 )
@@ -193,6 +251,7 @@ def main() -> None:
         "over budget",
         "over objective",
         "trainer SMs",
+        "SMs decode left",
         "decode steps",
     ]
     print(common.table(lines, header))

@@ -301,33 +301,63 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     assert replay_controller.share_ratios(predictor, rows) == {48: [pytest.approx(0.0075 / raw)]}
 
 
-def test_replay_controller_variants_take_harlis_controller_options_and_report_the_trainers_sms():
-    """``--options``: each entry is harli's controller options (settle, margin) on top of the visit rule; an
-    option the replay cannot honour is refused by name. Steps that run exactly at their raw prediction let a
+def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_sms():
+    """``--options``: each entry is harli's options added to the replayed policy, after the share-visit rule
+    on and off; a bad option is refused by name. Steps that run exactly at their raw prediction let a
     learned margin (it falls to its floor) move decode to a smaller share than the fixed 0.15 allows, and the
     trainer's mean SMs rise with it."""
     profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
     meta = profile["meta"]
     predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
-    chosen = replay_controller.variants(["settle=on", "margin=learn", "settle=on,margin=learn"])
-    assert [(name, kw) for name, _, kw in chosen] == [
-        ("visits confirm", {}),
-        ("rule off", {}),
-        ("settle=on", {"settle": True}),
-        ("margin=learn", {"learn_margin": True}),
-        ("settle=on,margin=learn", {"settle": True, "learn_margin": True}),
+    chosen = replay_controller.variants("harli", ["settle=on", "margin=learn,grow=0"])
+    assert [(name, policy) for name, _, policy in chosen] == [
+        ("visits confirm", "harli"),
+        ("rule off", "harli"),
+        ("settle=on", "harli:settle=on"),
+        ("margin=learn,grow=0", "harli:margin=learn,grow=0"),
     ]
-    with pytest.raises(SystemExit, match="grow_headroom"):
-        replay_controller.variants(["grow=0.1"])
+    assert replay_controller.variants("harli:grow=0", ["window=0"])[-1][2] == "harli:grow=0,window=0"
+    with pytest.raises(ValueError, match="grow"):
+        replay_controller.variants("harli", ["grow=2"])
     steps = [(2, 1400)] * 600
     raw32 = predictor.predict(2, 1400, 32, True, raw=True)
     tpot = raw32 / 0.9  # 32 SMs fit a 10 % margin, not 15 %
     ratios = {s: [1.0] for s in (32, 48, 64)}
     fixed = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0)
-    learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, {"learn_margin": True})
+    learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:margin=learn")
     assert fixed["taken"][32] == 0 and learnt["taken"][32] > 400
     assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
+    with pytest.raises(ValueError, match="harli's decode steps"):
+        replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "static:48")
+
+
+def test_replay_controller_puts_the_trainer_where_harli_would_and_draws_ratios_in_order():
+    """The trainer's SMs are those of the rung harli launches it on: with decode's step predicted within the
+    grow headroom of the budget the trainer keeps clear of the next larger share too (84 SMs beside decode's
+    32), so it holds fewer SMs than decode leaves; without the headroom (``grow=0``) it holds all but the
+    trail of the start's larger shares. ``ordered`` draws take a
+    share's ratios in the window's order from a seeded start, wrapping round; ``iid`` picks at random."""
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
+    meta = profile["meta"]
+    predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
+    ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
+    steps = [(2, 1400)] * 300
+    raw32 = predictor.predict(2, 1400, 32, True, raw=True)
+    tpot = raw32 / 0.83  # 32 SMs fit the 15 % margin, within 5 % of the budget
+    ratios = {32: [1.0], 48: [1.0]}
+    near = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0)
+    free = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:grow=0")
+    assert near["taken"] == free["taken"] and near["taken"][32] > 250  # after the start's whole GPU and 64
+    assert near["left_sms"] == free["left_sms"] > free["trainer_sms"] > near["trainer_sms"] + 10
+    draws = replay_controller.RatioDraws({32: [1.0, 2.0, 3.0], 48: [5.0]}, seed=1, draws="ordered")
+    first = draws(32)
+    assert [first, draws(32), draws(32), draws(32)] == [first, *(1.0 + (first + k) % 3 for k in range(3))]
+    assert draws(46) == 5.0 and draws(20) in (1.0, 2.0, 3.0)  # the nearest share's
+    iid = replay_controller.RatioDraws({32: [1.0, 2.0]}, seed=0)
+    assert {iid(32) for _ in range(50)} == {1.0, 2.0}
+    with pytest.raises(ValueError, match="draws"):
+        replay_controller.RatioDraws({32: [1.0]}, seed=0, draws="sorted")
 
 
 def test_standalone_rates_of_another_gpu_or_trainer_are_measured_again_and_the_file_kept(
