@@ -66,6 +66,21 @@ def test_runs_on_one_assembly_get_a_fresh_policy_and_trainer(tmp_path):
         col.close()
 
 
+def test_a_served_model_that_is_not_there_fails_before_the_trainer_is_built(tmp_path, monkeypatch):
+    """``--colocate-with`` naming no preset or directory is refused by name before the trainer loads its
+    model (on an 8B recipe that is 16 GB read for nothing) or creates its output directory."""
+    import harli_train.colocate.assembly as assembly
+    from harli_train.model import ModelError
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("the trainer was built")
+
+    monkeypatch.setattr(assembly, "Trainer", no_trainer)
+    with pytest.raises(ModelError, match="no-such-model' is neither a preset"):
+        assemble(recipe(tmp_path / "run"), str(tmp_path / "no-such-model"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_cli_and_the_bench_build_through_the_same_assemble(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import bench_colocate

@@ -35,7 +35,7 @@ from harli_train.engine.api import model_id as served_id
 from harli_train.engine.engine_config import capped_to_context
 from harli_train.engine.load import TraceRequest, poisson_trace, read_trace
 from harli_train.memory import PoolError
-from harli_train.model import LlamaForCausalLM, is_preset, load_model, resolve_dtype
+from harli_train.model import LlamaForCausalLM, is_preset, load_model, model_config, resolve_dtype
 from harli_train.train.run_checks import resolve_device
 from harli_train.train.trainer import Trainer
 
@@ -220,8 +220,8 @@ def assemble(
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
-    The trainer (resumed from ``resume`` when given) comes first: its output directory is checked before
-    anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
+    A ``serve_model`` that names no preset or directory fails first (ModelError). The trainer (resumed from
+    ``resume`` when given) comes next: its output directory is checked before anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
     base. The engine is sized for the longest request of the recipe's load and of ``loads`` (further loads
     the caller will serve on it), or with ``http`` (``--serve``: clients send requests of any length) for
     the model's whole context. ``spatial=True`` gives a CPU the stand-in ladder with SM partitions
@@ -241,6 +241,8 @@ def assemble(
     device = resolve_device(cfg.train.device, cfg.source)
     dtype = resolve_dtype(cfg.model.dtype, device)
     shared = same_model(serve_model, cfg.model.name)
+    if not shared:
+        model_config(serve_model)  # a served model that is not there fails before the trainer loads its own
     trainer = Trainer(cfg, quiet=True) if parallel is None else parallel.trainer(cfg)
     trainer.setup(resume=resume)  # checks the output directory before loading anything
     load = load_model if parallel is None else parallel.load_served
