@@ -57,6 +57,12 @@ def test_profile_writes_and_reuses_a_profile(tmp_path):
     assert json.loads(out.read_text())["samples"]  # the corrupt file was rebuilt, not used
     odd = CliRunner().invoke(main, ["profile", "--model", "tiny", "--out", str(out), "--ladder-step", "12"])
     assert odd.exit_code == 2 and "--ladder-step" in odd.output and "Traceback" not in odd.output
+    (tmp_path / "afile").write_text("")
+    blocked = CliRunner().invoke(
+        main, ["profile", "--model", "tiny", "--out", str(tmp_path / "afile" / "p.json")]
+    )
+    assert blocked.exit_code == 1 and "afile is a file, not a folder" in blocked.output
+    assert "profiled" not in blocked.output  # refused before any step was timed
 
 
 def test_serve_trace_needs_exactly_one_load(tmp_path):

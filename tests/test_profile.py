@@ -13,6 +13,7 @@ from harli_train.colocate.profile import (
     Profile,
     ProfileError,
     ProfileKey,
+    check_destination,
     default_profile_path,
     get_or_build_profile,
     load_profile,
@@ -135,6 +136,22 @@ def test_get_or_build_rebuilds_bad_profiles_and_says_why(saved, caplog, damage):
     assert "re-profiling" in caplog.text and str(saved) in caplog.text
     assert saved.with_name(saved.name + ".rejected").exists()
     assert load_profile(saved, key).samples == fresh
+
+
+def test_a_destination_that_cannot_be_written_fails_before_profiling(tmp_path):
+    """A profile that could not be saved is refused before its build runs (minutes of timing on a GPU), by
+    its path: under a file, or in a folder this user cannot make."""
+    (tmp_path / "afile").write_text("")
+    calls = []
+    build = lambda: calls.append(1) or samples()
+    with pytest.raises(ProfileError, match="afile is a file, not a folder") as err:
+        get_or_build_profile(tmp_path / "afile" / "p.json", KEY, build)
+    assert err.value.reason == "unwritable" and str(tmp_path / "afile" / "p.json") in str(err.value)
+    with pytest.raises(ProfileError, match="cannot write a profile to /proc/harli/p.json"):
+        check_destination("/proc/harli/p.json")
+    assert not calls
+    check_destination(tmp_path / "new" / "p.json")  # a folder it can make
+    assert list((tmp_path / "new").iterdir()) == []  # and leaves nothing behind
 
 
 def test_rebuild_for_another_key_is_refused(tmp_path):

@@ -25,7 +25,7 @@ from harli_train.colocate.predictor_setup import (
     build_predictor,
     corun_workload,
 )
-from harli_train.colocate.profile import ProfileKey, default_profile_path
+from harli_train.colocate.profile import ProfileKey, check_destination, default_profile_path
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.config import DEFAULT_OUTPUT_DIR, RecipeConfig, resolve_output_dir
 from harli_train.data.tokenizer import load_tokenizer
@@ -239,6 +239,8 @@ def run_profile(
     Stores the profile at ``out`` (default: the cache the co-located run reads, keyed by this machine) and
     returns where it went with the predictor's fit report.
     """
+    if out is not None:
+        check_destination(out)  # before the weights load and the steps are timed
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     weights = load_model(model, torch_dtype, dev, seed=seed)

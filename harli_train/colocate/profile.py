@@ -29,7 +29,8 @@ MIXED_FIELDS = {"prefill_tokens": int, "attn_pairs": int}  # and SAMPLE_FIELDS, 
 
 
 class ProfileError(RuntimeError):
-    """A profile file that must not be used; ``reason`` is missing, corrupt, invalid or stale."""
+    """A profile file that must not be used (``reason``: missing, corrupt, invalid or stale) or cannot be
+    written (unwritable)."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -187,6 +188,26 @@ def _validate_samples(samples: Any, sm_count: int, where: str) -> None:
             )
 
 
+def check_destination(path: str | os.PathLike) -> None:
+    """ProfileError, naming ``path``, when no profile could be written there (its folder cannot be made or
+    written to): checked before minutes of profiling, not after."""
+    path = Path(path)
+    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ProfileError(
+            f"cannot write a profile to {path}: {blocking} is a file, not a folder", "unwritable"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".write-check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ProfileError(
+            f"cannot write a profile to {path}: [Errno {err.errno}] {err.strerror}", "unwritable"
+        ) from None
+
+
 def get_or_build_profile(
     path: str | os.PathLike,
     key: ProfileKey,
@@ -204,6 +225,7 @@ def get_or_build_profile(
         else:
             log.warning("%s: re-profiling", err)
             os.replace(path, path.with_name(path.name + ".rejected"))  # kept for a post-mortem
+    check_destination(path)
     built = build_fn()
     profile = built if isinstance(built, Profile) else Profile(key, list(built))
     if profile.key != key:
