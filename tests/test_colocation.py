@@ -10,7 +10,7 @@ import torch
 from harli_train.colocate.assembly import assemble
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.config import load_recipe
-from harli_train.engine.load import TraceRequest
+from harli_train.engine.load import TraceError, TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -66,9 +66,10 @@ def test_runs_on_one_assembly_get_a_fresh_policy_and_trainer(tmp_path):
         col.close()
 
 
-def test_a_served_model_that_is_not_there_fails_before_the_trainer_is_built(tmp_path, monkeypatch):
-    """``--colocate-with`` naming no preset or directory is refused by name before the trainer loads its
-    model (on an 8B recipe that is 16 GB read for nothing) or creates its output directory."""
+def test_a_served_model_or_trace_that_is_not_there_fails_before_the_trainer_is_built(tmp_path, monkeypatch):
+    """``--colocate-with`` naming no preset or directory, or a recipe trace that cannot be read, is refused by
+    name before the trainer loads its model (on an 8B recipe that is 16 GB read for nothing) or creates its
+    output directory."""
     import harli_train.colocate.assembly as assembly
     from harli_train.model import ModelError
 
@@ -78,6 +79,10 @@ def test_a_served_model_that_is_not_there_fails_before_the_trainer_is_built(tmp_
     monkeypatch.setattr(assembly, "Trainer", no_trainer)
     with pytest.raises(ModelError, match="no-such-model' is neither a preset"):
         assemble(recipe(tmp_path / "run"), str(tmp_path / "no-such-model"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_len": 8}\n')
+    with pytest.raises(TraceError, match="bad.jsonl:1: missing key 'output_len'"):
+        assemble(recipe(tmp_path / "run", f"colocation.trace={bad}"), "tiny")
     assert not (tmp_path / "run").exists()
 
 

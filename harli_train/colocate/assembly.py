@@ -220,7 +220,8 @@ def assemble(
 ) -> Colocation:
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
-    A ``serve_model`` that names no preset or directory fails first (ModelError). The trainer (resumed from
+    A ``serve_model`` that names no preset or directory fails first (ModelError), then a recipe trace that
+    cannot be read (TraceError). The trainer (resumed from
     ``resume`` when given) comes next: its output directory is checked before anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
     base. The engine is sized for the longest request of the recipe's load and of ``loads`` (further loads
     the caller will serve on it), or with ``http`` (``--serve``: clients send requests of any length) for
@@ -243,12 +244,12 @@ def assemble(
     shared = same_model(serve_model, cfg.model.name)
     if not shared:
         model_config(serve_model)  # a served model that is not there fails before the trainer loads its own
+    requests = load_requests(col, seed=cfg.train.seed, device=device.type)  # a bad trace fails here too
     trainer = Trainer(cfg, quiet=True) if parallel is None else parallel.trainer(cfg)
     trainer.setup(resume=resume)  # checks the output directory before loading anything
     load = load_model if parallel is None else parallel.load_served
     served = base_view(trainer.model) if shared else load(serve_model, dtype, device, seed=cfg.model.seed)
     ladder = build_ladder(col.policy, device, ladder_step or col.ladder_step, spatial)
-    requests = load_requests(col, seed=cfg.train.seed, device=device.type)
     every_request = [*requests, *(r for load in loads for r in load)]
     live = shared and (live_adapter or any(r.model is not None for r in every_request))
     memory, kv_storage, memory_info = open_pool(cfg, trainer, device)
