@@ -140,7 +140,7 @@ def test_get_or_build_rebuilds_bad_profiles_and_says_why(saved, caplog, damage):
 
 def test_a_destination_that_cannot_be_written_fails_before_profiling(tmp_path):
     """A profile that could not be saved is refused before its build runs (minutes of timing on a GPU), by
-    its path: under a file, or in a folder this user cannot make."""
+    its path: under a file, in a folder this user cannot make, or a folder itself."""
     (tmp_path / "afile").write_text("")
     calls = []
     build = lambda: calls.append(1) or samples()
@@ -149,6 +149,8 @@ def test_a_destination_that_cannot_be_written_fails_before_profiling(tmp_path):
     assert err.value.reason == "unwritable" and str(tmp_path / "afile" / "p.json") in str(err.value)
     with pytest.raises(ProfileError, match="cannot write a profile to /proc/harli/p.json"):
         check_destination("/proc/harli/p.json")
+    with pytest.raises(ProfileError, match="it is a folder"):
+        check_destination(tmp_path)
     assert not calls
     check_destination(tmp_path / "new" / "p.json")  # a folder it can make
     assert list((tmp_path / "new").iterdir()) == []  # and leaves nothing behind

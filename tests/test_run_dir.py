@@ -73,7 +73,7 @@ def test_an_unwritable_output_dir_is_a_usage_error_before_anything_loads(tmp_pat
         def denied(dir, prefix):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(Path(dir) / prefix))
 
-        monkeypatch.setattr("harli_train.train.run_dir.tempfile.mkstemp", denied)
+        monkeypatch.setattr("harli_train.durable.tempfile.mkstemp", denied)
     try:
         result = _run(locked / "run", 2)
     finally:
@@ -123,3 +123,17 @@ def test_a_colocated_run_defaults_to_its_own_output_dir(tmp_path, monkeypatch):
     )
     assert resumed.exit_code == 0, resumed.output
     assert len((tmp_path / "runs" / "quickstart-colocated" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_writable_folder_makes_the_folder_and_names_a_file_in_its_way(tmp_path):
+    """``durable.writable_folder`` (the output directory's check and the profile's): the folder and its
+    parents are made, the probe file leaves nothing behind, and a file where a folder should be is named."""
+    from harli_train.durable import writable_folder
+
+    writable_folder(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir() and not any((tmp_path / "a" / "b").iterdir())
+    (tmp_path / "f").write_text("")
+    for inside in (tmp_path / "f", tmp_path / "f" / "g"):
+        with pytest.raises(NotADirectoryError) as err:
+            writable_folder(inside)
+        assert err.value.filename == str(tmp_path / "f")

@@ -221,16 +221,16 @@ def assemble(
     """Build the co-located set-up for ``cfg`` serving ``serve_model``, and the recipe's policy on it.
 
     A ``serve_model`` that names no preset or directory fails first (ModelError), then a recipe trace that
-    cannot be read (TraceError). The trainer (resumed from
-    ``resume`` when given) comes next: its output directory is checked before anything is loaded, and its model is the weights the engine serves when ``serve_model`` is the finetuned
-    base. The engine is sized for the longest request of the recipe's load and of ``loads`` (further loads
-    the caller will serve on it), or with ``http`` (``--serve``: clients send requests of any length) for
-    the model's whole context. ``spatial=True`` gives a CPU the stand-in ladder with SM partitions
-    whatever the recipe's policy (default: as the policy needs; a GPU has its green contexts either way).
-    The decode profile is ``colocation.profile`` when set (reused when it matches this machine, else measured
-    and written there). The recipe's policy is ``Colocation.policy``, prepared (``Colocation.prepare``)
-    when ``warm_up``. RecipeError when the policy cannot run on this machine or no decode step can meet
-    the objective.
+    cannot be read (TraceError). The trainer (resumed from ``resume`` when given) comes next: its output
+    directory is checked before anything is loaded, and its model is the weights the engine serves when
+    ``serve_model`` is the finetuned base. The engine is sized for the longest request of the recipe's load
+    and of ``loads`` (further loads the caller will serve on it), or with ``http`` (``--serve``: clients send
+    requests of any length) for the model's whole context. ``spatial=True`` gives a CPU the stand-in ladder
+    with SM partitions whatever the recipe's policy (default: as the policy needs; a GPU has its green
+    contexts either way). The decode profile is ``colocation.profile`` when set (reused when it matches this
+    machine, else measured and written there). The recipe's policy is ``Colocation.policy``, prepared
+    (``Colocation.prepare``) when ``warm_up``. RecipeError when the policy cannot run on this machine or no
+    decode step can meet the objective.
 
     With ``live_adapter`` (``--serve``), or a load whose requests name a model, the trainer's adapter is
     served live as model id ``<output dir name>`` (``LiveAdapter``), when the served model is the trained

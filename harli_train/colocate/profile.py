@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from harli_train.durable import writable_folder
+
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "harli-train-profile", 5  # 2: mixed-step samples; 3-4: mixed steps on the decode kernels;
@@ -189,23 +191,18 @@ def _validate_samples(samples: Any, sm_count: int, where: str) -> None:
 
 
 def check_destination(path: str | os.PathLike) -> None:
-    """ProfileError, naming ``path``, when no profile could be written there (its folder cannot be made or
-    written to): checked before minutes of profiling, not after."""
+    """ProfileError, naming ``path``, when no profile could be written there (a folder, under a file, or in
+    a folder this user cannot make or write to): checked before minutes of profiling, not after."""
     path = Path(path)
-    blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise ProfileError(
-            f"cannot write a profile to {path}: {blocking} is a file, not a folder", "unwritable"
-        )
+    cannot = f"cannot write a profile to {path}"
+    if path.is_dir():
+        raise ProfileError(f"{cannot}: it is a folder", "unwritable")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".write-check")
-        os.close(fd)
-        os.unlink(probe)
+        writable_folder(path.parent)
+    except NotADirectoryError as err:
+        raise ProfileError(f"{cannot}: {err.filename} is a file, not a folder", "unwritable") from None
     except OSError as err:
-        raise ProfileError(
-            f"cannot write a profile to {path}: [Errno {err.errno}] {err.strerror}", "unwritable"
-        ) from None
+        raise ProfileError(f"{cannot}: [Errno {err.errno}] {err.strerror}", "unwritable") from None
 
 
 def get_or_build_profile(

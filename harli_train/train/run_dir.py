@@ -8,12 +8,11 @@ checkpoints: ``--resume`` continues that run, ``output.overwrite=true`` replaces
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from harli_train.config import RecipeError
+from harli_train.durable import writable_folder
 from harli_train.train.checkpoint import (
     CHECKPOINTS,
     describe_os_error,
@@ -66,17 +65,15 @@ def prepare_run_dir(path: str | Path, *, resuming: bool, overwrite: bool, source
 
 
 def _check_writable(path: Path, source: str) -> None:
-    for folder in (path, *path.parents):
-        if folder.exists() and not folder.is_dir():
-            found = (
-                f"{path}, which is a file" if folder == path else f"{path}, which is under the file {folder}"
-            )
-            raise OutputDirError(source, "a directory", found)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check-")
-        os.close(fd)
-        os.unlink(probe)
+        writable_folder(path)
+    except NotADirectoryError as err:
+        found = (
+            f"{path}, which is a file"
+            if Path(err.filename) == path
+            else f"{path}, which is under the file {err.filename}"
+        )
+        raise OutputDirError(source, "a directory", found) from None
     except OSError as err:
         raise OutputDirError(
             source, "a directory this user can create and write to", f"{path} ({describe_os_error(err)})"
