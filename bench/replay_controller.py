@@ -7,7 +7,7 @@ trainer on, and the steps that run over the budget and the objective.
 
 Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
 step of ``--policy``'s window, in order (its batch and KV tokens; mixed and prefill steps are left out), is
-planned again by a fresh harli policy (``--as``, default ``--policy``'s own name: the policy a run builds
+planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds
 from that name, so its controller, grow headroom and trainer rungs all apply) held to the window's
 objective and the run's margin. A step on share s is "measured" as its raw prediction there times a ratio
 from those the window's own steps on s showed (what the policy learnt from, max(step latency, token
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--profile", required=True, help="the decode profile the run used (.json or .json.gz)")
     ap.add_argument("--policy", default="harli", help="the policy whose windows are replayed")
     ap.add_argument(
-        "--as", dest="base", default="", help="the harli variant replayed (default: --policy's name)"
+        "--as", dest="base", default="", help="the harli variant replayed (default: the one the run ran)"
     )
     ap.add_argument("--cells", default="", help="cells to replay (comma-separated; default: every one)")
     ap.add_argument("--seeds", type=int, default=5, help="replays per variant (their medians are printed)")
@@ -181,8 +181,9 @@ def main() -> None:
         "--micro-step-ms", type=float, default=5.0, help="the trainer's micro-step (settle's cost)"
     )
     args = ap.parse_args()
+    options = [o for o in args.options.split(";") if o]
     try:
-        chosen = variants(args.base or args.policy, [o for o in args.options.split(";") if o])
+        variants("harli", options)
     except ValueError as err:
         ap.error(f"--options: {err}")
     result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
@@ -209,7 +210,10 @@ def main() -> None:
                 + ["-"] * 4
                 + [sum(ran.values())]
             )
-            for variant, confirm, policy in chosen:
+            base = args.base or entry.get("policy") or args.policy  # the variant the run ran
+            if base.partition(":")[0] != "harli":
+                ap.error(f"the replay runs harli's decode steps, not {base!r} (--as names a harli variant)")
+            for variant, confirm, policy in variants(base, options):
                 confirm = predictor.share_confirm if confirm is None else confirm
                 kept, predictor.share_confirm = predictor.share_confirm, confirm
                 runs = [

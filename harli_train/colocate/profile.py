@@ -14,13 +14,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from harli_train.durable import writable_folder
+from harli_train.durable import writable_folder, write_file
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class Profile:
 
 
 def save_profile(path: str | os.PathLike, profile: Profile) -> None:
-    """Write atomically (a crash leaves the old file or the new one, never half of one)."""
+    """Written durably (``durable.write_file``): a crash leaves the old file or the new one, never half."""
     _validate_samples(profile.samples, profile.key.sm_count, str(path))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,10 +112,7 @@ def save_profile(path: str | os.PathLike, profile: Profile) -> None:
         "meta": profile.meta,
         "samples": profile.samples,
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    write_file(path, json.dumps(doc, indent=1).encode())
 
 
 def load_profile(
