@@ -281,6 +281,12 @@ def test_top_k_stop_tokens_and_aborting_one_request(hf_pair):
     )
     drawn = Sampler()(logits, batch)
     assert drawn[0] == logits[0].argmax() and drawn[1] in logits[1].topk(5).indices
+    # Every k of a bucket, and a k above the last bucket (a full sort), cuts exactly its own k.
+    wide = F.softmax(torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)), -1)
+    for k_max in (64, 1024, 2500):
+        ks = torch.tensor([1, 63, k_max, 0])
+        kept = (Sampler._top_k(wide, ks, k_max) > 0).sum(-1).tolist()
+        assert kept == [1, 63, k_max, 3000]
     # A stop token: the third token the greedy run drew for the first prompt.
     stop = greedy[0].completion_token_ids[2]
     stopped = DecodeEngine(ours, cfg).generate(
@@ -506,8 +512,9 @@ def test_warm_up_runs_prefill_shapes_and_leaves_the_engine_as_it_was(hf_pair):
     engine.add_request = lambda prompt, params, **kw: asked.append(params) or add(prompt, params, **kw)
     # Lengths are capped at max_model_len - 2 (100 -> 62): three alone, then the three packed.
     assert engine.warm_up((1, 17, 100)) == 3 + 3
-    # The sampler's paths in turn (greedy, temperature, top-k, top-p): the packed step samples in several.
-    assert asked == [WARMUP_SAMPLING[i % 4] for i in range(6)]
+    # The sampler's paths in turn (greedy, temperature, top-k per bucket, top-p): the packed step samples in
+    # several.
+    assert asked == [WARMUP_SAMPLING[i % len(WARMUP_SAMPLING)] for i in range(6)]
     assert {p.greedy for p in asked[3:]} == {True, False} and any(p.top_k for p in asked)
     assert any(p.top_p < 1 for p in asked)
     del engine.add_request

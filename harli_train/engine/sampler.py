@@ -71,6 +71,21 @@ def sampling_batch(
     )
 
 
+# The cuts `_largest` takes: torch's top-k launches other kernels as k grows, and a kernel's first launch
+# in a context waits for the device's queued work, so every k of a bucket runs the bucket's (warmed-up)
+# kernels; a k above the last bucket sorts the whole row, as top-p does.
+TOP_K_BUCKETS = (64, 1024)
+
+
+def _largest(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, >= k] each row's largest values of ``probs`` in descending order (at least the k largest)."""
+    vocab = probs.shape[-1]
+    cut = next((b for b in TOP_K_BUCKETS if k <= b), None)
+    if cut is None or cut >= vocab:
+        return probs.sort(dim=-1, descending=True).values
+    return probs.topk(cut, dim=-1).values
+
+
 class Sampler:
     """logits [B, V] -> token ids [B] (int64, on the logits' device)."""
 
@@ -93,7 +108,7 @@ class Sampler:
     @staticmethod
     def _top_k(probs: torch.Tensor, top_ks: torch.Tensor, k_max: int) -> torch.Tensor:
         # Keep each row's k most likely tokens (ties at the k-th kept too); k = 0 keeps every token.
-        kth = probs.topk(min(k_max, probs.shape[-1]), dim=-1).values
+        kth = _largest(probs, k_max)
         threshold = kth.gather(-1, (top_ks.clamp(min=1, max=kth.shape[-1]) - 1)[:, None])
         threshold = torch.where(top_ks[:, None] > 0, threshold, torch.zeros_like(threshold))
         return probs.masked_fill(probs < threshold, 0.0)

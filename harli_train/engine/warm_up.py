@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harli_train.engine.engine_config import EngineError
+from harli_train.engine.sampler import TOP_K_BUCKETS
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.step_result import RequestRefused
 
@@ -17,13 +18,17 @@ if TYPE_CHECKING:
 # short and long, alone and packed.
 WARMUP_PROMPT_LENS = (1, 5, 16, 17, 100, 512, 1000)
 # The sampling of a warm-up's requests, one each in turn: greedy, then the sampler's other paths (a seeded
-# temperature, top-k, top-p), so that their kernels are loaded on the partition before a served request
-# needs them: a kernel's first launch in a context loads it, waiting for the device's queued work.
+# temperature, top-k in each of the sampler's `TOP_K_BUCKETS` (a larger k sorts as top-p does), top-p), so
+# that their kernels are loaded on the partition before a served request needs them: a kernel's first
+# launch in a context loads it, waiting for the device's queued work.
 WARMUP_SAMPLING = (
     SamplingParams(max_tokens=2, ignore_eos=True),
     SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, seed=1),
-    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_k=50, seed=2),
-    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3),
+    *(
+        SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_k=k, seed=2 + i)
+        for i, k in enumerate(TOP_K_BUCKETS)
+    ),
+    SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
 )
 
 

@@ -48,7 +48,7 @@ def run_server(
     slots (default: one per adapter, and 4 more with ``allow_runtime_lora``) of rank ``max_lora_rank``
     (default: the largest given, at least 16); ``kv_cache_gib``: the KV cache's size (default: the engine's
     rule, `EngineConfig`). ``build(config)``: the engine to serve with instead, the base
-    only (tensor parallelism passes rank 0's)."""
+    only (tensor parallelism passes rank 0's, which leads the other ranks through its warm-up too)."""
     from harli_train.adapter import AdapterError
     from harli_train.engine.adapters import AdapterCatalog
     from harli_train.engine.api import build_catalog
@@ -77,7 +77,7 @@ def run_server(
             model, device, config=cfg, adapters=adapters, extra_slots=extra, max_lora_rank=max_lora_rank
         )
         engine = catalog.engine
-        warm_for_serving(engine)
+    warm_for_serving(engine)
     loop = EngineLoop(engine, max_queue=max_queue, catalog=catalog)
     loop.start()
     server = Server(
