@@ -28,6 +28,14 @@ mkdir -p "$HARLI_PROFILE_DIR"
 for stored in "$repo"/bench/profiles/*.json.gz; do
   [ -f "$stored" ] && gunzip -c "$stored" >"$HARLI_PROFILE_DIR/$(basename "${stored%.gz}")"
 done
+# SMOKE_PROFILE: a profile made since (device_call.sh passes its call's), in place of the stored one of its key.
+if [ -s "${SMOKE_PROFILE:-}" ]; then
+  python3 - "$SMOKE_PROFILE" "$HARLI_PROFILE_DIR" <<'PY'
+import json, shutil, sys
+from harli_train.colocate.profile import ProfileKey, default_profile_path
+shutil.copy(sys.argv[1], default_profile_path(ProfileKey(**json.load(open(sys.argv[1]))["key"]), sys.argv[2]))
+PY
+fi
 scratch=$(mktemp -d)
 ln -s "$repo/recipes" "$scratch/recipes"
 results=()

@@ -9,6 +9,7 @@ import pytest
 
 from harli_train.colocate import step_timing
 from harli_train.colocate.predictor import LatencyPredictor, fit_options
+from harli_train.colocate.predictor_setup import GraphedWorkload, workload_kind
 from harli_train.colocate.profile import (
     Profile,
     ProfileError,
@@ -120,6 +121,30 @@ def test_get_or_build_builds_once_then_reuses(tmp_path):
     assert len(calls) == 1 and first.samples == second.samples == samples()
 
 
+def test_a_profile_made_beside_another_kind_of_workload_is_stale_and_made_again(saved, caplog):
+    """`required_meta`: a stored profile whose meta lacks the entry, or holds another value, is stale (the
+    H100's eager-workload profile priced decode beside the trainer 1.35x low on 32 SMs); the profile built
+    instead records it and is reused from then on."""
+    needs = {"corun_workload": "graphed"}
+    with pytest.raises(ProfileError, match="corun_workload=None; this run needs 'graphed'") as err:
+        load_profile(saved, KEY, required_meta=needs)
+    assert err.value.reason == "stale"
+    edit(saved, lambda d: d.setdefault("meta", {}).update(corun_workload="eager"))
+    with pytest.raises(ProfileError, match="corun_workload='eager'"):
+        load_profile(saved, KEY, required_meta=needs)
+    assert load_profile(saved, KEY).samples == samples()  # nothing required: as before
+    calls = []
+    build = lambda: calls.append(1) or Profile(KEY, samples(), {"corun_workload": "graphed"})
+    with caplog.at_level(logging.WARNING):
+        got = get_or_build_profile(saved, KEY, build, required_meta=needs)
+    assert calls == [1] and got.meta["corun_workload"] == "graphed" and "re-profiling" in caplog.text
+    get_or_build_profile(saved, KEY, build, required_meta=needs)
+    assert calls == [1]
+    # The kind a profile records: the assembly's workload, graphed or launched eagerly.
+    eager = lambda part: None
+    assert workload_kind(GraphedWorkload(eager)) == "graphed" and workload_kind(eager) == "eager"
+
+
 @pytest.mark.parametrize("damage", ["stale", "corrupt", "incomplete"])
 def test_get_or_build_rebuilds_bad_profiles_and_says_why(saved, caplog, damage):
     key = KEY
@@ -174,7 +199,8 @@ def test_grid_on_cpu_standin_feeds_the_predictor(tmp_path):
     key = ProfileKey.current("tiny", sm_count=32)
     assert key.gpu_name == "cpu" and key.sm_count == 32
     prof = build_profile(key, decode, lambda p: trained.append(p.train_sms), ladder, kv_bytes_per_token=64.0,
-                         batches=(1, 4), kv_lens=(16, 32), warmup=1, reps=3)  # fmt: skip
+                         corun_workload="graphed", batches=(1, 4), kv_lens=(16, 32), warmup=1,
+                         reps=3)  # fmt: skip
     solo = [s for s in prof.samples if not s["corun"]]
     corun = [s for s in prof.samples if s["corun"]]
     assert len(solo) == 2 * 2 * 2 and len(corun) == 2 * 2  # the full-GPU rung has no trainer beside it
@@ -183,7 +209,7 @@ def test_grid_on_cpu_standin_feeds_the_predictor(tmp_path):
     assert trained and set(trained) == {16}
     assert len(seen) == 12 * (1 + 3)
     save_profile(tmp_path / "grid.json", prof)
-    again = load_profile(tmp_path / "grid.json", key)
+    again = load_profile(tmp_path / "grid.json", key, required_meta={"corun_workload": "graphed"})
     assert again.meta["fma_min_sms"] == FMA_MIN_SMS  # how its batch-1 steps ran (predictor.fit_options)
     pred = LatencyPredictor.fit(
         again.samples, 32, again.meta["kv_bytes_per_token"], **fit_options(again.meta)

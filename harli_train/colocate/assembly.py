@@ -24,7 +24,13 @@ from harli_train.colocate.policy import needs_partitions, profile_shares
 from harli_train.colocate.pool_budget import pool_budget
 from harli_train.colocate.pool_memory import PoolMemory
 from harli_train.colocate.pool_report import disabled as pool_disabled
-from harli_train.colocate.predictor_setup import build_predictor, check_objective, corun_workload
+from harli_train.colocate.predictor_setup import (
+    GraphedWorkload,
+    build_predictor,
+    check_objective,
+    corun_workload,
+    workload_kind,
+)
 from harli_train.colocate.shared_model import base_view
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder, is_cuda_stream, make_ladder
 from harli_train.config import ColocationSection, RecipeConfig, RecipeError
@@ -297,19 +303,29 @@ def assemble(
         parallel.lead(engine)
     # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
     model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
-    corun = (
+    workload = (
         corun_workload(
             trainer.model, cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep, dtype
         )
         if device.type == "cuda"
         else None
     )
-    if corun is not None and parallel is not None:
-        corun = parallel.local_fn(corun)  # a load beside profiled steps: its collectives are not needed
+    corun = workload
+    if workload is not None and parallel is not None:
+        corun = parallel.local_fn(workload)  # a load beside profiled steps: its collectives are not needed
     shares = profile_shares(col.policy, ladder)
     predictor, profile = build_predictor(
-        engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
+        engine,
+        ladder,
+        model_id,
+        corun,
+        col.max_batch,
+        col.profile,
+        shares=shares,
+        corun_kind=workload_kind(workload) if workload is not None else None,
     )
+    if isinstance(workload, GraphedWorkload):
+        workload.release()
     if memory is not None:
         memory.fit_blocks(1)  # the run grows the cache as its load needs; the trainer warms up beside it
     info = {

@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 # Whether the profile's trainer workload runs as a CUDA graph per partition (`graphed_workload`) rather than
-# launched eagerly. Off: graphed, its forward micro-steps back to back slow decode more than the live trainer
-# does (docs/design.md, the predictor); `bench/probe_corun.py` measures both against the same decode points.
-GRAPHED_CORUN = False
+# launched eagerly. On: launched eagerly, its queue cannot get ahead of the GPU beside small decode shares,
+# so those co-run points time decode mostly alone and price it low (docs/design.md, the predictor);
+# `bench/probe_corun.py` measures both against the same decode points. A profile records its kind
+# (`meta.corun_workload`), and a stored one of the other kind is made again.
+GRAPHED_CORUN = True
 
 
 def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
@@ -55,28 +57,46 @@ def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: in
     return graphed_workload(corun) if GRAPHED_CORUN else corun
 
 
-def graphed_workload(eager: Callable[[Partition], None]) -> Callable[[Partition], None]:
+class GraphedWorkload:
     """``eager`` (a profile workload launching on a partition's trainer stream) captured as a CUDA graph on
     each partition's stream at its first call there, after one eager warm-up, and replayed from then on. A
     replay costs the host microseconds, so the micro-steps the profile queues beside a timed decode step
     are all ahead of the GPU however fast the partition runs them. One memory pool serves every partition's
-    graph (they never run at once); the graphs live as long as the returned function."""
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
-    pool = torch.cuda.graph_pool_handle()
+    graph (they never run at once); the graphs live as long as this object."""
 
-    def run(part: Partition) -> None:
-        graph = graphs.get(part.infer_sms)
+    def __init__(self, eager: Callable[[Partition], None]) -> None:
+        self.eager = eager
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None  # made at the first capture
+
+    def __call__(self, part: Partition) -> None:
+        graph = self.graphs.get(part.infer_sms)
         if graph is None:
-            eager(part)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.eager(part)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=part.train_stream):
-                eager(part)
-            graphs[part.infer_sms] = graph
+            with torch.cuda.graph(graph, pool=self.pool, stream=part.train_stream):
+                self.eager(part)
+            self.graphs[part.infer_sms] = graph
         with torch.cuda.stream(part.train_stream):
             graph.replay()
 
-    return run
+    def release(self) -> None:
+        """Drop the graphs and give their pool's memory back (once profiling is done with them)."""
+        self.graphs.clear()
+        torch.cuda.empty_cache()
+
+
+def graphed_workload(eager: Callable[[Partition], None]) -> GraphedWorkload:
+    """``eager`` captured per partition (``GraphedWorkload``)."""
+    return GraphedWorkload(eager)
+
+
+def workload_kind(corun: Callable[[Partition], None]) -> str:
+    """How a profile workload runs the trainer's work: "graphed" (``GraphedWorkload``) or "eager"."""
+    return "graphed" if isinstance(corun, GraphedWorkload) else "eager"
 
 
 def mixed_grid(max_batch: int, max_tokens: int, max_len: int, on_gpu: bool) -> MixedGrid:
@@ -108,9 +128,12 @@ def build_predictor(
     batches: tuple[int, ...] | None = None,
     kv_lens: tuple[int, ...] | None = None,
     shares: list[int] | None = None,
+    corun_kind: str | None = None,
 ) -> tuple[LatencyPredictor, Profile]:
     """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it);
-    ``shares``: the decode shares to cover (default: every rung)."""
+    ``shares``: the decode shares to cover (default: every rung). On a GPU a stored profile must have been
+    made beside the same kind of workload as ``corun`` (``corun_kind``, default ``workload_kind(corun)``;
+    give it when ``corun`` wraps the workload)."""
     on_gpu = is_cuda_stream(ladder.full.infer_stream)
     engine.register(ladder.partitions)
     max_len = engine.engine.config.max_model_len - 1
@@ -128,6 +151,8 @@ def build_predictor(
     cfg = engine.engine.config
     shares = sorted(set(shares or ladder.shares))
     mixed = mixed_grid(max_batch, min(cfg.max_num_batched_tokens, max_len // 2), max_len, on_gpu)
+    # What the co-run points ran beside (GPU only: the CPU stand-in's trainer loops in a thread).
+    workload = (corun_kind or workload_kind(corun)) if on_gpu and corun is not None else None
     grid = dict(
         batches=batches,
         kv_lens=kv_lens,
@@ -156,6 +181,7 @@ def build_predictor(
             ladder,
             engine.kv_bytes_per_token,
             engine.engine.mixed_token_buckets,
+            corun_workload=workload,
             **grid,
         )
 
@@ -163,7 +189,8 @@ def build_predictor(
         profile = build()
     else:
         stored = Path(path or default_profile_path(key))
-        profile = get_or_build_profile(stored, key, build, shares)
+        needs = {"corun_workload": workload} if workload is not None else None
+        profile = get_or_build_profile(stored, key, build, shares, needs)
         if grid["lora_slots"] and lacks_adapter_steps(profile.samples):
             log.warning(
                 "profile %s has no %s on adapters, which this engine serves: timing those (the rest stands)",

@@ -4,8 +4,9 @@ A profile holds the median latency of real decode steps over a grid of batch siz
 share, and of mixed steps (decode rows plus a prefill chunk) over a grid of chunk sizes and contexts, alone
 and beside representative trainer micro-steps; the predictor is fitted to it. A profile is
 only reused when its key (GPU, SM count, model, torch, triton, driver, harli-train) matches the machine
-exactly: a stale, corrupt or incomplete file raises ``ProfileError`` with the reason, and
-``get_or_build_profile`` re-profiles instead of using it.
+exactly, and its ``meta`` records what the caller requires (how the trainer beside decode was run): a stale,
+corrupt or incomplete file raises ``ProfileError`` with the reason, and ``get_or_build_profile`` re-profiles
+instead of using it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,13 @@ def save_profile(path: str | os.PathLike, profile: Profile) -> None:
 
 
 def load_profile(
-    path: str | os.PathLike, expected_key: ProfileKey | None = None, required_shares: Iterable[int] = ()
+    path: str | os.PathLike,
+    expected_key: ProfileKey | None = None,
+    required_shares: Iterable[int] = (),
+    required_meta: Mapping[str, Any] | None = None,
 ) -> Profile:
-    """Read and validate a profile; ``ProfileError`` says what is wrong with it."""
+    """Read and validate a profile; ``ProfileError`` says what is wrong with it (stale: another key, a share
+    of ``required_shares`` missing, or a ``required_meta`` entry its meta does not hold)."""
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"no profile at {path}", "missing")
@@ -157,6 +162,12 @@ def load_profile(
     lacking = sorted(set(required_shares) - set(profile.shares))
     if lacking:
         raise ProfileError(f"profile {path} covers SM shares {profile.shares}, not {lacking}", "stale")
+    for name, want in (required_meta or {}).items():
+        if profile.meta.get(name) != want:
+            raise ProfileError(
+                f"profile {path} was made with {name}={profile.meta.get(name)!r}; this run needs {want!r}",
+                "stale",
+            )
     return profile
 
 
@@ -206,12 +217,14 @@ def get_or_build_profile(
     key: ProfileKey,
     build_fn: Callable[[], Profile | list[dict[str, Any]]],
     required_shares: Iterable[int] = (),
+    required_meta: Mapping[str, Any] | None = None,
 ) -> Profile:
-    """The stored profile when it matches ``key``; otherwise say why, re-profile and store the result."""
+    """The stored profile when it matches ``key`` (and ``load_profile``'s requirements); otherwise say why,
+    re-profile and store the result."""
     path = Path(path)
     required = list(required_shares)
     try:
-        return load_profile(path, key, required)
+        return load_profile(path, key, required, required_meta)
     except ProfileError as err:
         if err.reason == "missing":
             log.info("%s: profiling", err)
@@ -226,7 +239,7 @@ def get_or_build_profile(
             f"the re-profile was made for {profile.key.describe()}, not {key.describe()}", "stale"
         )
     save_profile(path, profile)
-    return load_profile(path, key, required)
+    return load_profile(path, key, required, required_meta)
 
 
 def default_profile_path(key: ProfileKey, root: str | os.PathLike | None = None) -> Path:

@@ -157,10 +157,12 @@ def build_profile(
     ladder: SMLadder,
     kv_bytes_per_token: float,
     mixed_buckets: tuple[int, ...] = (),
+    corun_workload: str | None = None,
     **grid: Any,
 ) -> Profile:
     """Run the grid and wrap it with what the predictor needs (``kv_bytes_per_token``, ``mixed_buckets``: the
-    token buckets the engine padded the mixed steps to) and provenance."""
+    token buckets the engine padded the mixed steps to) and provenance (``corun_workload``: how
+    ``corun_fn`` runs the trainer's work, recorded when given)."""
     t0 = time.time()
     samples = run_profile_grid(decode_step_fn, corun_fn, ladder, **grid)
     meta = {
@@ -169,6 +171,7 @@ def build_profile(
         "fma_min_sms": FMA_MIN_SMS,  # batch 1's GEMV formulation by share (predictor.fit_options)
         "ladder": ladder.describe(),
         "ladder_kind": ladder.kind,
+        **({"corun_workload": corun_workload} if corun_workload is not None else {}),
         "created_unix": t0,
         "profile_seconds": time.time() - t0,
         "grid": {
