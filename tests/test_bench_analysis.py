@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 import analyze_colocate  # noqa: E402
 import colocate_matrix  # noqa: E402
 import colocate_windows  # noqa: E402
+import profile_fit  # noqa: E402
 import replan_mixed  # noqa: E402
 import replay_controller  # noqa: E402
 import step_measures  # noqa: E402
@@ -275,6 +276,31 @@ def test_replan_mixed_moves_whole_gpu_mixed_steps_beside_the_trainer_where_a_flo
     assert got["moves"][32] == {112: 1} and got["chunks"][(32, 112)][0] >= 61
     assert got["moves"][64] == {None: 1} and got["moves"][128] == {None: 1}
     assert replan_mixed.replan(rows, predictor, shares, 0.0088, [32], 256, 1.2)["moves"][32] == {None: 1}
+
+
+def test_profile_fit_prices_each_share_against_the_profiles_raw_model_beside_the_trainer_and_alone():
+    """bench/profile_fit.py on the H200 profile of 2026-12-04: decode steps beside the trainer measured 1.3x
+    the raw co-run model on 32 SMs and as modelled on 96 read 1.3 and 1.0 in the co-run column, and more
+    than that against the step alone (the trainer costs decode); steps alone or mixed are left out, and a
+    policy family takes harli's variants."""
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
+    predictor = replan_mixed.fitted(profile)
+    rows = []
+    for sms, factor, batch in ((32, 1.3, 4), (32, 1.3, 6), (96, 1.0, 20), (96, 1.0, 24)):
+        raw = predictor.predict(batch, batch * 500, sms, corun=True, raw=True)
+        rows.append(dict(kind="decode", train="beside", batch=batch, kv_tokens=batch * 500, infer_sms=sms,
+                         measured_s=factor * raw))  # fmt: skip
+    rows += [
+        dict(kind="decode", train="none", batch=4, kv_tokens=2000, infer_sms=132, measured_s=0.02),
+        dict(kind="mixed", train="beside", batch=4, kv_tokens=2000, infer_sms=32, measured_s=0.02),
+    ]
+    fit = profile_fit.fit_by_share(predictor, rows)
+    assert set(fit) == {(32, "2-8"), (96, "17-32")}
+    assert fit[(32, "2-8")]["steps"] == 2 and abs(fit[(32, "2-8")]["corun_median"] - 1.3) < 1e-9
+    assert abs(fit[(96, "17-32")]["corun_median"] - 1.0) < 1e-9
+    assert all(f["solo_median"] > f["corun_median"] for f in fit.values())
+    assert profile_fit.of_policy("harli:grow=0", "harli") and not profile_fit.of_policy("static:64", "harli")
+    assert profile_fit.of_policy("static:64", "static:64")
 
 
 def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_the_visit_rule():
