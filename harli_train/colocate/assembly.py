@@ -29,7 +29,6 @@ from harli_train.colocate.predictor_setup import (
     build_predictor,
     check_objective,
     corun_workload,
-    workload_kind,
 )
 from harli_train.colocate.shared_model import base_view
 from harli_train.colocate.sm import SMLadder, TimeSliceLadder, is_cuda_stream, make_ladder
@@ -303,29 +302,25 @@ def assemble(
         parallel.lead(engine)
     # Every policy sizes its mixed steps' prefill chunks from the predictor; harli picks its shares with it.
     model_id = f"{serve_model}|{dtype}|batch{col.max_batch}|{ladder.kind}"
-    workload = (
+    # Under tensor parallelism the load beside profiled steps runs without collectives (it needs none).
+    corun = (
         corun_workload(
-            trainer.model, cfg.train.batch_size, cfg.data.seq_len, cfg.train.layers_per_microstep, dtype
+            trainer.model,
+            cfg.train.batch_size,
+            cfg.data.seq_len,
+            cfg.train.layers_per_microstep,
+            dtype,
+            wrap=parallel.local_fn if parallel is not None else None,
         )
         if device.type == "cuda"
         else None
     )
-    corun = workload
-    if workload is not None and parallel is not None:
-        corun = parallel.local_fn(workload)  # a load beside profiled steps: its collectives are not needed
     shares = profile_shares(col.policy, ladder)
     predictor, profile = build_predictor(
-        engine,
-        ladder,
-        model_id,
-        corun,
-        col.max_batch,
-        col.profile,
-        shares=shares,
-        corun_kind=workload_kind(workload) if workload is not None else None,
+        engine, ladder, model_id, corun, col.max_batch, col.profile, shares=shares
     )
-    if isinstance(workload, GraphedWorkload):
-        workload.release()
+    if isinstance(corun, GraphedWorkload):
+        corun.release()
     if memory is not None:
         memory.fit_blocks(1)  # the run grows the cache as its load needs; the trainer warms up beside it
     info = {

@@ -40,9 +40,17 @@ CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
 GRAPHED_CORUN = True
 
 
-def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: int, dtype: torch.dtype):
+def corun_workload(
+    model: LlamaForCausalLM,
+    batch: int,
+    seq_len: int,
+    layers: int,
+    dtype: torch.dtype,
+    wrap: Callable[[Callable], Callable] | None = None,
+):
     """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad;
-    captured per partition (``graphed_workload``) when ``GRAPHED_CORUN``."""
+    captured per partition (``graphed_workload``) when ``GRAPHED_CORUN``. ``wrap``: what each eager launch
+    (a capture's too) runs inside, e.g. tensor parallelism's ``local_fn`` (no collectives)."""
     device = model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(batch, seq_len, model.config.hidden_size, generator=gen, device=device).to(dtype)
@@ -54,7 +62,8 @@ def corun_workload(model: LlamaForCausalLM, batch: int, seq_len: int, layers: in
             with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                 model.run_layers(0, layers, hidden, None, cos, sin)
 
-    return graphed_workload(corun) if GRAPHED_CORUN else corun
+    eager = corun if wrap is None else wrap(corun)
+    return graphed_workload(eager) if GRAPHED_CORUN else eager
 
 
 class GraphedWorkload:
@@ -128,12 +137,10 @@ def build_predictor(
     batches: tuple[int, ...] | None = None,
     kv_lens: tuple[int, ...] | None = None,
     shares: list[int] | None = None,
-    corun_kind: str | None = None,
 ) -> tuple[LatencyPredictor, Profile]:
     """Fit the predictor to the stored profile of this machine, or profile the engine now (and store it);
     ``shares``: the decode shares to cover (default: every rung). On a GPU a stored profile must have been
-    made beside the same kind of workload as ``corun`` (``corun_kind``, default ``workload_kind(corun)``;
-    give it when ``corun`` wraps the workload)."""
+    made beside the same kind of workload as ``corun`` (``workload_kind``)."""
     on_gpu = is_cuda_stream(ladder.full.infer_stream)
     engine.register(ladder.partitions)
     max_len = engine.engine.config.max_model_len - 1
@@ -152,7 +159,7 @@ def build_predictor(
     shares = sorted(set(shares or ladder.shares))
     mixed = mixed_grid(max_batch, min(cfg.max_num_batched_tokens, max_len // 2), max_len, on_gpu)
     # What the co-run points ran beside (GPU only: the CPU stand-in's trainer loops in a thread).
-    workload = (corun_kind or workload_kind(corun)) if on_gpu and corun is not None else None
+    workload = workload_kind(corun) if on_gpu and corun is not None else None
     grid = dict(
         batches=batches,
         kv_lens=kv_lens,
