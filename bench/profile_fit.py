@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 from replan_mixed import fitted  # noqa: E402
-from step_measures import BATCH_SIZES, batch_size, rows_of, windows  # noqa: E402
+from step_measures import BATCH_SIZES, batch_size, decode_beside, rows_of, windows  # noqa: E402
 
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
 
@@ -40,9 +40,7 @@ def fit_by_share(predictor: LatencyPredictor, rows: list[dict]) -> dict[tuple[in
     """{(decode SMs, batch range): steps, medians and p95 of measured / raw co-run and measured / solo} over
     the decode steps beside the trainer among ``rows`` (a window's records, ``step_measures.rows_of``)."""
     ratios: dict[tuple[int, str], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for r in rows:
-        if r["kind"] != "decode" or r.get("train") != "beside" or not r.get("measured_s"):
-            continue
+    for r in decode_beside(rows):
         corun = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], corun=True, raw=True)
         solo = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], corun=False, raw=True)
         co, alone = ratios[(r["infer_sms"], batch_size(r["batch"]))]

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 from replan_mixed import fitted  # noqa: E402
-from step_measures import rows_of, windows  # noqa: E402
+from step_measures import decode_beside, rows_of, windows  # noqa: E402
 
 from harli_train.colocate.policy import BESIDE, HarliPolicy, make_policy  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
@@ -59,9 +59,7 @@ def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, lis
     """Per share, in the window's order, what its decode steps beside the trainer took over their raw
     prediction."""
     ratios: dict[int, list[float]] = defaultdict(list)
-    for r in rows:
-        if r.get("kind") != "decode" or r.get("train") != "beside" or not r.get("measured_s"):
-            continue
+    for r in decode_beside(rows):
         seen = max(r["measured_s"], r.get("interval_s") or 0.0)
         raw = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], True, raw=True)
         ratios[r["infer_sms"]].append(seen / raw)

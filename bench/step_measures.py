@@ -4,39 +4,37 @@ share, measured/predicted by transition, share and chunk, violations, host gaps,
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from colocate_matrix import STEP_COLUMNS  # noqa: E402
 
 KINDS = ("grow", "shrink", "exit whole GPU", "after prefill", "same share")
 CHUNK_SIZES = ((1, 63), (64, 127), (128, 255), (256, None))  # prefill tokens of a mixed step, inclusive
 BATCH_SIZES = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64), (65, None))  # decode rows, inclusive
-# Files before 2026-11-29's last runs lack these (older ones also lack step_columns).
-ADDED_COLUMNS = (
-    "predicted_s",
-    "gpu_s",
-    "interval_s",
-    "trainer_launching",
-    "trainer_phase",
-    "launch_s",
-    "trainer_queue",
-    "adapter_rows",
-    "mixed_raw_s",
-    "host_gap_s",
-    "plan_s",
-    "train_step",
-    "forward_launch_s",
+# The columns of the step records in files without step_columns (before 2026-11-29's last runs).
+LEGACY_STEP_COLUMNS = (
+    "t",
+    "kind",
+    "batch",
+    "infer_sms",
+    "train_sms",
+    "train",
+    "measured_s",
+    "micro_steps",
+    "reason",
+    "kv_tokens",
+    "prefill_tokens",
 )
 
 
 def rows_of(entry: dict) -> list[dict[str, Any]]:
     """The window's kept per-step records as dicts (older files lack some columns)."""
-    cols = entry.get("step_columns") or [c for c in STEP_COLUMNS if c not in ADDED_COLUMNS]
+    cols = entry.get("step_columns") or LEGACY_STEP_COLUMNS
     return [dict(zip(cols, r, strict=False)) for r in entry.get("steps", [])]
+
+
+def decode_beside(rows: list[dict]) -> list[dict]:
+    """The decode steps beside the trainer among ``rows`` that carry a measured latency."""
+    return [r for r in rows if r["kind"] == "decode" and r.get("train") == "beside" and r.get("measured_s")]
 
 
 def trainer_share(rows: list[dict], total_sms: int) -> tuple[float, float]:
@@ -96,11 +94,10 @@ def beside_fit(rows: list[dict]) -> dict[tuple[int, int], list[float]]:
     transition."""
     out: dict[tuple[int, int], list[float]] = defaultdict(list)
     lows = [lo for lo, _ in BATCH_SIZES]
-    for row in rows:
-        pred, meas = row.get("predicted_s"), row.get("measured_s")
-        if row["kind"] == "decode" and row.get("train") == "beside" and pred and meas:
+    for row in decode_beside(rows):
+        if row.get("predicted_s"):
             low = max(lo for lo in lows if lo <= row["batch"])
-            out[(row["infer_sms"], low)].append(meas / pred)
+            out[(row["infer_sms"], low)].append(row["measured_s"] / row["predicted_s"])
     return out
 
 
