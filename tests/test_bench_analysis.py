@@ -718,8 +718,8 @@ def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tm
     the H100's standalone rates, on an H200 the H200's, and on a machine without a GPU the first stored
     profile and the H200's rates of 2026-12-04. Steps whose trainer is graphed take rates measured graphed
     on that GPU (without a GPU: the H200's eager ones, which bench_colocate measures again). A stored
-    profile not made beside the graphed co-run workload (both stored ones, until they are made again) is
-    named as one to make again."""
+    profile not made beside the graphed co-run workload (``meta.corun_workload``) is named as one to make
+    again, and one made beside it is not."""
     fake = tmp_path / "bin"
     fake.mkdir()
     seen = {}
@@ -752,7 +752,10 @@ def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tm
     assert h100["standalone graphed"].endswith("/2026-12-06-bench_colocate-standalone-h100-graphs.json")
     assert h200["standalone graphed"].endswith("/2026-12-06-bench_colocate-standalone-h200-graphs.json")
     assert none["standalone graphed"].endswith("/2026-12-04-bench_colocate-standalone.json")
-    assert "make it again" in h200["profile check"] and "make it again" in h100["profile check"]
+    for seen_gpu in (h100, h200):
+        stored = BENCH.parent / seen_gpu["profile"]
+        stale = json.loads(gzip.decompress(stored.read_bytes()))["meta"].get("corun_workload") != "graphed"
+        assert ("make it again" in seen_gpu.get("profile check", "")) == stale, seen_gpu
 
 
 @pytest.mark.slow
