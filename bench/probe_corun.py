@@ -6,7 +6,7 @@ Assembles the co-located job (``assembly.assemble``, the command line's assembly
 runs the profile grid's decode points (``run_profile_grid``: alone, then beside the trainer's micro-steps
 queued up front) on a few shares twice in one process: with the profile's trainer workload
 (``predictor_setup.corun_workload``, its eager launches whatever ``GRAPHED_CORUN`` says) and with the same
-workload captured as one CUDA graph per partition (``predictor_setup.graphed_workload``: a launch costs
+workload captured as one CUDA graph per partition (``predictor_setup.GraphedWorkload``: a launch costs
 microseconds, so the queue really is ahead of the GPU, as the graphed trainer of a co-located run is).
 For each it reports every point's beside / alone ratio, each share's spread of them, the workload's
 micro-step seconds, the points whose trainer queue ran dry before their decode steps ended
@@ -32,7 +32,7 @@ import common  # noqa: E402
 
 from harli_train.colocate import assembly, predictor_setup  # noqa: E402
 from harli_train.colocate.predictor import LatencyPredictor  # noqa: E402
-from harli_train.colocate.predictor_setup import graphed_workload  # noqa: E402
+from harli_train.colocate.predictor_setup import GraphedWorkload  # noqa: E402
 from harli_train.colocate.profile_grid import run_profile_grid  # noqa: E402
 from harli_train.config import load_recipe  # noqa: E402
 
@@ -120,7 +120,7 @@ def main() -> None:
     )
     workloads = {"eager": eager}
     if on_gpu:
-        workloads["graphed"] = graphed_workload(eager)
+        workloads["graphed"] = GraphedWorkload(eager)
     result: dict[str, Any] = {"grid": {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()}}
     for name, fn in workloads.items():
         try:

@@ -62,10 +62,10 @@ def test_green_context_rungs_confine_kernels_to_disjoint_sms():
 
 
 def test_the_graphed_profile_workload_replays_one_capture_per_partition_on_its_trainer_sms():
-    """`predictor_setup.graphed_workload`: the first call on a partition runs the workload once and captures
+    """`predictor_setup.GraphedWorkload`: the first call on a partition runs the workload once and captures
     it on that partition's trainer stream, every call replays the partition's own graph (once each), and the
     replays run on the trainer's SMs only."""
-    from harli_train.colocate.predictor_setup import graphed_workload
+    from harli_train.colocate.predictor_setup import GraphedWorkload
     from harli_train.colocate.sm import SMLadder
 
     ladder = SMLadder.create(step=16)
@@ -80,7 +80,7 @@ def test_the_graphed_profile_workload_replays_one_capture_per_partition_on_its_t
                 count.add_(1)
                 _write_sm_ids(seen)
 
-        run = graphed_workload(eager)
+        run = GraphedWorkload(eager)
         a, b = ladder.spatial[0], ladder.spatial[-1]
         for part in (a, a, b, a):
             run(part)

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 GPU_BATCHES, GPU_KV_LENS = (1, 8, 32, 64, 128), (256, 1024, 2048)
 CPU_BATCHES, CPU_KV_LENS = (1, 4, 16), (64, 256, 1024)
-# Whether the profile's trainer workload runs as a CUDA graph per partition (`graphed_workload`) rather than
+# Whether the profile's trainer workload runs as a CUDA graph per partition (`GraphedWorkload`) rather than
 # launched eagerly. On: launched eagerly, its queue cannot get ahead of the GPU beside small decode shares,
 # so those co-run points time decode mostly alone and price it low (docs/design.md, the predictor);
 # `bench/probe_corun.py` measures both against the same decode points. A profile records its kind
@@ -49,7 +49,7 @@ def corun_workload(
     wrap: Callable[[Callable], Callable] | None = None,
 ):
     """A trainer-shaped micro-step for profiling: ``layers`` layers forward over [batch, seq_len], no grad;
-    captured per partition (``graphed_workload``) when ``GRAPHED_CORUN``. ``wrap``: what each eager launch
+    captured per partition (``GraphedWorkload``) when ``GRAPHED_CORUN``. ``wrap``: what each eager launch
     (a capture's too) runs inside, e.g. tensor parallelism's ``local_fn`` (no collectives)."""
     device = model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
@@ -63,7 +63,7 @@ def corun_workload(
                 model.run_layers(0, layers, hidden, None, cos, sin)
 
     eager = corun if wrap is None else wrap(corun)
-    return graphed_workload(eager) if GRAPHED_CORUN else eager
+    return GraphedWorkload(eager) if GRAPHED_CORUN else eager
 
 
 class GraphedWorkload:
@@ -96,11 +96,6 @@ class GraphedWorkload:
         """Drop the graphs and give their pool's memory back (once profiling is done with them)."""
         self.graphs.clear()
         torch.cuda.empty_cache()
-
-
-def graphed_workload(eager: Callable[[Partition], None]) -> GraphedWorkload:
-    """``eager`` captured per partition (``GraphedWorkload``)."""
-    return GraphedWorkload(eager)
 
 
 def workload_kind(corun: Callable[[Partition], None]) -> str:
