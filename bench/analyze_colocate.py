@@ -254,6 +254,9 @@ def main() -> None:
         matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge], names, args.keep_steps)
         print(f"wrote {colocate_matrix.write(args.out, matrix)} ({len(args.merge)} calls)")
         print(colocate_matrix.table(matrix))
+        light = colocate_matrix.light_bar_table(matrix)
+        if light:
+            print(light)
         return
     if not args.results:
         ap.error("give a result to analyze, or --merge RESULT ... --out MATRIX")

@@ -587,9 +587,9 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace, scratch: Pat
         if note:
             print(f"note: {note}")
     print(colocate_matrix.table(matrix))
-    variants = colocate_matrix.variants_table(matrix)
-    if variants:
-        print(variants)
+    for extra in (colocate_matrix.light_bar_table(matrix), colocate_matrix.variants_table(matrix)):
+        if extra:
+            print(extra)
 
 
 if __name__ == "__main__":

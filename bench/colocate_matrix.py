@@ -391,6 +391,10 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
             )
             if load_name == "light" and solo and tok is not None:
                 v["fraction_of_standalone"] = tok / solo
+                # Its two factors: what the SMs harli gave the trainer (pauses included) are worth, and
+                # share_efficiency, what the trainer made of them.
+                eff = harli.get("share_efficiency")
+                v["shares_worth_of_standalone"] = tok / eff / solo if eff else None
             beats = (
                 bool(v.get("beats_best_static") and v.get("share_efficiency_ok"))
                 if base is not None
@@ -505,6 +509,31 @@ def table(matrix: dict[str, Any]) -> str:
                 ]
             )
     return common.table(rows, head)
+
+
+def light_bar_table(matrix: dict[str, Any]) -> str:
+    """harli's fraction of the whole GPU's standalone rate in each light cell, against ``LIGHT_FRACTION_BAR``,
+    as its two factors (the verdict's ``shares_worth_of_standalone`` times harli's ``share_efficiency``) and
+    the fraction of the window harli's trainer was paused; "" when no light cell has the fraction."""
+    head = ["objective", "cell", "of standalone", "bar", "shares' worth", "x share eff.", "paused"]
+    rows = []
+    for name, v in matrix.get("verdict", {}).get("cells", {}).items():
+        if v.get("fraction_of_standalone") is None:
+            continue
+        obj_name, key = name.split(" ", 1)
+        harli = matrix["objectives"][obj_name]["cells"][key]["policies"].get("harli", {})
+        rows.append(
+            [
+                obj_name,
+                key,
+                _f(v["fraction_of_standalone"], 3),
+                _f(LIGHT_FRACTION_BAR, 2),
+                _f(v.get("shares_worth_of_standalone"), 3),
+                _f(harli.get("share_efficiency"), 3),
+                _f(harli.get("paused_fraction"), 3),
+            ]
+        )
+    return common.table(rows, head) if rows else ""
 
 
 def variants_table(matrix: dict[str, Any]) -> str:

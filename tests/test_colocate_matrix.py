@@ -256,6 +256,14 @@ def test_the_light_bar_divides_by_the_whole_gpu_rate_the_cells_own_call_measured
     cm.finish(matrix)
     v = matrix["verdict"]["cells"]["auto:1.5 steady/light"]
     assert v["fraction_of_standalone"] == pytest.approx(0.75)
+    # The bar's two factors: what harli's shares are worth on the whole GPU's scale, times its efficiency.
+    eff = light["policies"]["harli"]["share_efficiency"]
+    assert 0 < eff < 1.5 and v["shares_worth_of_standalone"] * eff == pytest.approx(0.75)
+    worth = cm.share_worth(light["policies"]["harli"]["trainer_sm_seconds"], RATES)
+    assert v["shares_worth_of_standalone"] == pytest.approx(worth / 10000.0)
+    text = cm.light_bar_table(matrix)
+    assert "steady/light" in text and "0.750" in text and f"{worth / 10000.0:.3f}" in text
+    assert cm.light_bar_table({"verdict": {"cells": {}}}) == ""
 
 
 def test_harli_variants_are_compared_with_harli_and_never_judged_as_baselines():
