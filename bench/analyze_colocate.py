@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
+import colocate_tables  # noqa: E402
 import common  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 from stall_report import sampled_stalls, slow_launches  # noqa: E402
@@ -253,8 +254,8 @@ def main() -> None:
         names = [Path(p).name for p in args.merge]
         matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge], names, args.keep_steps)
         print(f"wrote {colocate_matrix.write(args.out, matrix)} ({len(args.merge)} calls)")
-        print(colocate_matrix.table(matrix))
-        light = colocate_matrix.light_bar_table(matrix)
+        print(colocate_tables.table(matrix))
+        light = colocate_tables.light_bar_table(matrix)
         if light:
             print(light)
         return

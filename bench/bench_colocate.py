@@ -94,6 +94,7 @@ from harli_train.cuda_env import SETTINGS, prefer_cuda_env  # noqa: E402
 CUDA_ENV = prefer_cuda_env()  # before any CUDA context exists (see harli_train/cuda_env.py)
 
 import colocate_matrix  # noqa: E402
+import colocate_tables  # noqa: E402
 import common  # noqa: E402
 import torch  # noqa: E402
 from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
@@ -586,8 +587,8 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace, scratch: Pat
     for note in [result.get("out_of_time"), (result.get("fatal") or {}).get("error")] + errors:
         if note:
             print(f"note: {note}")
-    print(colocate_matrix.table(matrix))
-    for extra in (colocate_matrix.light_bar_table(matrix), colocate_matrix.variants_table(matrix)):
+    print(colocate_tables.table(matrix))
+    for extra in (colocate_tables.light_bar_table(matrix), colocate_tables.variants_table(matrix)):
         if extra:
             print(extra)
 

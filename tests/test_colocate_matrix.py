@@ -1,5 +1,5 @@
 """bench/colocate_matrix.py: share worth and efficiency, the best clean fixed split per cell and per trace,
-the verdict's bars, and merging per-call results into one matrix."""
+the verdict's bars, and merging per-call results into one matrix; bench/colocate_tables.py: what is printed."""
 
 import json
 import sys
@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import colocate_matrix as cm  # noqa: E402
+import colocate_tables as ct  # noqa: E402
 
 RATES = {20: 4000.0, 52: 9000.0, 84: 13000.0, 116: 15000.0}
 
@@ -69,7 +70,7 @@ def test_best_fixed_splits_and_the_verdict():
     assert v["auto:1.5 steady/heavy"]["beats_best_static"]  # 9000 vs 8900: within the noise
     assert not v["auto:1.5 bursty/light"]["pass"]  # no fixed split to compare against: a failure
     assert not matrix["verdict"]["all_pass"]
-    assert "none clean" in cm.table(matrix)
+    assert "none clean" in ct.table(matrix)
 
 
 def test_merge_puts_calls_side_by_side_and_recomputes():
@@ -173,7 +174,7 @@ def test_a_cell_where_no_fixed_split_keeps_the_objective_is_judged_against_the_b
     assert varying["best_baseline"] is None and varying["vs_best_baseline"] is None and not varying["pass"]
     fits = v["auto:2 longctx/heavy"]  # a clean harli that trains beats a clean baseline that trains nothing
     assert fits["best_baseline"] == "temporal" and fits["vs_best_baseline"] is None and fits["pass"]
-    text = cm.table(matrix)
+    text = ct.table(matrix)
     assert "none clean; temporal" in text and "none clean; temporal not run" in text
     assert "none clean; no training" in text
     # A merged matrix finds the ladder in its calls' set-ups, and merged again (alone, or with more calls)
@@ -217,7 +218,7 @@ def test_where_the_engine_alone_breaks_the_objectives_clean_reads_as_clean_as_th
     assert "infeasible" not in third and not third["harli_clean"] and not third["pass"]
     assert cm.keeps(infeasible["policies"]["static:112"], infeasible)
     assert not cm.keeps(infeasible["policies"]["temporal"], infeasible)
-    text = cm.table(matrix)
+    text = ct.table(matrix)
     assert "as alone" in text and "infeasible (alone 0.0500); none clean" in text
 
 
@@ -261,9 +262,9 @@ def test_the_light_bar_divides_by_the_whole_gpu_rate_the_cells_own_call_measured
     assert 0 < eff < 1.5 and v["shares_worth_of_standalone"] * eff == pytest.approx(0.75)
     worth = cm.share_worth(light["policies"]["harli"]["trainer_sm_seconds"], RATES)
     assert v["shares_worth_of_standalone"] == pytest.approx(worth / 10000.0)
-    text = cm.light_bar_table(matrix)
+    text = ct.light_bar_table(matrix)
     assert "steady/light" in text and "0.750" in text and f"{worth / 10000.0:.3f}" in text
-    assert cm.light_bar_table({"verdict": {"cells": {}}}) == ""
+    assert ct.light_bar_table({"verdict": {"cells": {}}}) == ""
 
 
 def test_harli_variants_are_compared_with_harli_and_never_judged_as_baselines():
@@ -282,12 +283,12 @@ def test_harli_variants_are_compared_with_harli_and_never_judged_as_baselines():
     }
     v = cm.finish(matrix)["verdict"]["cells"]["auto:1.5 steady/light"]
     assert v["best_baseline"] == "temporal" and v["vs_best_baseline"] == pytest.approx(8000 / 3500)
-    lines = cm.variants_table(matrix).splitlines()
+    lines = ct.variants_table(matrix).splitlines()
     assert lines[0].split()[:5] == ["objective", "cell", "policy", "tok/s", "/harli"]
     by_name = {line.split()[2]: line.split() for line in lines[1:]}
     assert by_name["harli:window=0.1"][3:6] == ["8800", "1.100", "yes"]
     assert by_name["harli"][3:5] == ["8000", "1.000"]
     assert (
-        cm.variants_table({"objectives": {"auto:1.5": {"cells": {"steady/light": cell(harli=row(1.0))}}}})
+        ct.variants_table({"objectives": {"auto:1.5": {"cells": {"steady/light": cell(harli=row(1.0))}}}})
         == ""
     )
