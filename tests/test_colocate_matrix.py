@@ -1,5 +1,5 @@
 """bench/colocate_matrix.py: share worth and efficiency, the best clean fixed split per cell and per trace,
-the verdict's bars, and merging per-call results into one matrix; bench/colocate_tables.py: what is printed."""
+the verdict's bars, and merging per-call results into one matrix; bench/colocate_tables.py: the tables."""
 
 import json
 import sys
