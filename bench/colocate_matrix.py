@@ -15,7 +15,8 @@ splits' sweep started from) and, when its call measured it (``--whole-gpu-now``)
 ``whole_gpu_tokens_per_s``: the trainer alone on the whole GPU in the same call, which the light bar then
 divides by; a cell's key is ``trace/load``, ``varying/1x`` for the trace run whole. A policy
 row (``policy_row``) holds ``finetune_tokens_per_s``, ``tpot_attainment``, ``violation_rate``,
-``violations``, ``clean``, ``share_efficiency`` (its tokens/s over the standalone worth of the SMs it held),
+``violations``, ``clean``, ``share_worth_tokens_per_s`` (the standalone worth of the SMs it held, pauses as
+none), ``share_efficiency`` (its tokens/s over that worth),
 ``fraction_of_ideal``, the TTFT/TPOT/token-interval figures, ``trainer_sm_seconds``, ``share_histogram`` and
 ``unused_sm_fraction``;
 a cell's ``exclusive`` row (the engine alone on the whole GPU) says whether its objectives can be kept at all
@@ -275,6 +276,7 @@ def rate_cell(cell: dict[str, Any], by_train_sms: dict[int, float]) -> dict[str,
             continue
         worth = share_worth(row.get("trainer_sm_seconds") or {}, by_train_sms)
         tok = row["finetune_tokens_per_s"]
+        row["share_worth_tokens_per_s"] = worth
         row["share_efficiency"] = tok / worth if worth else None
         row["fraction_of_ideal"] = tok / ideal if ideal else None
     clean = [
@@ -391,8 +393,8 @@ def verdict(matrix: dict[str, Any]) -> dict[str, Any]:
                 v["fraction_of_standalone"] = tok / solo
                 # Its two factors: what the SMs harli gave the trainer (pauses included) are worth, and
                 # share_efficiency, what the trainer made of them.
-                eff = harli.get("share_efficiency")
-                v["shares_worth_of_standalone"] = tok / eff / solo if eff else None
+                worth = harli.get("share_worth_tokens_per_s")
+                v["shares_worth_of_standalone"] = worth / solo if worth else None
             beats = (
                 bool(v.get("beats_best_static") and v.get("share_efficiency_ok"))
                 if base is not None

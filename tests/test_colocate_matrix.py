@@ -262,6 +262,7 @@ def test_the_light_bar_divides_by_the_whole_gpu_rate_the_cells_own_call_measured
     assert 0 < eff < 1.5 and v["shares_worth_of_standalone"] * eff == pytest.approx(0.75)
     worth = cm.share_worth(light["policies"]["harli"]["trainer_sm_seconds"], RATES)
     assert v["shares_worth_of_standalone"] == pytest.approx(worth / 10000.0)
+    assert light["policies"]["harli"]["share_worth_tokens_per_s"] == pytest.approx(worth)
     text = ct.light_bar_table(matrix)
     assert "steady/light" in text and "0.750" in text and f"{worth / 10000.0:.3f}" in text
     assert ct.light_bar_table({"verdict": {"cells": {}}}) == ""
