@@ -254,10 +254,7 @@ def main() -> None:
         names = [Path(p).name for p in args.merge]
         matrix = colocate_matrix.merge([load(Path(p)) for p in args.merge], names, args.keep_steps)
         print(f"wrote {colocate_matrix.write(args.out, matrix)} ({len(args.merge)} calls)")
-        print(colocate_tables.table(matrix))
-        light = colocate_tables.light_bar_table(matrix)
-        if light:
-            print(light)
+        print(colocate_tables.tables(matrix))
         return
     if not args.results:
         ap.error("give a result to analyze, or --merge RESULT ... --out MATRIX")

@@ -587,10 +587,7 @@ def write_outputs(result: dict[str, Any], args: argparse.Namespace, scratch: Pat
     for note in [result.get("out_of_time"), (result.get("fatal") or {}).get("error")] + errors:
         if note:
             print(f"note: {note}")
-    print(colocate_tables.table(matrix))
-    for extra in (colocate_tables.light_bar_table(matrix), colocate_tables.variants_table(matrix)):
-        if extra:
-            print(extra)
+    print(colocate_tables.tables(matrix))
 
 
 if __name__ == "__main__":

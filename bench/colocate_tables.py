@@ -1,6 +1,7 @@
 """The co-location matrix's printed tables (``colocate_matrix`` holds the layout, the derived fields and the
 verdict they read): harli against the fixed splits and the ideal per cell (``table``), the light-load bar's
-factors (``light_bar_table``) and harli's variants against harli (``variants_table``)."""
+factors (``light_bar_table``) and harli's variants against harli (``variants_table``); ``tables`` joins
+them."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ def table(matrix: dict[str, Any]) -> str:
                 ]
             )
     return common.table(rows, head)
+
+
+def tables(matrix: dict[str, Any]) -> str:
+    """Every table a matrix prints, in order: ``table``, then the light bar's and the variants' when they
+    have rows (what the bench and ``analyze_colocate.py --merge`` print last)."""
+    parts = (table(matrix), light_bar_table(matrix), variants_table(matrix))
+    return "\n".join(p for p in parts if p)
 
 
 def light_bar_table(matrix: dict[str, Any]) -> str:

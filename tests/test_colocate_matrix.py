@@ -289,6 +289,8 @@ def test_harli_variants_are_compared_with_harli_and_never_judged_as_baselines():
     by_name = {line.split()[2]: line.split() for line in lines[1:]}
     assert by_name["harli:window=0.1"][3:6] == ["8800", "1.100", "yes"]
     assert by_name["harli"][3:5] == ["8000", "1.000"]
+    joined = ct.tables(matrix)  # what the bench and --merge print: every table with rows, in order
+    assert joined.startswith(ct.table(matrix)) and joined.endswith(ct.variants_table(matrix))
     assert (
         ct.variants_table({"objectives": {"auto:1.5": {"cells": {"steady/light": cell(harli=row(1.0))}}}})
         == ""
