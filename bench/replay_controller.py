@@ -3,20 +3,20 @@ trainer on, and the steps that run over the budget and the objective.
 
     python bench/replay_controller.py RESULT.json[.gz] --profile PROFILE.json[.gz] \\
         [--policy harli] [--as harli:grow=0.05] [--cells steady/heavy] [--seeds 5] [--draws ordered] \\
-        [--options "grow=0;window=0.05"]
+        [--options "grow=0;window=0.05"] [--margins 0.12,0.10]
 
 Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
 step of ``--policy``'s window, in order (its batch and KV tokens; mixed and prefill steps are left out), is
-planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds
-from that name, so its controller, grow headroom and trainer rungs all apply) held to the window's
-objective and the run's margin. A step on share s is "measured" as its raw prediction there times a ratio
-from those the window's own steps on s showed (what the policy learnt from, max(step latency, token
-interval), over the raw prediction): ``--draws ordered`` (the default) takes them in the window's order from
-a seeded starting point, so runs of slow steps stay runs; ``iid`` draws each at random. A share the window
-never ran on takes the ratios of the nearest share it did. A replay shows how the policy's rules move
-decode and the trainer over the ladder against the same load and the same per-share errors, not what a GPU
-run would measure: the errors do not depend on what came before them here, and no mixed step restarts the
-hysteresis.
+planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds from
+that name, so its controller, grow headroom and trainer rungs all apply) held to the window's objective and
+the run's margin (``--margins``: each listed margin too, as a variant). A step on share s is "measured" as its
+raw prediction there times a ratio from those the window's own steps on s showed (what the policy learnt from,
+max(step latency, token interval), over the raw prediction): ``--draws ordered`` (the default) takes them in
+the window's order from a seeded starting point, so runs of slow steps stay runs; ``iid`` draws each at
+random. A share the window never ran on takes the ratios of the nearest share it did. A replay shows how the
+policy's rules move decode and the trainer over the ladder against the same load and the same per-share
+errors, not what a GPU run would measure: the errors do not depend on what came before them here, and no mixed
+step restarts the hysteresis.
 
 Variants: the share-visit rule on and off, and each ``--options`` entry (harli's options, comma-joined)
 added to the replayed policy. A replay's clock is the sum of its steps' "measured" times (the trainer's
@@ -138,19 +138,25 @@ def replay(
     }
 
 
-def variants(base: str, options: list[str]) -> list[tuple[str, float | None, str]]:
-    """(name, the predictor's share_confirm (None: its own), policy name) of each replayed variant: ``base``
-    with the share-visit rule on and off, then ``base`` with each of ``options`` (harli's options, comma-
-    joined) added."""
+def variants(
+    base: str, options: list[str], margins: list[float] = ()
+) -> list[tuple[str, float | None, str, float | None]]:
+    """(name, the predictor's share_confirm (None: its own), policy name, fixed margin (None: the run's)) of
+    each replayed variant: ``base`` with the share-visit rule on and off, then ``base`` with each of
+    ``options`` (harli's options, comma-joined) added, then ``base`` at each of ``margins``."""
     parse_harli_options(base.partition(":")[2])  # a bad base fails here, by name
-    out: list[tuple[str, float | None, str]] = [
-        ("visits confirm", None, base),
-        ("rule off", math.inf, base),
+    out: list[tuple[str, float | None, str, float | None]] = [
+        ("visits confirm", None, base, None),
+        ("rule off", math.inf, base, None),
     ]
     for text in options:
         parse_harli_options(text)
         joined = f"{base},{text}" if ":" in base else f"{base}:{text}"
-        out.append((text, None, joined))
+        out.append((text, None, joined, None))
+    for margin in margins:
+        if not 0 <= margin < 1:
+            raise ValueError(f"a margin is in [0, 1), got {margin:g}")
+        out.append((f"margin {margin:g}", None, base, margin))
     return out
 
 
@@ -176,14 +182,23 @@ def main() -> None:
         help="more variants: harli options added to the replayed one, ';'-separated (grow=0;window=0.05)",
     )
     ap.add_argument(
+        "--margins",
+        default="",
+        help="more variants: the replayed policy at each of these fixed margins (comma-separated)",
+    )
+    ap.add_argument(
         "--micro-step-ms", type=float, default=5.0, help="the trainer's micro-step (settle's cost)"
     )
     args = ap.parse_args()
     options = [o for o in args.options.split(";") if o]
     try:
-        variants("harli", options)
+        margins = [float(m) for m in args.margins.split(",") if m]
+    except ValueError:
+        ap.error(f"--margins: comma-separated numbers, got {args.margins!r}")
+    try:
+        variants("harli", options, margins)
     except ValueError as err:
-        ap.error(f"--options: {err}")
+        ap.error(f"--options / --margins: {err}")
     result, predictor = load(Path(args.result)), fitted(load(Path(args.profile)))
     rungs = result["setup"]["ladder"]["rungs"]
     total = max(r["infer_sms"] for r in rungs)
@@ -211,7 +226,7 @@ def main() -> None:
             base = args.base or entry.get("policy") or args.policy  # the variant the run ran
             if base.partition(":")[0] != "harli":
                 ap.error(f"the replay runs harli's decode steps, not {base!r} (--as names a harli variant)")
-            for variant, confirm, policy in variants(base, options):
+            for variant, confirm, policy, at in variants(base, options, margins):
                 confirm = predictor.share_confirm if confirm is None else confirm
                 kept, predictor.share_confirm = predictor.share_confirm, confirm
                 runs = [
@@ -221,7 +236,7 @@ def main() -> None:
                         steps,
                         ratios,
                         tpot_s,
-                        margin,
+                        margin if at is None else at,
                         s,
                         policy,
                         args.micro_step_ms / 1e3,

@@ -336,16 +336,19 @@ def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_s
     meta = profile["meta"]
     predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
     ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
-    chosen = replay_controller.variants("harli", ["settle=on", "margin=learn,grow=0"])
-    assert [(name, policy) for name, _, policy in chosen] == [
-        ("visits confirm", "harli"),
-        ("rule off", "harli"),
-        ("settle=on", "harli:settle=on"),
-        ("margin=learn,grow=0", "harli:margin=learn,grow=0"),
+    chosen = replay_controller.variants("harli", ["settle=on", "margin=learn,grow=0"], [0.1])
+    assert [(name, policy, margin) for name, _, policy, margin in chosen] == [
+        ("visits confirm", "harli", None),
+        ("rule off", "harli", None),
+        ("settle=on", "harli:settle=on", None),
+        ("margin=learn,grow=0", "harli:margin=learn,grow=0", None),
+        ("margin 0.1", "harli", 0.1),  # --margins: the replayed policy at a fixed margin of its own
     ]
     assert replay_controller.variants("harli:grow=0", ["window=0"])[-1][2] == "harli:grow=0,window=0"
     with pytest.raises(ValueError, match="grow"):
         replay_controller.variants("harli", ["grow=2"])
+    with pytest.raises(ValueError, match="margin"):
+        replay_controller.variants("harli", [], [1.5])
     steps = [(2, 1400)] * 600
     raw32 = predictor.predict(2, 1400, 32, True, raw=True)
     tpot = raw32 / 0.9  # 32 SMs fit a 10 % margin, not 15 %
@@ -354,6 +357,8 @@ def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_s
     learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:margin=learn")
     assert fixed["taken"][32] == 0 and learnt["taken"][32] > 400
     assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
+    tenth = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.1, 0)  # a fixed 10 % fits 32
+    assert tenth["taken"][32] > 0.9 * len(steps) and tenth["over_tpot"] == 0  # after the whole GPU's start
     with pytest.raises(ValueError, match="harli's decode steps"):
         replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "static:48")
 
