@@ -18,8 +18,8 @@ policy's rules move decode and the trainer over the ladder against the same load
 errors, not what a GPU run would measure: the errors do not depend on what came before them here, and no mixed
 step restarts the hysteresis.
 
-Variants: the share-visit rule on and off, and each ``--options`` entry (harli's options, comma-joined)
-added to the replayed policy. A replay's clock is the sum of its steps' "measured" times (the trainer's
+Variants: the share-visit rule on and off, each ``--options`` entry (harli's options, comma-joined) added to
+the replayed policy, and the replayed policy at each of ``--margins``. A replay's clock is the sum of its steps' "measured" times (the trainer's
 window and ``settle``'s dwell run on it); ``settle`` weighs a shrink against ``--micro-step-ms`` of queued
 trainer work.
 
@@ -38,6 +38,7 @@ import random
 import statistics
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -139,7 +140,7 @@ def replay(
 
 
 def variants(
-    base: str, options: list[str], margins: list[float] = ()
+    base: str, options: list[str], margins: Sequence[float] = ()
 ) -> list[tuple[str, float | None, str, float | None]]:
     """(name, the predictor's share_confirm (None: its own), policy name, fixed margin (None: the run's)) of
     each replayed variant: ``base`` with the share-visit rule on and off, then ``base`` with each of
