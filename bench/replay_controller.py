@@ -19,9 +19,9 @@ errors, not what a GPU run would measure: the errors do not depend on what came 
 step restarts the hysteresis.
 
 Variants: the share-visit rule on and off, each ``--options`` entry (harli's options, comma-joined) added to
-the replayed policy, and the replayed policy at each of ``--margins``. A replay's clock is the sum of its steps' "measured" times (the trainer's
-window and ``settle``'s dwell run on it); ``settle`` weighs a shrink against ``--micro-step-ms`` of queued
-trainer work.
+the replayed policy, and the replayed policy at each of ``--margins``. A replay's clock is the sum of its
+steps' "measured" times (the trainer's window and ``settle``'s dwell run on it); ``settle`` weighs a shrink
+against ``--micro-step-ms`` of queued trainer work.
 
 Printed last, per cell: the run's own steps on each share, then per variant (the medians over the seeds):
 steps on each share, visits to each (steps on it after a step elsewhere), steps over the budget and over
