@@ -36,7 +36,7 @@ def table(matrix: dict[str, Any]) -> str:
                     _f(h.get("tpot_attainment"), 3),
                     _f(h.get("violation_rate"), 4),
                     _f((h.get("ttft_ms") or {}).get("p99"), 0),
-                    best or _no_split(v, cell),
+                    best or _no_split(v),
                     _f((b or other).get("finetune_tokens_per_s"), 0),
                     _f(v.get("vs_best_static", v.get("vs_best_baseline")), 2),
                     single or "-",
@@ -109,9 +109,7 @@ def variants_table(matrix: dict[str, Any]) -> str:
                         _f((row.get("ttft_ms") or {}).get("p99"), 0),
                     ]
                 )
-    if not rows:
-        return ""
-    return common.table(rows, head)
+    return common.table(rows, head) if rows else ""
 
 
 def _clean_column(row: dict[str, Any], cell: dict[str, Any]) -> str:
@@ -120,7 +118,7 @@ def _clean_column(row: dict[str, Any], cell: dict[str, Any]) -> str:
     return "as alone" if row and keeps(row, cell) else "no"
 
 
-def _no_split(v: dict[str, Any], cell: dict[str, Any]) -> str:
+def _no_split(v: dict[str, Any]) -> str:
     """The best-static column of a cell without a clean fixed split: the baseline judged instead, if any."""
     alone = f"infeasible (alone {v.get('alone_violation_rate') or 0:.4f}); " if v.get("infeasible") else ""
     if not v.get("no_fixed_split_clean"):
