@@ -14,10 +14,11 @@ PREFILL_MODES = ("rung", "paused", "beside")  # harli:prefill=MODE (the first is
 DEFAULT_GROW_HEADROOM = 0.05
 # harli:ahead=on: a prefill's trainer stays clear of the share the decode step after it will need.
 DEFAULT_PREFILL_AHEAD = False
-# harli:settle=on: a shrink must pay for the queued trainer work it strands; harli:margin=learn: the margin follows
-# the prediction error observed (colocation.margin its start). Both off until an A/B on the GPU says otherwise.
+# harli:settle=on: a shrink must pay for the queued trainer work it strands (off until an A/B on the GPU says
+# otherwise). harli:margin=learn (the default): the margin follows the prediction error observed, with
+# colocation.margin its start; harli:margin=fixed keeps colocation.margin throughout.
 DEFAULT_SETTLE = False
-DEFAULT_LEARN_MARGIN = False
+DEFAULT_LEARN_MARGIN = True
 # harli:stride=N: the trainer launches on every N-th rung. Each rung's stream caches its own working set: when
 # the memory holds fewer streams, the set-up keeps the rungs beside the decode shares the objective calls for
 # most (TrainerRungs.limit).
@@ -46,7 +47,7 @@ LAUNCH_MODES = ("ahead", "wait")
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    f"margin=learn|fixed (default fixed),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
+    f"margin=learn|fixed (default learn),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
     f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"

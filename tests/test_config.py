@@ -322,6 +322,7 @@ def test_bad_policy(tmp_path, policy):
         "harli:grow=0.1,prefill=paused",
         "harli:ahead=on,grow=0",
         "harli:settle=on,margin=learn",
+        "harli:margin=fixed",
         "harli:stride=1",
         "harli:backward=on",
         "harli:floor=64",
@@ -342,10 +343,12 @@ def test_harli_settle_and_learnt_margin_reach_the_controller():
     from .runtime_support import synthetic_predictor
 
     ladder = SMLadder.cpu_standin(132, 16)
-    policy = make_policy("harli:margin=learn,settle=on", ladder, synthetic_predictor(ladder.shares), 0.05)
-    assert policy.name == "harli:settle=on,margin=learn"  # canonical order
-    assert policy.controller.settle and policy.controller.learned_margin is not None
-    assert not make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05).controller.settle
+    policy = make_policy("harli:margin=fixed,settle=on", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert policy.name == "harli:settle=on,margin=fixed"  # canonical order
+    assert policy.controller.settle and policy.controller.learned_margin is None
+    default = make_policy("harli", ladder, synthetic_predictor(ladder.shares), 0.05)
+    assert not default.controller.settle and default.controller.learned_margin is not None  # margin=learn
+    assert make_policy("harli:margin=learn", ladder, synthetic_predictor(ladder.shares), 0.05).name == "harli"
 
 
 def test_harli_stride_picks_the_trainers_rungs():

@@ -207,7 +207,7 @@ def test_a_learned_margin_covers_the_mixed_steps_it_sizes():
     """``harli:margin=learn``: a mixed step's chunk fills the budget, so its measured / predicted ratio joins
     the learned margin as a decode step's does; mixed steps running 20 % over their prediction widen the
     margin (the step needs a larger share for the floor's tokens), mixed steps on time narrow it (a smaller
-    share fits them, leaving the trainer more). Without it the budget stays put."""
+    share fits them, leaving the trainer more). With ``margin=fixed`` the budget stays put."""
     ladder = SMLadder.cpu_standin(TOTAL, 16)
     preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
     shares = {}
@@ -229,7 +229,7 @@ def test_a_learned_margin_covers_the_mixed_steps_it_sizes():
         else:
             assert margin == harli.controller.learned_margin.floor
     assert shares[1.0] < first.partition.infer_sms == 64 < shares[1.2]
-    fixed = make_policy("harli", ladder, mixed_predictor(ladder.shares), 0.0201, 0.1)
+    fixed = make_policy("harli:margin=fixed", ladder, mixed_predictor(ladder.shares), 0.0201, 0.1)
     fixed.trainer_busy = lambda: False
     for _ in range(100):
         plan = fixed.plan(preview)
