@@ -96,6 +96,7 @@ CUDA_ENV = prefer_cuda_env()  # before any CUDA context exists (see harli_train/
 import colocate_matrix  # noqa: E402
 import colocate_tables  # noqa: E402
 import common  # noqa: E402
+import harli_defaults  # noqa: E402
 import torch  # noqa: E402
 from colocate_load import LOADS, Cell, compressed, make_cells  # noqa: E402
 from colocate_sweep import clean, no_split_clean, prefill_per_step, start_share, sweep, top_up  # noqa: E402
@@ -351,6 +352,7 @@ def describe(col: Colocation, args: argparse.Namespace, cells: list[Cell], secon
         "model": cfg.model.name,
         "device": col.info["device"],
         "margin": cfg.colocation.margin,
+        "harli_defaults": harli_defaults.in_force(),  # what a harli name's unlisted options were
         "max_batch": cfg.colocation.max_batch,
         "train_batch": [cfg.train.batch_size, cfg.data.seq_len],
         "layers_per_microstep": cfg.train.layers_per_microstep,

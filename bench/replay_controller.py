@@ -8,8 +8,9 @@ trainer on, and the steps that run over the budget and the objective.
 Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
 step of ``--policy``'s window, in order (its batch and KV tokens; mixed and prefill steps are left out), is
 planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds from
-that name, so its controller, grow headroom and trainer rungs all apply) held to the window's objective and
-the run's margin (``--margins``: each listed margin too, as a variant). A step on share s is "measured" as its
+that name under the defaults of the run's day, ``harli_defaults.as_ran``, so its controller, grow headroom and
+trainer rungs all apply) held to the window's objective and the run's margin (``--margins``: each listed margin
+too, as a variant). A step on share s is "measured" as its
 raw prediction there times a ratio from those the window's own steps on s showed (what the policy learnt from,
 max(step latency, token interval), over the raw prediction): ``--draws ordered`` (the default) takes them in
 the window's order from a seeded starting point, so runs of slow steps stay runs; ``iid`` draws each at
@@ -19,9 +20,9 @@ errors, not what a GPU run would measure: the errors do not depend on what came 
 step restarts the hysteresis.
 
 Variants: the share-visit rule on and off, each ``--options`` entry (harli's options, comma-joined) added to
-the replayed policy, and the replayed policy at each of ``--margins``. A replay's clock is the sum of its
-steps' "measured" times (the trainer's window and ``settle``'s dwell run on it); ``settle`` weighs a shrink
-against ``--micro-step-ms`` of queued trainer work.
+the replayed policy, and the replayed policy held at each of ``--margins`` (``margin=fixed``). A replay's
+clock is the sum of its steps' "measured" times (the trainer's window and ``settle``'s dwell run on it);
+``settle`` weighs a shrink against ``--micro-step-ms`` of queued trainer work.
 
 Printed last, per cell: the run's own steps on each share, then per variant (the medians over the seeds):
 steps on each share, visits to each (steps on it after a step elsewhere), steps over the budget and over
@@ -44,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from colocate_matrix import load  # noqa: E402
+from harli_defaults import as_ran  # noqa: E402
 from replan_mixed import fitted  # noqa: E402
 from step_measures import decode_beside, rows_of, windows  # noqa: E402
 
@@ -144,7 +146,8 @@ def variants(
 ) -> list[tuple[str, float | None, str, float | None]]:
     """(name, the predictor's share_confirm (None: its own), policy name, fixed margin (None: the run's)) of
     each replayed variant: ``base`` with the share-visit rule on and off, then ``base`` with each of
-    ``options`` (harli's options, comma-joined) added, then ``base`` at each of ``margins``."""
+    ``options`` (harli's options, comma-joined) added, then ``base`` held at each of ``margins``
+    (``margin=fixed``)."""
     parse_harli_options(base.partition(":")[2])  # a bad base fails here, by name
     out: list[tuple[str, float | None, str, float | None]] = [
         ("visits confirm", None, base, None),
@@ -154,10 +157,11 @@ def variants(
         parse_harli_options(text)
         joined = f"{base},{text}" if ":" in base else f"{base}:{text}"
         out.append((text, None, joined, None))
+    fixed = f"{base},margin=fixed" if ":" in base else f"{base}:margin=fixed"
     for margin in margins:
         if not 0 <= margin < 1:
             raise ValueError(f"a margin is in [0, 1), got {margin:g}")
-        out.append((f"margin {margin:g}", None, base, margin))
+        out.append((f"margin {margin:g}", None, fixed, margin))
     return out
 
 
@@ -224,7 +228,8 @@ def main() -> None:
                 + ["-"] * 4
                 + [sum(ran.values())]
             )
-            base = args.base or entry.get("policy") or args.policy  # the variant the run ran
+            # the variant the run ran, restated under today's defaults (harli_defaults.as_ran)
+            base = args.base or as_ran(entry.get("policy") or args.policy, result["setup"])
             if base.partition(":")[0] != "harli":
                 ap.error(f"the replay runs harli's decode steps, not {base!r} (--as names a harli variant)")
             for variant, confirm, policy, at in variants(base, options, margins):

@@ -317,7 +317,9 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     runs = {}
     for variant, confirm in (("on", predictor.share_confirm), ("off", float("inf"))):
         predictor.share_confirm = confirm
-        runs[variant] = replay_controller.replay(predictor, ladder, steps, ratios, 0.0115, 0.15, 0)
+        runs[variant] = replay_controller.replay(
+            predictor, ladder, steps, ratios, 0.0115, 0.15, 0, "harli:margin=fixed"
+        )
     assert runs["off"]["visits"][32] >= 3 * max(runs["on"]["visits"][32], 1)
     assert runs["on"]["over_budget"] < runs["off"]["over_budget"]
     # The ratios a window's steps showed, per share, over their raw prediction.
@@ -342,7 +344,7 @@ def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_s
         ("rule off", "harli", None),
         ("settle=on", "harli:settle=on", None),
         ("margin=learn,grow=0", "harli:margin=learn,grow=0", None),
-        ("margin 0.1", "harli", 0.1),  # --margins: the replayed policy at a fixed margin of its own
+        ("margin 0.1", "harli:margin=fixed", 0.1),  # --margins: the replayed policy held at a margin
     ]
     assert replay_controller.variants("harli:grow=0", ["window=0"])[-1][2] == "harli:grow=0,window=0"
     with pytest.raises(ValueError, match="grow"):
@@ -353,14 +355,38 @@ def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_s
     raw32 = predictor.predict(2, 1400, 32, True, raw=True)
     tpot = raw32 / 0.9  # 32 SMs fit a 10 % margin, not 15 %
     ratios = {s: [1.0] for s in (32, 48, 64)}
-    fixed = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0)
-    learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:margin=learn")
+    fixed = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:margin=fixed")
+    learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli")  # learns
     assert fixed["taken"][32] == 0 and learnt["taken"][32] > 400
     assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
-    tenth = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.1, 0)  # a fixed 10 % fits 32
+    tenth = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.1, 0, "harli:margin=fixed")
     assert tenth["taken"][32] > 0.9 * len(steps) and tenth["over_tpot"] == 0  # after the whole GPU's start
     with pytest.raises(ValueError, match="harli's decode steps"):
         replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "static:48")
+
+
+def test_a_results_harli_name_is_restated_under_todays_defaults():
+    """A result records harli's defaults in force (``setup.harli_defaults``); a stored name replays as the
+    policy its run built: ``harli`` of a result written before the record had a fixed margin, ``harli`` of
+    one whose record says the margin was learnt is today's ``harli``; options the name lists win, options
+    added since the record take today's defaults, and other policies pass through."""
+    import harli_defaults
+
+    from harli_train.policy_names import DEFAULT_LEARN_MARGIN, harli_name
+
+    assert harli_defaults.in_force()["learn_margin"] is DEFAULT_LEARN_MARGIN
+    assert harli_name(**harli_defaults.in_force()) == "harli"
+    old = {"margin": 0.15}  # no record: written before 2026-12-07, the margin fixed
+    assert harli_defaults.as_ran("harli", old) == "harli:margin=fixed"
+    assert harli_defaults.as_ran("harli:grow=0", old) == "harli:grow=0,margin=fixed"
+    assert harli_defaults.as_ran("harli:margin=learn", old) == "harli"
+    recorded = {"harli_defaults": harli_defaults.in_force() | {"gone": 1}}
+    recorded["harli_defaults"].pop("trainer_window_s")  # an option added after the record
+    assert harli_defaults.as_ran("harli", recorded) == "harli"
+    assert harli_defaults.as_ran("harli:settle=on", recorded) == "harli:settle=on"
+    assert harli_defaults.as_ran("static:64", old) == "static:64"
+    with pytest.raises(ValueError, match="unknown harli option"):
+        harli_defaults.as_ran("harli:bogus=1", old)
 
 
 def test_replay_controller_puts_the_trainer_where_harli_would_and_draws_ratios_in_order():
@@ -377,8 +403,10 @@ def test_replay_controller_puts_the_trainer_where_harli_would_and_draws_ratios_i
     raw32 = predictor.predict(2, 1400, 32, True, raw=True)
     tpot = raw32 / 0.83  # 32 SMs fit the 15 % margin, within 5 % of the budget
     ratios = {32: [1.0], 48: [1.0]}
-    near = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0)
-    free = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:grow=0")
+    near = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:margin=fixed")
+    free = replay_controller.replay(
+        predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli:grow=0,margin=fixed"
+    )
     assert near["taken"] == free["taken"] and near["taken"][32] > 250  # after the start's whole GPU and 64
     assert near["left_sms"] == free["left_sms"] > free["trainer_sms"] > near["trainer_sms"] + 10
     draws = replay_controller.RatioDraws({32: [1.0, 2.0, 3.0], 48: [5.0]}, seed=1, draws="ordered")
