@@ -143,7 +143,9 @@ while [ $# -gt 0 ]; do
         mv "$dir/profile.json" "$profile"
       ;;
     smoke)
-      OUT="$dir" SMOKE_BUDGET_S="$budget" SMOKE_PROFILE="$profile" bash bench/smoke_gpu.sh >"$dir/log" 2>&1
+      # the smoke cuts its own steps at its budget; the timeout is a backstop that keeps the call's archive
+      OUT="$dir" SMOKE_BUDGET_S="$budget" SMOKE_PROFILE="$profile" timeout -s INT -k 20 "$((budget + 30))s" \
+        bash bench/smoke_gpu.sh >"$dir/log" 2>&1
       ;;
     cmd)
       OUT="$dir" timeout -s INT -k 20 "${budget}s" bash -c "$args" >"$dir/log" 2>&1

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the project, run every command the README shows (short: few steps, small
 # models, one llama-8b co-located run), check each one's exit code and outputs, run the GPU tests, and print
-# one PASS/FAIL line per command last. About 3-4 minutes on the H200 (162-262 s on 2026-12-02): the GPU tests (three pytest processes)
-# and the short commands (six chains of dependent commands) share the GPU at once, every engine with a KV
-# cache or page pool of a fixed size; the co-located llama-8b run, whose figures are a result, runs alone last.
+# one PASS/FAIL line per command last. About 3-5 minutes (the H200 162-262 s on 2026-12-02, the H100 315 s on
+# 2026-12-07): the GPU tests (three pytest processes) and the short commands (six chains of dependent
+# commands) share the GPU at once, every engine with a KV cache or page pool of a fixed size; the co-located
+# llama-8b run, whose figures are a result, runs alone last.
 #
 #   bash bench/smoke_gpu.sh                      # the device tool: the log lands in $OUT/smoke_gpu.log
 #   SMOKE_PART=commands bash bench/smoke_gpu.sh  # every README command, no GPU tests
@@ -42,72 +43,14 @@ results=()
 failed=0
 start_all=$(date +%s)
 
-note() { echo "$*" | tee -a "$log"; }
-
-# Past this many seconds the remaining commands are reported SKIP (the device time of a session is short).
+# Past this many seconds the remaining commands are reported SKIP and a running one is cut (the device time of
+# a session is short).
 budget_s="${SMOKE_BUDGET_S:-420}"
 part="${SMOKE_PART:-all}"  # all, commands (no GPU tests) or tests (install and the GPU tests)
 case "$part" in all | commands | tests) ;; *) echo "SMOKE_PART: all, commands or tests, got '$part'" >&2; exit 2 ;; esac
 
-# run NAME LIMIT_S CHECK -- COMMAND...: COMMAND in the scratch folder (stdout in $scratch/NAME.out, stderr in
-# $scratch/NAME.err, both appended to the log); CHECK is a bash expression evaluated there afterwards.
-# The GPU tests' runs are named gpu-tests-*; SMOKE_PART leaves out the other part's runs.
-run() {
-  local name=$1 limit=$2 check=$3
-  shift 4
-  local t0 rc verdict why=""
-  case "$part/$name" in tests/install | tests/gpu-tests-* | commands/install) ;;
-    tests/* | commands/gpu-tests-*) return ;; esac
-  t0=$(date +%s)
-  if [ $((t0 - start_all)) -ge "$budget_s" ]; then
-    results+=("$(printf '%-4s %-28s %4ss  %s' SKIP "$name" 0 "past the ${budget_s}s budget")")
-    failed=$((failed + 1))
-    return
-  fi
-  note "=== $name ($(date -u +%T)): $*"
-  (cd "$scratch" && timeout -s INT -k 15 "$limit" "$@" >"$scratch/$name.out" 2>"$scratch/$name.err")
-  rc=$?
-  cat "$scratch/$name.out" "$scratch/$name.err" >>"$log"
-  if [ "$rc" -ne 0 ]; then
-    verdict=FAIL why="exit $rc"
-    [ "${name#gpu-tests}" != "$name" ] && why="exit $rc: $(tail -n 1 "$scratch/$name.out")"
-  elif grep -q -E "terminate called|Traceback|CUDA error" "$scratch/$name.err"; then
-    verdict=FAIL why="abort or traceback on stderr"
-  elif ! (cd "$scratch" && eval "$check") >>"$log" 2>&1; then
-    verdict=FAIL why="check failed: $check"
-  else
-    verdict=PASS
-  fi
-  [ "$verdict" = PASS ] || failed=$((failed + 1))
-  results+=("$(printf '%-4s %-28s %4ss  %s' "$verdict" "$name" "$(($(date +%s) - t0))" "$why")")
-  note "=== $name: $verdict ($rc) $why"
-}
-
-# chain GROUP FUNCTION: FUNCTION's `run` lines one after another in the background, beside the other
-# chains; their log and verdicts are kept apart until `collect_chains` adds them, in the chains' order.
-chains=()
-chain() {
-  local group=$1
-  chains+=("$group")
-  (log="$scratch/chain-$group.log"; : >"$log"; results=(); failed=0; "$2"
-   printf '%s\n' "${results[@]}" >"$scratch/chain-$group.part"
-   mv "$scratch/chain-$group.part" "$scratch/chain-$group.result") &
-}
-collect_chains() {
-  local group line
-  wait
-  for group in "${chains[@]}"; do
-    cat "$scratch/chain-$group.log" >>"$log" 2>/dev/null
-    if [ ! -f "$scratch/chain-$group.result" ]; then
-      results+=("$(printf '%-4s %-28s %4ss  %s' FAIL "$group" 0 "no verdict")"); failed=$((failed + 1)); continue
-    fi
-    while IFS= read -r line; do
-      [ -n "$line" ] || continue
-      results+=("$line")
-      case "$line" in PASS*) ;; *) failed=$((failed + 1)) ;; esac
-    done <"$scratch/chain-$group.result"
-  done
-}
+# note, run, chain and collect_chains (bench/smoke_run.sh says what each does).
+source "$repo/bench/smoke_run.sh"
 
 # The summary a training command prints is its whole stdout: one JSON document.
 json_ok() { python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$1.out"; }

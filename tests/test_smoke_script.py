@@ -57,3 +57,26 @@ def test_the_smoke_logs_a_hash_of_the_code_that_ran(tmp_path):
         f.write("\n")
     assert tree_hash(tmp_path) != here
     assert "tree_hash.sh" in (ROOT / "bench" / "smoke_gpu.sh").read_text()
+
+
+def test_a_smoke_step_is_skipped_past_the_budget_and_cut_where_it_ends(tmp_path):
+    """bench/smoke_run.sh's ``run``: a step within the budget that ends in time passes; one still running
+    when the budget ends is cut there (FAIL, saying so) instead of running on to its own limit; one that
+    would start past the budget is a SKIP; both count as not passed."""
+    script = f"""
+set -u
+log={tmp_path}/log; scratch={tmp_path}; part=all; results=(); failed=0
+start_all=$(date +%s); budget_s=2
+source {ROOT}/bench/smoke_run.sh
+run quick 30 "true" -- true
+run slow 30 "true" -- sleep 20
+run late 30 "true" -- true
+printf '%s\\n' "${{results[@]}}"; echo "failed $failed"; echo "took $(($(date +%s) - start_all))"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("===")]  # the notes
+    assert lines[0].startswith("PASS quick")
+    assert lines[1].startswith("FAIL slow") and "cut at the 2s budget" in lines[1]
+    assert lines[2].startswith("SKIP late") and "past the 2s budget" in lines[2]
+    assert lines[3] == "failed 2" and int(lines[4].split()[1]) < 10
