@@ -320,7 +320,15 @@ def test_a_controller_with_a_learned_margin_resizes_its_budget(ladder, pred):
         d = ctl.decide(1, 0)
         ctl.observe(d, d.predicted_s * 1.005)  # the model is good: the margin shrinks
     assert ctl.margin < 0.05 and ctl.budget_s > 4e-3 * 0.95
-    assert ctl.summary()["margin"] == ctl.margin
+    summary = ctl.summary()
+    assert summary["margin"] == ctl.margin
+    learned = summary["learned_margin"]  # the start, the margin now, and what the decisions were made under
+    assert learned["start"] == 0.1 and learned["now"] == pytest.approx(ctl.margin)
+    assert learned["min"] == pytest.approx(ctl.margin) and learned["max"] == pytest.approx(0.1)
+    assert learned["min"] <= learned["median"] <= learned["max"]
+    fixed = Controller(pred, ladder, 4e-3, 0.1, hysteresis_steps=1, resume_margin=0.0)
+    fixed.decide(1, 0)
+    assert fixed.summary()["learned_margin"] is None
 
 
 def test_the_trainer_trails_decodes_recent_shares_but_not_a_mixed_steps_detour():

@@ -566,6 +566,10 @@ def test_a_colocated_run_under_a_ttft_objective_reports_it(tmp_path):
     due = [r for r in rows(tmp_path) if r["kind"] == "mixed" and r["reason"].startswith("ttft")]
     assert due and all(r["paused"] and r["infer_sms"] == TOTAL for r in due)
     assert summary["objective"]["ttft_ms"] == pytest.approx(1e-6)
+    # harli's default learns its margin: the objective says so, and the policy's detail gives its range
+    assert summary["objective"]["margin"] == 0.1 and summary["objective"]["margin_learned"] is True
+    learned = summary["policy_detail"]["controller"]["learned_margin"]
+    assert learned["start"] == 0.1 and learned["min"] <= learned["now"] <= learned["max"]
     assert summary["serving"]["ttft_attainment"] == 0.0  # no first token comes within a nanosecond
     assert summary["serving"]["objective_ttft_ms"] == pytest.approx(1e-6)
     # The recipe key: a positive number of milliseconds, or none.

@@ -315,7 +315,23 @@ class Controller:
             "mean_infer_sms": sum(e["infer_sms"] for e in entries) / max(len(entries), 1),
             "observed_mape_pct": sum(errs) / len(errs) if errs else None,
             "margin": self.margin,
+            "learned_margin": self._learned_margin_range(entries),
             "dwell_s": self.dwell_s if self.settle else None,
+        }
+
+    def _learned_margin_range(self, entries: list[dict[str, Any]]) -> dict[str, float] | None:
+        """With a learnt margin: its start, the margin in force now, and the least, median and largest the
+        kept log's decisions were made under (None with a fixed margin)."""
+        if self.learned_margin is None:
+            return None
+        seen = sorted(1.0 - e["budget_s"] / self.tpot_s for e in entries if e.get("budget_s") is not None)
+        seen = seen or [self.margin]
+        return {
+            "start": self.learned_margin.start,
+            "now": self.margin,
+            "min": seen[0],
+            "median": seen[len(seen) // 2],
+            "max": seen[-1],
         }
 
     def close(self) -> None:

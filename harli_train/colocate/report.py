@@ -50,8 +50,9 @@ def build_summary(
         "policy": rt.policy.name,
         "objective": {
             "tpot_ms": tpot_ms,
-            "margin": rt.policy.margin,
-            "budget_ms": rt.policy.budget_s * 1e3,
+            "margin": rt.policy.margin,  # as configured: a learnt margin's start (policy_detail: its range)
+            "margin_learned": rt.policy.margin_learned,
+            "budget_ms": rt.policy.budget_s * 1e3,  # in force at the end
             "ttft_ms": None if rt.policy.ttft_s is None else rt.policy.ttft_s * 1e3,
             "violation": "a token interval of a request (one of its tokens to its next) > tpot_ms",
         },

@@ -257,6 +257,11 @@ class Policy:
     def summary(self) -> dict[str, Any]:
         return {"policy": self.name}
 
+    @property
+    def margin_learned(self) -> bool:
+        """Whether the margin in force follows the observed prediction error (``margin``: its start)."""
+        return False
+
 
 class ControlledPolicy(Policy):
     """A policy whose decode steps a ``Controller`` places (harli, temporal): it learns from every decode
@@ -287,3 +292,7 @@ class ControlledPolicy(Policy):
 
     def summary(self) -> dict[str, Any]:
         return {"policy": self.name, "controller": self.controller.summary()}
+
+    @property
+    def margin_learned(self) -> bool:
+        return self.controller.learned_margin is not None
