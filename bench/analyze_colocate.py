@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocate_matrix  # noqa: E402
 import colocate_tables  # noqa: E402
 import common  # noqa: E402
+import harli_defaults  # noqa: E402
 from colocate_matrix import load  # noqa: E402
 from stall_report import sampled_stalls, slow_launches  # noqa: E402
 from step_breakdown import beside_seconds, decode_shares, grows, paused_time  # noqa: E402
@@ -95,6 +96,22 @@ def grow_headroom(policy: str) -> float:
         return DEFAULT_GROW_HEADROOM
 
 
+def learns_margin(name: str, setup: dict[str, Any]) -> bool:
+    """Whether the policy ``name`` of a result with this set-up learnt its margin."""
+    options = harli_defaults.options_of(name, setup)
+    return bool(options and options["learn_margin"])
+
+
+def margin_text(learned: dict[str, float] | None, margin: float | None, learns: bool) -> str:
+    """A row's margin: the run's fixed one, or a learnt one as start -> end (least-largest in the window),
+    or its start alone where the result did not record its range (written before 2026-12-07)."""
+    if learned:
+        return f"{learned['start']:.3g} -> {learned['now']:.3g} ({learned['min']:.3g}-{learned['max']:.3g})"
+    if margin is None:
+        return "-"
+    return f"{margin:.3g} learnt, range not recorded" if learns else f"{margin:.3g}"
+
+
 def analyze(results: dict) -> dict[str, Any]:
     """Per cell (named 'objective cell' in the matrix layout) and policy with step records: what the module
     says; measured/predicted by transition and host gaps per policy, over every cell."""
@@ -104,7 +121,8 @@ def analyze(results: dict) -> dict[str, Any]:
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     beside: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
-    margin = results.get("setup", {}).get("margin")
+    setup = results.get("setup", {})
+    margin = setup.get("margin")
     for objective, tpot_s, cells in windows(results):
         report["objectives"][objective] = tpot_s * 1e3
         for cell, policies in cells.items():
@@ -123,15 +141,20 @@ def analyze(results: dict) -> dict[str, Any]:
                     chunks[name][size] += rs
                 for key, rs in beside_fit(rows).items():
                     beside[name][key] += rs
+                learned = entry.get(
+                    "learned_margin"
+                )  # its median stands for the budget a learnt margin moved
+                at = learned["median"] if learned else margin
                 held = (
-                    near_budget(rows, tpot_s * (1 - margin), grow_headroom(entry.get("policy") or name))
-                    if margin is not None
+                    near_budget(rows, tpot_s * (1 - at), grow_headroom(entry.get("policy") or name))
+                    if at is not None
                     else {}
                 )
                 report["cells"].setdefault(f"{objective} {cell}".strip(), {})[name] = {
                     **held,
                     "tokens_per_s": entry["finetune_tokens_per_s"],
                     "violations": entry["violations"],
+                    "margin": margin_text(learned, margin, learns_margin(entry.get("policy") or name, setup)),
                     "trainer_sms": sms,
                     "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
                     "no_trainer_s": idle,
@@ -280,10 +303,11 @@ def main() -> None:
                     r["gpu_busy_s"],
                     r["launch_host_s"],
                     r["device_allocs"],
+                    r["margin"],
                 ]
             )
     head = ["cell", "policy", "tok/s", "viol.", "trainer SMs", "tok/s/SM", "no trainer s", "rebuilt", "GPU s"]
-    print(common.table(rows, [*head, "launch s", "cudaMalloc"]))
+    print(common.table(rows, [*head, "launch s", "cudaMalloc", "margin"]))
     print("\nmeasured / predicted decode step, by what came before it")
     trows = [
         [name, kind, t["steps"], t["median"], t["max"], t["over_1"]]

@@ -124,6 +124,10 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "adapter_row_fraction": adapter_row_fraction(steps),
         "live_adapter": summary.get("live_adapter"),
         "gc_pauses": summary.get("gc_pauses"),  # the collector holds the GIL: its pauses stall decode
+        # a learnt margin's start, end and range over the window's decisions (None: a fixed margin)
+        "learned_margin": ((summary.get("policy_detail") or {}).get("controller") or {}).get(
+            "learned_margin"
+        ),
     }
     if keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)

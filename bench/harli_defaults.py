@@ -30,10 +30,14 @@ def of_result(setup: dict[str, Any]) -> dict[str, Any]:
     return in_force() | {k: v for k, v in recorded.items() if k in in_force()}
 
 
+def options_of(name: str, setup: dict[str, Any]) -> dict[str, Any] | None:
+    """Every option of the harli variant ``name`` as a result's run built it (None: not a harli variant)."""
+    base, _, options = name.partition(":")
+    return of_result(setup) | parse_harli_options(options) if base == "harli" else None
+
+
 def as_ran(name: str, setup: dict[str, Any]) -> str:
     """``name`` (a harli variant as a result stores it) restated so that today's ``make_policy`` builds what
     that result's run built; other policies' names are returned as they are."""
-    base, _, options = name.partition(":")
-    if base != "harli":
-        return name
-    return harli_name(**(of_result(setup) | parse_harli_options(options)))
+    options = options_of(name, setup)
+    return name if options is None else harli_name(**options)

@@ -495,9 +495,19 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
                     assert row["decode_steps"] > 0 and row["trainer_sm_seconds"]
     assert {"streams", "temporal"} <= set(steady["objectives"]["auto:2"]["cells"]["steady/light"]["policies"])
     harli = steady["objectives"]["auto:2"]["cells"]["steady/heavy"]["policies"]["harli"]
+    assert harli["learned_margin"]["start"] == steady["setup"]["margin"]  # harli's default learns it
+    assert steady["setup"]["harli_defaults"]["learn_margin"] is True
+    policies = steady["objectives"]["auto:2"]["cells"]["steady/heavy"]["policies"]
+    assert all(row["learned_margin"] is None for name, row in policies.items() if name.startswith("static:"))
     decode = [r for r in step_measures.rows_of(harli) if r["kind"] == "decode"]
     assert decode and all("launch_s" in r and "kv_tokens" in r for r in decode)  # --keep-steps rows
-    assert any(cell for cell in analyze_colocate.analyze(steady)["cells"])
+    report = analyze_colocate.analyze(steady)
+    assert any(cell for cell in report["cells"])
+    assert "->" in report["cells"]["auto:2 steady/heavy"]["harli"]["margin"]  # learnt: start -> end (range)
+    old = {"margin": 0.15}  # a result written before harli's defaults were recorded: the margin was fixed
+    assert not analyze_colocate.learns_margin("harli", old)
+    assert analyze_colocate.learns_margin("harli", steady["setup"])
+    assert analyze_colocate.margin_text(None, 0.15, True) == "0.15 learnt, range not recorded"
     matrix = tmp_path / "matrix.json.gz"
     paths = [str(next((tmp_path / t).glob("*.json"))) for t in ("steady", "varying")]
     proc = subprocess.run(
