@@ -141,9 +141,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     chunks[name][size] += rs
                 for key, rs in beside_fit(rows).items():
                     beside[name][key] += rs
-                learned = entry.get(
-                    "learned_margin"
-                )  # its median stands for the budget a learnt margin moved
+                # a learnt margin moved the budget: its median stands for it
+                learned = entry.get("learned_margin")
                 at = learned["median"] if learned else margin
                 held = (
                     near_budget(rows, tpot_s * (1 - at), grow_headroom(entry.get("policy") or name))

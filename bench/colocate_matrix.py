@@ -98,6 +98,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
     """What the matrix keeps of one window: a co-located run's summary (``colocate/summary.json``), with its
     first ``keep_steps`` step records as lists of ``STEP_COLUMNS``."""
     sv, ft = summary["serving"], summary["finetune"]
+    controller = (summary.get("policy_detail") or {}).get("controller") or {}  # a ControlledPolicy's
     row = {
         "policy": summary["policy"],
         "finetune_tokens_per_s": ft["tokens_per_s"],
@@ -125,9 +126,7 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "live_adapter": summary.get("live_adapter"),
         "gc_pauses": summary.get("gc_pauses"),  # the collector holds the GIL: its pauses stall decode
         # a learnt margin's start, end and range over the window's decisions (None: a fixed margin)
-        "learned_margin": ((summary.get("policy_detail") or {}).get("controller") or {}).get(
-            "learned_margin"
-        ),
+        "learned_margin": controller.get("learned_margin"),
     }
     if keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)

@@ -10,14 +10,13 @@ step of ``--policy``'s window, in order (its batch and KV tokens; mixed and pref
 planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds from
 that name under the defaults of the run's day, ``harli_defaults.as_ran``, so its controller, grow headroom and
 trainer rungs all apply) held to the window's objective and the run's margin (``--margins``: each listed margin
-too, as a variant). A step on share s is "measured" as its
-raw prediction there times a ratio from those the window's own steps on s showed (what the policy learnt from,
-max(step latency, token interval), over the raw prediction): ``--draws ordered`` (the default) takes them in
-the window's order from a seeded starting point, so runs of slow steps stay runs; ``iid`` draws each at
-random. A share the window never ran on takes the ratios of the nearest share it did. A replay shows how the
-policy's rules move decode and the trainer over the ladder against the same load and the same per-share
-errors, not what a GPU run would measure: the errors do not depend on what came before them here, and no mixed
-step restarts the hysteresis.
+too, as a variant). A step on share s is "measured" as its raw prediction there times a ratio from those the
+window's own steps on s showed (what the policy learnt from, max(step latency, token interval), over the raw
+prediction): ``--draws ordered`` (the default) takes them in the window's order from a seeded starting point,
+so runs of slow steps stay runs; ``iid`` draws each at random. A share the window never ran on takes the
+ratios of the nearest share it did. A replay shows how the policy's rules move decode and the trainer over
+the ladder against the same load and the same per-share errors, not what a GPU run would measure: the errors
+do not depend on what came before them here, and no mixed step restarts the hysteresis.
 
 Variants: the share-visit rule on and off, each ``--options`` entry (harli's options, comma-joined) added to
 the replayed policy, and the replayed policy held at each of ``--margins`` (``margin=fixed``). A replay's
