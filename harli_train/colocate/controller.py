@@ -139,6 +139,7 @@ class Controller:
             "predicted_s": d.predicted_s,
             "measured_s": None,
             "budget_s": self.budget_s,
+            "margin": self.margin,
             "reason": d.reason,
         }
         self.log.append(entry)
@@ -320,12 +321,11 @@ class Controller:
         }
 
     def _learned_margin_range(self, entries: list[dict[str, Any]]) -> dict[str, float] | None:
-        """With a learnt margin: its start, the margin in force now, and the least, median and largest the
-        kept log's decisions were made under (None with a fixed margin)."""
+        """With a learnt margin: its start, the margin in force now, and the least, median and largest of the
+        margins the kept log's decisions were made under and the one now (None with a fixed margin)."""
         if self.learned_margin is None:
             return None
-        seen = sorted(1.0 - e["budget_s"] / self.tpot_s for e in entries if e.get("budget_s") is not None)
-        seen = seen or [self.margin]
+        seen = sorted([self.margin, *(e["margin"] for e in entries if "margin" in e)])
         return {
             "start": self.learned_margin.start,
             "now": self.margin,
