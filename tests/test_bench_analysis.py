@@ -164,15 +164,15 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
 
 
 def test_policies_list_keeps_a_variants_options_together():
-    import bench_colocate
+    import colocate_args
 
-    assert bench_colocate.policy_list("harli,harli:window=0.1,launch=ahead,static,,temporal") == [
+    assert colocate_args.policy_list("harli,harli:window=0.1,launch=ahead,static,,temporal") == [
         "harli",
         "harli:window=0.1,launch=ahead",
         "static",
         "temporal",
     ]
-    assert bench_colocate.policy_list("harli,static") == ["harli", "static"]
+    assert colocate_args.policy_list("harli,static") == ["harli", "static"]
 
 
 def test_gemv_rows_names_the_most_rows_the_gemv_keeps_up_to_and_forces_each_path():
