@@ -141,9 +141,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     chunks[name][size] += rs
                 for key, rs in beside_fit(rows).items():
                     beside[name][key] += rs
-                # a learnt margin moved the budget: its median stands for it
                 learned = entry.get("learned_margin")
-                at = learned["median"] if learned else margin
+                at = harli_defaults.decided_margin(entry, margin)
                 held = (
                     near_budget(rows, tpot_s * (1 - at), grow_headroom(entry.get("policy") or name))
                     if at is not None

@@ -1,5 +1,5 @@
 """Which harli a result's policy name meant: the defaults of harli's options in force when a result was
-written, and a result's policy name restated under today's defaults.
+written, a result's policy name restated under today's defaults, and the margin a row decided under.
 
 A name such as ``harli`` or ``harli:grow=0`` lists only the options that differ from the defaults, and the
 defaults move as A/Bs decide them (``margin=learn`` became the default on 2026-12-07). ``bench_colocate.py``
@@ -41,3 +41,10 @@ def as_ran(name: str, setup: dict[str, Any]) -> str:
     that result's run built; other policies' names are returned as they are."""
     options = options_of(name, setup)
     return name if options is None else harli_name(**options)
+
+
+def decided_margin(row: dict[str, Any], margin: float | None) -> float | None:
+    """The margin a row's window decided under: a learnt margin's median over the window (its
+    ``learned_margin`` record), else the run's fixed ``margin``."""
+    learned = row.get("learned_margin")
+    return learned["median"] if learned else margin

@@ -6,12 +6,13 @@ Reads a bench_colocate result written with ``--keep-steps`` and the decode profi
 latency predictor, and replays every mixed step harli ran on the whole GPU (the trainer paused) through
 harli's rule for a mixed step beside the trainer (``policy.base.chunk_fits``, ``largest_chunk``): for each
 floor (``harli:floor=N``), the smallest spatial share at least the step's decode share where N prefill tokens
-fit the budget beside the trainer, and the chunk that share fits. The steps' pending prompts are not in the
-records: each replayed step has one prompt of ``--pending`` tokens (no cached context) waiting. The
-predictions are corrected as a fresh policy's are (the predictor's fitted correction, before any step has
-been measured); ``--corun-correction`` scales those beside the trainer further (e.g. by the measured /
-predicted ratio the run's rows show). So the replay says where a floor could move the steps, not what they
-would measure.
+fit the budget beside the trainer, and the chunk that share fits. The budget is the objective less the margin
+the window decided under (``harli_defaults.decided_margin``: a learnt margin's median, else the run's). The
+steps' pending prompts are not in the records: each replayed step has one prompt of ``--pending`` tokens (no
+cached context) waiting. The predictions are corrected as a fresh policy's are (the predictor's fitted
+correction, before any step has been measured); ``--corun-correction`` scales those beside the trainer
+further (e.g. by the measured / predicted ratio the run's rows show). So the replay says where a floor could
+move the steps, not what they would measure.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from colocate_matrix import load  # noqa: E402
+from harli_defaults import decided_margin  # noqa: E402
 from step_measures import rows_of, windows  # noqa: E402
 
 from harli_train.colocate.policy.base import chunk_fits, largest_chunk  # noqa: E402
@@ -106,7 +108,7 @@ def main() -> None:
                 rows_of(entry),
                 predictor,
                 shares,
-                tpot_s * (1 - margin),
+                tpot_s * (1 - decided_margin(entry, margin)),
                 floors,
                 args.pending,
                 args.corun_correction,

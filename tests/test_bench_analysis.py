@@ -387,6 +387,10 @@ def test_a_results_harli_name_is_restated_under_todays_defaults():
     assert harli_defaults.as_ran("static:64", old) == "static:64"
     with pytest.raises(ValueError, match="unknown harli option"):
         harli_defaults.as_ran("harli:bogus=1", old)
+    # the margin a row decided under: a learnt one's median, else the run's fixed one
+    learnt = {"learned_margin": {"start": 0.15, "now": 0.05, "min": 0.04, "median": 0.06, "max": 0.15}}
+    assert harli_defaults.decided_margin(learnt, 0.15) == 0.06
+    assert harli_defaults.decided_margin({"learned_margin": None}, 0.15) == 0.15
 
 
 def test_replay_controller_puts_the_trainer_where_harli_would_and_draws_ratios_in_order():
