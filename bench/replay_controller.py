@@ -154,14 +154,18 @@ def variants(
     ]
     for text in options:
         parse_harli_options(text)
-        joined = f"{base},{text}" if ":" in base else f"{base}:{text}"
-        out.append((text, None, joined, None))
-    fixed = f"{base},margin=fixed" if ":" in base else f"{base}:margin=fixed"
+        out.append((text, None, _with_options(base, text), None))
+    fixed = _with_options(base, "margin=fixed")
     for margin in margins:
         if not 0 <= margin < 1:
             raise ValueError(f"a margin is in [0, 1), got {margin:g}")
         out.append((f"margin {margin:g}", None, fixed, margin))
     return out
+
+
+def _with_options(base: str, text: str) -> str:
+    """The harli variant ``base`` with the options ``text`` (comma-joined) added after its own."""
+    return f"{base},{text}" if ":" in base else f"{base}:{text}"
 
 
 def _median(runs: list[dict], key: str, share: int | None = None) -> float:
