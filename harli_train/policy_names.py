@@ -47,7 +47,7 @@ LAUNCH_MODES = ("ahead", "wait")
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    f"margin=learn|fixed (default learn),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
+    f"margin=learn|fixed (default {'learn' if DEFAULT_LEARN_MARGIN else 'fixed'}),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
     f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"
