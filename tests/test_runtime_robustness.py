@@ -454,10 +454,10 @@ def test_time_slicing_sizes_its_first_launch_by_the_micro_step_times_measured_at
     measured = {"fwd": 2e-3, "next": 2e-3, "loss": 1e-3, "bwd": 4e-3}
     seeded = TrainerSide(trainer, lambda: None, HostPriority(), estimates=measured)
     assert seeded.expected_s("next") == 2e-3 and seeded.expected_s("optim") == 4e-3  # unknown: the largest
-    assert seeded._may_launch(plan, False, 3e-3, seeded.expected_s("next"), 0, "next")
-    assert not seeded._may_launch(plan, False, 3e-3, seeded.expected_s("bwd"), 0, "bwd")  # 4 ms > 3 ms
+    assert seeded.gate.allows(plan, False, 3e-3, seeded.expected_s("next"), 0, "next", 0)
+    assert not seeded.gate.allows(plan, False, 3e-3, seeded.expected_s("bwd"), 0, "bwd", 0)  # 4 ms > 3 ms
     blind = TrainerSide(trainer, lambda: None, HostPriority())
-    assert not blind._may_launch(plan, False, 3e-3, blind.expected_s("next"), 0, "next")
+    assert not blind.gate.allows(plan, False, 3e-3, blind.expected_s("next"), 0, "next", 0)
     # The run's own timings take over: one of 6 ms outweighs the set-up's 2 ms (a median of the two).
     seeded._observe(6e-3, "fwd")
     assert seeded.expected_s("fwd") == 6e-3

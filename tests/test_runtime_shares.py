@@ -24,6 +24,11 @@ from .runtime_support import TOTAL, preview, recipe, requests, rows, runtime, sy
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def may_launch(feeder, plan, sync, budget, cost, launched, kind):
+    """Whether the trainer side's gate lets one more micro-step launch, with its queue as it stands."""
+    return feeder.gate.allows(plan, sync, budget, cost, launched, kind, len(feeder.in_flight))
+
+
 # ---- shares, streams, pause and resume -----------------------------------------------------------------
 
 
@@ -32,8 +37,8 @@ def test_the_trainer_side_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tm
     make = lambda ladder: make_policy("static:64", ladder, None, 0.05)
     rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
     feeder, plan = rt.worker.side, rt.policy.plan(preview("decode", 1, 10))
-    assert plan.train == "beside" and feeder.max_in_flight == 2
-    may = lambda: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # the GPU path, budget to spare
+    assert plan.train == "beside" and feeder.gate.max_in_flight == 2
+    may = lambda: may_launch(feeder, plan, False, 1.0, 1e-3, 0, "fwd")  # the GPU path, budget to spare
     assert may()
     feeder.in_flight.extend([(None, None, "fwd")] * 2)
     assert not may()  # a full queue waits, whatever the time budget says
@@ -42,7 +47,7 @@ def test_the_trainer_side_queues_at_most_max_in_flight_micro_steps_on_the_gpu(tm
     feeder.in_flight.clear()
     # The runtime hands its option down, and refuses a cap that would stop the trainer for good.
     opts = RuntimeOptions(quiet=True, plots=False, max_in_flight=3)
-    assert runtime(tmp_path / "three", ladder, make, [], opts).worker.side.max_in_flight == 3
+    assert runtime(tmp_path / "three", ladder, make, [], opts).worker.side.gate.max_in_flight == 3
     with pytest.raises(ValueError, match="max_in_flight"):
         RuntimeOptions(max_in_flight=0)
 
@@ -54,8 +59,8 @@ def test_temporal_keeps_one_micro_step_queued_while_idle(tmp_path):
     make = lambda ladder: make_policy("temporal", ladder, synthetic_predictor(ladder.shares), 0.05)  # noqa: E731
     rt = runtime(tmp_path, ladder, make, requests([(0.0, 1, 4)]), RuntimeOptions(quiet=True, plots=False))
     feeder, idle = rt.worker.side, rt.policy.idle_plan()
-    assert idle.max_queued == 1 and feeder.max_in_flight == 2
-    may = lambda plan: feeder._may_launch(plan, False, 1.0, 1e-3, 0, "fwd")  # noqa: E731
+    assert idle.max_queued == 1 and feeder.gate.max_in_flight == 2
+    may = lambda plan: may_launch(feeder, plan, False, 1.0, 1e-3, 0, "fwd")  # noqa: E731
     assert may(idle)
     feeder.in_flight.append((None, None, "fwd"))
     assert not may(idle)
@@ -80,19 +85,19 @@ def test_a_time_sliced_step_never_lets_a_micro_step_overrun_its_slack(tmp_path):
     # Before any micro-step has been timed nothing is known to fit: the first micro-step waits for a step
     # with no objective at stake (on the H200 a fresh trainer's first micro-step, estimated at 0, held the
     # next step 78 ms).
-    assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("next"), 0, "next")
-    assert feeder._may_launch(policy.idle_plan(), False, 0.005, feeder.expected_s("next"), 0, "next")
+    assert not may_launch(feeder, plan, False, 0.005, feeder.expected_s("next"), 0, "next")
+    assert may_launch(feeder, policy.idle_plan(), False, 0.005, feeder.expected_s("next"), 0, "next")
     feeder.times.by_kind["fwd"] = deque([0.020])  # one slow sample
     feeder.times.by_kind["optim"] = deque([0.001, 0.001, 0.001])
     # A kind never timed (the step boundary's) is estimated at the largest median, not the mean.
     assert feeder.expected_s("next") == 0.020
     for _ in range(50):
-        assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("fwd"), 0, "fwd")
-        assert not feeder._may_launch(plan, False, 0.005, feeder.expected_s("next"), 0, "next")
-    assert feeder._may_launch(plan, False, 0.005, feeder.expected_s("optim"), 0, "optim")
+        assert not may_launch(feeder, plan, False, 0.005, feeder.expected_s("fwd"), 0, "fwd")
+        assert not may_launch(feeder, plan, False, 0.005, feeder.expected_s("next"), 0, "next")
+    assert may_launch(feeder, plan, False, 0.005, feeder.expected_s("optim"), 0, "optim")
     loose = dataclasses.replace(plan, strict=False)
-    assert feeder._may_launch(loose, False, 0.005, 0.020, 0, "fwd")  # nothing launched yet: one goes
-    assert not feeder._may_launch(loose, False, 0.005, 0.020, 1, "fwd")
+    assert may_launch(feeder, loose, False, 0.005, 0.020, 0, "fwd")  # nothing launched yet: one goes
+    assert not may_launch(feeder, loose, False, 0.005, 0.020, 1, "fwd")
 
 
 def test_harli_trainer_launches_on_every_rung_or_every_nth_clear_of_decode():

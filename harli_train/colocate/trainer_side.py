@@ -36,10 +36,11 @@ import torch
 
 from harli_train import kernels
 from harli_train.colocate.host_priority import HostPriority
+from harli_train.colocate.launch_gate import LaunchGate
 from harli_train.colocate.micro_step_times import MicroStepTimes
 from harli_train.colocate.micro_tracker import MicroTracker
 from harli_train.colocate.oom_backoff import OomBackoff
-from harli_train.colocate.policy import AFTER, BESIDE, StepPlan
+from harli_train.colocate.policy import AFTER, StepPlan
 from harli_train.colocate.sm import StandInEvent, is_cuda_stream
 from harli_train.train.shape_graphs import GraphCaptureError
 
@@ -73,10 +74,6 @@ class TrainerSide:
         # Called with the step's number right after each optimizer update is launched, on the launching
         # thread with the trainer's stream current (the live adapter's refresh).
         self.on_optimizer_step = on_optimizer_step
-        # Micro-steps queued on the GPU at most (beside decode). The time estimates run short on a small rung,
-        # and a queue grown too long fills the stream's hardware queue: the trainer's launches then block in
-        # the driver, and decode's submissions with them (bench/results/README.md).
-        self.max_in_flight = max_in_flight
         self.on_slice, self.should_stop = on_slice, should_stop
         self.backoff = OomBackoff(max_oom_retries, oom_backoff_steps)
         self.on_gpu = trainer.device.type == "cuda"
@@ -89,13 +86,14 @@ class TrainerSide:
         self.done = trainer.done
         self.in_flight: deque[tuple[Any, Any, str]] = deque()  # (start, end, kind) of queued micro-steps
         self.times = MicroStepTimes(estimates)
+        self.gate = LaunchGate(self.times, max_in_flight)
         self.last_stream: Any = None
         self._last_rung: tuple[Any, int, int] | None = None  # (stream, SMs, first SM) of the last launch
         self.stayed = 0  # launches kept on the last rung until the micro-batch ended (graphs)
         self.launching_kind: str | None = None  # the micro-step kind being launched now (fwd, bwd, optim...)
         self.launches: deque[tuple[str, str, int]] = deque(maxlen=log_limit)  # (phase, stream, SM budget)
         self.oom_recoveries = self.abandoned_steps = self.launched_total = 0
-        self.decisions = self._held_until = self._starved = 0
+        self.decisions = self._held_until = 0
         cfg = trainer.cfg
         self._step_tokens = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum
         # Where the trainer's time goes (for the run summary): GPU time of retired micro-steps, host time
@@ -158,14 +156,7 @@ class TrainerSide:
         self.poll()
         first_sm = plan.train_from_sm if plan.isolated else 0
         sync = not self.on_gpu
-        if sync:
-            budget = plan.horizon_s
-        elif plan.train == BESIDE:
-            # Keep the decode step covered, plus about one micro-step queued past it, plus the host time the
-            # next launch takes: the GPU must not run dry while the trainer is still launching.
-            budget = plan.horizon_s + self.times.ewma_s + self.times.host_s() - self.queued_s()
-        else:
-            budget = plan.horizon_s - self.queued_s()
+        budget = self.gate.budget(plan, sync, self.queued_s())
         launched, why = 0, "done"
         self.rounds += 1
         tracker = self.tracker
@@ -185,7 +176,7 @@ class TrainerSide:
             cost = self.expected_s(kind)
             if stale and kind not in self.times.by_kind:
                 cost = self.expected_s("fwd") + self.expected_s("bwd")
-            if not self._may_launch(plan, sync, budget, cost, launched, kind):
+            if not self.gate.allows(plan, sync, budget, cost, launched, kind, len(self.in_flight)):
                 why = "budget"
                 break
             if tracker.last_phase == "optim" and self.in_flight:
@@ -205,7 +196,7 @@ class TrainerSide:
                 self.times.launched(t0, host, cost)
             launched += 1
             if plan.train == AFTER:
-                self._starved = 0
+                self.gate.fed()
             budget -= seconds if sync else (cost or float("inf"))
         key = f"{why}_after_launch" if launched else why
         self.stops[key] = self.stops.get(key, 0) + 1
@@ -233,37 +224,6 @@ class TrainerSide:
             self.stayed += 1
             return last
         return plan.train_stream, plan.train_sms, first_sm
-
-    def _may_launch(
-        self, plan: StepPlan, sync: bool, budget: float, cost: float, launched: int, kind: str
-    ) -> bool:
-        if plan.train == AFTER:  # time slicing: under an objective the slack is a hard limit
-            # A micro-step fits only by a measured estimate: before any micro-step has been timed, none does.
-            if cost <= budget and (self.times.timed or not plan.strict):
-                return True
-            if not launched and not plan.strict:
-                return True
-            self._note_starved(kind, cost, budget)
-            return False
-        if sync:  # CPU stand-in for work beside the step: about the horizon's worth, at least one
-            return not launched or cost <= budget
-        # GPU: keep the step covered and about one micro-step queued past it, never more than the plan's cap
-        # (else max_in_flight).
-        return budget > 0 and len(self.in_flight) < (plan.max_queued or self.max_in_flight)
-
-    def _note_starved(self, kind: str, cost: float, budget: float) -> None:
-        """Count a decode step whose slack the next micro-step did not fit; warn once that has gone on for
-        long. The micro-step is not launched: it would hold the next decode step past the objective. Its
-        estimate is refreshed where the trainer runs with no objective at stake (between requests)."""
-        self._starved += 1
-        if self._starved == 500:
-            log.warning(
-                "the trainer's next micro-step (%s, ~%.1f ms) has not fitted the slack decode leaves "
-                "(%.1f ms) for 500 steps: lower train.layers_per_microstep",
-                kind,
-                cost * 1e3,
-                budget * 1e3,
-            )
 
     def _launch(self, stream: Any, sms: int, first_sm: int, kind: str, after: Any = None) -> float:
         """One micro-step (``kind``, for its timing) on ``stream`` sized for ``sms`` SMs, its work waiting on
