@@ -227,13 +227,15 @@ def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
     a window's decode steps beside the trainer."""
     print("\nthe trainer paused, seconds by cause (episodes: runs of paused steps; steps: median an episode)")
     paused = [
-        [cell, name, p["whole_gpu_mixed_s"], p["drain_s"], p["prefill_s"], p["other_s"], p["episodes"]]
+        [cell, name, p["whole_gpu_mixed_s"], p["drain_s"], p.get("drain_alone_s", 0.0), p["prefill_s"]]
+        + [p["other_s"], p["episodes"]]
         + [p["whole_gpu_mixed_steps_per_episode"], p["drain_steps_per_episode"]]
         for cell, ps in report["cells"].items()
         for name, r in ps.items()
         if (p := r["paused"])["episodes"]
     ]
-    head = ["cell", "policy", "whole-GPU mixed", "drain", "prefill", "other", "episodes", "mixed steps"]
+    head = ["cell", "policy", "whole-GPU mixed", "drain", "of it alone", "prefill", "other", "episodes"]
+    head.append("mixed steps")
     print(common.table(paused, [*head, "drain steps"]))
     print("\ndecode steps beside the trainer: the shares each batch ran on (steps)")
     shares = []

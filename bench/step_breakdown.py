@@ -3,7 +3,10 @@
 - ``paused_time``: the seconds the trainer launched nothing, by cause: whole-GPU mixed steps, decode alone
   while the trainer's queued work drains before one (``DRAIN_REASON``), prefill steps, and the rest; and how
   they group into episodes (runs of consecutive paused steps). A drain is not lost to the trainer as the
-  SM-seconds count it: its queued micro-steps still run.
+  SM-seconds count it: its queued micro-steps still run. Of the drain, ``drain_alone_s`` are its steps that
+  ran under ``ALONE_RATIO`` of their prediction (made for decode beside the trainer's queued work): the queue
+  had ended before them or early in them, decode ran alone, and only the step being planned one ahead (while
+  the queue still ran) kept the prefill waiting.
 - ``decode_shares``: for each decode batch, the shares its steps beside the trainer ran on. A batch that
   needs a larger share than the batches around it points at a kernel or a model term (the trainer trails
   the larger share for a while after each such step).
@@ -23,6 +26,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 DRAIN_REASON = "mixed: decode alone"  # harli's plan while the trainer's queued work leaves the GPU
+# A drain step measured under this fraction of its prediction ran (mostly) with the trainer's queue ended:
+# decode alone on its share runs ~0.7x of its time beside a running trainer (H100, 32 SMs, 2026-12-07).
+ALONE_RATIO = 0.8
 
 
 def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
@@ -39,6 +45,9 @@ def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
             cause = "whole_gpu_mixed"
         elif row["kind"] == "decode" and (row.get("reason") or "").startswith(DRAIN_REASON):
             cause = "drain"
+            measured, predicted = row.get("measured_s"), row.get("predicted_s")
+            if measured and predicted and measured < ALONE_RATIO * predicted:
+                causes["drain_alone"] += dt
         elif row["kind"] == "prefill":
             cause = "prefill"
         else:
@@ -49,7 +58,8 @@ def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
             open_episode = True
         episodes[-1][cause] += 1
         episodes[-1][cause + "_s"] += dt
-    out: dict[str, Any] = {f"{c}_s": causes[c] for c in ("whole_gpu_mixed", "drain", "prefill", "other")}
+    kinds = ("whole_gpu_mixed", "drain", "drain_alone", "prefill", "other")
+    out: dict[str, Any] = {f"{c}_s": causes[c] for c in kinds}
     out["episodes"] = len(episodes)
     for cause in ("whole_gpu_mixed", "drain"):
         out[f"{cause}_steps_per_episode"] = (

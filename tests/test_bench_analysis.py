@@ -129,16 +129,17 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     trainer."""
     import step_breakdown
 
-    def row(t, kind, sms, train, batch=2, reason="r"):
+    def row(t, kind, sms, train, batch=2, reason="r", measured=0.009):
         return {"t": t, "kind": kind, "infer_sms": sms, "train": "beside" if train else "none",
-                "train_sms": 132 - sms if train else 0, "batch": batch, "reason": reason}  # fmt: skip
+                "train_sms": 132 - sms if train else 0, "batch": batch, "reason": reason,
+                "measured_s": measured, "predicted_s": 0.01}  # fmt: skip
 
     drain = step_breakdown.DRAIN_REASON + " on 48 SMs, its prefill waits"
     rows = [
         row(0.00, "decode", 48, True, batch=1),
         row(0.01, "decode", 64, True, batch=1),
         row(0.02, "decode", 48, False, reason=drain),  # episode 1: two drain steps, two mixed
-        row(0.03, "decode", 48, False, reason=drain),
+        row(0.03, "decode", 48, False, reason=drain, measured=0.007),  # the queue had ended: decode alone
         row(0.04, "mixed", 132, False),
         row(0.06, "mixed", 132, False),
         row(0.07, "decode", 48, True, batch=3),
@@ -148,6 +149,7 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     ]
     got = step_breakdown.paused_time(rows, 132)
     assert got["whole_gpu_mixed_s"] == pytest.approx(0.03) and got["drain_s"] == pytest.approx(0.02)
+    assert got["drain_alone_s"] == pytest.approx(0.01)
     assert got["prefill_s"] == pytest.approx(0.01) and got["other_s"] == pytest.approx(0.03)
     assert got["episodes"] == 2
     assert got["whole_gpu_mixed_steps_per_episode"] == 1 and got["drain_steps_per_episode"] == 1  # 2, 0
