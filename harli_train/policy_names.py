@@ -44,6 +44,13 @@ MAX_TRAINER_WINDOW_S = 10.0
 # harli:launch=ahead|wait: this policy's steps launched one ahead or not, whatever colocation.launch_ahead
 # says (None: the recipe's): an A/B of launching ahead on one set-up.
 LAUNCH_MODES = ("ahead", "wait")
+# harli:handoff=gpu|host: how a prompt's whole-GPU mixed step follows the paused trainer's queued work. host
+# (the default until an A/B on the GPU says otherwise): it is planned once the host sees that work ended, one
+# step late where steps are launched ahead (decode runs alone meanwhile). gpu: it is planned while the work is
+# expected to end within the budget, its chunk sized for the budget less that time, and waits for the work's
+# end on the GPU.
+HANDOFF_MODES = ("host", "gpu")
+DEFAULT_HANDOFF_GPU = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
@@ -51,14 +58,15 @@ HARLI_OPTIONS = (
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
     f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"
-    f"launch={'|'.join(LAUNCH_MODES)} (default: colocation.launch_ahead)"
+    f"launch={'|'.join(LAUNCH_MODES)} (default: colocation.launch_ahead),"
+    f"handoff={'|'.join(HANDOFF_MODES)} (default {HANDOFF_MODES[int(DEFAULT_HANDOFF_GPU)]})"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
     """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``,
-    ``floor=match``, ``window=S`` and ``launch=ahead|wait`` (any of them, in any order; "" for none) as
-    HarliPolicy keyword arguments."""
+    ``floor=match``, ``window=S``, ``launch=ahead|wait`` and ``handoff=host|gpu`` (any of them, in any order;
+    "" for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -84,6 +92,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["trainer_window_s"] = float(value)
         elif key == "launch" and value in LAUNCH_MODES:
             out["launch_ahead"] = value == "ahead"
+        elif key == "handoff" and value in HANDOFF_MODES:
+            out["handoff_gpu"] = value == "gpu"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -101,6 +111,7 @@ def harli_name(
     floor_match: bool = DEFAULT_FLOOR_MATCH,
     trainer_window_s: float = DEFAULT_TRAINER_WINDOW_S,
     launch_ahead: bool | None = None,
+    handoff_gpu: bool = DEFAULT_HANDOFF_GPU,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -124,6 +135,8 @@ def harli_name(
         options.append(f"window={trainer_window_s:g}")
     if launch_ahead is not None:
         options.append(f"launch={'ahead' if launch_ahead else 'wait'}")
+    if handoff_gpu != DEFAULT_HANDOFF_GPU:
+        options.append(f"handoff={HANDOFF_MODES[int(handoff_gpu)]}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -455,3 +455,33 @@ print("recaptured")
     assert proc.returncode == 0 and "recaptured" in proc.stdout, _stderr_excerpt(proc.stderr)
     for marker in ("terminate called", "Traceback", "failed (RuntimeError"):
         assert marker not in proc.stderr, _stderr_excerpt(proc.stderr)
+
+
+def test_a_step_told_to_wait_for_another_streams_work_starts_after_it():
+    # harli:handoff=gpu launches a whole-GPU step while the trainer's queued work still runs on another
+    # stream; `wait_before_next` orders the next launched step after that work's end event on the GPU.
+    from harli_train.engine import DecodeEngine, EngineConfig, SamplingParams
+    from harli_train.model import load_model
+
+    model = load_model("tiny", torch.bfloat16, "cuda")
+    engine = DecodeEngine(model, EngineConfig(block_size=16, max_num_seqs=2, max_model_len=64))
+    params = SamplingParams(max_tokens=3)
+    engine.generate([[1, 2, 3, 4]], params)  # compiled and warm: a generation takes milliseconds
+    side = torch.cuda.Stream()
+
+    def other_work() -> torch.cuda.Event:
+        ended = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles
+            ended.record(side)
+        return ended
+
+    ended = other_work()
+    engine.generate([[1, 2, 3, 4]], params)
+    assert not ended.query()  # the control: a step that does not wait finishes long before the work ends
+    side.synchronize()
+    ended = other_work()
+    engine.wait_before_next(ended)
+    engine.generate([[1, 2, 3, 4]], params)
+    assert ended.query()  # the step's tokens came back only after the other stream's work had ended
+    engine.close()

@@ -4,6 +4,7 @@ objective accounting over every token interval, and a co-located run that rides 
 import dataclasses
 import gzip
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from harli_train.engine.metrics import EngineMetrics
 from harli_train.engine.sampling_params import SamplingParams
 from harli_train.engine.sequence import Sequence
 from harli_train.engine.step_work import PrefillPiece, StepPreview
-from harli_train.policy_names import MIN_PREFILL_FLOOR
+from harli_train.policy_names import MIN_PREFILL_FLOOR, harli_name, parse_harli_options
 
 from .runtime_support import TOTAL, requests, rows, runtime, synthetic_predictor
 
@@ -181,6 +182,49 @@ def test_chunks_fit_the_budget_on_each_policys_share():
         .prefill_tokens
         is None
     )
+
+
+def test_harli_handoff_gpu_plans_the_whole_gpu_step_while_the_trainers_last_work_ends():
+    """harli:handoff=gpu: once the trainer is held, a whole-GPU mixed step is planned while its queued work
+    is expected to run for less than the budget, its chunk sized for the budget less that time, ordered
+    after that work on the GPU (``after_trainer``) and not learnt from; otherwise decode runs alone."""
+    ladder = SMLadder.cpu_standin(TOTAL, 16)
+    pred = mixed_predictor(ladder.shares)
+    preview = StepPreview(2, 40, (PrefillPiece(2000, 0, 0),), mixed=True)
+    tpot, margin = 0.006, 0.1  # no share beside the trainer fits the floor; the whole GPU fits 78 tokens
+    budget = tpot * (1 - margin)
+    plain, handoff = (
+        make_policy("harli", ladder, pred, tpot, margin),
+        make_policy("harli:handoff=gpu", ladder, pred, tpot, margin),
+    )
+    assert handoff.name == "harli:handoff=gpu" and handoff.handoff_gpu and not plain.handoff_gpu
+    assert "handoff=" not in harli_name() and harli_name(handoff_gpu=True) == "harli:handoff=gpu"
+    left = [0.001]
+    for policy in (plain, handoff):
+        policy.trainer_busy, policy.trainer_left_s = (lambda: True), (lambda: left[0])
+        first = policy.plan(preview)  # the trainer is told to stop: decode alone, whatever the option
+        assert first.paused and first.prefill_tokens == 0 and not first.after_trainer
+    assert plain.plan(preview).prefill_tokens == 0  # host hand-off: waits until the work is seen to end
+    plan = handoff.plan(preview)
+    assert plan.paused and plan.partition is ladder.full and plan.after_trainer and not plan.corun
+    assert plan.prefill_tokens >= MIN_CHUNK and plan.predicted_s <= budget - left[0]
+    whole, _, _ = largest_chunk(pred, preview, TOTAL, False, budget)
+    assert plan.prefill_tokens < whole  # the wait's share of the budget is not filled with prefill
+    assert "once the trainer's queued work ends" in plan.reason
+    corrections = pred.correction(TOTAL, False, mixed=True)
+    handoff.observe(plan, 10 * budget)  # an interval that includes the wait says nothing of the step
+    assert pred.correction(TOTAL, False, mixed=True) == corrections
+    left[0] = budget * 0.9  # too long a wait for the least chunk: decode alone again
+    plan = handoff.plan(preview)
+    assert plan.prefill_tokens == 0 and not plan.after_trainer and "queued work ends" in plan.reason
+    left[0] = float("inf")  # still launching
+    assert handoff.plan(preview).prefill_tokens == 0
+    handoff.trainer_busy = lambda: False  # the work has ended: the plain whole-GPU step, all of the budget
+    plan = handoff.plan(preview)
+    assert plan.prefill_tokens == whole and not plan.after_trainer
+    assert parse_harli_options("handoff=host") == {"handoff_gpu": False}
+    with pytest.raises(ValueError, match="handoff"):
+        parse_harli_options("handoff=later")
 
 
 def test_a_mixed_step_never_resumes_a_paused_trainer():
@@ -602,6 +646,16 @@ def test_the_trainer_counts_as_busy_until_its_last_queued_micro_step_has_ended()
     assert busy(queued)
     end.done = True
     assert not busy(queued)
+    # How long its queued work should run still (what harli:handoff=gpu sizes a chunk by): none once the
+    # last end event is reached; unknown (infinite) while it may launch more; else the queue's estimated end
+    # less now, a quarter micro-step once that estimate has passed.
+    left = lambda snap: TrainerWorker.gpu_left_s(SimpleNamespace(snapshot=snap))  # noqa: E731
+    assert left(idle) == 0.0 and left(queued) == 0.0
+    end.done = False
+    assert left(dataclasses.replace(queued, in_round=True)) == float("inf")
+    soon = dataclasses.replace(queued, finish_at=time.perf_counter() + 0.5, ewma_s=0.008)
+    assert 0.4 < left(soon) <= 0.5
+    assert left(dataclasses.replace(soon, finish_at=time.perf_counter() - 1.0)) == pytest.approx(0.002)
 
 
 def test_harli_backward_on_sizes_a_mixed_step_beside_a_trainer_backward_by_the_steps_seen_beside_one():

@@ -171,6 +171,10 @@ class EngineAdapter:
         """An event past every step launched so far (None on a CPU)."""
         return self.engine.last_step_event()
 
+    def wait_before_next(self, event: Any) -> None:
+        """The next step launched waits on the GPU for ``event`` (`DecodeEngine.wait_before_next`)."""
+        self.engine.wait_before_next(event)
+
     def close(self) -> None:
         """Release the engine's GPU resources (graphs, staging buffers); see ``DecodeEngine.close``."""
         self.engine.close()

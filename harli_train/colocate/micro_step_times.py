@@ -16,6 +16,13 @@ def _median(values: deque[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def queue_left_s(finish_at: float, ewma_s: float) -> float:
+    """Seconds until a queue estimated to end at ``finish_at`` (host clock) ends, for a queue not yet seen to
+    have ended: one running late still counts a quarter micro-step (``ewma_s``) until retired."""
+    ahead = finish_at - time.perf_counter()
+    return ahead if ahead > 0 else 0.25 * ewma_s
+
+
 class MicroStepTimes:
     """Durations of retired micro-steps (by kind and overall), host seconds a launch, the queue's end."""
 
@@ -68,9 +75,5 @@ class MicroStepTimes:
         self.finish_at = max(max(self.finish_at, t0) + cost, t0 + host)
 
     def queued_s(self, queued: bool) -> float:
-        """GPU work still to run of what is queued (``queued``: anything is), in seconds: the queue's
-        estimated end minus now; a queue running late still counts a quarter micro-step until retired."""
-        if not queued:
-            return 0.0
-        ahead = self.finish_at - time.perf_counter()
-        return ahead if ahead > 0 else 0.25 * self.ewma_s
+        """GPU work still to run of what is queued (``queued``: anything is), in seconds (`queue_left_s`)."""
+        return queue_left_s(self.finish_at, self.ewma_s) if queued else 0.0

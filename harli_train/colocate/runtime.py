@@ -88,6 +88,7 @@ class ColocatedRuntime(AlonePhases, RunEnd):
             estimates=micro_step_s,
         )
         policy.trainer_busy = self.worker.gpu_busy
+        policy.trainer_left_s = self.worker.gpu_left_s
         policy.trainer_on_gpu = lambda: self.worker.snapshot.on_gpu()
         engine.register(policy.partitions())
         # Prefill steps run on the full rung (harli, temporal, exclusive) or the policy's own partitions.
@@ -295,6 +296,8 @@ class ColocatedRuntime(AlonePhases, RunEnd):
             assert plan is not None
             done = (plan, snap, on_gpu)
         where = plan if plan is not None else done[0]
+        if plan is not None and plan.after_trainer:
+            self.engine.wait_before_next(snap.queue_end)  # its step follows the trainer's queued work
         t_start = time.perf_counter()
         try:
             result = self.engine.step(where.partition, where.prefill_tokens, ahead)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -33,6 +34,7 @@ import torch
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
+from harli_train.colocate.micro_step_times import queue_left_s
 from harli_train.colocate.policy import BESIDE, StepPlan
 from harli_train.colocate.trainer_side import TrainerSide
 from harli_train.host_threads import single_threaded_ops
@@ -58,6 +60,8 @@ class TrainerSnapshot:
     launched_total: int
     oom_recoveries: int  # steps abandoned because the trainer ran out of memory, so far
     queue_ends: tuple[Any, ...] = ()  # the end event of each micro-step in ``queue``
+    finish_at: float = 0.0  # host clock: when the queued micro-steps should be done (`MicroStepTimes`)
+    ewma_s: float = 0.0  # one micro-step's running mean duration
 
     def on_gpu(self) -> tuple[str, ...]:
         """The kinds in ``queue`` whose end event has not been reached now (queried): ``queue`` is as of the
@@ -131,6 +135,8 @@ class TrainerWorker:
             launched_total=side.launched_total,
             oom_recoveries=side.oom_recoveries,
             queue_ends=tuple(end for _, end, _ in side.in_flight),
+            finish_at=side.times.finish_at,
+            ewma_s=side.times.ewma_s,
         )
 
     def _publish(self) -> None:
@@ -144,6 +150,17 @@ class TrainerWorker:
         if snap.in_round or snap.launching_kind is not None:
             return True
         return snap.queue_end is not None and not snap.queue_end.query()
+
+    def gpu_left_s(self) -> float:
+        """Estimated seconds until the trainer's queued micro-steps end on the GPU (`queue_left_s`): 0 when
+        nothing is queued or the last one has ended (queried now); infinite while a launch or launch round
+        is under way, since more may be queued."""
+        snap = self.snapshot
+        if snap.in_round or snap.launching_kind is not None:
+            return math.inf
+        if snap.queue_end is None or snap.queue_end.query():
+            return 0.0
+        return queue_left_s(snap.finish_at, snap.ewma_s)
 
     # ---- the decode thread's side --------------------------------------------------------------------
     def tick(self) -> None:

@@ -226,6 +226,11 @@ class DecodeEngine:
         """An event past every step launched so far (None on a CPU): what a writer of a slot waits for."""
         return self.runner.last_event()
 
+    def wait_before_next(self, event: torch.cuda.Event | None) -> None:
+        """The next step launched (by this call's `step` or a later one) starts on the GPU only once
+        ``event``, recorded on another stream, is reached (None: nothing to wait for)."""
+        self.runner.wait_before_next(event)
+
     @property
     def in_flight(self) -> str | None:
         """The kind ("decode" or "mixed") of the step launched ahead that the next `step()` completes; None

@@ -117,6 +117,7 @@ class ModelRunner:
         ]
         self._num_launched = 0
         self._last: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        self._waits: list[torch.cuda.Event] = []  # what the next launched step waits for (wait_before_next)
         # Tensor parallelism: rank 0's runner hands every forward's inputs here before running it, so the
         # other ranks run the same forward (`follow`); None on one GPU.
         self.publish: Callable[[StepInputs], None] | None = None
@@ -164,6 +165,12 @@ class ModelRunner:
         with stream_ctx, _sm_budget(partition.num_sms), torch.inference_mode():
             yield
 
+    def wait_before_next(self, event: torch.cuda.Event | None) -> None:
+        """The next step launched starts on the GPU only once ``event`` (recorded on another stream) is
+        reached; its start event, and so its GPU span, come after the wait. None: nothing to wait for."""
+        if event is not None:
+            self._waits.append(event)
+
     def run(self, batch: ScheduledBatch, partition: str = DEFAULT_PARTITION) -> list[int | None]:
         """Compute the batch; returns the drawn token of each sequence that samples, else None."""
         return self.launch(batch, partition).read()
@@ -183,12 +190,16 @@ class ModelRunner:
             drawn = {id(after.batch.seqs[r]): k for k, r in enumerate(after.sampling)}  # its tokens' order
             fed = batch.seqs[: batch.num_decode]
             feed = (after.tokens, np.array([drawn[id(s)] for s in fed], dtype=np.int64))
+        waits, self._waits = self._waits, []
         with self._on(part):
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if stream is not None and self._last is not None and self._last[0] != stream:
                 stream.wait_event(self._last[1])  # the previous step ran on another partition's stream
             if stream is not None and self.lora is not None:
                 for event in self.lora.take_waits():  # an adapter written on another stream
+                    stream.wait_event(event)
+            for event in waits:  # work of another stream this step must follow (`wait_before_next`)
+                if stream is not None:
                     stream.wait_event(event)
             start = launch_s = forward_s = None
             if stream is not None:

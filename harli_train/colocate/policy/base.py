@@ -115,6 +115,9 @@ class Policy:
         # Whether the trainer may have work on the GPU now (the runtime's TrainerWorker.gpu_busy): a plan
         # that pauses the trainer launches nothing new, but what it queued runs on.
         self.trainer_busy: Callable[[], bool] = lambda: False
+        # Estimated seconds until the trainer's queued work ends on the GPU (the runtime's
+        # TrainerWorker.gpu_left_s; infinite while it may still launch more).
+        self.trainer_left_s: Callable[[], float] = lambda: 0.0
         # The kinds of the trainer's micro-steps on the GPU now (the runtime's TrainerSnapshot.on_gpu).
         self.trainer_on_gpu: Callable[[], tuple[str, ...]] = lambda: ()
         self.step_estimate = Ewma(self.budget_s / 2)

@@ -28,6 +28,12 @@ share after decode last used it (``TrainerRungs``).
 
 ``launch_ahead`` (``harli:launch=ahead|wait``; None: the recipe's ``colocation.launch_ahead``): whether this
 policy's steps are launched one ahead (``ColocatedRuntime._step``).
+
+``handoff_gpu`` (``harli:handoff=gpu``): the whole-GPU mixed step is planned while the paused trainer's
+queued work is still expected to run for less than the budget, its chunk sized for the budget less that
+time, and starts on the GPU once that work has ended (``StepPlan.after_trainer``). Without it the step is
+planned once that work is seen to have ended; where steps are launched ahead that is one step late, a step
+decode runs alone on its share (``bench/step_breakdown.py``'s ``drain_alone_s``).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from harli_train.policy_names import (
     DEFAULT_BACKWARD_AWARE,
     DEFAULT_FLOOR_MATCH,
     DEFAULT_GROW_HEADROOM,
+    DEFAULT_HANDOFF_GPU,
     DEFAULT_LEARN_MARGIN,
     DEFAULT_PREFILL_AHEAD,
     DEFAULT_PREFILL_FLOOR,
@@ -79,6 +86,7 @@ class HarliPolicy(ControlledPolicy):
         backward_aware: bool = DEFAULT_BACKWARD_AWARE,
         floor_match: bool = DEFAULT_FLOOR_MATCH,
         launch_ahead: bool | None = None,
+        handoff_gpu: bool = DEFAULT_HANDOFF_GPU,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
@@ -97,8 +105,9 @@ class HarliPolicy(ControlledPolicy):
             floor_match,
             trainer_window_s,
             launch_ahead,
+            handoff_gpu=handoff_gpu,
         )
-        self.launch_ahead = launch_ahead
+        self.launch_ahead, self.handoff_gpu = launch_ahead, handoff_gpu
         self.backward_aware = backward_aware
         self.grow_headroom, self.prefill_floor, self.floor_match = grow_headroom, prefill_floor, floor_match
         self._held = False  # the last plan paused the trainer
@@ -187,13 +196,30 @@ class HarliPolicy(ControlledPolicy):
                     plan = self._beside(preview, whole, start, backward, matched=True)
             if plan is not None:
                 return plan
-        if not self.ladder.time_sliced and (not self._held or self.trainer_busy()):
+        if not self.ladder.time_sliced and not self._held:
             return self._clear_gpu(preview)
-        full = self.ladder.full
-        n, t, raw = largest_chunk(self.predictor, preview, full.infer_sms, False, self.budget_s)
-        plan = paused(full, f"mixed: whole GPU for {n} prefill tokens (trainer paused)", t)
-        plan.prefill_tokens, plan.mixed_raw_s, plan.corun = n, raw, False
+        if not self.ladder.time_sliced and self.trainer_busy():
+            handoff = self._hand_off(preview) if self.handoff_gpu else None
+            return handoff or self._clear_gpu(preview)
+        return self._whole_gpu(preview, self.budget_s)
+
+    def _whole_gpu(self, preview: StepPreview, room_s: float, after_trainer: bool = False) -> StepPlan:
+        """The mixed step on the whole GPU, the trainer paused, with as many prefill tokens as fit ``room_s``
+        (``after_trainer``: it starts once the trainer's queued work has ended)."""
+        n, t, raw = largest_chunk(self.predictor, preview, self.ladder.full.infer_sms, False, room_s)
+        waits = "once the trainer's queued work ends" if after_trainer else "(trainer paused)"
+        plan = paused(self.ladder.full, f"mixed: whole GPU for {n} prefill tokens {waits}", t)
+        plan.prefill_tokens, plan.mixed_raw_s, plan.corun, plan.after_trainer = n, raw, False, after_trainer
         return plan
+
+    def _hand_off(self, preview: StepPreview) -> StepPlan | None:
+        """The whole-GPU mixed step launched while the paused trainer's queued work still runs, sized for the
+        budget less the time that work is expected to run still; None where not even the least chunk fits."""
+        room = self.budget_s - self.trainer_left_s()
+        if room <= 0:
+            return None
+        plan = self._whole_gpu(preview, room, after_trainer=True)
+        return plan if plan.predicted_s is not None and plan.predicted_s <= room else None
 
     def _beside(
         self, preview: StepPreview, floor: int, start: int, backward: bool, matched: bool = False
@@ -275,6 +301,8 @@ class HarliPolicy(ControlledPolicy):
         return beside(trainer, trainer, IDLE_HORIZON_S, None, "idle (recent decode share kept)", strict=False)
 
     def observe(self, plan: StepPlan, measured_s: float) -> None:
+        if plan.after_trainer:
+            return  # its interval includes the wait for the trainer's queued work: no measure of the step
         if plan.transient and plan.mixed_raw_s is None:
             self.prefill.observe(measured_s)
             return

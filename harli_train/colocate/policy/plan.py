@@ -40,6 +40,9 @@ class StepPlan:
     corun: bool = True  # the prediction assumes the trainer beside the step
     beside_backward: bool = False  # a co-run mixed step sized with a trainer backward on the GPU
     max_queued: int = 0  # micro-steps the trainer may keep queued on the GPU (0: the runtime's cap)
+    # The step starts on the GPU once the trainer's queued work has ended (its stream waits for the queue's
+    # end event), so it may be launched while that work still runs: a paused trainer's hand-off.
+    after_trainer: bool = False
 
     @property
     def paused(self) -> bool:
