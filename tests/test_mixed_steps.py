@@ -227,6 +227,37 @@ def test_harli_handoff_gpu_plans_the_whole_gpu_step_while_the_trainers_last_work
         parse_harli_options("handoff=later")
 
 
+def test_a_handoff_step_waits_on_the_gpu_for_the_trainers_queue_end(tmp_path):
+    # In a run: every whole-GPU step harli:handoff=gpu plans after the trainer (its queued work said to be
+    # running still, ending at once) asks the engine to start its next launch after the queue's end event,
+    # the one the trainer's snapshot holds as the step is launched.
+    ladder = SMLadder.cpu_standin(TOTAL, 8)
+    policies = []
+
+    def make(ladder):
+        policy = make_policy("harli:handoff=gpu", ladder, mixed_predictor(ladder.shares), 0.006, 0.1, 2)
+        policies.append(policy)
+        return policy
+
+    load = requests([(0.0, 2, 400), (0.2, 2, 8)])
+    opts = RuntimeOptions(until="load", window_s=1.0, quiet=True, finish=False, plots=False)
+    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
+    rt = runtime(tmp_path, ladder, make, load, opts, None, None, *small)
+    (policy,) = policies
+    policy.trainer_busy, policy.trainer_left_s = (lambda: True), (lambda: 0.0)
+    end = object()  # the queue's end event (a CUDA event on a GPU)
+    take = rt.worker._take_snapshot
+    rt.worker._take_snapshot = lambda: dataclasses.replace(take(), queue_end=end)
+    rt.worker._publish()
+    waits = []
+    wait = rt.engine.wait_before_next
+    rt.engine.wait_before_next = lambda event: (waits.append(event), wait(event))
+    rt.run()
+    handoffs = [r for r in rows(tmp_path) if "once the trainer's queued work ends" in (r["reason"] or "")]
+    assert handoffs and all(r["kind"] == "mixed" and r["infer_sms"] == TOTAL for r in handoffs)
+    assert waits and set(map(id, waits)) == {id(end)} and len(waits) >= len(handoffs)
+
+
 def test_a_mixed_step_never_resumes_a_paused_trainer():
     """After a step that paused the trainer, a mixed step that would fit beside it runs on the whole GPU
     with the trainer still paused; the next decode step resumes it, and mixed steps ride beside it again."""
