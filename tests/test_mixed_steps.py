@@ -13,6 +13,7 @@ import pytest
 from harli_train.colocate.accounting import objective_stats
 from harli_train.colocate.mixed_model import MixedStepModel, attention_pairs
 from harli_train.colocate.policy import DRAIN_HEADROOM, MIN_CHUNK, largest_chunk, make_policy
+from harli_train.colocate.policy.plan import paused
 from harli_train.colocate.predictor import LatencyPredictor, fit_options, split_samples
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.colocate.sm import SMLadder
@@ -22,7 +23,7 @@ from harli_train.engine.sequence import Sequence
 from harli_train.engine.step_work import PrefillPiece, StepPreview
 from harli_train.policy_names import MIN_PREFILL_FLOOR, harli_name, parse_harli_options
 
-from .runtime_support import TOTAL, requests, rows, runtime, synthetic_predictor
+from .runtime_support import TOTAL, ScriptedPolicy, requests, rows, runtime, synthetic_predictor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,24 +228,20 @@ def test_harli_handoff_gpu_plans_the_whole_gpu_step_while_the_trainers_last_work
         parse_harli_options("handoff=later")
 
 
-def test_a_handoff_step_waits_on_the_gpu_for_the_trainers_queue_end(tmp_path):
-    # In a run: every whole-GPU step harli:handoff=gpu plans after the trainer (its queued work said to be
-    # running still, ending at once) asks the engine to start its next launch after the queue's end event,
-    # the one the trainer's snapshot holds as the step is launched.
+def test_a_step_planned_after_the_trainer_waits_on_the_gpu_for_its_queue_end(tmp_path):
+    # Every step launched under a plan marked `after_trainer` (harli:handoff=gpu's whole-GPU step) asks the
+    # engine to start it after the queue's end event the trainer's snapshot holds as the step is launched.
     ladder = SMLadder.cpu_standin(TOTAL, 8)
-    policies = []
 
-    def make(ladder):
-        policy = make_policy("harli:handoff=gpu", ladder, mixed_predictor(ladder.shares), 0.006, 0.1, 2)
-        policies.append(policy)
-        return policy
+    class AfterTrainer(ScriptedPolicy):
+        def plan(self, preview):
+            plan = paused(self.ladder.full, "after the trainer's queued work", None)
+            plan.after_trainer = True
+            return plan
 
-    load = requests([(0.0, 2, 400), (0.2, 2, 8)])
-    opts = RuntimeOptions(until="load", window_s=1.0, quiet=True, finish=False, plots=False)
-    small = ("train.steps=200", "train.batch_size=2", "data.seq_len=32", "colocation.mixed_prefill=true")
-    rt = runtime(tmp_path, ladder, make, load, opts, None, None, *small)
-    (policy,) = policies
-    policy.trainer_busy, policy.trainer_left_s = (lambda: True), (lambda: 0.0)
+    load = requests([(0.0, 2, 6)])
+    opts = RuntimeOptions(until="load", quiet=True, plots=False)
+    rt = runtime(tmp_path, ladder, lambda ladder: AfterTrainer(ladder, lambda: TOTAL), load, opts)
     end = object()  # the queue's end event (a CUDA event on a GPU)
     take = rt.worker._take_snapshot
     rt.worker._take_snapshot = lambda: dataclasses.replace(take(), queue_end=end)
@@ -253,9 +250,8 @@ def test_a_handoff_step_waits_on_the_gpu_for_the_trainers_queue_end(tmp_path):
     wait = rt.engine.wait_before_next
     rt.engine.wait_before_next = lambda event: (waits.append(event), wait(event))
     rt.run()
-    handoffs = [r for r in rows(tmp_path) if "once the trainer's queued work ends" in (r["reason"] or "")]
-    assert handoffs and all(r["kind"] == "mixed" and r["infer_sms"] == TOTAL for r in handoffs)
-    assert waits and set(map(id, waits)) == {id(end)} and len(waits) >= len(handoffs)
+    steps = [r for r in rows(tmp_path) if r["kind"] in ("prefill", "decode", "mixed")]
+    assert steps and len(waits) >= len(steps) and all(w is end for w in waits)
 
 
 def test_a_mixed_step_never_resumes_a_paused_trainer():
