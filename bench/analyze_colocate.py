@@ -157,7 +157,7 @@ def analyze(results: dict) -> dict[str, Any]:
                     "tokens_per_s_per_sm": entry["finetune_tokens_per_s"] / sms if sms else None,
                     "no_trainer_s": idle,
                     "whole_gpu_mixed_s": whole_gpu_mixed_s,
-                    "paused": paused_time(rows, total),
+                    "paused": paused_time(rows, total, tpot_s),
                     "decode_shares": decode_shares(rows),
                     "grows": grows(rows),
                     "beside_s": beside_seconds(rows),
@@ -228,13 +228,14 @@ def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
     print("\nthe trainer paused, seconds by cause (episodes: runs of paused steps; steps: median an episode)")
     paused = [
         [cell, name, p["whole_gpu_mixed_s"], p["drain_s"], p.get("drain_alone_s", 0.0), p["prefill_s"]]
-        + [p["other_s"], p["episodes"]]
+        + [p["other_s"], p["episodes"], f"{p.get('handoffs', 0)} ({p.get('handoffs_over', 0)})"]
         + [p["whole_gpu_mixed_steps_per_episode"], p["drain_steps_per_episode"]]
         for cell, ps in report["cells"].items()
         for name, r in ps.items()
         if (p := r["paused"])["episodes"]
     ]
     head = ["cell", "policy", "whole-GPU mixed", "drain", "of it alone", "prefill", "other", "episodes"]
+    head.append("hand-offs (over)")
     head.append("mixed steps")
     print(common.table(paused, [*head, "drain steps"]))
     print("\ndecode steps beside the trainer: the shares each batch ran on (steps)")

@@ -6,7 +6,8 @@
   SM-seconds count it: its queued micro-steps still run. Of the drain, ``drain_alone_s`` are its steps that
   ran under ``ALONE_RATIO`` of their prediction (made for decode beside the trainer's queued work): the queue
   had ended before them or early in them, decode ran alone, and only the step being planned one ahead (while
-  the queue still ran) kept the prefill waiting.
+  the queue still ran) kept the prefill waiting. ``handoffs``: the whole-GPU steps ``harli:handoff=gpu``
+  launched while that work still ran (``HANDOFF_REASON``), and how many of them went past the objective.
 - ``decode_shares``: for each decode batch, the shares its steps beside the trainer ran on. A batch that
   needs a larger share than the batches around it points at a kernel or a model term (the trainer trails
   the larger share for a while after each such step).
@@ -29,10 +30,12 @@ DRAIN_REASON = "mixed: decode alone"  # harli's plan while the trainer's queued 
 # A drain step measured under this fraction of its prediction ran (mostly) with the trainer's queue ended:
 # decode alone on its share runs ~0.7x of its time beside a running trainer (H100, 32 SMs, 2026-12-07).
 ALONE_RATIO = 0.8
+HANDOFF_REASON = "once the trainer's queued work ends"  # harli:handoff=gpu's whole-GPU step
 
 
-def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
-    """Seconds the trainer held no SMs, by cause, and the episodes they came in."""
+def paused_time(rows: list[dict[str, Any]], total_sms: int, tpot_s: float | None = None) -> dict[str, Any]:
+    """Seconds the trainer held no SMs, by cause, and the episodes they came in; the hand-off steps, and of
+    them those whose token interval went past ``tpot_s`` (when given)."""
     causes: Counter = Counter()
     episodes: list[Counter] = []
     open_episode = False
@@ -61,6 +64,9 @@ def paused_time(rows: list[dict[str, Any]], total_sms: int) -> dict[str, Any]:
     kinds = ("whole_gpu_mixed", "drain", "drain_alone", "prefill", "other")
     out: dict[str, Any] = {f"{c}_s": causes[c] for c in kinds}
     out["episodes"] = len(episodes)
+    handoffs = [r for r in rows if HANDOFF_REASON in (r.get("reason") or "")]
+    out["handoffs"] = len(handoffs)
+    out["handoffs_over"] = sum(1 for r in handoffs if tpot_s and (r.get("interval_s") or 0.0) > tpot_s)
     for cause in ("whole_gpu_mixed", "drain"):
         out[f"{cause}_steps_per_episode"] = (
             statistics.median(e[cause] for e in episodes) if episodes else None

@@ -140,7 +140,7 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
         row(0.01, "decode", 64, True, batch=1),
         row(0.02, "decode", 48, False, reason=drain),  # episode 1: two drain steps, two mixed
         row(0.03, "decode", 48, False, reason=drain, measured=0.007),  # the queue had ended: decode alone
-        row(0.04, "mixed", 132, False),
+        row(0.04, "mixed", 132, False, reason=step_breakdown.HANDOFF_REASON),  # harli:handoff=gpu's
         row(0.06, "mixed", 132, False),
         row(0.07, "decode", 48, True, batch=3),
         row(0.08, "prefill", 132, False),  # episode 2: a prefill step and a paused decode step
@@ -150,6 +150,9 @@ def test_step_breakdown_says_where_the_paused_seconds_went_and_which_shares_each
     got = step_breakdown.paused_time(rows, 132)
     assert got["whole_gpu_mixed_s"] == pytest.approx(0.03) and got["drain_s"] == pytest.approx(0.02)
     assert got["drain_alone_s"] == pytest.approx(0.01)
+    assert got["handoffs"] == 1 and got["handoffs_over"] == 0  # counted, within the objective given
+    rows[4]["interval_s"] = 0.02
+    assert step_breakdown.paused_time(rows, 132, 0.015)["handoffs_over"] == 1
     assert got["prefill_s"] == pytest.approx(0.01) and got["other_s"] == pytest.approx(0.03)
     assert got["episodes"] == 2
     assert got["whole_gpu_mixed_steps_per_episode"] == 1 and got["drain_steps_per_episode"] == 1  # 2, 0
