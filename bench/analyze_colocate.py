@@ -235,9 +235,8 @@ def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
         if (p := r["paused"])["episodes"]
     ]
     head = ["cell", "policy", "whole-GPU mixed", "drain", "of it alone", "prefill", "other", "episodes"]
-    head.append("hand-offs (over)")
-    head.append("mixed steps")
-    print(common.table(paused, [*head, "drain steps"]))
+    head += ["hand-offs (over)", "mixed steps", "drain steps"]
+    print(common.table(paused, head))
     print("\ndecode steps beside the trainer: the shares each batch ran on (steps)")
     shares = []
     for cell, ps in report["cells"].items():
