@@ -24,6 +24,7 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "trainer_thread": args.trainer_thread != "off",
         "max_in_flight": args.max_in_flight,
+        "refill": args.refill,
         "host_priority": not args.no_host_priority,
         "decode_core": args.decode_core,
         "scheduled_gc": args.gc == "scheduled",
@@ -162,6 +163,11 @@ def parse_args(description: str = "") -> argparse.Namespace:
         help="the trainer's launches off decode's thread",
     )
     add("--max-in-flight", type=int, default=RuntimeOptions().max_in_flight)
+    add(
+        "--refill",
+        action="store_true",
+        help="A/B: the trainer thread launches the next micro-step as a queued one ends, between decode's plans",
+    )
     add(
         "--no-host-priority",
         action="store_true",

@@ -485,3 +485,51 @@ def test_a_step_told_to_wait_for_another_streams_work_starts_after_it():
     engine.generate([[1, 2, 3, 4]], params)
     assert ended.query()  # the step's tokens came back only after the other stream's work had ended
     engine.close()
+
+
+def _worker_run(tmp_path: Path, refill: bool) -> tuple[list[torch.Tensor], int, int]:
+    """The tiny trainer's 3 steps through a trainer thread on one stream, one micro-step queued at most:
+    fed one plan (``refill``) or a plan every 2 ms until done. Its adapter, micro-steps launched, refills."""
+    import time
+    from types import SimpleNamespace
+
+    from harli_train.colocate.policy import BESIDE, StepPlan
+    from harli_train.colocate.trainer_worker import TrainerWorker
+    from harli_train.model import load_model
+    from harli_train.train.trainer import Trainer
+
+    from .runtime_support import recipe
+
+    cfg = recipe(tmp_path / f"refill-{refill}", "train.steps=3")
+    trainer = Trainer(cfg, model=load_model("tiny", torch.bfloat16, "cuda"), quiet=True)
+    trainer.setup()
+    worker = TrainerWorker(trainer, refill=refill, max_in_flight=1)
+    stream = torch.cuda.Stream()
+    plan = StepPlan(SimpleNamespace(infer_sms=0), BESIDE, stream, 64, 1e-3, None, "test")
+    worker.start()
+    deadline = time.perf_counter() + 120
+    fed = False
+    while not worker.snapshot.done and time.perf_counter() < deadline:
+        if not (refill and fed):
+            worker.tick()
+            worker.feed(plan)
+            worker.decided()
+            fed = True
+        time.sleep(2e-3)
+    worker.stop()
+    torch.cuda.synchronize()
+    assert worker.snapshot.done
+    return (
+        [p.detach().clone() for p in trainer.model.lora_parameters()],
+        worker.snapshot.launched_total,
+        worker.refills,
+    )
+
+
+def test_the_trainer_thread_refills_its_queue_between_plans_and_trains_the_same(tmp_path):
+    # With refill, one plan trains to the end: each micro-step that ends makes room for the next one (the
+    # optimizer's boundary too), on the same stream and SM budget as plans fed every 2 ms would launch them.
+    fed, launched_fed, _ = _worker_run(tmp_path, refill=False)
+    refilled, launched, refills = _worker_run(tmp_path, refill=True)
+    assert launched == launched_fed and refills >= launched - 1
+    assert all(torch.equal(a, b) for a, b in zip(refilled, fed, strict=True))

@@ -84,6 +84,7 @@ class ColocatedRuntime(AlonePhases, RunEnd):
             on_slice=policy.observe_train_slice,
             should_stop=self._stop.is_set,
             max_in_flight=self.opts.max_in_flight,
+            refill=self.opts.refill,
             on_optimizer_step=live.after_optimizer_step if live is not None else None,
             estimates=micro_step_s,
         )
@@ -298,6 +299,7 @@ class ColocatedRuntime(AlonePhases, RunEnd):
         where = plan if plan is not None else done[0]
         if plan is not None and plan.after_trainer:
             self.engine.wait_before_next(snap.queue_end)  # its step follows the trainer's queued work
+        worker.decided()
         t_start = time.perf_counter()
         try:
             result = self.engine.step(where.partition, where.prefill_tokens, ahead)

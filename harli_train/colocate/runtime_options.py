@@ -30,6 +30,9 @@ class RuntimeOptions:
     trainer_thread: bool | None = None
     switch_interval_s: float = 1e-4  # the GIL hand-over interval while the trainer thread runs
     max_in_flight: int = 2  # trainer micro-steps queued on the GPU at most (TrainerSide.max_in_flight)
+    # With the trainer thread: a queued micro-step that ends between decode's decisions makes room for the
+    # next at once, under the plan in force (TrainerWorker.refill); off: only the next plan's round does.
+    refill: bool = False
     # With the trainer thread: the decode thread has the host to itself while it readies and launches a step
     # (the trainer's launches wait meanwhile; harli_train.colocate.host_priority).
     host_priority: bool = True

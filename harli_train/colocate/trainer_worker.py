@@ -7,7 +7,12 @@ the trainer side (``TrainerSide``) can be owned by a thread of its own (``start(
 - posts messages to its mailbox: a ``plan`` of work beside the next decode step (served by one launch round,
   cut short when a newer message arrives), a ``pause``, or a ``call`` (drain, roll back, settle, abandon,
   time-sliced work after a step) whose result it waits for;
-- reads ``snapshot``, an immutable ``TrainerSnapshot`` the owner replaces around every launch and call.
+- reads ``snapshot``, an immutable ``TrainerSnapshot`` the owner replaces around every launch and call;
+- marks its decisions (``tick`` opens one, ``decided`` closes it): with ``refill``, between decisions the
+  worker waits for the oldest queued micro-step to end and launches what the plan in force allows in its
+  place, so that a queue of one micro-step does not leave the trainer's SMs idle until the next plan. It
+  publishes the round (``in_round``) before it checks that no decision is open, and a decision opens before
+  it reads the snapshot, so a decision either sees the round or stops it before it launches.
 
 Nothing else is shared. The worker reports back through an outbox: an out-of-memory recovery (the decode thread
 then runs the memory hook's serving half, which touches the engine and waits for nothing, and hands the worker
@@ -81,6 +86,7 @@ class TrainerWorker:
         on_slice: Callable[[float], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         max_in_flight: int = 2,
+        refill: bool = False,
         **side_options: Any,
     ) -> None:
         self.hook = memory_hook or CacheReleaseHook()
@@ -106,6 +112,10 @@ class TrainerWorker:
         self._in_round = False
         self._awaiting_hook = False  # worker: an OOM was reported, the hook has not run yet
         self.wait_s = 0.0  # the worker's time waiting for messages
+        self.refill = refill
+        self._deciding = False  # the decode thread: a decision is open (tick .. decided)
+        self._plan: StepPlan | None = None  # worker: the plan in force, beside decode (None: paused)
+        self.refills = 0  # worker: rounds launched as a queued micro-step ended, between decisions
         self.snapshot = self._take_snapshot()
 
     # ---- reading -------------------------------------------------------------------------------------
@@ -166,11 +176,16 @@ class TrainerWorker:
     def tick(self) -> None:
         """One decode decision passed: run the memory hook for an OOM the worker recovered from; raise the
         error that ended the worker."""
+        self._deciding = True  # before anything reads the snapshot
         self._decisions += 1
         if self._thread is not None:
             self._read_outbox()
         else:
             self.side.at_decision(self._decisions)
+
+    def decided(self) -> None:
+        """The decision ``tick`` opened is made and handed over (its plan posted, or the trainer paused)."""
+        self._deciding = False
 
     def feed(self, plan: StepPlan, after: Any = None) -> int:
         """Launch (or, with the worker, hand over) the micro-steps ``plan`` allows; returns how many launched
@@ -220,7 +235,7 @@ class TrainerWorker:
 
     def stats(self) -> dict[str, Any]:
         """The trainer side's figures (TrainerSide.stats) and the worker's waits."""
-        return {**self._call(self.side.stats), "thread_wait_s": self.wait_s}
+        return {**self._call(self.side.stats), "thread_wait_s": self.wait_s, "refills": self.refills}
 
     def close(self) -> None:
         self.stop()
@@ -320,10 +335,9 @@ class TrainerWorker:
         mailbox, side = self._mailbox, self.side
         try:
             while True:
-                t_wait = time.perf_counter()
-                kind, payload, decisions = mailbox.get()
-                self.wait_s += time.perf_counter() - t_wait
+                kind, payload, decisions = self._next_message()
                 side.at_decision(decisions)
+                self._plan = None  # a plan is in force from its round on, until the next message
                 if kind == _STOP:
                     return
                 if kind == _HOOK_DONE:
@@ -341,6 +355,7 @@ class TrainerWorker:
                     try:
                         plan, after = payload
                         side.launch_round(plan, self._preempted, after)
+                        self._plan = plan
                     finally:
                         self._in_round = False
                 self._publish()
@@ -353,6 +368,36 @@ class TrainerWorker:
     def _preempted(self) -> bool:
         """In the worker: a newer message, or an OOM whose hook has not run yet, ends the round."""
         return self._awaiting_hook or not self._mailbox.empty()
+
+    def _next_message(self) -> tuple[str, Any, int]:
+        """In the worker: the next message; while none comes, with ``refill``, the plan in force refilled."""
+        while self.refill and self._mailbox.empty() and self._refill():
+            pass
+        t_wait = time.perf_counter()
+        message = self._mailbox.get()
+        self.wait_s += time.perf_counter() - t_wait
+        return message
+
+    def _refill(self) -> bool:
+        """In the worker: wait for the oldest queued micro-step to end, then launch under the plan in force
+        what it allows in its place; False (nothing launched) when there is no plan in force or nothing queued
+        to wait for, or once a message or a decision has come."""
+        plan, side = self._plan, self.side
+        if plan is None or self._awaiting_hook or not side.in_flight:
+            return False
+        side.in_flight[0][1].synchronize()  # the GIL released meanwhile
+        if self._deciding or not self._mailbox.empty():
+            return False
+        self._in_round = True
+        self._publish()  # before the check: a decision opened after it sees the round
+        try:
+            if self._deciding:
+                return False
+            self.refills += side.launch_round(plan, lambda: self._deciding or self._preempted()) > 0
+        finally:
+            self._in_round = False
+            self._publish()
+        return True
 
     def _fail_pending(self, err: BaseException) -> None:
         """The worker ends: every call still in the mailbox fails with its error."""
