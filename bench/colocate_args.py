@@ -166,7 +166,7 @@ def parse_args(description: str = "") -> argparse.Namespace:
     add(
         "--refill",
         action="store_true",
-        help="A/B: the trainer thread launches the next micro-step as a queued one ends, between decode's plans",
+        help="A/B: the trainer thread launches the next micro-step as a queued one ends, between plans",
     )
     add(
         "--no-host-priority",
