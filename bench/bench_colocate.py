@@ -15,7 +15,8 @@ streams, and the pool's MemPool keeps every stream's cache for the process's lif
 emptied between windows); ``bench/bench_pool.py`` measures the pool on one split.
 
 Cells (colocate_load.py): ``--trace`` at light, medium and heavy load (1x, 2x, 4x its rate), or the varying
-trace once, whole (cell ``varying/1x``). A GPU window lasts >= 15 s and holds >= 50 requests (the trace
+trace once, whole (cell ``varying/1x``); ``--trace steady,bursty`` runs both traces' cells in turn after
+one set-up. A GPU window lasts >= 15 s and holds >= 50 requests (the trace
 lengthened by its generator where it runs out). Per objective (``--objectives``, default auto:1.5,auto:2:
 K x the whole GPU's predicted step at the engine's peak batch) and cell: ``harli`` (keyed ``harli`` whatever
 its ``--harli-options``) and any ``harli:OPTIONS`` variants ``--policies`` names (an A/B on the same set-up,
@@ -325,7 +326,9 @@ def main() -> None:
     result: dict[str, Any] = {"env": common.environment(), "args": {k: str(v) for k, v in vars(args).items()}}
     result["objectives"] = {}
     loads = args.loads.split(",")
-    cells = make_cells(args.trace, loads, args.min_window_s, args.min_requests)
+    cells = [
+        c for t in args.trace.split(",") for c in make_cells(t, loads, args.min_window_s, args.min_requests)
+    ]
     if args.dry_run:
         cells = [compressed(c, DRY_WINDOW_S, DRY_REQUESTS, DRY_PROMPT, DRY_OUTPUT) for c in cells]
     cells = on_live_adapter(cells, args.live_fraction)
@@ -360,12 +363,13 @@ def main() -> None:
 def write_outputs(result: dict[str, Any], args: argparse.Namespace, scratch: Path) -> None:
     """The result JSON (gzipped past 1 MB), harli's timelines in one archive, and the table last."""
     matrix = colocate_matrix.finish(result)
-    name = f"bench_colocate-{args.trace}.json"
+    traces = args.trace.replace(",", "-")
+    name = f"bench_colocate-{traces}.json"
     size = len(json.dumps(matrix, default=str))
     path = colocate_matrix.write(common.out_dir() / (name + ".gz" if size > 1 << 20 else name), matrix)
     pngs = sorted((scratch / "timelines").rglob("*.png"))
     if pngs:
-        with tarfile.open(common.out_dir() / f"bench_colocate-{args.trace}-timelines.tar.gz", "w:gz") as tar:
+        with tarfile.open(common.out_dir() / f"bench_colocate-{traces}-timelines.tar.gz", "w:gz") as tar:
             for png in pngs:
                 tar.add(png, arcname=str(png.relative_to(scratch)))
     shutil.rmtree(scratch, ignore_errors=True)

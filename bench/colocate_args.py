@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POLICIES = ("harli", "static", "streams", "temporal")
 # What --policies chooses from: exclusive runs by default only where nothing is clean (run_objective).
 POLICIES = (*DEFAULT_POLICIES, "exclusive")
+TRACES = ("steady", "bursty", "varying")
 
 
 def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -29,6 +30,15 @@ def runtime_options(args: argparse.Namespace) -> dict[str, Any]:
         "decode_core": args.decode_core,
         "scheduled_gc": args.gc == "scheduled",
     }
+
+
+def trace_list(text: str) -> str:
+    """``--trace``: one or more of TRACES, comma-separated, each once."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in TRACES]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: name each of {', '.join(TRACES)} at most once")
+    return text
 
 
 def harli_name(args: argparse.Namespace) -> str:
@@ -73,7 +83,12 @@ def parse_args(description: str = "") -> argparse.Namespace:
         help="CPU: the quickstart's tiny model, stand-in ladder, ~1 s windows",
     )
     add("--recipe", default=None, help="default: recipes/llama-8b-lora.yaml (quickstart with --dry-run)")
-    add("--trace", default="steady", choices=("steady", "bursty", "varying"))
+    add(
+        "--trace",
+        default="steady",
+        type=trace_list,
+        help="steady, bursty or varying; several, comma-separated, share one set-up (their cells in turn)",
+    )
     add(
         "--set",
         action="append",

@@ -532,6 +532,28 @@ def test_bench_colocate_dry_run_writes_the_matrix_and_merges(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_colocate_runs_several_traces_on_one_set_up(tmp_path):
+    """--trace steady,bursty: both traces' cells in one call (one set-up), each trace with its own best
+    single fixed split; a trace named twice or unknown is refused before anything is set up."""
+    both = dry_run(
+        tmp_path / "both", "--trace", "steady,bursty", "--loads", "light", "--objectives", "auto:1.5"
+    )
+    obj = both["objectives"]["auto:1.5"]
+    assert list(obj["cells"]) == ["steady/light", "bursty/light"]
+    assert set(obj["traces"]) == {"steady", "bursty"}
+    assert all("best_single_static" in t for t in obj["traces"].values())
+    assert (tmp_path / "both" / "bench_colocate-steady-bursty.json").is_file()
+    for bad in ("steady,steady", "steady,poisson"):
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "bench_colocate.py"), "--dry-run", "--trace", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and "at most once" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
 def test_bench_colocate_repeats_windows_and_measures_the_whole_gpu_in_the_same_call(tmp_path):
     """--repeats 2: each policy's row is one of its two windows, listing both, and the cell keeps that
     window's timeline alone; a harli variant in --policies runs beside harli under its own name;
