@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from colocate_load import TRACES
+
 from harli_train import policy_names
 from harli_train.colocate.runtime_options import RuntimeOptions
 from harli_train.policy_names import is_policy
@@ -15,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POLICIES = ("harli", "static", "streams", "temporal")
 # What --policies chooses from: exclusive runs by default only where nothing is clean (run_objective).
 POLICIES = (*DEFAULT_POLICIES, "exclusive")
-TRACES = ("steady", "bursty", "varying")
 
 
 def runtime_options(args: argparse.Namespace) -> dict[str, Any]:

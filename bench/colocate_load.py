@@ -29,6 +29,7 @@ import make_traces  # noqa: E402
 from harli_train.engine.load import TraceRequest, read_trace  # noqa: E402
 
 LOADS = {"light": 1.0, "medium": 2.0, "heavy": 4.0}  # multiples of the trace's request rate
+TRACES = ("steady", "bursty", "varying")  # the shipped traces a bench call may name
 WHOLE_TRACES = ("varying",)
 WHOLE = "1x"  # the load name of a trace run whole
 
