@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,41 +37,14 @@ import torch
 from harli_train.colocate.host_priority import HostPriority
 from harli_train.colocate.host_profile import host_profile
 from harli_train.colocate.memory_hook import CacheReleaseHook, MemoryHook
-from harli_train.colocate.micro_step_times import queue_left_s
 from harli_train.colocate.policy import BESIDE, StepPlan
 from harli_train.colocate.trainer_side import TrainerSide
+from harli_train.colocate.trainer_snapshot import TrainerSnapshot
 from harli_train.host_threads import single_threaded_ops
 from harli_train.train.divergence import TrainingDiverged
 
 log = logging.getLogger(__name__)
 _PLAN, _PAUSE, _CALL, _HOOK_DONE, _STOP = "plan", "pause", "call", "hook_done", "stop"
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerSnapshot:
-    """The trainer side as of its last launch or call."""
-
-    done: bool
-    step: int
-    total_steps: int
-    last_loss: float
-    tokens: float  # tokens trained, the launched part of the step in flight pro rata
-    queue: tuple[str, ...]  # kinds of the micro-steps queued on the GPU, oldest first
-    queue_end: Any  # the CUDA event the last of them records when it ends (None: nothing queued)
-    launching_kind: str | None  # the micro-step being launched now (None: between launches)
-    in_round: bool  # inside a launch round (its host work competes with decode's)
-    launched_total: int
-    oom_recoveries: int  # steps abandoned because the trainer ran out of memory, so far
-    queue_ends: tuple[Any, ...] = ()  # the end event of each micro-step in ``queue``
-    finish_at: float = 0.0  # host clock: when the queued micro-steps should be done (`MicroStepTimes`)
-    ewma_s: float = 0.0  # one micro-step's running mean duration
-
-    def on_gpu(self) -> tuple[str, ...]:
-        """The kinds in ``queue`` whose end event has not been reached now (queried): ``queue`` is as of the
-        last launch, so while the trainer launches nothing it still lists micro-steps that have ended."""
-        if len(self.queue_ends) != len(self.queue):
-            return self.queue
-        return tuple(k for k, end in zip(self.queue, self.queue_ends, strict=True) if not end.query())
 
 
 class TrainerWorker:
@@ -111,7 +82,7 @@ class TrainerWorker:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_round = False
         self._awaiting_hook = False  # worker: an OOM was reported, the hook has not run yet
-        self.wait_s = 0.0  # the worker's time waiting for messages
+        self.wait_s = 0.0  # the worker's time waiting: for messages, and (refill) for its oldest micro-step
         self.refill = refill
         self._deciding = False  # the decode thread: a decision is open (tick .. decided)
         self._plan: StepPlan | None = None  # worker: the plan in force, beside decode (None: paused)
@@ -153,24 +124,12 @@ class TrainerWorker:
         self.snapshot = self._take_snapshot()  # one reference swap: readers see the old or the new one
 
     def gpu_busy(self) -> bool:
-        """Whether the trainer may have work on the GPU now: a launch or launch round under way, or a
-        launched micro-step whose end event has not yet been reached (queried now, not as of the last
-        launch). On a CPU, where a micro-step runs while it launches, that is a round under way."""
-        snap = self.snapshot
-        if snap.in_round or snap.launching_kind is not None:
-            return True
-        return snap.queue_end is not None and not snap.queue_end.query()
+        """`TrainerSnapshot.gpu_busy` of the latest snapshot."""
+        return self.snapshot.gpu_busy()
 
     def gpu_left_s(self) -> float:
-        """Estimated seconds until the trainer's queued micro-steps end on the GPU (`queue_left_s`): 0 when
-        nothing is queued or the last one has ended (queried now); infinite while a launch or launch round
-        is under way, since more may be queued."""
-        snap = self.snapshot
-        if snap.in_round or snap.launching_kind is not None:
-            return math.inf
-        if snap.queue_end is None or snap.queue_end.query():
-            return 0.0
-        return queue_left_s(snap.finish_at, snap.ewma_s)
+        """`TrainerSnapshot.gpu_left_s` of the latest snapshot."""
+        return self.snapshot.gpu_left_s()
 
     # ---- the decode thread's side --------------------------------------------------------------------
     def tick(self) -> None:
@@ -234,7 +193,8 @@ class TrainerWorker:
         self._call(lambda: self.side.hold(decisions))
 
     def stats(self) -> dict[str, Any]:
-        """The trainer side's figures (TrainerSide.stats) and the worker's waits."""
+        """The trainer side's figures (TrainerSide.stats), the worker's waits (``thread_wait_s``: for messages,
+        and with refill for its oldest queued micro-step to end) and its refill rounds."""
         return {**self._call(self.side.stats), "thread_wait_s": self.wait_s, "refills": self.refills}
 
     def close(self) -> None:
@@ -385,7 +345,9 @@ class TrainerWorker:
         plan, side = self._plan, self.side
         if plan is None or self._awaiting_hook or not side.in_flight:
             return False
+        t_wait = time.perf_counter()
         side.in_flight[0][1].synchronize()  # the GIL released meanwhile
+        self.wait_s += time.perf_counter() - t_wait
         if self._deciding or not self._mailbox.empty():
             return False
         self._in_round = True
