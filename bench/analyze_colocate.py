@@ -14,6 +14,8 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
   tokens/s per SM reads high there);
 - measured/predicted latency of decode steps by what came before them: a grow, a shrink between shares, an
   exit from the whole GPU (the trainer resuming), the first step after a prefill, or the same share;
+- measured/predicted latency of decode steps beside the trainer by their share and batch, and by the
+  trainer's micro-step on the GPU as they started (its oldest queued: fwd, bwd, loss, next, optim);
 - every violation with the two steps before it;
 - the host time between decode steps, split by whether the trainer thread was launching at the time (its host
   work competes with the decode loop's: the GIL, torch's allocator);
@@ -52,6 +54,7 @@ from step_measures import (  # noqa: E402
     KINDS,
     batch_size,
     beside_fit,
+    beside_queue_fit,
     chunk_size,
     host_gaps,
     mixed_chunks,
@@ -121,6 +124,7 @@ def analyze(results: dict) -> dict[str, Any]:
     gaps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     chunks: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     beside: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
+    by_queue: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     setup = results.get("setup", {})
     margin = setup.get("margin")
     for objective, tpot_s, cells in windows(results):
@@ -141,6 +145,8 @@ def analyze(results: dict) -> dict[str, Any]:
                     chunks[name][size] += rs
                 for key, rs in beside_fit(rows).items():
                     beside[name][key] += rs
+                for kind, rs in beside_queue_fit(rows).items():
+                    by_queue[name][kind] += rs
                 learned = entry.get("learned_margin")
                 at = harli_defaults.decided_margin(entry, margin)
                 held = (
@@ -207,6 +213,9 @@ def analyze(results: dict) -> dict[str, Any]:
         }
         for name, by_key in beside.items()
     }
+    report["beside_queue_fit"] = {
+        name: {kind: _tail(rs) for kind, rs in sorted(by_kind.items())} for name, by_kind in by_queue.items()
+    }
     report["host_gaps_ms"] = {
         name: {
             key: {
@@ -220,6 +229,17 @@ def analyze(results: dict) -> dict[str, Any]:
         for name, by_key in gaps.items()
     }
     return report
+
+
+def _tail(ratios: list[float]) -> dict[str, float]:
+    """Steps, median, p99 (nearest rank) and max of measured/predicted ratios."""
+    ordered = sorted(ratios)
+    return {
+        "steps": len(ordered),
+        "median": statistics.median(ordered),
+        "p99": ordered[max(math.ceil(0.99 * len(ordered)) - 1, 0)],
+        "max": ordered[-1],
+    }
 
 
 def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
@@ -323,6 +343,13 @@ def main() -> None:
         for where, t in by_key.items()
     ]
     print(common.table(brows, ["policy", "decode share, batch", "steps", "median", "p95", "max"]))
+    print("\nmeasured / predicted decode step beside the trainer, by the trainer's micro-step on the GPU")
+    qrows = [
+        [name, kind, t["steps"], t["median"], t["p99"], t["max"]]
+        for name, by_kind in report["beside_queue_fit"].items()
+        for kind, t in by_kind.items()
+    ]
+    print(common.table(qrows, ["policy", "oldest queued", "steps", "median", "p99", "max"]))
     print("\nhost ms between decode steps (token interval less the step's latency)")
     grows = [
         [name, key, g["steps"], g["p50"], g["p99"], g["max"]]

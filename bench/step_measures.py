@@ -101,6 +101,20 @@ def beside_fit(rows: list[dict]) -> dict[tuple[int, int], list[float]]:
     return out
 
 
+def beside_queue_fit(rows: list[dict]) -> dict[str, list[float]]:
+    """measured/predicted of every decode step beside the trainer, by the kind of the trainer's oldest
+    micro-step still on the GPU as the step started (``trainer_queue``; "nothing queued" when none was,
+    "unknown" in files without the column): which of the trainer's phases decode runs slower beside than
+    the co-run model says (the loss micro-step streams its logits, pure memory traffic)."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for row in decode_beside(rows):
+        if row.get("predicted_s"):
+            queue = row.get("trainer_queue")
+            kind = "unknown" if queue is None else (queue.split("+")[0] or "nothing queued")
+            out[kind].append(row["measured_s"] / row["predicted_s"])
+    return out
+
+
 def chunk_size(tokens: int) -> str:
     """The ``CHUNK_SIZES`` range ``tokens`` prefill tokens fall in, as 'lo-hi' (or 'lo+')."""
     return size_range(tokens, CHUNK_SIZES)

@@ -29,7 +29,7 @@ from harli_train.colocate.predictor import LatencyPredictor, fit_options  # noqa
 COLUMNS = colocate_matrix.STEP_COLUMNS
 
 
-def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False, prefill=None):
+def _row(t, kind, sms, train, predicted, measured, interval=None, launching=False, prefill=None, queue=None):
     return [t, kind, 4, sms, 132 - sms if train else 0, "beside" if train else "none"] + [
         predicted,
         measured,
@@ -40,7 +40,7 @@ def _row(t, kind, sms, train, predicted, measured, interval=None, launching=Fals
         "bwd" if launching else None,
         "r",
         None,
-        None,
+        queue,
         None,
         prefill,
         0,
@@ -57,11 +57,13 @@ def results():
         _row(0.00, "decode", 132, False, 0.005, 0.005),
         _row(0.01, "decode", 48, True, 0.008, 0.009, 0.009),  # exit from the whole GPU: 1.125
         _row(0.02, "decode", 48, True, 0.008, 0.008, 0.0095, True),  # same share: 1.0, 1.5 ms host gap
-        _row(0.03, "decode", 64, True, 0.007, 0.0084, 0.0084),  # grow: 1.2
+        _row(0.03, "decode", 64, True, 0.007, 0.0084, 0.0084, queue="loss+fwd"),  # grow: 1.2
         _row(0.06, "prefill", 132, False, None, 0.03),
         _row(0.07, "decode", 64, True, 0.007, 0.0077, None),  # after a prefill: 1.1
-        _row(0.08, "decode", 48, True, 0.008, 0.024, 0.024),  # shrink: 3.0, a stall and a violation
-        _row(0.09, "decode", 48, True, 0.008, 0.008, 0.008),
+        _row(
+            0.08, "decode", 48, True, 0.008, 0.024, 0.024, queue="loss"
+        ),  # shrink: 3.0, a stall, a violation
+        _row(0.09, "decode", 48, True, 0.008, 0.008, 0.008, queue=""),
         _row(0.10, "mixed", 132, False, 0.008, 0.006, 0.0065, prefill=32),  # 0.75, paused: 6.5 ms
         _row(0.11, "mixed", 132, False, 0.008, 0.0064, 0.007, prefill=40),  # 0.8
         _row(0.12, "mixed", 96, True, 0.009, 0.0081, 0.0082, prefill=130),  # 0.9, beside the trainer
@@ -119,6 +121,12 @@ def test_analysis_attributes_steps_and_shares():
     )
     assert beside["48 SMs, batch 2-8"]["median"] == pytest.approx(1.0625)
     assert beside["64 SMs, batch 2-8"]["median"] == pytest.approx(1.15)
+    # ... and by the trainer's oldest micro-step on the GPU as they started (rows without the column: unknown).
+    by_queue = report["beside_queue_fit"]["harli"]
+    assert list(by_queue) == ["loss", "nothing queued", "unknown"]
+    assert by_queue["loss"]["steps"] == 2 and by_queue["loss"]["median"] == pytest.approx(2.1)
+    assert by_queue["loss"]["p99"] == pytest.approx(3.0) and by_queue["loss"]["max"] == pytest.approx(3.0)
+    assert by_queue["nothing queued"]["steps"] == 1 and by_queue["unknown"]["steps"] == 3
     sizes = [step_measures.batch_size(b) for b in (1, 2, 8, 9, 17, 32, 33, 64, 65, 200)]
     assert sizes == ["1", "2-8", "2-8", "9-16", "17-32", "17-32", "33-64", "33-64", "65+", "65+"]
 
