@@ -25,9 +25,10 @@ clock is the sum of its steps' "measured" times (the trainer's window and ``sett
 
 Printed last, per cell: the run's own steps on each share, then per variant (the medians over the seeds):
 steps on each share, visits to each (steps on it after a step elsewhere), steps over the budget and over
-the objective, the trainer's mean SMs over the decode steps' time on the rungs harli launched it on, and
-the SMs decode left it (the gap is the trainer's trail of decode's recent peak and the grow headroom; the
-cost of a switch is not in either).
+the objective, the token intervals over the objective (each step's rows: the bar's unit) and their rate,
+the trainer's mean SMs over the decode steps' time on the rungs harli launched it on, and the SMs decode
+left it (the gap is the trainer's trail of decode's recent peak and the grow headroom; the cost of a
+switch is not in either).
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def replay(
 ) -> dict[str, object]:
     """One replay of ``steps`` ((batch, KV tokens) each) through a fresh ``policy`` (harli[:options], the
     policy a run builds, so every option of its decode steps applies: the controller's, the grow headroom,
-    the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the
-    trainer's time-weighted mean SMs on the rungs the policy launched it on, and the SMs decode left it."""
+    the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the token
+    intervals over the objective (a step's rows, each a running request's interval) and their share of all
+    (the bar's ``violation_rate``), the trainer's time-weighted mean SMs on the rungs the policy launched it
+    on, and the SMs decode left it."""
     predictor.reset_corrections()
     now = [0.0]
     pol = make_policy(policy, ladder, predictor, tpot_s, margin)
@@ -114,6 +117,7 @@ def replay(
     pol.observe_train_slice(micro_step_s)
     draw = RatioDraws(ratios, seed, draws)
     taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
+    intervals = intervals_over = 0
     trainer_sm_s = left_sm_s = 0.0
     for batch, kv_tokens in steps:
         plan = pol.plan(StepPreview(decode_seqs=batch, decode_kv_tokens=kv_tokens))
@@ -129,12 +133,16 @@ def replay(
         visits[sms] += sms != prev
         over_budget += seen > pol.controller.budget_s
         over_tpot += seen > tpot_s
+        intervals += batch  # one token interval per running request
+        intervals_over += batch * (seen > tpot_s)
         prev = sms
     return {
         "taken": taken,
         "visits": visits,
         "over_budget": over_budget,
         "over_tpot": over_tpot,
+        "intervals_over_tpot": intervals_over,
+        "violation_rate": intervals_over / intervals if intervals else 0.0,
         "trainer_sms": trainer_sm_s / now[0] if now[0] else 0.0,
         "left_sms": left_sm_s / now[0] if now[0] else 0.0,
     }
@@ -228,7 +236,7 @@ def main() -> None:
             ran = Counter(r["infer_sms"] for r in rows if r.get("kind") == "decode" and r["batch"])
             lines.append(
                 [f"{objective} {cell}", "the run", "  ".join(f"{s}: {n}" for s, n in sorted(ran.items()))]
-                + ["-"] * 4
+                + ["-"] * 5
                 + [sum(ran.values())]
             )
             # the variant the run ran, restated under today's defaults (harli_defaults.as_ran)
@@ -265,6 +273,7 @@ def main() -> None:
                         ),
                         f"{_median(runs, 'over_budget'):.0f}",
                         f"{_median(runs, 'over_tpot'):.0f}",
+                        f"{_median(runs, 'intervals_over_tpot'):.0f} ({_median(runs, 'violation_rate'):.4f})",
                         f"{_median(runs, 'trainer_sms'):.1f}",
                         f"{_median(runs, 'left_sms'):.1f}",
                         len(steps),
@@ -276,6 +285,7 @@ def main() -> None:
         "share: steps/visits",
         "over budget",
         "over objective",
+        "intervals over (rate)",
         "trainer SMs",
         "SMs decode left",
         "decode steps",

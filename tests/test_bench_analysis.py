@@ -372,6 +372,14 @@ def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_s
     learnt = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.15, 0, "harli")  # learns
     assert fixed["taken"][32] == 0 and learnt["taken"][32] > 400
     assert learnt["over_tpot"] == 0 and learnt["trainer_sms"] > fixed["trainer_sms"] > 0
+    assert learnt["intervals_over_tpot"] == 0 and learnt["violation_rate"] == 0.0
+    # Every step over the objective counts its rows' intervals (2 a step here), as the bar does.
+    spiky = {s: [1.0] * 9 + [1.6] for s in (32, 48, 64)}  # one step in ten runs 1.6x its raw prediction
+    slow = replay_controller.replay(
+        predictor, ladder, steps, spiky, tpot, 0.15, 0, "harli:margin=fixed", draws="ordered"
+    )
+    assert slow["over_tpot"] > 0 and slow["intervals_over_tpot"] == 2 * slow["over_tpot"]
+    assert slow["violation_rate"] == pytest.approx(slow["over_tpot"] / len(steps))
     tenth = replay_controller.replay(predictor, ladder, steps, ratios, tpot, 0.1, 0, "harli:margin=fixed")
     assert tenth["taken"][32] > 0.9 * len(steps) and tenth["over_tpot"] == 0  # after the whole GPU's start
     with pytest.raises(ValueError, match="harli's decode steps"):
