@@ -5,8 +5,9 @@ trainer on, and the steps that run over the budget and the objective.
         [--policy harli] [--as harli:grow=0.05] [--cells steady/heavy] [--seeds 5] [--draws ordered] \\
         [--options "grow=0;window=0.05"] [--margins 0.12,0.10]
 
-Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used. Each decode
-step of ``--policy``'s window, in order (its batch and KV tokens; mixed and prefill steps are left out), is
+Reads a bench_colocate result written with ``--keep-steps`` and the decode profile its run used (for a cell
+with adapter rows, the profile with its adapter steps: the one the run returned). Each decode step of
+``--policy``'s window, in order (its batch, KV tokens and adapters; mixed and prefill steps are left out), is
 planned again by a fresh harli policy (``--as``, default the variant the run ran: the policy a run builds from
 that name under the defaults of the run's day, ``harli_defaults.as_ran``, so its controller, grow headroom and
 trainer rungs all apply) held to the window's objective and the run's margin (``--margins``: each listed margin
@@ -64,9 +65,15 @@ def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, lis
     ratios: dict[int, list[float]] = defaultdict(list)
     for r in decode_beside(rows):
         seen = max(r["measured_s"], r.get("interval_s") or 0.0)
-        raw = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], True, raw=True)
+        raw = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], True, True, adapter_slots(r))
         ratios[r["infer_sms"]].append(seen / raw)
     return ratios
+
+
+def adapter_slots(row: dict) -> int:
+    """The adapters a decode step's rows ran on, as the predictor counts them: 1 when any row ran on one
+    (the column counts rows, not distinct adapters; a live-adapter cell has one), else 0."""
+    return 1 if row.get("adapter_rows") else 0
 
 
 class RatioDraws:
@@ -93,7 +100,7 @@ class RatioDraws:
 def replay(
     predictor: LatencyPredictor,
     ladder: SMLadder,
-    steps: list[tuple[int, int]],
+    steps: list[tuple[int, ...]],
     ratios: dict[int, list[float]],
     tpot_s: float,
     margin: float,
@@ -102,7 +109,7 @@ def replay(
     micro_step_s: float = 0.005,
     draws: str = "iid",
 ) -> dict[str, object]:
-    """One replay of ``steps`` ((batch, KV tokens) each) through a fresh ``policy`` (harli[:options], the
+    """One replay of ``steps`` ((batch, KV tokens[, adapters]) each, ``adapter_slots``) through a fresh ``policy`` (harli[:options], the
     policy a run builds, so every option of its decode steps applies: the controller's, the grow headroom,
     the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the token
     intervals over the objective (a step's rows, each a running request's interval) and their share of all
@@ -119,11 +126,15 @@ def replay(
     taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
     intervals = intervals_over = 0
     trainer_sm_s = left_sm_s = 0.0
-    for batch, kv_tokens in steps:
-        plan = pol.plan(StepPreview(decode_seqs=batch, decode_kv_tokens=kv_tokens))
+    for batch, kv_tokens, *adapters in steps:
+        lora = adapters[0] if adapters else 0
+        preview = StepPreview(
+            decode_seqs=batch, decode_kv_tokens=kv_tokens, decode_adapters=frozenset(range(1, lora + 1))
+        )
+        plan = pol.plan(preview)
         sms = plan.partition.infer_sms
         d = plan.decision
-        seen = predictor.predict(batch, kv_tokens, sms, d is None or d.corun, raw=True) * draw(sms)
+        seen = predictor.predict(batch, kv_tokens, sms, d is None or d.corun, True, lora) * draw(sms)
         pol.observe(plan, seen)
         now[0] += seen
         if plan.train == BESIDE:
@@ -229,7 +240,11 @@ def main() -> None:
             if (wanted and cell not in wanted) or not isinstance(entry, dict) or "steps" not in entry:
                 continue
             rows = rows_of(entry)
-            steps = [(r["batch"], r["kv_tokens"]) for r in rows if r.get("kind") == "decode" and r["batch"]]
+            steps = [
+                (r["batch"], r["kv_tokens"], adapter_slots(r))
+                for r in rows
+                if r.get("kind") == "decode" and r["batch"]
+            ]
             ratios = share_ratios(predictor, rows)
             if not ratios:
                 continue

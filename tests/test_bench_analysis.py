@@ -340,6 +340,23 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     rows[0]["batch"], rows[0]["kv_tokens"] = 6, 4200
     raw = predictor.predict(6, 4200, 48, True, raw=True)
     assert replay_controller.share_ratios(predictor, rows) == {48: [pytest.approx(0.0075 / raw)]}
+    # A step whose rows ran on an adapter is one adapter to the predictor (the column counts rows); a step
+    # carries it third, and the profile's adapter steps price it: decode takes more SMs for the same rows.
+    assert [replay_controller.adapter_slots(r) for r in ({"adapter_rows": 5}, {"adapter_rows": 0}, {})] == [
+        1,
+        0,
+        0,
+    ]
+    predictor.share_confirm = float("inf")
+
+    def mean_share(lora: int | None) -> float:
+        steps_of = steps[:200] if lora is None else [(b, kv, lora) for b, kv in steps[:200]]
+        run = replay_controller.replay(
+            predictor, ladder, steps_of, ratios, 0.0115, 0.15, 0, "harli:margin=fixed"
+        )
+        return sum(sms * n for sms, n in run["taken"].items()) / sum(run["taken"].values())
+
+    assert mean_share(None) == mean_share(0) < mean_share(1)
 
 
 def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_sms():
