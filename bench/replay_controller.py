@@ -109,9 +109,9 @@ def replay(
     micro_step_s: float = 0.005,
     draws: str = "iid",
 ) -> dict[str, object]:
-    """One replay of ``steps`` ((batch, KV tokens[, adapters]) each, ``adapter_slots``) through a fresh ``policy`` (harli[:options], the
-    policy a run builds, so every option of its decode steps applies: the controller's, the grow headroom,
-    the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the token
+    """One replay of ``steps`` ((batch, KV tokens[, adapters]) each, ``adapter_slots``) through a fresh
+    ``policy`` (harli[:options], the policy a run builds, so every option of its decode steps applies: the
+    controller's, the grow headroom, the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the token
     intervals over the objective (a step's rows, each a running request's interval) and their share of all
     (the bar's ``violation_rate``), the trainer's time-weighted mean SMs on the rungs the policy launched it
     on, and the SMs decode left it."""
