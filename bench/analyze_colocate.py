@@ -190,31 +190,17 @@ def analyze(results: dict) -> dict[str, Any]:
         for name, by_kind in ratios.items()
     }
     report["mixed_chunks"] = {
-        name: {
-            size: {
-                "steps": len(rs),
-                "median": statistics.median(rs),
-                "p95": sorted(rs)[max(math.ceil(0.95 * len(rs)) - 1, 0)],  # nearest rank
-                "max": max(rs),
-            }
-            for size, rs in by_size.items()
-        }
-        for name, by_size in chunks.items()
+        name: {size: _tail(rs, 95) for size, rs in by_size.items()} for name, by_size in chunks.items()
     }
     report["beside_fit"] = {
         name: {
-            f"{sms} SMs, batch {batch_size(low)}": {
-                "steps": len(rs),
-                "median": statistics.median(rs),
-                "p95": sorted(rs)[max(math.ceil(0.95 * len(rs)) - 1, 0)],  # nearest rank
-                "max": max(rs),
-            }
-            for (sms, low), rs in sorted(by_key.items())
+            f"{sms} SMs, batch {batch_size(low)}": _tail(rs, 95) for (sms, low), rs in sorted(by_key.items())
         }
         for name, by_key in beside.items()
     }
     report["beside_queue_fit"] = {
-        name: {kind: _tail(rs) for kind, rs in sorted(by_kind.items())} for name, by_kind in by_queue.items()
+        name: {kind: _tail(rs, 99) for kind, rs in sorted(by_kind.items())}
+        for name, by_kind in by_queue.items()
     }
     report["host_gaps_ms"] = {
         name: {
@@ -231,15 +217,26 @@ def analyze(results: dict) -> dict[str, Any]:
     return report
 
 
-def _tail(ratios: list[float]) -> dict[str, float]:
-    """Steps, median, p99 (nearest rank) and max of measured/predicted ratios."""
+def _tail(ratios: list[float], pct: int) -> dict[str, float]:
+    """Steps, median, the ``pct``th percentile (nearest rank, as ``p<pct>``) and max of ratios."""
     ordered = sorted(ratios)
     return {
         "steps": len(ordered),
         "median": statistics.median(ordered),
-        "p99": ordered[max(math.ceil(0.99 * len(ordered)) - 1, 0)],
+        f"p{pct}": ordered[max(math.ceil(pct / 100 * len(ordered)) - 1, 0)],
         "max": ordered[-1],
     }
+
+
+def _print_ratios(title: str, by_policy: dict[str, dict[str, dict]], head: str, tail: str) -> None:
+    """A table of ``_tail`` rows, one per policy and key of ``by_policy``."""
+    print(f"\n{title}")
+    rows = [
+        [name, key, t["steps"], t["median"], t[tail], t["max"]]
+        for name, by_key in by_policy.items()
+        for key, t in by_key.items()
+    ]
+    print(common.table(rows, ["policy", head, "steps", "median", tail, "max"]))
 
 
 def print_breakdown(report: dict[str, Any], least: float = 0.01) -> None:
@@ -336,20 +333,18 @@ def main() -> None:
         if (t := by_kind.get(kind))
     ]
     print(common.table(trows, ["policy", "before", "steps", "median", "max", "over 1"]))
-    print("\nmeasured / predicted decode step beside the trainer, by its share and batch")
-    brows = [
-        [name, where, t["steps"], t["median"], t["p95"], t["max"]]
-        for name, by_key in report["beside_fit"].items()
-        for where, t in by_key.items()
-    ]
-    print(common.table(brows, ["policy", "decode share, batch", "steps", "median", "p95", "max"]))
-    print("\nmeasured / predicted decode step beside the trainer, by the trainer's micro-step on the GPU")
-    qrows = [
-        [name, kind, t["steps"], t["median"], t["p99"], t["max"]]
-        for name, by_kind in report["beside_queue_fit"].items()
-        for kind, t in by_kind.items()
-    ]
-    print(common.table(qrows, ["policy", "oldest queued", "steps", "median", "p99", "max"]))
+    _print_ratios(
+        "measured / predicted decode step beside the trainer, by its share and batch",
+        report["beside_fit"],
+        "decode share, batch",
+        "p95",
+    )
+    _print_ratios(
+        "measured / predicted decode step beside the trainer, by the trainer's micro-step on the GPU",
+        report["beside_queue_fit"],
+        "oldest queued",
+        "p99",
+    )
     print("\nhost ms between decode steps (token interval less the step's latency)")
     grows = [
         [name, key, g["steps"], g["p50"], g["p99"], g["max"]]
