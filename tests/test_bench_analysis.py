@@ -121,7 +121,7 @@ def test_analysis_attributes_steps_and_shares():
     )
     assert beside["48 SMs, batch 2-8"]["median"] == pytest.approx(1.0625)
     assert beside["64 SMs, batch 2-8"]["median"] == pytest.approx(1.15)
-    # ... and by the trainer's oldest micro-step on the GPU as they started (rows without the column: unknown).
+    # ... and by the trainer's oldest micro-step on the GPU as they started (no column: unknown).
     by_queue = report["beside_queue_fit"]["harli"]
     assert list(by_queue) == ["loss", "nothing queued", "unknown"]
     assert by_queue["loss"]["steps"] == 2 and by_queue["loss"]["median"] == pytest.approx(2.1)
@@ -723,6 +723,32 @@ def test_bench_pool_cut_short_by_sigint_keeps_the_phases_done_and_ends_its_phase
         if str(recipe).encode() in cmdline:
             left.append(pid)
     assert not left
+
+
+def test_probe_ce_interference_prices_each_case_against_decode_alone_and_the_full_grid():
+    """bench/probe_ce_interference.py: decode's pass beside each trainer kernel over its pass alone, and the
+    cross-entropy kernel's time at each grid over its time at the launch config's full grid. Without a GPU
+    it refuses in one line, naming what it needs."""
+    import probe_ce_interference as probe
+
+    cases = [
+        {"trainer": "nothing", "grid": None, "decode_ms": 2.0, "trainer_ms": None},
+        {"trainer": probe.CE, "grid": 672, "decode_ms": 2.5, "trainer_ms": 4.0},
+        {"trainer": probe.CE, "grid": 42, "decode_ms": 2.2, "trainer_ms": 6.0},
+        {"trainer": "GEMM (compute-bound)", "grid": None, "decode_ms": 2.1, "trainer_ms": 9.0},
+    ]
+    out = probe.with_ratios(cases, 2.0, 672)
+    assert [c["decode_over_alone"] for c in out] == pytest.approx([1.0, 1.25, 1.1, 1.05])
+    assert [c["trainer_over_full_grid"] for c in out] == [None, 1.0, 1.5, None]
+    assert probe.with_ratios(cases[2:3], 2.0, 672)[0]["trainer_over_full_grid"] is None  # no full-grid case
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "probe_ce_interference.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
