@@ -5,9 +5,9 @@
 The profile is what `harli-train profile` (or bench_colocate.py) measured on the GPU; this fits the two-stage
 model on a seeded 70 % of its samples and reports the mean absolute percentage error on the other 30 %,
 for solo and co-run steps, over several splits. Steps on adapters (a profile's ``adapter_steps``, fitted as
-differences from the base steps and never held out) join every fit and stay out of the split, so a
-profile's base figures do not move when a run adds its adapter steps. Target (docs/design.md): <= 5 %. A profile whose co-run
-points carry ``corun_covered`` (made since the profile checks its trainer queue) also gets the co-run error
+differences from the base steps and never evaluated) join every fit and stay out of the split, so the split
+of the base steps does not depend on how many adapter steps there are. Target (docs/design.md): <= 5 %. A
+profile whose co-run points carry ``corun_covered`` (made since the profile checks its trainer queue) also gets the co-run error
 over the held-out points whose queue outlasted their decode steps, and the count of those that ran dry.
 """
 
