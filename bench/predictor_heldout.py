@@ -7,8 +7,9 @@ model on a seeded 70 % of its samples and reports the mean absolute percentage e
 for solo and co-run steps, over several splits. Steps on adapters (a profile's ``adapter_steps``, fitted as
 differences from the base steps and never evaluated) join every fit and stay out of the split, so the split
 of the base steps does not depend on how many adapter steps there are. Target (docs/design.md): <= 5 %. A
-profile whose co-run points carry ``corun_covered`` (made since the profile checks its trainer queue) also gets the co-run error
-over the held-out points whose queue outlasted their decode steps, and the count of those that ran dry.
+profile whose co-run points carry ``corun_covered`` (made since the profile checks its trainer queue) also
+gets the co-run error over the held-out points whose queue outlasted their decode steps, and the count of
+those that ran dry.
 """
 
 from __future__ import annotations
