@@ -111,10 +111,10 @@ def replay(
 ) -> dict[str, object]:
     """One replay of ``steps`` ((batch, KV tokens[, adapters]) each, ``adapter_slots``) through a fresh
     ``policy`` (harli[:options], the policy a run builds, so every option of its decode steps applies: the
-    controller's, the grow headroom, the trainer's rungs and their window): shares taken, visits, steps over budget / objective, the token
-    intervals over the objective (a step's rows, each a running request's interval) and their share of all
-    (the bar's ``violation_rate``), the trainer's time-weighted mean SMs on the rungs the policy launched it
-    on, and the SMs decode left it."""
+    controller's, the grow headroom, the trainer's rungs and their window): shares taken, visits, steps
+    over budget / objective, the token intervals over the objective (a step's rows, each a running
+    request's interval) and their share of all (the bar's ``violation_rate``), the trainer's time-weighted
+    mean SMs on the rungs the policy launched it on, and the SMs decode left it."""
     predictor.reset_corrections()
     now = [0.0]
     pol = make_policy(policy, ladder, predictor, tpot_s, margin)
