@@ -189,8 +189,10 @@ def analyze(results: dict) -> dict[str, Any]:
         }
         for name, by_kind in ratios.items()
     }
+    sizes = [chunk_size(lo) for lo, _ in CHUNK_SIZES]  # the table's order
     report["mixed_chunks"] = {
-        name: {size: _tail(rs, 95) for size, rs in by_size.items()} for name, by_size in chunks.items()
+        name: {size: _tail(by_size[size], 95) for size in sizes if size in by_size}
+        for name, by_size in chunks.items()
     }
     report["beside_fit"] = {
         name: {
@@ -352,14 +354,9 @@ def main() -> None:
         for key, g in sorted(by_key.items())
     ]
     print(common.table(grows, ["policy", "when", "steps", "p50", "p99", "max"]))
-    print("\nmeasured / predicted mixed step, by its prefill tokens")
-    mrows = [
-        [name, size, m["steps"], m["median"], m["p95"], m["max"]]
-        for name, by_size in report["mixed_chunks"].items()
-        for size in (chunk_size(lo) for lo, _ in CHUNK_SIZES)
-        if (m := by_size.get(size))
-    ]
-    print(common.table(mrows, ["policy", "tokens", "steps", "median", "p95", "max"]))
+    _print_ratios(
+        "measured / predicted mixed step, by its prefill tokens", report["mixed_chunks"], "tokens", "p95"
+    )
     mixed_s = [
         [cell, name, r["whole_gpu_mixed_s"]] for cell, ps in report["cells"].items() for name, r in ps.items()
     ]
