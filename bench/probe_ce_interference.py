@@ -125,11 +125,11 @@ def main() -> None:
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
 
     def beside(fn) -> tuple[float, float]:
-        """Decode's median pass (ms) with ``fn`` kept queued on the trainer's share, and ``fn``'s median."""
+        """Decode's median pass (ms) with ``fn`` kept queued on the trainer's share (sized from ``alone``,
+        decode's median pass without it), and ``fn``'s time per launch."""
         torch.cuda.synchronize()
         own = timed(fn, train_stream, 3)  # its own time, to size the queue that outlasts the decode passes
-        alone_ms = statistics.median(timed(decode_pass, dec_stream, 3))
-        queued = max(4, int(alone_ms * 2 * args.reps / max(min(own), 1e-3)) + 2)
+        queued = max(4, int(alone * 2 * args.reps / max(min(own), 1e-3)) + 2)
         with torch.cuda.stream(train_stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record()

@@ -65,7 +65,9 @@ def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, lis
     ratios: dict[int, list[float]] = defaultdict(list)
     for r in decode_beside(rows):
         seen = max(r["measured_s"], r.get("interval_s") or 0.0)
-        raw = predictor.predict(r["batch"], r["kv_tokens"], r["infer_sms"], True, True, adapter_slots(r))
+        raw = predictor.predict(
+            r["batch"], r["kv_tokens"], r["infer_sms"], True, raw=True, lora_slots=adapter_slots(r)
+        )
         ratios[r["infer_sms"]].append(seen / raw)
     return ratios
 
@@ -134,7 +136,8 @@ def replay(
         plan = pol.plan(preview)
         sms = plan.partition.infer_sms
         d = plan.decision
-        seen = predictor.predict(batch, kv_tokens, sms, d is None or d.corun, True, lora) * draw(sms)
+        corun = d is None or d.corun
+        seen = predictor.predict(batch, kv_tokens, sms, corun, raw=True, lora_slots=lora) * draw(sms)
         pol.observe(plan, seen)
         now[0] += seen
         if plan.train == BESIDE:
@@ -240,15 +243,12 @@ def main() -> None:
             if (wanted and cell not in wanted) or not isinstance(entry, dict) or "steps" not in entry:
                 continue
             rows = rows_of(entry)
-            steps = [
-                (r["batch"], r["kv_tokens"], adapter_slots(r))
-                for r in rows
-                if r.get("kind") == "decode" and r["batch"]
-            ]
+            decode = [r for r in rows if r.get("kind") == "decode" and r["batch"]]
+            steps = [(r["batch"], r["kv_tokens"], adapter_slots(r)) for r in decode]
             ratios = share_ratios(predictor, rows)
             if not ratios:
                 continue
-            ran = Counter(r["infer_sms"] for r in rows if r.get("kind") == "decode" and r["batch"])
+            ran = Counter(r["infer_sms"] for r in decode)
             lines.append(
                 [f"{objective} {cell}", "the run", "  ".join(f"{s}: {n}" for s, n in sorted(ran.items()))]
                 + ["-"] * 5
