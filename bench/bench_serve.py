@@ -26,7 +26,8 @@ attainment) at the client, in the served engine and in-process; the trainer's to
 The trainer's ratio is the median of the pairs' (one pair is one sample: two runs of the same command on the
 H200 differed by 10 % in finetune tokens/s). One JSON ($OUT/bench_serve.json: each pair's runs and comparison
 under ``pairs``, the verdicts over all of them under ``comparison``), every run's records and logs
-($OUT/bench_serve-runs.tar.gz), a table last.
+($OUT/bench_serve-runs.tar.gz), a table last. Sent SIGTERM, the bench stops the run under way (its whole
+process group, as above) and writes what ran, with the signal as its error.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def _gauge(text: str, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+class Stopped(Exception):
+    """The bench was sent SIGTERM: the run under way is stopped as ``stop`` stops it, and what ran is written."""
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -331,6 +340,9 @@ def main() -> int:
         help="pairs of runs, served then in-process (default 2; dry run 1)",
     )
     args = ap.parse_args()
+    # The runs live in sessions of their own (so that ``stop`` signals each one's whole group): a SIGTERM to
+    # the bench becomes an exception, whose way out stops the run under way and writes what ran.
+    signal.signal(signal.SIGTERM, _stopped)
     from harli_train.config import load_recipe
 
     recipe = args.recipe or str(

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,17 +33,74 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def _bench(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """bench_serve.py ARGS; past ``timeout_s`` it is sent SIGTERM, as an operator stops it, so that it stops
+    its runs (each in a session of its own, out of reach of a signal to the bench's group) before the test
+    fails."""
+    proc = subprocess.Popen([sys.executable, str(BENCH / "bench_serve.py"), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        pytest.fail(f"bench_serve.py ran past {timeout_s:.0f}s: {err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _runs_listening_on(port: int) -> list[int]:
+    """The pids whose command line names ``127.0.0.1:<port>`` or the next port (a run of the bench's)."""
+    wanted = (f"127.0.0.1:{port}".encode(), f"127.0.0.1:{port + 1}".encode())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if any(w in cmdline for w in wanted):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the runs through /proc")
+def test_sigterm_to_the_bench_stops_its_run_and_writes_what_ran(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    port = _free_port_pair()
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", str(port), "--repeats", "1"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _runs_listening_on(port):  # the served run has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        for pid in _runs_listening_on(port):  # what a failure below would otherwise leave running
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-3000:]
+    result = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert result["error"] == "Stopped: stopped by SIGTERM"
+    assert result["config"]["requests"] > 0 and result["pairs"] == []
+    deadline = (
+        time.monotonic() + 10
+    )  # a stopped child is reaped by the bench before it exits; allow for /proc
+    while _runs_listening_on(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _runs_listening_on(port) == [], "the bench left its served run behind"
+
+
 @pytest.mark.slow
 def test_bench_serve_dry_run_compares_the_served_run_with_the_same_load_in_process(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     port = str(_free_port_pair())  # not a fixed one: another run on this host may hold it
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", port, "--repeats", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    proc = _bench(["--dry-run", "--port", port, "--repeats", "2"], env, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench_serve.json").read_text())
     n, pairs, combined = result["config"]["requests"], result["pairs"], result["comparison"]
