@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import heapq
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from this checkout
 import common  # noqa: E402
+from allocator_engine import bench_kv_with_engine  # noqa: E402
+from allocator_sizes import DRY, GPU, MIB, Sizes, delta, make_pool, sync  # noqa: E402
 
 from harli_train.memory import (  # noqa: E402
     ActivationSwapper,
@@ -35,7 +35,6 @@ from harli_train.memory import (  # noqa: E402
     TrainerMemory,
 )
 
-MIB = 1 << 20
 # docs/design.md, "CUDA VMM via cuda.bindings", per 2 MiB page unless said otherwise (microseconds).
 DESIGN_US = {
     "create": "15-17",
@@ -45,71 +44,6 @@ DESIGN_US = {
     "release": "16",
     "map_access_128mib": "189 (one 128 MiB handle)",
 }
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    num_layers: int
-    block_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """The decode engine's load: `prompts` prompts of ragged lengths arriving in bursts of `burst`, one burst
-    every `gap` engine steps, each decoding `new_tokens` tokens greedily."""
-
-    preset: str
-    dtype: torch.dtype
-    prompts: int
-    prompt_lens: tuple[int, int]  # least and most tokens
-    new_tokens: int
-    burst: int
-    gap: int
-
-
-@dataclass(frozen=True)
-class Sizes:
-    backend: str
-    device: str
-    page: int  # the host backend's page; on CUDA the pool reports the driver's (2 MiB on the H200)
-    cost_pages: int  # pages mapped one by one for the per-page figures
-    run_pages: int  # one run of consecutive pages: 64 x 2 MiB = 128 MiB on the GPU
-    kv_spec: KVSpec
-    kv_groups: int
-    mlp: tuple[int, int, int, int]  # layers, width, hidden, tokens
-    mlp_dtype: torch.dtype
-    reclaim_bytes: int
-    reps: int
-    steps: int  # training steps of the loss comparison
-    engine: EngineLoad
-
-
-GPU = Sizes(
-    backend="cuda", device="cuda", page=2 * MIB, cost_pages=256, run_pages=64,
-    kv_spec=KVSpec(32, (16, 8, 128), torch.bfloat16), kv_groups=9,  # Llama-3-8B KV: 128 MiB per group
-    mlp=(12, 4096, 8192, 4096), mlp_dtype=torch.bfloat16, reclaim_bytes=1024 * MIB, reps=5, steps=8,
-    engine=EngineLoad("llama-1b", torch.bfloat16, prompts=16, prompt_lens=(64, 2048), new_tokens=64,
-                      burst=2, gap=30),  # 128 blocks (2048 tokens) per 2 MiB page
-)  # fmt: skip
-DRY = Sizes(
-    backend="host", device="cpu", page=64 * 1024, cost_pages=32, run_pages=16,
-    kv_spec=KVSpec(2, (16, 2, 64), torch.float32), kv_groups=5,
-    mlp=(8, 256, 512, 256), mlp_dtype=torch.float32, reclaim_bytes=4 * MIB, reps=2, steps=3,
-    engine=EngineLoad("tiny", torch.float32, prompts=8, prompt_lens=(16, 160), new_tokens=12, burst=2, gap=8),
-)  # fmt: skip
-
-
-def _sync(sz: Sizes) -> None:
-    if sz.device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _pool(sz: Sizes, budget: int) -> PagePool:
-    pool = PagePool(budget, backend=sz.backend, host_page_bytes=sz.page)
-    if pool.page_bytes != sz.page:
-        raise RuntimeError(f"the pool's page is {pool.page_bytes} bytes, these sizes assume {sz.page}")
-    return pool
 
 
 def _kv(pool: PagePool, sz: Sizes) -> PooledKVStorage:
@@ -127,15 +61,11 @@ def _grow_past_free(kv: PooledKVStorage, extra_pages: int) -> None:
     kv.grow(kv.num_blocks + -(-(kv.pool.free_pages + extra_pages) // group) * kv.blocks_per_page)
 
 
-def _delta(before: dict, after: dict, call: str) -> tuple[float, int]:
-    return after[f"{call}_us"] - before[f"{call}_us"], after[f"{call}_calls"] - before[f"{call}_calls"]
-
-
 def bench_vmm_costs(sz: Sizes) -> dict[str, Any]:
     """Create / map / set-access / unmap per page, and one run of `run_pages` consecutive pages."""
     n = sz.cost_pages
     t0 = time.perf_counter()
-    pool = _pool(sz, (n + sz.run_pages) * sz.page)
+    pool = make_pool(sz, (n + sz.run_pages) * sz.page)
     precreate_s = time.perf_counter() - t0
     s = pool.stats()
     out: dict[str, Any] = {
@@ -162,10 +92,10 @@ def bench_vmm_costs(sz: Sizes) -> dict[str, Any]:
         if rep == 0:
             continue
         for call, (x, y) in (("map", (a, b)), ("set_access", (a, b)), ("unmap", (b, c))):
-            us, calls = _delta(x, y, call)
+            us, calls = delta(x, y, call)
             per[call].append(us / calls)
-        per["run_map_access"].append(_delta(c, d, "map")[0] + _delta(c, d, "set_access")[0])
-        per["run_unmap"].append(_delta(d, e, "unmap")[0])
+        per["run_map_access"].append(delta(c, d, "map")[0] + delta(c, d, "set_access")[0])
+        per["run_unmap"].append(delta(d, e, "unmap")[0])
         per["run_wall"].append(wall * 1e6)
     out.update({f"{k}_us": common.median(v) for k, v in per.items()})
     out["run_pages"], out["run_mib"] = sz.run_pages, sz.run_pages * pool.page_bytes / MIB
@@ -181,7 +111,7 @@ def bench_kv_grow_shrink(sz: Sizes) -> dict[str, Any]:
     spec = sz.kv_spec
     block_bytes = torch.Size(spec.block_shape).numel() * spec.dtype.itemsize
     group_bytes = 2 * spec.num_layers * sz.page
-    pool = _pool(sz, group_bytes * (sz.kv_groups + 1))
+    pool = make_pool(sz, group_bytes * (sz.kv_groups + 1))
     kv = PooledKVStorage(pool, spec, max_blocks=sz.kv_groups * (sz.page // block_bytes))
     bpp = kv.blocks_per_page
     plain = torch.zeros(
@@ -199,7 +129,7 @@ def bench_kv_grow_shrink(sz: Sizes) -> dict[str, Any]:
     write(0, bpp)
     grow_ms, shrink_ms = [], []
     for g in range(2, sz.kv_groups + 1):
-        _sync(sz)
+        sync(sz)
         t = time.perf_counter()
         kv.grow(g * bpp)
         grow_ms.append((time.perf_counter() - t) * 1e3)
@@ -237,7 +167,7 @@ def bench_trainer_mempool(sz: Sizes) -> dict[str, Any]:
         return {
             "skipped": "torch's pluggable allocator serves only CUDA tensors (the C pair is tested on CPU)"
         }
-    pool = _pool(sz, 2048 * MIB)
+    pool = make_pool(sz, 2048 * MIB)
     trainer = pool.add_tenant("trainer")
     memory = TrainerMemory(pool, trainer)
     stream = torch.cuda.Stream()
@@ -301,7 +231,7 @@ def bench_reclaim_latency(sz: Sizes) -> dict[str, Any]:
     """With the pool full, the KV cache asks for `reclaim_bytes`: the swapper spills whole layers of saved
     activations to pinned host memory and unmaps them. Latency of that kv.grow; backward brings them back."""
     blocks, x = _mlp(sz)
-    pool = _pool(sz, 6 * sz.reclaim_bytes + 256 * MIB)
+    pool = make_pool(sz, 6 * sz.reclaim_bytes + 256 * MIB)
     trainer, other = pool.add_tenant("trainer"), pool.add_tenant("ballast")
     swapper = ActivationSwapper(pool, trainer, layer_bytes=sz.reclaim_bytes, window=1)
     kv = _kv(pool, sz)
@@ -313,7 +243,7 @@ def bench_reclaim_latency(sz: Sizes) -> dict[str, Any]:
         # Fill the pool, so that the KV cache must take its pages from the trainer.
         ballast = pool.reserve(other, max(1, pool.free_pages))
         ballast.map(range(pool.free_pages))
-        _sync(sz)
+        sync(sz)
         before = dict(swapper.stats)
         t = time.perf_counter()
         kv.grow(kv.num_blocks + groups * kv.blocks_per_page)
@@ -358,7 +288,7 @@ def bench_swap_loss_identity(sz: Sizes) -> dict[str, Any]:
         return losses, torch.cat([p.detach().flatten().float() for p in blocks.parameters()])
 
     plain_losses, plain_params = train()
-    pool = _pool(sz, 3 * sz.reclaim_bytes)
+    pool = make_pool(sz, 3 * sz.reclaim_bytes)
     trainer = pool.add_tenant("trainer")
     swapper = ActivationSwapper(pool, trainer, layer_bytes=sz.reclaim_bytes, window=1)
     kv = _kv(pool, sz)
@@ -378,161 +308,6 @@ def bench_swap_loss_identity(sz: Sizes) -> dict[str, Any]:
         "swap_in_mib": swapper.stats["swap_in_bytes"] / MIB,
         "reclaims": pool.reclaim_stats["calls"],
     }
-    pool.check()
-    pool.close()
-    return out
-
-
-class _OnDemandKV:
-    """Before each engine step, maps the page groups the step may need and unmaps the tail groups it cannot
-    need: the engine's free blocks cover what its running and waiting requests could ask for (decode's next
-    slot, whole prompts on admission), so it schedules exactly what it would over a cache of max_blocks."""
-
-    def __init__(self, engine: Any, kv: PooledKVStorage, wait: Any):
-        self.engine, self.kv, self.wait = engine, kv, wait
-        self.grow_ms: list[float] = []
-        self.shrink_ms: list[float] = []
-        self.pages = [self.mapped_pages]
-
-    @property
-    def mapped_pages(self) -> int:
-        return self.kv.mapped_bytes // self.kv.pool.page_bytes
-
-    def make_room(self, num_tokens: int) -> None:
-        """Grow so that the whole cache can hold one request of `num_tokens` tokens: the engine refuses a
-        request larger than the blocks it has now, not larger than what the storage could map."""
-        bm = self.engine.block_manager
-        if bm.blocks_for(num_tokens) > bm.num_blocks:
-            t = time.perf_counter()
-            self.engine.grow_kv_blocks(self.kv.grow(bm.blocks_for(num_tokens)))
-            self.grow_ms.append((time.perf_counter() - t) * 1e3)
-            self.pages.append(self.mapped_pages)
-
-    def __call__(self) -> None:
-        engine, kv, bm = self.engine, self.kv, self.engine.block_manager
-        sched = engine.scheduler
-        need = sum(bm.blocks_needed(s, len(s)) for s in (*sched.running, *sched.waiting))
-        t = time.perf_counter()
-        if need > bm.num_free and kv.num_blocks < kv.max_blocks:
-            engine.grow_kv_blocks(kv.grow(bm.num_blocks + need - bm.num_free))
-            self.grow_ms.append((time.perf_counter() - t) * 1e3)
-        elif need <= bm.num_free:
-            # The blocks handed out next are the lowest free ids (a min-heap): everything above them can go.
-            keep = max(bm.used_blocks, default=-1) + 1
-            if need:
-                keep = max(keep, heapq.nsmallest(need, bm.free_blocks)[-1] + 1)
-            groups = max(1, -(-keep // kv.blocks_per_page))
-            if groups < kv.num_blocks // kv.blocks_per_page and engine.shrink_kv_blocks(keep):
-                engine.grow_kv_blocks(kv.shrink(keep, wait=self.wait))  # whole pages stay mapped
-                self.shrink_ms.append((time.perf_counter() - t) * 1e3)
-        assert bm.num_blocks == kv.num_blocks, (bm.num_blocks, kv.num_blocks)
-        self.pages.append(self.mapped_pages)
-
-
-def _serve(
-    engine: Any, prompts: list[list[int]], load: EngineLoad, fit: _OnDemandKV | None = None
-) -> dict[str, Any]:
-    """Feed `prompts` in bursts (by step count, so every run sees the same arrivals) and step until done;
-    `fit()` runs before every step and once at the end."""
-    from harli_train.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=load.new_tokens, ignore_eos=True)
-    seqs, decode_ms, steps = [], [], 0
-    t0 = time.perf_counter()
-    while len(seqs) < len(prompts) or engine.has_unfinished():
-        while len(seqs) < len(prompts) and len(seqs) // load.burst * load.gap <= steps:
-            prompt = prompts[len(seqs)]
-            if fit is not None:
-                fit.make_room(len(prompt) + load.new_tokens - 1)
-            seqs.append(engine.add_request(prompt, params))
-        if fit is not None:
-            fit()
-        result = engine.step()
-        if result.kind == "decode":
-            decode_ms.append(result.latency_s * 1e3)
-        steps += 1
-    wall = time.perf_counter() - t0
-    if fit is not None:
-        fit()
-    return {
-        "tokens": [s.completion_token_ids for s in seqs],
-        "steps": steps,
-        "decode_steps": len(decode_ms),
-        "decode_step_ms": common.median(decode_ms),
-        "tokens_per_s": sum(s.num_completion_tokens for s in seqs) / wall,
-    }
-
-
-def bench_kv_with_engine(sz: Sizes) -> dict[str, Any]:
-    """The decode engine over PooledKVStorage, growing as requests arrive and shrinking as they finish,
-    against the same engine over a plain TensorKVStorage of the pool's full size: the greedy tokens must be
-    identical. Records grow/shrink events, pages mapped, driver time per page and decode step times."""
-    from harli_train.engine import DEFAULT_PARTITION, DecodeEngine, EngineConfig, KVCacheSpec, TensorKVStorage
-    from harli_train.model import load_model
-
-    load = sz.engine
-    model = load_model(load.preset, load.dtype, sz.device)
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(load.prompt_lens[0], load.prompt_lens[1] + 1, (load.prompts,), generator=gen)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lens]
-    config = EngineConfig(max_num_seqs=load.prompts, max_model_len=load.prompt_lens[1] + load.new_tokens)
-    spec = KVCacheSpec.for_model(model.config, config.block_size, load.dtype)
-    # Room for every request at once: the pool never refuses, so only the mapping differs between the runs.
-    max_blocks = sum(-(-(int(n) + load.new_tokens - 1) // config.block_size) for n in lens)
-    block_bytes = spec.bytes_per_block // (2 * spec.num_layers)
-    group_pages = 2 * spec.num_layers
-    groups = -(-max_blocks // (sz.page // block_bytes))
-    pool = _pool(sz, groups * group_pages * sz.page)
-    kv = PooledKVStorage(pool, spec, max_blocks=max_blocks)
-
-    plain_engine = DecodeEngine(model, config, storage=TensorKVStorage(spec, kv.max_blocks, sz.device))
-    _serve(plain_engine, prompts[: load.burst], load)  # warm-up: kernels, allocator, graph first replays
-    plain = _serve(plain_engine, prompts, load)
-    del plain_engine
-    pooled_engine = DecodeEngine(model, config, storage=kv)
-    fit = _OnDemandKV(pooled_engine, kv, pooled_engine.runner.partitions[DEFAULT_PARTITION].stream)
-    before = pool.stats()
-    pooled = _serve(pooled_engine, prompts, load, fit)
-    after = pool.stats()
-    mapped, unmapped = _delta(before, after, "map"), _delta(before, after, "unmap")
-    identical = plain["tokens"] == pooled["tokens"]
-    out = {
-        "preset": load.preset,
-        "dtype": str(load.dtype),
-        "prompts": load.prompts,
-        "prompt_lens": [int(n) for n in lens],
-        "new_tokens": load.new_tokens,
-        "arrivals": f"bursts of {load.burst} every {load.gap} steps",
-        "identical_tokens": identical,
-        "mismatched_requests": [
-            i for i, (a, b) in enumerate(zip(plain["tokens"], pooled["tokens"], strict=True)) if a != b
-        ],
-        "blocks_per_page": kv.blocks_per_page,
-        "pages_per_group": group_pages,
-        "pages_budget": pool.budget_pages,
-        "grow_events": len(fit.grow_ms),
-        "shrink_events": len(fit.shrink_ms),
-        "pages_mapped_min": min(fit.pages),
-        "pages_mapped_max": max(fit.pages),
-        "pages_mapped_end": fit.mapped_pages,
-        "pages_mapped_total": mapped[1],
-        "pages_unmapped_total": unmapped[1],
-        "map_us_per_page": mapped[0] / max(mapped[1], 1),
-        "set_access_us_per_page": _delta(before, after, "set_access")[0] / max(mapped[1], 1),
-        "unmap_us_per_page": unmapped[0] / max(unmapped[1], 1),
-        "grow_ms_median": common.median(fit.grow_ms),
-        "shrink_ms_median": common.median(fit.shrink_ms),
-        "decode_step_ms_plain": plain["decode_step_ms"],
-        "decode_step_ms_pool": pooled["decode_step_ms"],
-        "decode_steps": pooled["decode_steps"],
-        "tokens_per_s_plain": plain["tokens_per_s"],
-        "tokens_per_s_pool": pooled["tokens_per_s"],
-        "steps_plain": plain["steps"],
-        "steps_pool": pooled["steps"],
-    }
-    del pooled_engine, fit, kv
-    _sync(sz)
     pool.check()
     pool.close()
     return out
