@@ -81,19 +81,22 @@ def test_sigterm_to_the_bench_stops_its_run_and_writes_what_ran(tmp_path):
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=180)[0]
-    finally:
-        for pid in _runs_listening_on(port):  # what a failure below would otherwise leave running
+        # The bench reaps a stopped run before it exits; /proc may still show it for a moment.
+        deadline = time.monotonic() + 10
+        while _runs_listening_on(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _runs_listening_on(port)
+    finally:  # what a failure above would otherwise leave running: the bench, then its runs
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _runs_listening_on(port):
             os.kill(pid, signal.SIGKILL)
+    assert left == [], f"the bench left its runs behind: {left}"
     assert proc.returncode == 1, out[-3000:]
     result = json.loads((tmp_path / "bench_serve.json").read_text())
     assert result["error"] == "Stopped: stopped by SIGTERM"
     assert result["config"]["requests"] > 0 and result["pairs"] == []
-    deadline = (
-        time.monotonic() + 10
-    )  # a stopped child is reaped by the bench before it exits; allow for /proc
-    while _runs_listening_on(port) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _runs_listening_on(port) == [], "the bench left its served run behind"
 
 
 @pytest.mark.slow
