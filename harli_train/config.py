@@ -61,7 +61,6 @@ register_kind(
 
 
 _BETAS = Limit("with both in [0, 1)", lambda pair: all(0 <= b < 1 for b in pair))
-_FRACTION = Limit("in (0, 1]", lambda v: 0 < v <= 1)
 
 
 _POLICY = Limit(
@@ -150,8 +149,6 @@ class TrainSection:
     # Each micro-step replayed as one CUDA graph, captured once (harli_train/train/step_graphs.py). Needs
     # lora.dropout 0; a co-located run then keeps its KV cache out of the page pool (colocation.memory_pool).
     cuda_graphs: bool = key(False, "bool")
-    # The loss's cross-entropy kernel sized for this fraction of the trainer's SMs (kernels.launch_config).
-    loss_grid: float = key(1.0, "float", _FRACTION)
     kernels: str = key("auto", "str", among("auto", "triton", "torch"))
     device: str = key("auto", "str", among("auto", "cpu", "cuda"))
     log_every: int = key(10, "int", at_least(1))

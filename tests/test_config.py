@@ -101,7 +101,6 @@ def test_defaults(tmp_path, monkeypatch):
     assert cfg.output.dir == str(tmp_path.resolve() / "runs" / "mini")
     assert (cfg.colocation.policy, cfg.colocation.static_sms, cfg.colocation.trace) == ("harli", None, None)
     assert cfg.colocation.ladder_step == 16
-    assert cfg.train.loss_grid == 1.0
 
 
 @pytest.mark.parametrize(
@@ -218,8 +217,6 @@ def test_wrong_type(tmp_path, key, value, expected, found):
         ("output.keep_checkpoints", 0, "expected an integer >= 1, got 0"),
         ("train.schedule", "cos", "expected a string among cosine, linear, constant, got 'cos'"),
         ("train.betas", [0.9, 1.0], "expected a pair of numbers with both in [0, 1), got (0.9, 1.0)"),
-        ("train.loss_grid", 0, "expected a number in (0, 1], got 0.0"),
-        ("train.loss_grid", 1.5, "expected a number in (0, 1], got 1.5"),
         (
             "data.format",
             "csv",

@@ -486,37 +486,6 @@ def test_sm_budget_changes_grid_not_result():
             pass
 
 
-def test_loss_grid_fraction_shrinks_the_cross_entropy_grid_not_the_result(monkeypatch):
-    module = importlib.import_module("harli_train.kernels.linear_cross_entropy")
-    seen = []
-
-    def recording_get_config(op, shape, n_sms, dtype):
-        seen.append((op, n_sms))
-        return get_config(op, shape, n_sms, dtype)
-
-    monkeypatch.setattr(module, "get_config", recording_get_config)
-    h, w = rand(23, 40, grad=False), rand(300, 40, grad=False)
-    labels = torch.randint(0, 300, (23,), device=DEVICE)
-    full = module.linear_cross_entropy(h, w, labels)[0]
-    try:
-        kernels.set_loss_grid_fraction(0.25)
-        with sm_budget(10):
-            quarter = module.linear_cross_entropy(h, w, labels)[0]
-        kernels.set_loss_grid_fraction(0.01)
-        with sm_budget(10):
-            module.linear_cross_entropy(h, w, labels)
-    finally:
-        kernels.set_loss_grid_fraction(1.0)
-    ce = [n for op, n in seen if op == "cross_entropy"]
-    assert ce == [132, 2, 1]  # the whole device, then a quarter of 10 SMs (rounded), then at least one
-    # Only the loss kernel's grid moves: the logits chunk is still sized for the budget's SMs.
-    assert [n for op, n in seen if op == "linear_cross_entropy"] == [132, 10, 10]
-    assert torch.equal(full, quarter)
-    for bad in (0.0, 1.5, -0.1):
-        with pytest.raises(ValueError, match="fraction in"):
-            kernels.set_loss_grid_fraction(bad)
-
-
 def test_backward_uses_forward_budget_on_another_thread(monkeypatch):
     # Autograd runs CUDA backward nodes on worker threads, which a thread-local budget does not reach.
     import threading

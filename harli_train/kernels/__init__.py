@@ -29,13 +29,7 @@ import torch
 
 from harli_train.kernels import reference
 from harli_train.kernels.common import SUPPORTED_DTYPES
-from harli_train.kernels.launch_config import (
-    get_config,
-    num_sms,
-    set_loss_grid_fraction,
-    set_num_sms,
-    sm_budget,
-)
+from harli_train.kernels.launch_config import get_config, num_sms, set_num_sms, sm_budget
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -51,7 +45,6 @@ __all__ = [
     "num_sms",
     "rms_norm",
     "set_backend",
-    "set_loss_grid_fraction",
     "set_num_sms",
     "sm_budget",
     "swiglu",

@@ -23,7 +23,6 @@ DEFAULT_NUM_SMS = 132
 LOGITS_CHUNK_BYTES = 1 << 30
 
 _process_num_sms: int | None = None
-_loss_grid_fraction = 1.0
 _launch_gate: Callable[[], None] | None = None
 _budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("harli_sm_budget", default=None)
 
@@ -42,21 +41,6 @@ def set_num_sms(n: int | None) -> None:
     if n is not None and n < 1:
         raise ValueError(f"set_num_sms: need at least 1 SM, got {n}")
     _process_num_sms = n
-
-
-def set_loss_grid_fraction(fraction: float) -> None:
-    """Size the cross-entropy kernel's persistent grid for ``fraction`` of the SMs the launchers size grids
-    for (``num_sms``), process-wide: the loss's memory-bound pass then takes a part of the HBM bandwidth the
-    SMs beside it (a decode step's) need, and runs longer."""
-    global _loss_grid_fraction
-    if not 0 < fraction <= 1:
-        raise ValueError(f"set_loss_grid_fraction: need a fraction in (0, 1], got {fraction}")
-    _loss_grid_fraction = fraction
-
-
-def loss_num_sms() -> int:
-    """SMs the cross-entropy kernel sizes its grid for: ``num_sms`` times the loss grid fraction, at least 1."""
-    return max(1, round(num_sms() * _loss_grid_fraction))
 
 
 def num_sms() -> int:

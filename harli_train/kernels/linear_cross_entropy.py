@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from harli_train.kernels.common import check_dtype, compute_dtype, new_output
-from harli_train.kernels.launch_config import get_config, launch_gate, loss_num_sms, num_sms
+from harli_train.kernels.launch_config import get_config, launch_gate, num_sms
 
 
 # LOGITS: [rows, V] row stride stride_l, column stride 1; overwritten with d loss / d logits (COMPUTE_GRAD).
@@ -77,7 +77,7 @@ def cross_entropy_fwd_(
     rows, vocab = logits.shape
     if rows == 0:
         return
-    cfg = get_config("cross_entropy", (rows, vocab), loss_num_sms(), logits.dtype)
+    cfg = get_config("cross_entropy", (rows, vocab), num_sms(), logits.dtype)
     launch_gate()
     _cross_entropy_fwd_kernel[(cfg["num_programs"],)](
         logits,

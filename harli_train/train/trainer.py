@@ -114,7 +114,6 @@ class Trainer:
             self.model = load_model(cfg.model.name, self.dtype, self.device, seed=cfg.model.seed)
         model = self.model
         kernels.set_backend(cfg.train.kernels)
-        kernels.set_loss_grid_fraction(cfg.train.loss_grid)
         self.tokenizer = load_tokenizer(cfg.model.name, is_preset(cfg.model.name))
         examples, self.validation = load_run_data(cfg, self.tokenizer)
         self.loader = DataLoader(
