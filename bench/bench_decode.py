@@ -4,15 +4,15 @@
     python bench/bench_decode.py --dry-run  # on the CPU: the same code paths on the tiny model, a few steps
     python bench/bench_decode.py --only lora  # the batched-LoRA section alone
 
-Roofline of one decode step = (weight bytes read + KV bytes read) / copy bandwidth measured in this run,
-where the weights read are every weight but the embedding table (a step gathers only B rows of it; the figure
-with it is kept as `roofline_all_weights_ms`). TPOT is the median `engine.step()` latency (scheduling, graph
-replay, sampling, the token read-back) after warm-up; `replay_ms` is the CUDA graph alone. Target (docs/design.md):
-TPOT <= 1.25x roofline for batch 1-64. Rows "default" run the engine's decode forward (GEMV projection kernels,
-EngineConfig.decode_gemv); rows "no_gemv" the same engine with the model's own forward (cuBLAS); `gemv_kernel`
-(bench/decode_kernels.py) times each projection alone against cuBLAS. Sequences are primed at the given context without a prefill (decode
-time does not depend on the cached values); one real prefill + decode is checked against the model's own
-no-cache greedy output in the `sanity` section.
+Roofline of one decode step = (weight bytes read + KV bytes read) / copy bandwidth measured in this run, where
+the weights read are every weight but the embedding table (a step gathers only B rows of it; the figure with
+it is kept as `roofline_all_weights_ms`). TPOT is the median `engine.step()` latency (scheduling, graph
+replay, sampling, the token read-back) after warm-up; `replay_ms` is the CUDA graph alone. Target
+(docs/design.md): TPOT <= 1.25x roofline for batch 1-64. Rows "default" run the engine's decode forward (GEMV
+projection kernels, EngineConfig.decode_gemv); rows "no_gemv" the same engine with the model's own forward
+(cuBLAS); `gemv_kernel` (bench/decode_kernels.py) times each projection alone against cuBLAS. Sequences are
+primed at the given context without a prefill (decode time does not depend on the cached values); one real
+prefill + decode is checked against the model's own no-cache greedy output in the `sanity` section.
 
 `lora` (batched LoRA, bench/decode_lora.py): engines with 4 adapter slots of rank 16 on all seven
 projections, one per EngineConfig.lora_kernel: rows "lora_base", "lora_1", "lora_mix4" (the default, split
@@ -44,7 +44,7 @@ import common  # noqa: E402
 import decode_lora  # noqa: E402
 import gemv_by_share  # noqa: E402
 import gemv_rows  # noqa: E402
-from decode_kernels import attention_kernel, gemv_kernel, linears_only_ms, sync_device  # noqa: E402
+from decode_kernels import attention_kernel, gemv_kernel, linears_only_ms  # noqa: E402
 
 TARGET = 1.25
 
@@ -57,12 +57,12 @@ def copy_bandwidth(device, nbytes: int) -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    sync_device(device)
+    common.sync_device(device)
     times = []
     for _ in range(10):
         t0 = time.perf_counter()
         y.copy_(x)
-        sync_device(device)
+        common.sync_device(device)
         times.append(time.perf_counter() - t0)
     return 2 * nbytes / common.median(times)
 
@@ -210,11 +210,11 @@ def hf_decode(mc, batch: int, ctx: int, steps: int, device) -> dict:
             pkv, tok = res.past_key_values, res.logits[:, -1:].argmax(-1)
             lat = []
             for _ in range(steps):
-                sync_device(device)
+                common.sync_device(device)
                 t0 = time.perf_counter()
                 res = model(input_ids=tok, past_key_values=pkv, use_cache=True)
                 pkv, tok = res.past_key_values, res.logits[:, -1:].argmax(-1)
-                sync_device(device)
+                common.sync_device(device)
                 lat.append((time.perf_counter() - t0) * 1e3)
             out[b] = common.median(lat[1:])
             del pkv, res

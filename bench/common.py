@@ -91,6 +91,14 @@ def graph_ms(fn, reps: int = 20, stream=None) -> float:
     return median(times)
 
 
+def sync_device(device) -> None:
+    """Wait for ``device``'s queued work (a torch.device; nothing to wait for on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -14,13 +14,6 @@ import common  # noqa: E402
 import gemv_by_share  # noqa: E402
 
 
-def sync_device(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def linears_only_ms(model, batch: int, device, reps: int = 20) -> float:
     """One decode step's weight GEMMs alone (cuBLAS through F.linear, in one CUDA graph): the floor that the
     model's unfused projections can reach."""
@@ -164,11 +157,11 @@ def attention_kernel(mc, device, points, reps: int = 30) -> dict:
         k_new, v_new = torch.randn_like(q[:, :hkv]), torch.randn_like(q[:, :hkv])
         new = (k_new, v_new, tables[:, width - 1].long() * bs + (ctx - 1) % bs)
         decode(q, kc, vc, tables, lens, d**-0.5, 132, new_kv=new)  # compiles
-        sync_device(device)
+        common.sync_device(device)
         t0 = time.perf_counter()
         for _ in range(reps):  # queued back to back: small launches overlap the previous kernel
             decode(q, kc, vc, tables, lens, d**-0.5, 132, new_kv=new)
-        sync_device(device)
+        common.sync_device(device)
         us = (time.perf_counter() - t0) / reps * 1e6
         gbytes = b * ctx * hkv * d * 2 * kc.element_size() / 1e9
         out[f"b{b}_ctx{ctx}"] = {"us": us, "GBps": gbytes / us * 1e6}

@@ -33,12 +33,17 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def _start(args: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen:
+    """bench_serve.py ARGS started, its output piped (``stderr``: PIPE, or STDOUT to merge it)."""
+    return subprocess.Popen([sys.executable, str(BENCH / "bench_serve.py"), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=stderr)  # fmt: skip
+
+
 def _bench(args: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     """bench_serve.py ARGS; past ``timeout_s`` it is sent SIGTERM, as an operator stops it, so that it stops
     its runs (each in a session of its own, out of reach of a signal to the bench's group) before the test
     fails."""
-    proc = subprocess.Popen([sys.executable, str(BENCH / "bench_serve.py"), *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = _start(args, env, subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -67,17 +72,13 @@ def _runs_listening_on(port: int) -> list[int]:
 def test_sigterm_to_the_bench_stops_its_run_and_writes_what_ran(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     port = _free_port_pair()
-    proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "bench_serve.py"), "--dry-run", "--port", str(port), "--repeats", "1"],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = _start(["--dry-run", "--port", str(port), "--repeats", "1"], env, subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not _runs_listening_on(port):  # the served run has started
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()  # its output is read once it has ended, not while it may still run
+                pytest.fail(f"the served run did not start: {proc.communicate()[0][-3000:]}")
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=180)[0]
