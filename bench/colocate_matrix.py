@@ -127,6 +127,8 @@ def policy_row(summary: dict[str, Any], steps: list[dict[str, Any]], keep_steps:
         "gc_pauses": summary.get("gc_pauses"),  # the collector holds the GIL: its pauses stall decode
         # a learnt margin's start, end and range over the window's decisions (None: a fixed margin)
         "learned_margin": controller.get("learned_margin"),
+        # harli:neighbour=on: the excess learnt beside each kind of trainer micro-step (None: off)
+        "neighbour_excess": controller.get("neighbour_excess"),
     }
     if keep_steps:
         row["step_columns"] = list(STEP_COLUMNS)

@@ -51,6 +51,10 @@ LAUNCH_MODES = ("ahead", "wait")
 # end on the GPU.
 HANDOFF_MODES = ("host", "gpu")
 DEFAULT_HANDOFF_GPU = False
+# harli:neighbour=on: a decode step beside the trainer is sized for the excess of decode's prediction error
+# learnt beside the kinds of micro-step the trainer has on the GPU as the step is planned
+# (colocate.neighbours.NeighbourExcess). Off until an A/B on the GPU says otherwise.
+DEFAULT_NEIGHBOUR_AWARE = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
@@ -59,14 +63,15 @@ HARLI_OPTIONS = (
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
     f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"
     f"launch={'|'.join(LAUNCH_MODES)} (default: colocation.launch_ahead),"
-    f"handoff={'|'.join(HANDOFF_MODES)} (default {HANDOFF_MODES[int(DEFAULT_HANDOFF_GPU)]})"
+    f"handoff={'|'.join(HANDOFF_MODES)} (default {HANDOFF_MODES[int(DEFAULT_HANDOFF_GPU)]}),"
+    f"neighbour=on|off (default {'on' if DEFAULT_NEIGHBOUR_AWARE else 'off'})"
 )
 
 
 def parse_harli_options(text: str) -> dict[str, Any]:
     """``prefill=MODE,grow=H,ahead=on|off,settle=on|off,margin=learn|fixed,stride=N,backward=on|off,floor=N``,
-    ``floor=match``, ``window=S``, ``launch=ahead|wait`` and ``handoff=host|gpu`` (any of them, in any order;
-    "" for none) as HarliPolicy keyword arguments."""
+    ``floor=match``, ``window=S``, ``launch=ahead|wait``, ``handoff=host|gpu`` and ``neighbour=on|off`` (any
+    of them, in any order; "" for none) as HarliPolicy keyword arguments."""
     out: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -94,6 +99,8 @@ def parse_harli_options(text: str) -> dict[str, Any]:
             out["launch_ahead"] = value == "ahead"
         elif key == "handoff" and value in HANDOFF_MODES:
             out["handoff_gpu"] = value == "gpu"
+        elif key == "neighbour" and value in ("on", "off"):
+            out["neighbour_aware"] = value == "on"
         else:
             raise ValueError(f"unknown harli option {item!r} (options: {HARLI_OPTIONS})")
     return out
@@ -112,6 +119,7 @@ def harli_name(
     trainer_window_s: float = DEFAULT_TRAINER_WINDOW_S,
     launch_ahead: bool | None = None,
     handoff_gpu: bool = DEFAULT_HANDOFF_GPU,
+    neighbour_aware: bool = DEFAULT_NEIGHBOUR_AWARE,
 ) -> str:
     """The canonical name of a harli variant: options that differ from the defaults, in a fixed order."""
     options = [f"prefill={prefill}"] if prefill != PREFILL_MODES[0] else []
@@ -137,6 +145,8 @@ def harli_name(
         options.append(f"launch={'ahead' if launch_ahead else 'wait'}")
     if handoff_gpu != DEFAULT_HANDOFF_GPU:
         options.append(f"handoff={HANDOFF_MODES[int(handoff_gpu)]}")
+    if neighbour_aware != DEFAULT_NEIGHBOUR_AWARE:
+        options.append(f"neighbour={'on' if neighbour_aware else 'off'}")
     return "harli" + (":" + ",".join(options) if options else "")
 
 

@@ -18,7 +18,10 @@ wait). So it shrinks only when ``(A - B) * dwell >= in_flight * micro_step * (T 
 learnt time decode stays on a share before it grows again (an EWMA over the run): under a steady load the
 share settles, under a load that flips it holds the larger share. With ``learn_margin`` the margin follows the
 prediction error observed (``margin.LearnedMargin``) over every step the budget sizes (``observe``, and
-``observe_margin`` for the policy's mixed steps), ``margin`` its starting value.
+``observe_margin`` for the policy's mixed steps), ``margin`` its starting value. With ``neighbours``
+(``neighbours.NeighbourExcess``) a decode step beside the trainer is sized for its prediction times the excess
+learnt beside the kinds of micro-step the trainer has on the GPU as the step is planned (``decide``'s
+``beside``).
 Every decision is logged with its prediction and, once observed, the measured latency.
 """
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from harli_train.colocate.margin import LearnedMargin
+from harli_train.colocate.neighbours import NeighbourExcess
 from harli_train.colocate.predictor import LatencyPredictor
 from harli_train.colocate.sm import Partition, SMLadder
 from harli_train.config import DEFAULT_MARGIN
@@ -53,6 +57,8 @@ class Decision:
     kv_tokens: int
     step: int
     shrunk: bool = False  # the first step on a share decode shrank to from a larger share (not the whole GPU)
+    beside: tuple[str, ...] = ()  # the kinds of trainer micro-step on the GPU as the step was planned
+    excess: float = 1.0  # the neighbour factor ``predicted_s`` includes (``NeighbourExcess.factor``)
 
 
 class Controller:
@@ -73,6 +79,7 @@ class Controller:
         learn_margin: bool = False,
         in_flight: int = 2,
         clock: Callable[[], float] = time.perf_counter,
+        neighbours: NeighbourExcess | None = None,
     ) -> None:
         if tpot_s <= 0 or not 0 <= margin < 1:
             raise ValueError(f"need tpot_s > 0 and 0 <= margin < 1, got tpot_s={tpot_s}, margin={margin}")
@@ -101,6 +108,7 @@ class Controller:
         self.dwell_s = 1.0  # EWMA of how long decode stays on a share before it grows (settle)
         self._shrunk_at: float | None = None
         self.learned_margin = LearnedMargin(margin) if learn_margin else None
+        self.neighbours = neighbours
 
     def set_objective(self, tpot_s: float, margin: float | None = None) -> None:
         self.tpot_s = tpot_s
@@ -120,13 +128,18 @@ class Controller:
 
     # --- deciding --------------------------------------------------------------------------------------
 
-    def decide(self, batch: int, kv_tokens: int, lora_slots: int = 0) -> Decision:
+    def decide(
+        self, batch: int, kv_tokens: int, lora_slots: int = 0, beside: tuple[str, ...] = ()
+    ) -> Decision:
         """The partition for the next decode step of ``batch`` sequences reading ``kv_tokens`` tokens, its
-        rows on ``lora_slots`` distinct adapters (0: the base only)."""
+        rows on ``lora_slots`` distinct adapters (0: the base only), planned while the trainer has micro-steps
+        of the kinds ``beside`` on the GPU (used with ``neighbours``)."""
         if self.ladder.time_sliced:
             d = self._decide_alternate(batch, kv_tokens, lora_slots)
         else:
-            d = self._decide_spatial(batch, kv_tokens, lora_slots)
+            excess = self.neighbours.factor(beside) if self.neighbours is not None and beside else 1.0
+            d = self._decide_spatial(batch, kv_tokens, lora_slots, excess)
+            d.beside = beside
         self._step += 1
         entry = {
             "step": d.step,
@@ -155,18 +168,19 @@ class Controller:
         return (self.ladder.partitions[index] if index >= 0 else None), t
 
     def _target(
-        self, batch: int, kv_tokens: int, lora_slots: int, budget: float | None = None
+        self, batch: int, kv_tokens: int, lora_slots: int, budget: float | None = None, excess: float = 1.0
     ) -> tuple[int, float]:
-        """Index and prediction of the smallest spatial rung within budget; (-1, inf) when none is."""
-        predict, budget = self.predictor.predict, self.budget_s if budget is None else budget
+        """Index and prediction (without ``excess``) of the smallest spatial rung whose prediction times
+        ``excess`` is within budget; (-1, inf) when none is."""
+        predict, budget = self.predictor.predict, (self.budget_s if budget is None else budget) / excess
         for index, sms in self._spatial:
             t = predict(batch, kv_tokens, sms, True, lora_slots=lora_slots)
             if t <= budget:
                 return index, t
         return -1, float("inf")
 
-    def _decide_spatial(self, batch: int, kv_tokens: int, lora_slots: int) -> Decision:
-        target, t_target = self._target(batch, kv_tokens, lora_slots)
+    def _decide_spatial(self, batch: int, kv_tokens: int, lora_slots: int, excess: float = 1.0) -> Decision:
+        target, t_target = self._target(batch, kv_tokens, lora_slots, excess=excess)
         full = self._full.index
         want = full if target < 0 else target
         cur = self._cur
@@ -183,7 +197,7 @@ class Controller:
                 to = self._streak_max
                 if cur == full:  # leaving the whole GPU: the trainer resumes beside decode
                     strict, _ = self._target(
-                        batch, kv_tokens, lora_slots, self.budget_s * (1.0 - self.resume_margin)
+                        batch, kv_tokens, lora_slots, self.budget_s * (1.0 - self.resume_margin), excess
                     )
                     to = max(to, strict)  # none within the margin (-1): the plain target, not a trap
                 if self.settle and not self._pays(cur, to):
@@ -204,7 +218,9 @@ class Controller:
             if part.index == target
             else self.predictor.predict(batch, kv_tokens, part.infer_sms, True, lora_slots=lora_slots)
         )
-        if t > self.budget_s:  # the model now puts a held (larger) share over budget: take the target at once
+        if (
+            t * excess > self.budget_s
+        ):  # the model now puts a held (larger) share over budget: take the target
             self._grew()
             self._cur, self._streak, self._streak_max = want, 0, -1
             part, t, reason = (
@@ -212,7 +228,9 @@ class Controller:
                 t_target,
                 "held share over budget: take the target",
             )
-        d = self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens)
+        if excess > 1.0:
+            reason += f" (sized x{excess:.3f} for the trainer's micro-steps beside it)"
+        d = self._decision(part, t, False, reason, "spatial", True, batch, kv_tokens, excess)
         d.shrunk = shrunk and part.index < cur
         return d
 
@@ -265,9 +283,12 @@ class Controller:
             reason = "alternate: room for a micro-step"
         return self._decision(part, t, self._cur == -1, reason, "alternate", False, batch, kv_tokens)
 
-    def _decision(self, part, t, pause, reason, mode, corun, batch, kv_tokens) -> Decision:
+    def _decision(self, part, t, pause, reason, mode, corun, batch, kv_tokens, excess=1.0) -> Decision:
+        """``t``: the corrected prediction on ``part`` before the neighbour factor ``excess``."""
         corr = self.predictor.correction(part.infer_sms, corun)
-        return Decision(part, t, pause, reason, mode, corun, t / corr, batch, kv_tokens, self._step)
+        d = Decision(part, t * excess, pause, reason, mode, corun, t / corr, batch, kv_tokens, self._step)
+        d.excess = excess
+        return d
 
     # --- feedback and logging --------------------------------------------------------------------------
 
@@ -281,6 +302,8 @@ class Controller:
         """Record the measured latency of a decided step and feed the predictor's residual correction."""
         part, shrunk = decision.partition, decision.shrunk
         self.predictor.observe(part.infer_sms, decision.corun, measured_s, decision.raw_s, own_share=shrunk)
+        if self.neighbours is not None and decision.corun and not shrunk and decision.predicted_s > 0:
+            self.neighbours.observe(decision.beside, measured_s * decision.excess / decision.predicted_s)
         self.observe_margin(measured_s, decision.predicted_s)
         entry = self._open.pop(decision.step, None)
         if entry is None:  # observed late: the entry was already written without a measurement
@@ -318,6 +341,7 @@ class Controller:
             "margin": self.margin,
             "learned_margin": self._learned_margin_range(entries),
             "dwell_s": self.dwell_s if self.settle else None,
+            "neighbour_excess": self.neighbours.summary() if self.neighbours is not None else None,
         }
 
     def _learned_margin_range(self, entries: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -34,11 +34,16 @@ queued work is still expected to run for less than the budget, its chunk sized f
 time, and starts on the GPU once that work has ended (``StepPlan.after_trainer``). Without it the step is
 planned once that work is seen to have ended; where steps are launched ahead that is one step late, a step
 decode runs alone on its share (``bench/step_breakdown.py``'s ``drain_alone_s``).
+
+``neighbour_aware`` (``harli:neighbour=on``): a decode step beside the trainer is sized for the excess of
+decode's prediction error learnt beside the kinds of micro-step the trainer has on the GPU as the step is
+planned (``Controller``'s ``neighbours``).
 """
 
 from __future__ import annotations
 
 from harli_train.colocate.controller import Controller
+from harli_train.colocate.neighbours import NeighbourExcess
 from harli_train.colocate.policy.base import MIN_CHUNK, ControlledPolicy, Policy, chunk_fits, largest_chunk
 from harli_train.colocate.policy.plan import IDLE_HORIZON_S, StepPlan, beside, paused
 from harli_train.colocate.policy.prefill_placement import PrefillPlacement
@@ -52,6 +57,7 @@ from harli_train.policy_names import (
     DEFAULT_GROW_HEADROOM,
     DEFAULT_HANDOFF_GPU,
     DEFAULT_LEARN_MARGIN,
+    DEFAULT_NEIGHBOUR_AWARE,
     DEFAULT_PREFILL_AHEAD,
     DEFAULT_PREFILL_FLOOR,
     DEFAULT_SETTLE,
@@ -87,6 +93,7 @@ class HarliPolicy(ControlledPolicy):
         floor_match: bool = DEFAULT_FLOOR_MATCH,
         launch_ahead: bool | None = None,
         handoff_gpu: bool = DEFAULT_HANDOFF_GPU,
+        neighbour_aware: bool = DEFAULT_NEIGHBOUR_AWARE,
     ) -> None:
         if not 0 <= grow_headroom < 0.5:
             raise ValueError(f"harli: grow_headroom must be in [0, 0.5), got {grow_headroom}")
@@ -106,6 +113,7 @@ class HarliPolicy(ControlledPolicy):
             trainer_window_s,
             launch_ahead,
             handoff_gpu=handoff_gpu,
+            neighbour_aware=neighbour_aware,
         )
         self.launch_ahead, self.handoff_gpu = launch_ahead, handoff_gpu
         self.backward_aware = backward_aware
@@ -113,7 +121,14 @@ class HarliPolicy(ControlledPolicy):
         self._held = False  # the last plan paused the trainer
         self.rungs = TrainerRungs(ladder, trainer_stride, trainer_window_s)
         self.controller = Controller(
-            predictor, ladder, tpot_s, margin, hysteresis_steps, settle=settle, learn_margin=learn_margin
+            predictor,
+            ladder,
+            tpot_s,
+            margin,
+            hysteresis_steps,
+            settle=settle,
+            learn_margin=learn_margin,
+            neighbours=NeighbourExcess() if neighbour_aware else None,
         )
         self.prefill = PrefillPlacement(
             ladder,
@@ -168,7 +183,8 @@ class HarliPolicy(ControlledPolicy):
         )
 
     def _decode(self, batch: int, kv_tokens: int, lora_slots: int = 0) -> StepPlan:
-        d = self.controller.decide(batch, kv_tokens, lora_slots)
+        beside = self.trainer_on_gpu() if self.controller.neighbours is not None else ()
+        d = self.controller.decide(batch, kv_tokens, lora_slots, beside)
         if d.pause_trainer or d.mode == "alternate":
             return self.decode_plan(d, None)
         trainer = self.rungs.trail(d.partition.infer_sms)
