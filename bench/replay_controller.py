@@ -15,7 +15,10 @@ too, as a variant). A step on share s is "measured" as its raw prediction there 
 window's own steps on s showed (what the policy learnt from, max(step latency, token interval), over the raw
 prediction): ``--draws ordered`` (the default) takes them in the window's order from a seeded starting point,
 so runs of slow steps stay runs; ``iid`` draws each at random. A share the window never ran on takes the
-ratios of the nearest share it did. A replay shows how the policy's rules move decode and the trainer over
+ratios of the nearest share it did. Each step is replayed with the kinds of micro-step the trainer had on the
+GPU as the run planned it (the ``trainer_queue`` of the record before it), which the policy sees
+(``harli:neighbour=on`` sizes by them), and draws from the ratios the window's steps on that share showed
+beside the same kinds, where there are ``KIND_MIN`` of them (else from the share's). A replay shows how the policy's rules move decode and the trainer over
 the ladder against the same load and the same per-share errors, not what a GPU run would measure: the errors
 do not depend on what came before them here, and no mixed step restarts the hysteresis.
 
@@ -57,19 +60,48 @@ from harli_train.engine.step_work import StepPreview  # noqa: E402
 from harli_train.policy_names import parse_harli_options  # noqa: E402
 
 DRAWS = ("iid", "ordered")
+KIND_MIN = 8  # a share's ratios beside one set of the trainer's kinds are drawn from once this many are in
 
 
 def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
     """Per share, in the window's order, what its decode steps beside the trainer took over their raw
     prediction."""
     ratios: dict[int, list[float]] = defaultdict(list)
+    for (sms, _), ratio in _ratios(predictor, rows):
+        ratios[sms].append(ratio)
+    return ratios
+
+
+def kind_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[tuple, list[float]]:
+    """``share_ratios`` per (share, the trainer's kinds on the GPU as the step was planned: ``planned_kinds``)."""
+    ratios: dict[tuple, list[float]] = defaultdict(list)
+    for key, ratio in _ratios(predictor, rows):
+        ratios[key].append(ratio)
+    return ratios
+
+
+def _ratios(predictor: LatencyPredictor, rows: list[dict]) -> list[tuple[tuple, float]]:
+    """((share, planned kinds), seen / raw prediction) of each decode step beside the trainer, in order."""
+    kinds = planned_kinds(rows)
+    out = []
     for r in decode_beside(rows):
         seen = max(r["measured_s"], r.get("interval_s") or 0.0)
         raw = predictor.predict(
             r["batch"], r["kv_tokens"], r["infer_sms"], True, raw=True, lora_slots=adapter_slots(r)
         )
-        ratios[r["infer_sms"]].append(seen / raw)
-    return ratios
+        out.append(((r["infer_sms"], kinds[id(r)]), seen / raw))
+    return out
+
+
+def planned_kinds(rows: list[dict]) -> dict[int, tuple[str, ...]]:
+    """By ``id`` of each record: the kinds of micro-step the trainer had on the GPU as the step was planned,
+    sorted and once each (the ``trainer_queue`` of the record before it: a step is planned while the one
+    before it runs)."""
+    out, before = {}, ""
+    for r in rows:
+        out[id(r)] = tuple(sorted({k for k in before.split("+") if k}))
+        before = r.get("trainer_queue") or ""
+    return out
 
 
 def adapter_slots(row: dict) -> int:
@@ -81,21 +113,31 @@ def adapter_slots(row: dict) -> int:
 class RatioDraws:
     """The ratio a replayed step on a share takes: drawn at random from that share's (``iid``), or the next
     of that share's in the window's order from a seeded starting point, wrapping round (``ordered``: runs
-    of slow steps stay runs). A share the window never ran on takes the nearest share's."""
+    of slow steps stay runs). A share the window never ran on takes the nearest share's. With ``by_kinds``
+    (``kind_ratios``), a step planned beside a set of kinds draws from that share's ratios beside the same
+    set where there are ``KIND_MIN`` of them."""
 
-    def __init__(self, ratios: dict[int, list[float]], seed: int, draws: str = "iid") -> None:
+    def __init__(
+        self,
+        ratios: dict[int, list[float]],
+        seed: int,
+        draws: str = "iid",
+        by_kinds: dict[tuple, list[float]] | None = None,
+    ) -> None:
         if draws not in DRAWS:
             raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
         self.ratios, self.draws, self.rng = ratios, draws, random.Random(seed)
-        self.next = {s: self.rng.randrange(len(r)) for s, r in ratios.items()}
+        self.by_kinds = {k: r for k, r in (by_kinds or {}).items() if len(r) >= KIND_MIN}
+        self.next = {s: self.rng.randrange(len(r)) for s, r in [*ratios.items(), *self.by_kinds.items()]}
 
-    def __call__(self, sms: int) -> float:
+    def __call__(self, sms: int, kinds: tuple[str, ...] = ()) -> float:
         near = min(self.ratios, key=lambda s: abs(s - sms))
-        seq = self.ratios[near]
+        key = (near, kinds) if (near, kinds) in self.by_kinds else near
+        seq = self.by_kinds[key] if key != near else self.ratios[near]
         if self.draws == "iid":
             return self.rng.choice(seq)
-        i = self.next[near]
-        self.next[near] = (i + 1) % len(seq)
+        i = self.next[key]
+        self.next[key] = (i + 1) % len(seq)
         return seq[i]
 
 
@@ -110,8 +152,10 @@ def replay(
     policy: str = "harli",
     micro_step_s: float = 0.005,
     draws: str = "iid",
+    by_kinds: dict[tuple, list[float]] | None = None,
 ) -> dict[str, object]:
-    """One replay of ``steps`` ((batch, KV tokens[, adapters]) each, ``adapter_slots``) through a fresh
+    """One replay of ``steps`` ((batch, KV tokens[, adapters[, the trainer's kinds on the GPU]]) each,
+    ``adapter_slots``, ``planned_kinds``; ``by_kinds``: ``RatioDraws``') through a fresh
     ``policy`` (harli[:options], the policy a run builds, so every option of its decode steps applies: the
     controller's, the grow headroom, the trainer's rungs and their window): shares taken, visits, steps
     over budget / objective, the token intervals over the objective (a step's rows, each a running
@@ -124,12 +168,15 @@ def replay(
         raise ValueError(f"the replay runs harli's decode steps, not {policy!r}")
     pol.controller.clock = pol.rungs.clock = lambda: now[0]
     pol.observe_train_slice(micro_step_s)
-    draw = RatioDraws(ratios, seed, draws)
+    draw = RatioDraws(ratios, seed, draws, by_kinds)
+    beside: list[tuple[str, ...]] = [()]
+    pol.trainer_on_gpu = lambda: beside[0]
     taken, visits, over_budget, over_tpot, prev = Counter(), Counter(), 0, 0, None
     intervals = intervals_over = 0
     trainer_sm_s = left_sm_s = 0.0
-    for batch, kv_tokens, *adapters in steps:
-        lora = adapters[0] if adapters else 0
+    for batch, kv_tokens, *more in steps:
+        lora = more[0] if more else 0
+        beside[0] = more[1] if len(more) > 1 else ()
         preview = StepPreview(
             decode_seqs=batch, decode_kv_tokens=kv_tokens, decode_adapters=frozenset(range(1, lora + 1))
         )
@@ -137,7 +184,9 @@ def replay(
         sms = plan.partition.infer_sms
         d = plan.decision
         corun = d is None or d.corun
-        seen = predictor.predict(batch, kv_tokens, sms, corun, raw=True, lora_slots=lora) * draw(sms)
+        seen = predictor.predict(batch, kv_tokens, sms, corun, raw=True, lora_slots=lora) * draw(
+            sms, beside[0]
+        )
         pol.observe(plan, seen)
         now[0] += seen
         if plan.train == BESIDE:
@@ -244,8 +293,9 @@ def main() -> None:
                 continue
             rows = rows_of(entry)
             decode = [r for r in rows if r.get("kind") == "decode" and r["batch"]]
-            steps = [(r["batch"], r["kv_tokens"], adapter_slots(r)) for r in decode]
-            ratios = share_ratios(predictor, rows)
+            kinds = planned_kinds(rows)
+            steps = [(r["batch"], r["kv_tokens"], adapter_slots(r), kinds[id(r)]) for r in decode]
+            ratios, by_kinds = share_ratios(predictor, rows), kind_ratios(predictor, rows)
             if not ratios:
                 continue
             ran = Counter(r["infer_sms"] for r in decode)
@@ -273,6 +323,7 @@ def main() -> None:
                         policy,
                         args.micro_step_ms / 1e3,
                         args.draws,
+                        by_kinds,
                     )
                     for s in range(args.seeds)
                 ]

@@ -359,6 +359,56 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     assert mean_share(None) == mean_share(0) < mean_share(1)
 
 
+def test_replay_controller_draws_by_the_trainers_kinds_and_harli_sees_them():
+    """A step is replayed with the kinds the trainer had on the GPU as the run planned it (the record before
+    it), draws from its share's ratios beside the same kinds once ``KIND_MIN`` are in, and
+    ``harli:neighbour=on`` sizes by them: the steps beside the slow kind take a larger share, and the others
+    the share the model gives them."""
+    queues = ["fwd", "fwd+loss", "loss", None, "bwd"]
+    rows = [
+        dict(zip(COLUMNS, _row(i * 0.01, "decode", 48, True, 0.008, 0.0075, queue=q), strict=True))
+        for i, q in enumerate(queues)
+    ]
+    kinds = replay_controller.planned_kinds(rows)
+    assert [kinds[id(r)] for r in rows] == [(), ("fwd",), ("fwd", "loss"), ("loss",), ()]
+    ratios = {48: [1.0] * 10}
+    by_kinds = {(48, ("loss",)): [1.5] * replay_controller.KIND_MIN, (48, ("fwd",)): [2.0]}  # too few: unused
+    for draws in replay_controller.DRAWS:
+        draw = replay_controller.RatioDraws(ratios, 0, draws, by_kinds)
+        assert draw(48, ("loss",)) == draw(50, ("loss",)) == 1.5
+        assert draw(48, ("fwd",)) == draw(48) == 1.0
+    profile = colocate_matrix.load(Path(__file__).parent / "data/h200-llama-8b-profile-2026-12-04.json.gz")
+    meta = profile["meta"]
+    predictor = LatencyPredictor.fit(profile["samples"], 132, meta["kv_bytes_per_token"], **fit_options(meta))
+    ladder = replay_controller.SMLadder.cpu_standin(132, 16, group_sms=8)
+    # One step in 25 is planned beside the loss micro-step and runs 1.12x its raw prediction there.
+    steps = [(2, 1400, 0, ("loss",) if i % 25 == 0 else ("fwd",)) for i in range(1500)]
+    by_kinds = {(s, ("loss",)): [1.12] * 20 for s in (32, 48, 64)}
+    ratios = {s: [1.0] for s in (32, 48, 64)}
+    raw32 = predictor.predict(2, 1400, 32, True, raw=True)
+    runs = {
+        policy: replay_controller.replay(
+            predictor,
+            ladder,
+            steps,
+            ratios,
+            raw32 / 0.95,
+            0.04,
+            0,
+            policy,
+            draws="ordered",
+            by_kinds=by_kinds,
+        )
+        for policy in ("harli:margin=fixed", "harli:margin=fixed,neighbour=on")
+    }
+    plain, aware = runs["harli:margin=fixed"], runs["harli:margin=fixed,neighbour=on"]
+    assert plain["over_tpot"] > 0 and aware["over_tpot"] < plain["over_tpot"]
+    # The plain policy learns each miss beside loss GPU-wide and leaves 32 SMs for good; the aware one puts
+    # the steps beside loss on a larger share and, the miss foreseen, keeps decode on 32 SMs between them.
+    assert plain["taken"][32] < 50 and aware["taken"][32] > 10 * plain["taken"][32]
+    assert aware["taken"][48] >= len(steps) // 25
+
+
 def test_replay_controller_variants_add_harlis_options_and_report_the_trainers_sms():
     """``--options``: each entry is harli's options added to the replayed policy, after the share-visit rule
     on and off; a bad option is refused by name. Steps that run exactly at their raw prediction let a

@@ -88,6 +88,13 @@ def test_a_step_planned_beside_a_slower_kind_takes_the_share_its_excess_needs():
     d = ctl.decide(1, 0, beside=("loss",))
     ctl.observe(d, d.predicted_s)  # ran as sized: its ratio without the factor is the factor
     assert ex.summary()["kinds"]["loss"]["steps"] == before + 1
+    # The factor foresaw the miss: the online correction does not learn it (GPU-wide, it would size every
+    # step after it for the loss micro-step too).
+    assert pred.correction(d.partition.infer_sms, True) == pred.correction(40, True) == 1.0
+    plain = Controller(pred, ladder, 4e-3, margin=0.1, hysteresis_steps=1, resume_margin=0.0)
+    d = plain.decide(1, 0, beside=("loss",))
+    plain.observe(d, d.predicted_s * factor)
+    assert pred.correction(40, True) > 1.0
     assert ctl.summary()["neighbour_excess"]["kinds"]["loss"]["steps"] == before + 1
 
 

@@ -301,7 +301,9 @@ class Controller:
     def observe(self, decision: Decision, measured_s: float) -> None:
         """Record the measured latency of a decided step and feed the predictor's residual correction."""
         part, shrunk = decision.partition, decision.shrunk
-        self.predictor.observe(part.infer_sms, decision.corun, measured_s, decision.raw_s, own_share=shrunk)
+        # What the neighbour factor foresaw is not the GPU's error: the online correction learns the rest.
+        raw = decision.raw_s * decision.excess
+        self.predictor.observe(part.infer_sms, decision.corun, measured_s, raw, own_share=shrunk)
         if self.neighbours is not None and decision.corun and not shrunk and decision.predicted_s > 0:
             self.neighbours.observe(decision.beside, measured_s * decision.excess / decision.predicted_s)
         self.observe_margin(measured_s, decision.predicted_s)
