@@ -15,7 +15,8 @@ bench_colocate before 2026-12) and prints, for every policy with per-step record
 - measured/predicted latency of decode steps by what came before them: a grow, a shrink between shares, an
   exit from the whole GPU (the trainer resuming), the first step after a prefill, or the same share;
 - measured/predicted latency of decode steps beside the trainer by their share and batch, and by the
-  trainer's micro-step on the GPU as they started (its oldest queued: fwd, bwd, loss, next, optim);
+  trainer's micro-step on the GPU as they started (its oldest queued: fwd, bwd, loss, next, optim); with
+  ``harli:neighbour=on``, the excess it learnt beside each kind by the window's end;
 - every violation with the two steps before it;
 - the host time between decode steps, split by whether the trainer thread was launching at the time (its host
   work competes with the decode loop's: the GIL, torch's allocator);
@@ -171,6 +172,7 @@ def analyze(results: dict) -> dict[str, Any]:
                     "gpu_busy_s": feed.get("gpu_busy_s"),
                     "launch_host_s": feed.get("launch_host_s"),
                     "device_allocs": (entry.get("allocator") or {}).get("num_device_alloc"),
+                    "neighbour_excess": entry.get("neighbour_excess"),
                     "violating_steps": [[_step(r) for r in ctx] for ctx in violations(rows, tpot_s)],
                     "stalls": [_step(r) for r in stalls(rows)],
                     "spikes": [_step(r) for r in spikes(rows)],
@@ -347,6 +349,19 @@ def main() -> None:
         "oldest queued",
         "p99",
     )
+    excess = [
+        [cell, name, kind, k["steps"], k["value"], k["factor"], ex["all"], ex["steps_sized"]]
+        for cell, ps in report["cells"].items()
+        for name, r in ps.items()
+        if (ex := r.get("neighbour_excess"))
+        for kind, k in ex["kinds"].items()
+    ]
+    if excess:
+        print(
+            "\nharli:neighbour=on at the window's end: each kind's quantile of measured / predicted beside it"
+        )
+        head = ["cell", "policy", "kind", "steps", "quantile", "factor", "all steps' quantile", "steps sized"]
+        print(common.table(excess, head))
     print("\nhost ms between decode steps (token interval less the step's latency)")
     grows = [
         [name, key, g["steps"], g["p50"], g["p99"], g["max"]]

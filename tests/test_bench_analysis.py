@@ -81,6 +81,32 @@ def results():
     return {"env": {"sms": 132}, "setup": {"objective_tpot_ms": 10.0}, "cells": {"bursty/heavy": cell}}
 
 
+def test_analysis_prints_the_neighbour_excess_a_window_learnt(tmp_path):
+    """A harli:neighbour=on row's learnt excess (the controller's ``neighbour_excess``) is printed per kind."""
+    result = results()
+    result["cells"]["bursty/heavy"]["harli"]["neighbour_excess"] = {
+        "quantile": 0.95,
+        "all": 1.01,
+        "kinds": {
+            "loss": {"steps": 40, "value": 1.12, "factor": 1.109},
+            "fwd": {"steps": 64, "value": 1.0, "factor": 1.0},
+        },
+        "steps_sized": 17,
+    }
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "analyze_colocate.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout.split("harli:neighbour=on at the window's end")[1]
+    loss = next(line for line in table.splitlines() if " loss " in line)
+    assert loss.split()[2:] == ["loss", "40", "1.12", "1.11", "1.01", "17"]
+
+
 def test_analysis_attributes_steps_and_shares():
     report = analyze_colocate.analyze(results())
     (cell,) = report["cells"].values()
