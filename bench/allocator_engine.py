@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from allocator_sizes import EngineLoad, Sizes, delta, make_pool, sync  # noqa: E402
+from allocator_sizes import EngineLoad, Sizes, delta, make_pool  # noqa: E402
 
 from harli_train.memory import PooledKVStorage  # noqa: E402
 
@@ -167,7 +167,7 @@ def bench_kv_with_engine(sz: Sizes) -> dict[str, Any]:
         "steps_pool": pooled["steps"],
     }
     del pooled_engine, fit, kv
-    sync(sz)
+    common.sync_device(torch.device(sz.device))
     pool.check()
     pool.close()
     return out

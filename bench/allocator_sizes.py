@@ -64,11 +64,6 @@ DRY = Sizes(
 )  # fmt: skip
 
 
-def sync(sz: Sizes) -> None:
-    if sz.device == "cuda":
-        torch.cuda.synchronize()
-
-
 def make_pool(sz: Sizes, budget: int) -> PagePool:
     pool = PagePool(budget, backend=sz.backend, host_page_bytes=sz.page)
     if pool.page_bytes != sz.page:

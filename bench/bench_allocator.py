@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harli_train from this checkout
 import common  # noqa: E402
 from allocator_engine import bench_kv_with_engine  # noqa: E402
-from allocator_sizes import DRY, GPU, MIB, Sizes, delta, make_pool, sync  # noqa: E402
+from allocator_sizes import DRY, GPU, MIB, Sizes, delta, make_pool  # noqa: E402
 
 from harli_train.memory import (  # noqa: E402
     ActivationSwapper,
@@ -129,7 +129,7 @@ def bench_kv_grow_shrink(sz: Sizes) -> dict[str, Any]:
     write(0, bpp)
     grow_ms, shrink_ms = [], []
     for g in range(2, sz.kv_groups + 1):
-        sync(sz)
+        common.sync_device(torch.device(sz.device))
         t = time.perf_counter()
         kv.grow(g * bpp)
         grow_ms.append((time.perf_counter() - t) * 1e3)
@@ -243,7 +243,7 @@ def bench_reclaim_latency(sz: Sizes) -> dict[str, Any]:
         # Fill the pool, so that the KV cache must take its pages from the trainer.
         ballast = pool.reserve(other, max(1, pool.free_pages))
         ballast.map(range(pool.free_pages))
-        sync(sz)
+        common.sync_device(torch.device(sz.device))
         before = dict(swapper.stats)
         t = time.perf_counter()
         kv.grow(kv.num_blocks + groups * kv.blocks_per_page)

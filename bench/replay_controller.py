@@ -18,9 +18,10 @@ so runs of slow steps stay runs; ``iid`` draws each at random. A share the windo
 ratios of the nearest share it did. Each step is replayed with the kinds of micro-step the trainer had on the
 GPU as the run planned it (the ``trainer_queue`` of the record before it), which the policy sees
 (``harli:neighbour=on`` sizes by them), and draws from the ratios the window's steps on that share showed
-beside the same kinds, where there are ``KIND_MIN`` of them (else from the share's). A replay shows how the policy's rules move decode and the trainer over
-the ladder against the same load and the same per-share errors, not what a GPU run would measure: the errors
-do not depend on what came before them here, and no mixed step restarts the hysteresis.
+beside the same kinds, where there are ``KIND_MIN`` of them (else from the share's). A replay shows how the
+policy's rules move decode and the trainer over the ladder against the same load and the same per-share
+errors, not what a GPU run would measure: the errors do not depend on what came before them here, and no
+mixed step restarts the hysteresis.
 
 Variants: the share-visit rule on and off, each ``--options`` entry (harli's options, comma-joined) added to
 the replayed policy, and the replayed policy held at each of ``--margins`` (``margin=fixed``). A replay's
@@ -66,18 +67,20 @@ KIND_MIN = 8  # a share's ratios beside one set of the trainer's kinds are drawn
 def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
     """Per share, in the window's order, what its decode steps beside the trainer took over their raw
     prediction."""
-    ratios: dict[int, list[float]] = defaultdict(list)
-    for (sms, _), ratio in _ratios(predictor, rows):
-        ratios[sms].append(ratio)
-    return ratios
+    return both_ratios(predictor, rows)[0]
 
 
-def kind_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[tuple, list[float]]:
-    """``share_ratios`` per (share, the trainer's kinds on the GPU as the step was planned: ``planned_kinds``)."""
-    ratios: dict[tuple, list[float]] = defaultdict(list)
-    for key, ratio in _ratios(predictor, rows):
-        ratios[key].append(ratio)
-    return ratios
+def both_ratios(
+    predictor: LatencyPredictor, rows: list[dict]
+) -> tuple[dict[int, list[float]], dict[tuple, list[float]]]:
+    """``share_ratios``, and the same per (share, the trainer's kinds on the GPU as the step was planned:
+    ``planned_kinds``), from one pass over the window."""
+    by_share: dict[int, list[float]] = defaultdict(list)
+    by_kinds: dict[tuple, list[float]] = defaultdict(list)
+    for (sms, kinds), ratio in _ratios(predictor, rows):
+        by_share[sms].append(ratio)
+        by_kinds[(sms, kinds)].append(ratio)
+    return by_share, by_kinds
 
 
 def _ratios(predictor: LatencyPredictor, rows: list[dict]) -> list[tuple[tuple, float]]:
@@ -114,7 +117,7 @@ class RatioDraws:
     """The ratio a replayed step on a share takes: drawn at random from that share's (``iid``), or the next
     of that share's in the window's order from a seeded starting point, wrapping round (``ordered``: runs
     of slow steps stay runs). A share the window never ran on takes the nearest share's. With ``by_kinds``
-    (``kind_ratios``), a step planned beside a set of kinds draws from that share's ratios beside the same
+    (``both_ratios``), a step planned beside a set of kinds draws from that share's ratios beside the same
     set where there are ``KIND_MIN`` of them."""
 
     def __init__(
@@ -295,7 +298,7 @@ def main() -> None:
             decode = [r for r in rows if r.get("kind") == "decode" and r["batch"]]
             kinds = planned_kinds(rows)
             steps = [(r["batch"], r["kv_tokens"], adapter_slots(r), kinds[id(r)]) for r in decode]
-            ratios, by_kinds = share_ratios(predictor, rows), kind_ratios(predictor, rows)
+            ratios, by_kinds = both_ratios(predictor, rows)
             if not ratios:
                 continue
             ran = Counter(r["infer_sms"] for r in decode)

@@ -82,7 +82,8 @@ def results():
 
 
 def test_analysis_prints_the_neighbour_excess_a_window_learnt(tmp_path):
-    """A harli:neighbour=on row's learnt excess (the controller's ``neighbour_excess``) is printed per kind."""
+    """A harli:neighbour=on row's learnt excess (the controller's ``neighbour_excess``) is printed per
+    kind."""
     result = results()
     result["cells"]["bursty/heavy"]["harli"]["neighbour_excess"] = {
         "quantile": 0.95,

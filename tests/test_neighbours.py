@@ -1,5 +1,5 @@
-"""NeighbourExcess and harli:neighbour=on: a decode step planned beside a kind of trainer micro-step that slows
-decode more than the others is sized for that excess; nothing changes where no kind does."""
+"""NeighbourExcess and harli:neighbour=on: a decode step planned beside a kind of trainer micro-step that
+slows decode more than the others is sized for that excess; nothing changes where no kind does."""
 
 import pytest
 
