@@ -48,10 +48,12 @@ def test_the_factor_is_a_kinds_tail_over_every_steps_and_never_below_one():
     assert ex.factor(("fwd",)) == 1.0  # beside fwd decode runs as every step does: no factor
     assert ex.factor(("fwd", "loss")) == ex.factor(("loss", "fwd")) == ex.factor(("loss",))  # the largest
     assert ex.factor(("optim",)) == 1.0  # a kind never seen
-    assert ex.sized == 4  # every factor above 1 it gave
+    assert ex.sized == 0  # factor() counts nothing; size_step() counts the steps a factor above 1 sized
+    assert ex.size_step(("fwd",)) == 1.0 and ex.sized == 0
+    assert ex.size_step(("loss",)) == pytest.approx(loss_q / all_q) and ex.sized == 1
     summary = ex.summary()
     assert summary["kinds"]["loss"]["steps"] == 40 and summary["kinds"]["fwd"]["factor"] == 1.0
-    assert summary["steps_sized"] == 4 and summary["quantile"] == 0.95
+    assert summary["steps_sized"] == 1 and summary["quantile"] == 0.95
 
 
 def test_bad_settings_are_refused():

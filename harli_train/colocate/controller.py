@@ -137,7 +137,7 @@ class Controller:
         if self.ladder.time_sliced:
             d = self._decide_alternate(batch, kv_tokens, lora_slots)
         else:
-            excess = self.neighbours.factor(beside) if self.neighbours is not None and beside else 1.0
+            excess = self.neighbours.size_step(beside) if self.neighbours is not None and beside else 1.0
             d = self._decide_spatial(batch, kv_tokens, lora_slots, excess)
             d.beside = beside
         self._step += 1
@@ -218,9 +218,8 @@ class Controller:
             if part.index == target
             else self.predictor.predict(batch, kv_tokens, part.infer_sms, True, lora_slots=lora_slots)
         )
-        if (
-            t * excess > self.budget_s
-        ):  # the model now puts a held (larger) share over budget: take the target
+        if t * excess > self.budget_s:
+            # the model now puts a held (larger) share over budget: take the target
             self._grew()
             self._cur, self._streak, self._streak_max = want, 0, -1
             part, t, reason = (
