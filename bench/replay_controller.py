@@ -64,16 +64,11 @@ DRAWS = ("iid", "ordered")
 KIND_MIN = 8  # a share's ratios beside one set of the trainer's kinds are drawn from once this many are in
 
 
-def share_ratios(predictor: LatencyPredictor, rows: list[dict]) -> dict[int, list[float]]:
-    """Per share, in the window's order, what its decode steps beside the trainer took over their raw
-    prediction."""
-    return both_ratios(predictor, rows)[0]
-
-
 def both_ratios(
     predictor: LatencyPredictor, rows: list[dict]
 ) -> tuple[dict[int, list[float]], dict[tuple, list[float]]]:
-    """``share_ratios``, and the same per (share, the trainer's kinds on the GPU as the step was planned:
+    """Per share, in the window's order, what its decode steps beside the trainer took over their raw
+    prediction; and the same per (share, the trainer's kinds on the GPU as the step was planned:
     ``planned_kinds``), from one pass over the window."""
     by_share: dict[int, list[float]] = defaultdict(list)
     by_kinds: dict[tuple, list[float]] = defaultdict(list)

@@ -366,7 +366,7 @@ def test_replay_controller_tries_a_share_slower_than_the_model_less_often_with_t
     rows = [dict(zip(COLUMNS, _row(0.0, "decode", 48, True, 0.008, 0.0075), strict=True))]
     rows[0]["batch"], rows[0]["kv_tokens"] = 6, 4200
     raw = predictor.predict(6, 4200, 48, True, raw=True)
-    assert replay_controller.share_ratios(predictor, rows) == {48: [pytest.approx(0.0075 / raw)]}
+    assert replay_controller.both_ratios(predictor, rows)[0] == {48: [pytest.approx(0.0075 / raw)]}
     # A step whose rows ran on an adapter is one adapter to the predictor (the column counts rows); a step
     # carries it third, and the profile's adapter steps price it: decode takes more SMs for the same rows.
     assert [replay_controller.adapter_slots(r) for r in ({"adapter_rows": 5}, {"adapter_rows": 0}, {})] == [
