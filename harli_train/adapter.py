@@ -157,7 +157,8 @@ def read_adapter(model: LlamaForCausalLM, adapter_dir: str | Path) -> AdapterWei
         if pair["lora_A"].shape != (rank, m.in_features) or pair["lora_B"].shape != (m.out_features, rank):
             raise AdapterError(
                 f"{w_path}: {name} has shapes {tuple(pair['lora_A'].shape)}/{tuple(pair['lora_B'].shape)}, "
-                f"expected ({rank}, {m.in_features})/({m.out_features}, {rank}): adapter made for another model?"
+                f"expected ({rank}, {m.in_features})/({m.out_features}, {rank}): "
+                "adapter made for another model?"
             )
     if not found:
         raise AdapterError(f"{w_path}: no LoRA tensors in the file")

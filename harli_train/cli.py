@@ -23,8 +23,8 @@ class _RecipeGroup(click.Group):
         return super().parse_args(ctx, args)
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """After the commands, the main form's own options (those of `train`, read from it): the top-level help
-        is where one looks for --colocate-with or --resume."""
+        """After the commands, the main form's own options (those of `train`, read from it): the top-level
+        help is where one looks for --colocate-with or --resume."""
         train = self.commands["train"]
         sub = click.Context(train, info_name="train", parent=ctx)
         helps = set(sub.help_option_names)
@@ -66,7 +66,10 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--policy",
-    help=f"Co-location policy: harli (variants: {HARLI_OPTIONS}), static:N, streams, temporal, exclusive or exclusive:N.",
+    help=(
+        f"Co-location policy: harli (variants: {HARLI_OPTIONS}), static:N, streams, temporal, "
+        "exclusive or exclusive:N."
+    ),
 )
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the output directory.")
 @click.option(
@@ -223,7 +226,9 @@ def profile(model: str, out: str | None, max_batch: int, dtype: str, ladder_step
 @click.option(
     "--adapter",
     type=click.Path(exists=True, file_okay=False),
-    help="A PEFT LoRA adapter directory (safetensors) to generate with, unmerged as `serve --adapter` runs it.",
+    help=(
+        "A PEFT LoRA adapter directory (safetensors) to generate with, unmerged as `serve --adapter` runs it."
+    ),
 )
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))

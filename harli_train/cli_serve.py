@@ -38,9 +38,11 @@ kv_cache_option = click.option(
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")  # fmt: skip
 @click.option("--max-loras", default=None, type=click.IntRange(min=1),
-              help="Adapter slots [default: one per --adapter, 4 more with --allow-runtime-lora].")  # fmt: skip
+              help="Adapter slots [default: one per --adapter, "
+              "4 more with --allow-runtime-lora].")  # fmt: skip
 @click.option("--max-lora-rank", default=None, type=click.IntRange(1, 256),
-              help="Largest adapter rank served [default: the largest --adapter's, at least 16].")  # fmt: skip
+              help="Largest adapter rank served "
+              "[default: the largest --adapter's, at least 16].")  # fmt: skip
 @click.option("--tensor-parallel", "tensor_parallel", type=int, default=1, show_default=True, metavar="N",
               help="Split the model over N ranks (GPUs; gloo processes on a CPU).")  # fmt: skip
 @friendly

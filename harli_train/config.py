@@ -106,7 +106,8 @@ DATA_FORMATS = ("auto", "prompt_completion", "text", "chat", "alpaca", "sharegpt
 @dataclass(slots=True)
 class DataSection:
     """Training data: a file or folder, how to read it and how to cut it into sequences; and the validation
-    data, a file or folder of its own (`val_path`) or a seeded fraction held out of `path` (`val_fraction`)."""
+    data, a file or folder of its own (`val_path`)
+    or a seeded fraction held out of `path` (`val_fraction`)."""
 
     path: str = key(MISSING, "path", EXISTS)
     format: str = key("auto", "str", among(*DATA_FORMATS))

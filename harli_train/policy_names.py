@@ -36,9 +36,9 @@ DEFAULT_PREFILL_FLOOR = 128
 MIN_PREFILL_FLOOR = 32
 DEFAULT_FLOOR_MATCH = False
 # harli:window=S: the trainer's rung stays clear of every decode share of the last S seconds
-# (policy.trainer_rungs.TrainerRungs says why it trails decode's recent peak). A shorter window gives the trainer
-# back the SMs of a one-off grow sooner, and strands more backwards on SMs decode takes back. 0.3 until an A/B
-# on the GPU says otherwise.
+# (policy.trainer_rungs.TrainerRungs says why it trails decode's recent peak). A shorter window gives the
+# trainer back the SMs of a one-off grow sooner, and strands more backwards on SMs decode takes back.
+# 0.3 until an A/B on the GPU says otherwise.
 DEFAULT_TRAINER_WINDOW_S = 0.3
 MAX_TRAINER_WINDOW_S = 10.0
 # harli:launch=ahead|wait: this policy's steps launched one ahead or not, whatever colocation.launch_ahead
@@ -58,7 +58,8 @@ DEFAULT_NEIGHBOUR_AWARE = False
 HARLI_OPTIONS = (
     f"harli:prefill={'|'.join(PREFILL_MODES)},grow=H (H in [0, 0.5), default {DEFAULT_GROW_HEADROOM:g}),"
     f"ahead=on|off (default {'on' if DEFAULT_PREFILL_AHEAD else 'off'}),settle=on|off (default off),"
-    f"margin=learn|fixed (default {'learn' if DEFAULT_LEARN_MARGIN else 'fixed'}),stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
+    f"margin=learn|fixed (default {'learn' if DEFAULT_LEARN_MARGIN else 'fixed'}),"
+    f"stride=N (N >= 1, default {DEFAULT_TRAINER_STRIDE}),"
     f"backward=on|off (default {'on' if DEFAULT_BACKWARD_AWARE else 'off'}),"
     f"floor=N|match (N >= {MIN_PREFILL_FLOOR}, default {DEFAULT_PREFILL_FLOOR}),"
     f"window=S (seconds in [0, {MAX_TRAINER_WINDOW_S:g}], default {DEFAULT_TRAINER_WINDOW_S:g}),"

@@ -13,12 +13,12 @@ def storages(tensors) -> set[int]:
 
 
 def stays_in_place(t: torch.Tensor, exclude: set[int]) -> bool:
-    """Whether a saved ``t`` is left where it is: a tensor whose storage is one of ``exclude`` (frozen weights,
-    static tensors); a leaf that requires grad (a trainable parameter, an input of the chunk) or a view of
-    one; a parameter or a view of one (a frozen weight's transpose). A view is judged by its base: inside a
-    custom Function's forward (grad mode off) a view of an activation also reads as a leaf that requires
-    grad, and it is moved like the activation it views. The cheapest checks come first: this runs for every
-    tensor autograd saves."""
+    """Whether a saved ``t`` is left where it is: a tensor whose storage is one of ``exclude`` (frozen
+    weights, static tensors); a leaf that requires grad (a trainable parameter, an input of the chunk) or a
+    view of one; a parameter or a view of one (a frozen weight's transpose). A view is judged by its base:
+    inside a custom Function's forward (grad mode off) a view of an activation also reads as a leaf that
+    requires grad, and it is moved like the activation it views. The cheapest checks come first: this runs for
+    every tensor autograd saves."""
     if t.untyped_storage().data_ptr() in exclude:
         return True
     base = t._base

@@ -216,8 +216,8 @@ class Colocation:
         trainer: Trainer | None = None,
     ) -> ColocatedRuntime:
         """A run of ``policy`` serving ``requests`` beside ``trainer`` (default: ``self.trainer``), its
-        records under ``out_dir``; ``run()`` it once. A live adapter serves ``trainer``'s adapter. Options that
-        leave ``launch_ahead`` unset take the recipe's ``colocation.launch_ahead``."""
+        records under ``out_dir``; ``run()`` it once. A live adapter serves ``trainer``'s adapter. Options
+        that leave ``launch_ahead`` unset take the recipe's ``colocation.launch_ahead``."""
         trainer = trainer or self.trainer
         options = options or RuntimeOptions()
         if options.launch_ahead is None:

@@ -95,7 +95,8 @@ def run_colocated(
     ttft = sv.get("ttft_attainment")
     ttft_met = "" if ttft is None else f" ({100 * ttft:.1f}% within {sv['objective_ttft_ms']:g} ms)"
     log.info(
-        "%s: finetune %.0f tokens/s while serving; %s; TPOT met by %s of them, TTFT p99 %s ms%s; summary in %s",
+        "%s: finetune %.0f tokens/s while serving; %s; TPOT met by %s of them, "
+        "TTFT p99 %s ms%s; summary in %s",
         summary["policy"],
         ft["tokens_per_s"],
         report.objective_text(summary["objective_stats"]),

@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class DecodeCore:
-    """While entered (on the decode thread), that thread alone runs on ``core`` and the process's other threads
-    on the rest of the CPUs the process may use. ``core``: the highest of them unless named."""
+    """While entered (on the decode thread), that thread alone runs on ``core`` and the process's other
+    threads on the rest of the CPUs the process may use. ``core``: the highest of them unless named."""
 
     def __init__(self, core: int | None = None) -> None:
         self.core = core
@@ -51,7 +51,8 @@ class DecodeCore:
         core = max(allowed) if self.core is None else self.core
         if len(allowed) < 2 or core not in allowed:
             log.warning(
-                "decode core: needs two usable CPUs and core %d among them (usable: %s); threads left as they are",
+                "decode core: needs two usable CPUs and core %d among them (usable: %s); "
+                "threads left as they are",
                 core,
                 sorted(allowed),
             )

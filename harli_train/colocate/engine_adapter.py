@@ -152,8 +152,8 @@ class EngineAdapter:
     def step(
         self, partition: Partition, prefill_tokens: int | None = None, ahead: bool = False
     ) -> StepResult:
-        """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along; a step
-        launched ahead by the call before completes instead, where it was launched. ``ahead``: the step's
+        """One engine step on ``partition`` with at most ``prefill_tokens`` prefill tokens riding along; a
+        step launched ahead by the call before completes instead, where it was launched. ``ahead``: the step's
         successor is launched on ``partition`` before its tokens are read (``in_flight`` then)."""
         return self.engine.step(self.key(partition), prefill_tokens, ahead)
 
@@ -192,8 +192,8 @@ class EngineAdapter:
         return self.engine.metrics
 
     def synthetic_decode(self, batch: int, kv_len: int, partition: Partition, lora_slots: int = 0) -> None:
-        """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, its rows
-        on ``lora_slots`` adapters, for profiling (launched, not waited for, on a GPU)."""
+        """One decode step of ``batch`` sequences with ``kv_len`` cached tokens each on ``partition``, its
+        rows on ``lora_slots`` adapters, for profiling (launched, not waited for, on a GPU)."""
         self.engine.synthetic_decode(batch, kv_len, self.key(partition), lora_slots)
 
     def synthetic_mixed(

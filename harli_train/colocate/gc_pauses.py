@@ -1,5 +1,5 @@
-"""GcPauses: Python's garbage collections while the co-located loop serves: setup's objects frozen out of them,
-run by the decode thread where they cost it nothing, and timed."""
+"""GcPauses: Python's garbage collections while the co-located loop serves: setup's objects frozen out of
+them, run by the decode thread where they cost it nothing, and timed."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ class GcPauses:
     A collection holds the GIL, so it stalls the decode thread whichever thread triggers it, for as long as it
     walks the tracked objects of its generation. Two measures keep it out of decode's token intervals:
 
-    - What exists when serving starts (the model, the engine, the trainer: millions of objects) is frozen out of
-      every collection.
+    - What exists when serving starts (the model, the engine, the trainer: millions of objects) is frozen out
+      of every collection.
     - Automatic collection is off while serving (``scheduled``, the default). The decode thread runs what
       CPython's thresholds say is due itself, where it would otherwise only wait: ``young_if_due`` while the
       GPU runs a step it has just launched (generations 0 and 1, a few hundred microseconds at most), and
       ``full_if_due`` when nothing is decoding (generation 2). A full collection that stays due under a load
-      that never idles runs in a GPU wait after ``max_defer_s`` (counted in ``forced_full``), so cyclic garbage
-      cannot pile up without bound. ``automatic`` hands collection back to CPython (the trainer alone, after
-      serving).
+      that never idles runs in a GPU wait after ``max_defer_s`` (counted in ``forced_full``), so cyclic
+      garbage cannot pile up without bound. ``automatic`` hands collection back to CPython (the trainer alone,
+      after serving).
 
     What a collection cost decode on the H200, left to CPython and scheduled: docs/design.md.
     """

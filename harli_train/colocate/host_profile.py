@@ -119,7 +119,8 @@ def host_profile(name: str) -> Iterator[None]:
 
 
 def write_profile(entry: _Thread, directory: Path, seconds: float) -> Path:
-    """``<directory>/<name>.txt`` (the tables) and ``<name>.folded`` (the stacks); returns the table's path."""
+    """``<directory>/<name>.txt`` (the tables) and ``<name>.folded`` (the stacks);
+    returns the table's path."""
     directory.mkdir(parents=True, exist_ok=True)
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()

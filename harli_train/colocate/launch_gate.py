@@ -65,7 +65,8 @@ class LaunchGate:
 
     def _note_starved(self, kind: str, cost: float, budget: float) -> None:
         """Count a decode step whose slack the next micro-step did not fit; warn once that has gone on for
-        long. Its estimate is refreshed where the trainer runs with no objective at stake (between requests)."""
+        long. Its estimate is refreshed where the trainer runs
+        with no objective at stake (between requests)."""
         self._starved += 1
         if self._starved == 500:
             log.warning(

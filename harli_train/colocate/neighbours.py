@@ -84,7 +84,7 @@ class NeighbourExcess:
                 kind: {
                     "steps": len(recent),
                     "value": recent.value,
-                    "factor": max(recent.value / base, 1.0) if recent.value and base else 1.0,
+                    "factor": self.factor((kind,)),
                 }
                 for kind, recent in sorted(self._kinds.items())
             },

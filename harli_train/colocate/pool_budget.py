@@ -99,8 +99,8 @@ def pool_budget(cfg: RecipeConfig, device: torch.device) -> PoolBudget:
             raise RecipeError(
                 cfg.source,
                 "colocation.memory_gib",
-                f"a pool budget that fits: {free / GIB:.2f} GiB are free on {where} after the weights, less a "
-                f"safety margin of {margin / GIB:.2f} GiB leaves none (set it, or memory_pool: false)",
+                f"a pool budget that fits: {free / GIB:.2f} GiB are free on {where} after the weights, "
+                f"less a safety margin of {margin / GIB:.2f} GiB leaves none (set it, or memory_pool: false)",
                 "null (the default)",
             )
         source = f"free after the weights ({free / GIB:.2f} GiB) less a {margin / GIB:.2f} GiB margin"

@@ -262,7 +262,8 @@ class PoolMemory(CacheReleaseHook):
         return min(kv.max_blocks, groups * kv.blocks_per_page)
 
     def before_decode(self, engine: Any) -> None:
-        """Decode thread, before each engine step: take in finished resizes, order what the next steps need."""
+        """Decode thread, before each engine step:
+        take in finished resizes, order what the next steps need."""
         eng = engine.engine
         if self.engine is not eng:
             self.bind(eng)

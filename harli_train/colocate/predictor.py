@@ -122,10 +122,11 @@ class LatencyPredictor(OnlineCorrection):
         mixed_buckets: Sequence[int] = (),
         fma_min_sms: int = FMA_MIN_SMS,
     ) -> LatencyPredictor:
-        """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the mixed
-        model to mixed samples (those with ``prefill_tokens``) when the profile has them, on the token buckets
-        the engine's mixed graphs pad a step to (``mixed_buckets``); batch-1 samples count the GEMV rows of
-        the kernel they were timed on (``fma_min_sms``). ``fit_options`` reads both from a profile's meta."""
+        """Fit both stages to decode samples ``{batch, kv_tokens, infer_sms, corun, latency_s}``, and the
+        mixed model to mixed samples (those with ``prefill_tokens``) when the profile has them, on the token
+        buckets the engine's mixed graphs pad a step to (``mixed_buckets``); batch-1 samples count the GEMV
+        rows of the kernel they were timed on (``fma_min_sms``).
+        ``fit_options`` reads both from a profile's meta."""
         mixed = [r for r in samples if "prefill_tokens" in r and not r.get("lora_slots")]
         lora = LoRACost.fit(samples)
         mixed_lora = MixedLoRACost.fit(samples, mixed_buckets)
@@ -228,7 +229,8 @@ class LatencyPredictor(OnlineCorrection):
         return [w * x + (1 - w) * z for x, z in zip(lo, up, strict=True)]
 
     def _fold(self, sms: int) -> tuple[float, ...]:
-        """Per-share coefficients over (1, kv_bytes, m, m^2, m^3), the slowdown over (1, b, kv_bytes), and b's."""
+        """Per-share coefficients over (1, kv_bytes, m, m^2, m^3),
+        the slowdown over (1, b, kv_bytes), and b's."""
         a, c, d = self._params_at(sms)
         g1, g2, g3, g4 = self.solo_global
         e1, e2 = self.slow_global
@@ -251,7 +253,8 @@ class LatencyPredictor(OnlineCorrection):
         lora_slots: int = 0,
     ) -> float:
         """Seconds for one decode step of ``batch`` sequences reading ``kv_tokens`` cached tokens in all, its
-        rows running ``lora_slots`` distinct adapters (0: the base only; unmodelled without a LoRA profile)."""
+        rows running ``lora_slots`` distinct adapters
+        (0: the base only; unmodelled without a LoRA profile)."""
         row = self._rows.get(infer_sms) or self._row(infer_sms)
         b = batch if batch <= self.batch_max else self.batch_max
         m = gemv_rows(b, infer_sms, self.fma_min_sms)

@@ -1,6 +1,6 @@
-"""The decode-latency predictor of a co-located set-up: the profile it is fitted to (loaded when this machine's
-is stored, else measured on the engine's partitions, alone and beside a trainer-shaped workload), and the
-check that the recipe's objective is one a decode step can meet at all."""
+"""The decode-latency predictor of a co-located set-up: the profile it is fitted to (loaded when this
+machine's is stored, else measured on the engine's partitions, alone and beside a trainer-shaped workload),
+and the check that the recipe's objective is one a decode step can meet at all."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ class MixedGrid:
     ``corun_batches`` (the slowdown is one factor per share: a few points pin it). Each point is timed
     ``reps`` times after ``warmup`` (a mixed step is long and steady)."""
 
-    # Decode rows and chunks whose sums fill the mixed graphs' small buckets (16, 32, 64 tokens: 2 + 14, 2 + 30,
-    # 2 + 62, 32 + 30) as well as the larger ones, where the projections turn compute-bound.
+    # Decode rows and chunks whose sums fill the mixed graphs' small buckets (16, 32, 64 tokens: 2 + 14,
+    # 2 + 30, 2 + 62, 32 + 30) as well as the larger ones, where the projections turn compute-bound.
     batches: tuple[int, ...] = (2, 8, 32)
     kv_len: int = 512
     tokens: tuple[int, ...] = (14, 30, 62, 192, 512)

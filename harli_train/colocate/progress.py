@@ -65,8 +65,8 @@ class RunView:
         p99 = "-" if not obj["requests_judged"] else f"{obj['tpot_ms']['p99']:.1f}"
         short = (
             f"{self.train_step}/{self.train_total_steps} loss {self.train_loss:.3f} "
-            f"{self.trainer_tokens_per_s / 1e3:.1f}k tok/s | {self.running_requests} seqs, TPOT p99 {p99} ms, "
-            f"{obj['violations']}/{obj['intervals']} over | {share}"
+            f"{self.trainer_tokens_per_s / 1e3:.1f}k tok/s | {self.running_requests} seqs, "
+            f"TPOT p99 {p99} ms, {obj['violations']}/{obj['intervals']} over | {share}"
         )
         return short[:width]
 

@@ -18,7 +18,8 @@ class RecentQuantile:
     def __init__(self, quantile: float, window: int, min_samples: int) -> None:
         if not 0.0 <= quantile <= 1.0 or window < 1 or not 1 <= min_samples <= window:
             raise ValueError(
-                f"need 0 <= quantile <= 1 and 1 <= min_samples <= window, got {quantile}, {min_samples}, {window}"
+                f"need 0 <= quantile <= 1 and 1 <= min_samples <= window, "
+                f"got {quantile}, {min_samples}, {window}"
             )
         self.quantile, self.min_samples = quantile, min_samples
         self._values: deque[float] = deque(maxlen=window)

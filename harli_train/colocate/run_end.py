@@ -59,8 +59,8 @@ class RunEnd:
         what = str(err).splitlines()[0] if str(err) else type(err).__name__
         if self.decode_ooms > self.opts.max_decode_ooms:
             log.error(
-                "decode ran out of memory %d times in a row with the trainer's memory released (%s): its steps "
-                "do not fit beside the trainer; stopping",
+                "decode ran out of memory %d times in a row with the trainer's memory released (%s): "
+                "its steps do not fit beside the trainer; stopping",
                 self.decode_ooms,
                 what,
             )

@@ -150,7 +150,8 @@ class ColocatedRuntime(AlonePhases, RunEnd):
                 raise
             finally:
                 try:
-                    self.worker.stop()  # at the next micro-step boundary; the rest of the run is this thread's
+                    # at the next micro-step boundary; the rest of the run is this thread's
+                    self.worker.stop()
                 finally:
                     self._prioritise(False)
                     self.engine.engine.host_yield = contextlib.nullcontext
@@ -159,8 +160,8 @@ class ColocatedRuntime(AlonePhases, RunEnd):
         return self._finish()
 
     def _prioritise(self, on: bool) -> None:
-        """Install (or remove) the trainer worker's host-priority gate in every Triton launcher; ``_engine_step``
-        holds it, and the engine's waits for the GPU open it (``_gpu_wait``)."""
+        """Install (or remove) the trainer worker's host-priority gate in every Triton launcher;
+        ``_engine_step`` holds it, and the engine's waits for the GPU open it (``_gpu_wait``)."""
         gate = self.worker.priority
         gate.release()
         set_launch_gate(gate.wait if on else None)

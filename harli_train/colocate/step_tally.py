@@ -84,7 +84,8 @@ class StepTally:
         }
 
     def share_figures(self) -> dict[str, Any]:
-        """The summary's share figures: paused fraction, decode's share histogram, the trainer's SM seconds."""
+        """The summary's share figures:
+        paused fraction, decode's share histogram, the trainer's SM seconds."""
         steps = max(self.decode_steps, 1)
         return {
             "trainer_paused_fraction": self.paused_fraction,

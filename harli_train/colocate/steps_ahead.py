@@ -83,7 +83,8 @@ def gate(plan: StepPlan, done: Flying | None, last_step_event: Callable[[], Any]
 
 
 def preview_key(preview: StepPreview) -> tuple:
-    """What a plan is made from, of a preview: a plan made for one preview stands for another with the same."""
+    """What a plan is made from, of a preview:
+    a plan made for one preview stands for another with the same."""
     return (
         preview.kind,
         preview.decode_seqs,
@@ -95,7 +96,8 @@ def preview_key(preview: StepPreview) -> tuple:
 
 def may_launch_ahead(plan: StepPlan, for_itself: bool) -> bool:
     """Whether a step may be launched ahead under ``plan`` (see ``StepsAhead.may_launch``): never when the
-    trainer runs after the step on its SMs (time slicing); a one-step detour (``transient``) only for itself."""
+    trainer runs after the step on its SMs (time slicing);
+    a one-step detour (``transient``) only for itself."""
     if plan.train == AFTER or plan.partition.time_sliced:
         return False
     return for_itself or not plan.transient

@@ -9,8 +9,8 @@ Three things make this more than ``next(gen)``:
 - The call after an optimizer step host-syncs (the trainer reads the loss), so it is made only once the
   trainer's queue has drained: it then costs nothing.
 - A backward whose forward ran on SMs decode has since taken is rebuilt on the current trainer stream
-  (``MicroTracker``): one chunk's forward of extra work, where holding the backward would idle the trainer until
-  decode shrinks, and redoing the step would throw the step's work away.
+  (``MicroTracker``): one chunk's forward of extra work, where holding the backward would idle the trainer
+  until decode shrinks, and redoing the step would throw the step's work away.
 - Running out of memory abandons the step in flight, reports it (``on_oom``: the memory hook gives back what
   the serving side can spare and the trainer's own caches, ``memory_hook``) and restarts the step; repeated
   failures hold the trainer back for a number of decode decisions, longer while no step completes
@@ -69,7 +69,8 @@ class TrainerSide:
         estimates: dict[str, float] | None = None,
     ) -> None:
         self.trainer, self.on_oom, self.priority = trainer, on_oom, priority
-        # Entered around every resumption of the trainer's generator (the page pool: where its allocations go).
+        # Entered around every resumption of the trainer's generator
+        # (the page pool: where its allocations go).
         self.memory_scope = memory_scope
         # Called with the step's number right after each optimizer update is launched, on the launching
         # thread with the trainer's stream current (the live adapter's refresh).

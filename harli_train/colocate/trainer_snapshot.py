@@ -41,7 +41,8 @@ class TrainerSnapshot:
         return self.in_round or self.launching_kind is not None
 
     def queue_running(self) -> bool:
-        """The last queued micro-step's end event has not been reached (queried now, not as of the snapshot)."""
+        """The last queued micro-step's end event has not been reached
+        (queried now, not as of the snapshot)."""
         return self.queue_end is not None and not self.queue_end.query()
 
     def gpu_busy(self) -> bool:

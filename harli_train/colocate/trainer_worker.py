@@ -14,10 +14,10 @@ the trainer side (``TrainerSide``) can be owned by a thread of its own (``start(
   publishes the round (``in_round``) before it checks that no decision is open, and a decision opens before
   it reads the snapshot, so a decision either sees the round or stops it before it launches.
 
-Nothing else is shared. The worker reports back through an outbox: an out-of-memory recovery (the decode thread
-then runs the memory hook's serving half, which touches the engine and waits for nothing, and hands the worker
-its ticket; the worker runs the trainer's half, waiting for what was ordered, and goes on) or the error that
-ended it (raised in the decode thread at its next decision). Without a thread (the CPU default, or before
+Nothing else is shared. The worker reports back through an outbox: an out-of-memory recovery (the decode
+thread then runs the memory hook's serving half, which touches the engine and waits for nothing, and hands the
+worker its ticket; the worker runs the trainer's half, waiting for what was ordered, and goes on) or the error
+that ended it (raised in the decode thread at its next decision). Without a thread (the CPU default, or before
 ``start``) every message is handled at once on the caller's thread, by the same code.
 """
 
@@ -193,8 +193,8 @@ class TrainerWorker:
         self._call(lambda: self.side.hold(decisions))
 
     def stats(self) -> dict[str, Any]:
-        """The trainer side's figures (TrainerSide.stats), the worker's waits (``thread_wait_s``: for messages,
-        and with refill for its oldest queued micro-step to end) and its refill rounds."""
+        """The trainer side's figures (TrainerSide.stats), the worker's waits (``thread_wait_s``: for
+        messages, and with refill for its oldest queued micro-step to end) and its refill rounds."""
         return {**self._call(self.side.stats), "thread_wait_s": self.wait_s, "refills": self.refills}
 
     def close(self) -> None:

@@ -95,7 +95,8 @@ class _Reader:
         return self.max_examples is not None and len(self.examples) >= self.max_examples
 
     def read(self, path: Path) -> None:
-        """Append the examples of `path` (until `max_examples` are read); DataError naming the file and line."""
+        """Append the examples of `path` (until `max_examples` are read);
+        DataError naming the file and line."""
         if self.full:
             return
         for where, row in read_rows(path):

@@ -108,7 +108,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(
-            f"{path}: reading Parquet needs pyarrow (pip install pyarrow, or pip install 'harli-train[parquet]')"
+            f"{path}: reading Parquet needs pyarrow "
+            "(pip install pyarrow, or pip install 'harli-train[parquet]')"
         ) from None
     try:
         file = pq.ParquetFile(path)

@@ -34,18 +34,21 @@ SHAREGPT_ROLES = {
 
 
 def detect_format(row: dict[str, Any], where: str) -> str:
-    """The one format whose marker fields the row has; DataError naming `where` when it has none or several."""
+    """The one format whose marker fields the row has;
+    DataError naming `where` when it has none or several."""
     found = [fmt for fmt, keys in MARKERS.items() if any(k in row for k in keys)]
     if len(found) == 1:
         return found[0]
     if not found:
         known = ", ".join("/".join(repr(k) for k in keys) for keys in MARKERS.values())
         raise DataError(
-            f"{where}: row has none of the fields of a known format ({known}); keys: {', '.join(row) or 'none'}"
+            f"{where}: row has none of the fields of a known format ({known}); "
+            f"keys: {', '.join(row) or 'none'}"
         )
     named = " and ".join(f"{fmt} ({'/'.join(repr(k) for k in MARKERS[fmt] if k in row)})" for fmt in found)
     raise DataError(
-        f"{where}: row has fields of {'both' if len(found) == 2 else 'several formats:'} {named}; set data.format to say which to read"
+        f"{where}: row has fields of {'both' if len(found) == 2 else 'several formats:'} {named}; "
+        "set data.format to say which to read"
     )
 
 
@@ -78,7 +81,8 @@ def messages(row: dict[str, Any], fmt: str, where: str) -> list[dict[str, str]]:
         for i, turn in enumerate(turns, 1):
             if turn["role"] not in SHAREGPT_ROLES:
                 raise DataError(
-                    f"{where}: conversations[{i}].from is {turn['role']!r}; expected one of {', '.join(SHAREGPT_ROLES)}"
+                    f"{where}: conversations[{i}].from is {turn['role']!r}; "
+                    f"expected one of {', '.join(SHAREGPT_ROLES)}"
                 )
             turn["role"] = SHAREGPT_ROLES[turn["role"]]
         return _with_system(row, turns, where)
@@ -129,7 +133,8 @@ def _message(m: Any, where: str, i: int, role_key: str, text_key: str) -> dict[s
     name = "messages" if role_key == "role" else "conversations"
     if not isinstance(m, dict):
         raise DataError(
-            f"{where}: {name}[{i}] must be an object with {role_key!r} and {text_key!r}, got {type(m).__name__}"
+            f"{where}: {name}[{i}] must be an object with {role_key!r} and {text_key!r}, "
+            f"got {type(m).__name__}"
         )
     for key in (role_key, text_key):
         if not isinstance(m.get(key), str):

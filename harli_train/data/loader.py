@@ -130,8 +130,8 @@ class DataLoader:
         return torch.from_numpy(rng.permutation(self.num_examples))
 
     def _epoch_rows(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """All of one epoch's rows, [batches_per_epoch * batch_size, seq_len] (more in padding mode), and where
-        each document starts in the epoch's stream (packing; empty otherwise)."""
+        """All of one epoch's rows, [batches_per_epoch * batch_size, seq_len] (more in padding mode), and
+        where each document starts in the epoch's stream (packing; empty otherwise)."""
         order = self._order(epoch)
         if not self.packing:
             return self._ids[order], self._labels[order], torch.empty(0, dtype=torch.long)
@@ -213,7 +213,8 @@ def eval_batches(
 
 
 def _flatten(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The examples' ids and labels back to back, each example's first label IGNORE_INDEX, and their lengths."""
+    """The examples' ids and labels back to back,
+    each example's first label IGNORE_INDEX, and their lengths."""
     ids = torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.long)
     labels = torch.tensor([t for e in examples for t in e.labels], dtype=torch.long)
     lengths = torch.tensor([len(e.input_ids) for e in examples], dtype=torch.long)
@@ -235,9 +236,9 @@ def _padded_rows(examples: list[Example], seq_len: int, pad_id: int) -> tuple[to
 def _layout(
     doc_starts: torch.Tensor, first: int, rows: int, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, doc_ids), each [rows, seq_len], of the stream tokens [first, first + rows * seq_len) laid out
-    in rows of seq_len, where the documents start at stream offsets `doc_starts` (ascending, the first 0). A
-    token's position counts from the start of its document, or from its row's start for a document that
+    """(positions, doc_ids), each [rows, seq_len], of the stream tokens [first, first + rows * seq_len) laid
+    out in rows of seq_len, where the documents start at stream offsets `doc_starts` (ascending, the first 0).
+    A token's position counts from the start of its document, or from its row's start for a document that
     began in an earlier row; its doc id is its document's index in the stream."""
     p = torch.arange(first, first + rows * seq_len)
     doc = torch.searchsorted(doc_starts, p, right=True) - 1

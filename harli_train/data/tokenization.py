@@ -97,8 +97,8 @@ def assistant_spans(chat: ChatTokenizer, messages: list[dict[str, str]], text: s
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise DataError(
                 f"the chat template of {chat.source} does not render a conversation's turns as a prefix of "
-                f"the whole (it rewrites turn {i + 1} or those before it), so the assistant's tokens cannot be "
-                "located; use a template with {% generation %} blocks, or data.train_on: all"
+                f"the whole (it rewrites turn {i + 1} or those before it), so the assistant's tokens "
+                "cannot be located; use a template with {% generation %} blocks, or data.train_on: all"
             )
         spans.append((len(before), max(len(before), len(through.rstrip()))))
     return spans

@@ -49,8 +49,8 @@ class ChatTokenizer(Tokenizer, Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0-255, plus bos=256, eos=257, pad=258 (the `tiny` preset's special ids). Its rule for
-    special tokens: BOS first, nothing after. It has no chat template."""
+    """UTF-8 bytes as ids 0-255, plus bos=256, eos=257, pad=258 (the `tiny` preset's special ids). Its rule
+    for special tokens: BOS first, nothing after. It has no chat template."""
 
     bos_id = 256
     eos_id = 257
@@ -118,8 +118,8 @@ class HFTokenizer:
             enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError:  # only fast (Rust) tokenizers know where their tokens came from
             raise DataError(
-                f"{self.path}: the tokenizer cannot map its tokens back to the text (it is not a fast tokenizer), "
-                "which locating the assistant's turns needs; use data.train_on: all"
+                f"{self.path}: the tokenizer cannot map its tokens back to the text (it is not a fast "
+                "tokenizer), which locating the assistant's turns needs; use data.train_on: all"
             ) from None
         return list(enc["input_ids"]), [tuple(span) for span in enc["offset_mapping"]]
 

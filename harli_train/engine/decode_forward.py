@@ -38,7 +38,8 @@ from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
 
 # From this many rows on, a single square-ish projection (N, K <= 4096: o_proj of an 8B model) goes to
-# cuBLAS, whose tiled GEMM beats the split-K GEMV there (docs/design.md, "Measured facts behind the defaults").
+# cuBLAS, whose tiled GEMM beats the split-K GEMV there
+# (docs/design.md, "Measured facts behind the defaults").
 CUBLAS_SQUARE_ROWS = 64
 QKV, O, GATE_UP, DOWN = GROUPS  # the LoRA targets of each projection launch, in its column order
 # Up to this many rows an adapter step's norms compute the shrink of the q/k/v and gate/up projections after

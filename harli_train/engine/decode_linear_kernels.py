@@ -118,7 +118,8 @@ def _lora_expand_epilogue(
     the accumulator: [BLOCK_N, BLOCK_M] (dot) or [BLOCK_N] (FMA, row 0). BLOCK_SR >= S * R, a power of two
     of at least 32."""
     if USE_DOT:
-        # In chunks of 32 (slot, rank) pairs: B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
+        # In chunks of 32 (slot, rank) pairs:
+        # B's [BLOCK_N, 32] tiles beside the accumulator stay in registers.
         offs_m = tl.arange(0, BLOCK_M)
         for j0 in tl.static_range(0, BLOCK_SR, 32):
             j = j0 + tl.arange(0, 32)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# decode_linear's bandwidth-shaped GEMV serves steps of up to this many rows (tokens); past it cuBLAS does, and
-# an adapter's deltas take launches of their own (decode_forward.LoRAAdds).
+# decode_linear's bandwidth-shaped GEMV serves steps of up to this many rows (tokens); past it cuBLAS does,
+# and an adapter's deltas take launches of their own (decode_forward.LoRAAdds).
 MAX_GEMV_ROWS = 64
 
 GIB = 1 << 30
@@ -25,8 +25,8 @@ class EngineConfig:
     `kv_cache_bytes` if set (refused past the memory free for it), else it is sized from the memory left
     after the weights and a warm-up (GPU: `gpu_memory_utilization` of the device, less what every process
     already holds there; CPU: `cpu_kv_bytes`). Either way never more than `max_num_seqs` sequences of
-    `max_model_len` tokens can use. A step computes at most `max_num_batched_tokens` tokens; longer prompts are
-    prefilled in chunks. With `mixed_prefill` (stall-free) prefill chunks ride in decode steps, at most
+    `max_model_len` tokens can use. A step computes at most `max_num_batched_tokens` tokens; longer prompts
+    are prefilled in chunks. With `mixed_prefill` (stall-free) prefill chunks ride in decode steps, at most
     `prefill_chunk_tokens` of them per step unless the caller of `step()` names another budget; a step with
     nothing to decode is a pure prefill step. Without it a step is either prefill or decode (prefill first).
     With `max_loras` > 0 each request may name an adapter slot (1..max_loras; 0 is the base model).
@@ -63,8 +63,8 @@ class EngineConfig:
     # Overlap the host's work with the GPU's: while decode step N runs, step N+1 (the same sequences, fed
     # N's tokens on the device) is launched before N's tokens are read back. None: on with CUDA graphs.
     overlap: bool | None = None
-    # Adapter slots (besides the base model) that requests may name, each of rank <= max_lora_rank; 0 allocates
-    # nothing and the engine serves the base only.
+    # Adapter slots (besides the base model) that requests may name, each of rank <= max_lora_rank;
+    # 0 allocates nothing and the engine serves the base only.
     max_loras: int = 0
     max_lora_rank: int = 16
     # How a decode step's projection computes its adapters' delta (Triton kernels only): before it, as an

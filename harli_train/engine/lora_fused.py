@@ -9,8 +9,8 @@ part @ B_s^T over its span in BLOCK_N-column tiles. Programs of slot 0 write zer
 base's row tiles), so every row of the delta is written and it needs no memset: every row of the step must
 belong to a slot (slot_start[S] = T). Up to three slices share x (q/k/v, gate/up), side by side in the
 delta's columns. The grid is sized by `max_rows` (the most rows one adapter slot may hold), not by the
-step's content, and the buffers are read by address, so a CUDA graph replays for any mix of adapters. Block sizes come from
-`lora_fused_config` (no autotune).
+step's content, and the buffers are read by address, so a CUDA graph replays for any mix of adapters. Block
+sizes come from `lora_fused_config` (no autotune).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Batched LoRA for the decode engine (punica / S-LoRA style): y += scale_s * (x A_s^T) B_s^T, where each token's
-adapter slot s is its own, and many adapters run in one launch.
+"""Batched LoRA for the decode engine (punica / S-LoRA style): y += scale_s * (x A_s^T) B_s^T, where each
+token's adapter slot s is its own, and many adapters run in one launch.
 
 Adapters live stacked in one buffer per projection: A [S, R, K] and B [S, N, R] (slot 0 is the base model:
 its tokens are skipped). A step's tokens are grouped by slot once (`lora_layout`): `sorted_ids` lists the
@@ -70,7 +70,8 @@ def lora_config(max_rows: int, rank: int, k: int, num_sms: int, elem_bytes: int 
 
 def lora_layout(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
     """(sorted_ids [T] int32, slot_start [num_slots + 1] int32) of a step whose token t runs on adapter slot
-    `token_slots[t]` (0: the base): the token rows grouped slot by slot, and where each slot's group begins."""
+    `token_slots[t]` (0: the base): the token rows grouped slot by slot,
+    and where each slot's group begins."""
     slots = np.asarray(token_slots, dtype=np.int64)
     sorted_ids = np.argsort(slots, kind="stable").astype(np.int32)
     slot_start = np.zeros(num_slots + 1, dtype=np.int32)

@@ -65,7 +65,8 @@ def _target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def module_key(path: str) -> tuple[int, str]:
-    """(layer, target) of a projection's module path, e.g. 'model.layers.3.self_attn.q_proj' -> (3, 'q_proj')."""
+    """(layer, target) of a projection's module path,
+    e.g. 'model.layers.3.self_attn.q_proj' -> (3, 'q_proj')."""
     parts = path.split(".")
     return int(parts[2]), parts[-1]
 
@@ -216,10 +217,10 @@ class LoRASlots:
             self.meta = None
 
     def add(self, y: torch.Tensor | list[torch.Tensor], x: torch.Tensor, layer: int, targets: Sequence[str]):
-        """y [T, N] (the projections `targets` of x [T, K] side by side, in that order), or a list of one output
-        per target, plus each adapter row's delta: one shrink and one expand launch either way. Returns y
-        itself (updated in place) on the Triton path, new tensors on the torch one. No work when the step has
-        no adapter row."""
+        """y [T, N] (the projections `targets` of x [T, K] side by side, in that order), or a list of one
+        output per target, plus each adapter row's delta: one shrink and one expand launch either way. Returns
+        y itself (updated in place) on the Triton path, new tensors on the torch one. No work when the step
+        has no adapter row."""
         meta = self.meta
         if meta is None:
             return y
@@ -280,7 +281,8 @@ class LoRASlots:
 
     def install_hooks(self, model: torch.nn.Module) -> list:
         """Forward hooks that add the step's adapter deltas to each projection of `model` (the path that runs
-        the model's own forward: prefill, mixed steps, decode without the GEMV kernels); returns the handles."""
+        the model's own forward: prefill, mixed steps, decode without the GEMV kernels);
+        returns the handles."""
         handles = []
         for path, m in model.lora_modules().items():
             layer, target = module_key(path)

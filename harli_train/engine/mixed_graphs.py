@@ -168,10 +168,10 @@ class MixedGraphs:
         feed: tuple[torch.Tensor, np.ndarray] | None = None,
     ) -> torch.Tensor:
         """Run one varlen step on partition `key` (call on its stream): row i has `num_tokens[i]` new tokens,
-        `context_lens[i]` cached after the step and block table `tables[i]`; returns the logits [len(sampling),
-        V] of the last token of each row in `sampling` (a view of the shared buffer). `adapters`: each
-        token's adapter slot (None or all 0: the base graph). With `feed` = (tokens, rows), the first
-        len(rows) packed tokens' ids are tokens[rows] (on the device) instead."""
+        `context_lens[i]` cached after the step and block table `tables[i]`; returns the logits
+        [len(sampling), V] of the last token of each row in `sampling` (a view of the shared buffer).
+        `adapters`: each token's adapter slot (None or all 0: the base graph). With `feed` = (tokens, rows),
+        the first len(rows) packed tokens' ids are tokens[rows] (on the device) instead."""
         total, rows = len(ids), len(num_tokens)
         t = self.bucket(total)
         parity = self.num_replays % 2

@@ -275,8 +275,8 @@ class ModelRunner:
         positions_np, slots_np = np.concatenate(positions), np.concatenate(slots)
         adapters = adapter_slots(batch.seqs, batch.num_tokens) if self.lora is not None else None
         return self._varlen_forward(
-            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part, adapters,
-            feed,
+            ids, positions_np, slots_np, context_lens, batch.num_tokens, tables, sampling, key, part,
+            adapters, feed,
         )  # fmt: skip
 
     def _varlen_forward(
@@ -305,8 +305,8 @@ class ModelRunner:
         graphs = self.mixed_graphs
         if graphs is not None and graphs.fits(len(ids), len(num_tokens)):
             return graphs.replay(
-                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms, adapters,
-                feed,
+                key, ids, positions, slots, context_lens, num_tokens, tables, sampling, part.num_sms,
+                adapters, feed,
             )  # fmt: skip
         cu = np.zeros(len(num_tokens) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(num_tokens)
@@ -441,7 +441,8 @@ class ModelRunner:
         with self._on(part):
             rows = list(range(batch + 1))
             self._varlen_forward(step.ids, step.positions, step.slots, step.context_lens.tolist(),
-                                 step.num_tokens, step.tables, rows, partition, part, step.adapters)  # fmt: skip
+                                 step.num_tokens, step.tables, rows,
+                                 partition, part, step.adapters)  # fmt: skip
 
     def follow(self, inputs: StepInputs, stream: torch.cuda.Stream | None = None) -> None:
         """Run the forward rank 0 published (its logits unused: rank 0 samples); 'partition' registers
@@ -456,7 +457,8 @@ class ModelRunner:
                 current.wait_event(self._last[1])
             if inputs.kind == "varlen":
                 self._varlen_forward(inputs.ids, inputs.positions, inputs.slots, list(inputs.context_lens),
-                                     inputs.num_tokens, inputs.tables, inputs.sampling, inputs.partition, part)  # fmt: skip
+                                     inputs.num_tokens, inputs.tables, inputs.sampling,
+                                     inputs.partition, part)  # fmt: skip
             elif self.graphs is not None:
                 self.graphs.replay(inputs.partition, inputs.ids, inputs.positions, inputs.slots,
                                    inputs.context_lens, inputs.tables)  # fmt: skip

@@ -144,7 +144,8 @@ class Scheduler:
         batch.num_decode = len(batch.seqs)
 
     def _add_prefill(self, batch: ScheduledBatch, budget: int) -> bool:
-        """Append the prefill pieces of `_prefill_plan` (admitting waiting prompts); whether there were any."""
+        """Append the prefill pieces of `_prefill_plan` (admitting waiting prompts);
+        whether there were any."""
         bm = self.block_manager
         return self._apply_prefill(batch, self._prefill_plan(budget, bm.num_free, len(bm.free_rows)))
 

@@ -1,4 +1,5 @@
-"""What one engine step did (``StepResult``), and the error of a request that can never run (``RequestRefused``)."""
+"""What one engine step did (``StepResult``),
+and the error of a request that can never run (``RequestRefused``)."""
 
 from __future__ import annotations
 

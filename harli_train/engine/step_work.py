@@ -1,6 +1,6 @@
-"""What one engine step computes: the batch the scheduler made (``ScheduledBatch``), and the step it would make
-now (``StepPreview``, with the prompt chunks waiting as ``PrefillPiece``s), which the co-location policies plan
-from without changing the scheduler's state."""
+"""What one engine step computes: the batch the scheduler made (``ScheduledBatch``), and the step it would
+make now (``StepPreview``, with the prompt chunks waiting as ``PrefillPiece``s), which the co-location
+policies plan from without changing the scheduler's state."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ class StepPreview:
         return "decode" if self.decode_seqs else "idle"
 
     def take(self, budget: int | None) -> tuple[PrefillPiece, ...]:
-        """The pieces a step with a prefill budget of `budget` tokens computes (the last one cut; None: all)."""
+        """The pieces a step with a prefill budget of `budget` tokens computes
+        (the last one cut; None: all)."""
         if budget is None:
             return self.pieces
         out, room = [], budget

@@ -33,11 +33,12 @@ WARMUP_SAMPLING = (
 
 
 def warm_up_prefill(engine: DecodeEngine, prompt_lens: tuple[int, ...], partition: str) -> int:
-    """Compile what `engine`'s prefill steps on `partition` launch for the shapes traffic brings. Runs prompts of `prompt_lens` tokens (capped by the engine's limits) alone and then packed
-    into one step, each with one decode step after it, their sampling `WARMUP_SAMPLING` in turn (the
-    packed step samples every way at once); then forgets them (blocks freed, metrics reset).
-    With adapters loaded, the packed group runs once more on the first of them (the LoRA kernels of the
-    prefill path). Returns how many requests ran. The engine must be idle."""
+    """Compile what `engine`'s prefill steps on `partition` launch for the shapes traffic brings. Runs prompts
+    of `prompt_lens` tokens (capped by the engine's limits) alone and then packed into one step, each with one
+    decode step after it, their sampling `WARMUP_SAMPLING` in turn (the packed step samples every way at
+    once); then forgets them (blocks freed, metrics reset). With adapters loaded, the packed group runs once
+    more on the first of them (the LoRA kernels of the prefill path). Returns how many requests ran. The
+    engine must be idle."""
     if engine.has_unfinished():
         raise EngineError("warm_up needs an idle engine (requests are queued or running)")
     cfg = engine.config

@@ -1,4 +1,5 @@
-"""`harli-train convert-gguf FILE OUT_DIR`: a GGUF model file as a Hugging Face directory harli-train trains on.
+"""`harli-train convert-gguf FILE OUT_DIR`: a GGUF model file
+as a Hugging Face directory harli-train trains on.
 
 transformers reads the GGUF file (through the `gguf` package) and dequantizes its weights to float32; its
 `save_pretrained` refuses weights loaded that way, so the state dict is written here (`hf_dir.write_weights`),

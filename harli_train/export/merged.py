@@ -105,7 +105,8 @@ def find_run(path: str | Path) -> RunFiles:
 
 
 def export_adapter(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Copy the run's adapter (adapter_config.json, adapter_model.safetensors) into new directory `out_dir`."""
+    """Copy the run's adapter (adapter_config.json, adapter_model.safetensors)
+    into new directory `out_dir`."""
     run = find_run(run_dir)
     with staged_dir(out_dir) as stage:
         for name in (CONFIG_NAME, WEIGHTS_NAME):

@@ -201,11 +201,12 @@ class _MasterCasts:
     Each forward of a member group launched a cast per A and B plus the stack, 16 small kernels and as many
     allocations per Llama layer, though the masters only change when an optimizer steps. Every optimizer step
     empties the cache (a global post-step hook): fused AdamW updates the masters without bumping their version
-    counters. Other in-place edits do bump them, and an entry is used only while it holds the very tensors (weak
-    references) at the versions it was made from, so a freed master whose id is reused never matches either;
-    a master's death drops its entry. Under CUDA graph capture the cache is neither read nor filled: the
-    casts are made inside the graph, so each replay casts the masters as they are then (a cached cast lives
-    outside the graph's memory, is freed at the next optimizer step, and a graph would go on reading it)."""
+    counters. Other in-place edits do bump them, and an entry is used only while it holds the very tensors
+    (weak references) at the versions it was made from, so a freed master whose id is reused never matches
+    either; a master's death drops its entry. Under CUDA graph capture the cache is neither read nor filled:
+    the casts are made inside the graph, so each replay casts the masters as they are then (a cached cast
+    lives outside the graph's memory, is freed at the next optimizer step,
+    and a graph would go on reading it)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple] = {}
@@ -228,7 +229,8 @@ class _MasterCasts:
         ):
             return hit[2], hit[3]
         a_cat, bs = _cast(a_list, b_list, dt)
-        drop = lambda _ref, key=key: self._entries.pop(key, None)  # noqa: E731 (a master is gone: so is its entry)
+        # a master is gone: so is its entry
+        drop = lambda _ref, key=key: self._entries.pop(key, None)  # noqa: E731
         self._entries[key] = (tuple(weakref.ref(t, drop) for t in masters), versions, a_cat, bs)
         return a_cat, bs
 

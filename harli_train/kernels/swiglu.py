@@ -82,8 +82,8 @@ def swiglu_bwd(
     up: torch.Tensor,  # shape [rows, N]
     with_output: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Returns (d gate, d up), contiguous, in gate's and up's dtypes; ``with_output``: (d gate, d up, y), y the
-    forward's output (``swiglu_fwd(gate, up)``, bit for bit) from the same pass over gate and up."""
+    """Returns (d gate, d up), contiguous, in gate's and up's dtypes; ``with_output``: (d gate, d up, y), y
+    the forward's output (``swiglu_fwd(gate, up)``, bit for bit) from the same pass over gate and up."""
     assert dy.shape == gate.shape and dy.stride(1) == 1
     rows, cols = gate.shape
     dg = new_output((rows, cols), gate.dtype, gate.device)

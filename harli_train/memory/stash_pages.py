@@ -132,8 +132,8 @@ class StashPages:
             return dict(self.stats)
 
     def arena_bytes(self) -> int:
-        """Bytes of a graphs' arena placed in the stashes now, mapped or spilled (a level: its slots are placed
-        once, at capture, which ``stats`` count then and never again). Takes the lock."""
+        """Bytes of a graphs' arena placed in the stashes now, mapped or spilled (a level: its slots are
+        placed once, at capture, which ``stats`` count then and never again). Takes the lock."""
         with self.lock:
             return sum(stash.used for stash in self.stashes.values() if stash.fixed)
 

@@ -51,7 +51,8 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ModelError(
-                f"{where}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"{where}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ModelError(f"{where}: head_dim must be even for RoPE, got {self.head_dim}")

@@ -12,7 +12,8 @@ from harli_train import kernels
 
 
 class LoRALinear(nn.Module):
-    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen and A [r, in], B [out, r] trained.
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T,
+    with W and b frozen and A [r, in], B [out, r] trained.
 
     Without an adapter it is a plain frozen linear layer. Adapter parameters are kept in fp32 (master
     weights); the computation runs in the activation dtype.

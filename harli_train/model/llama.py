@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias), shared by the trainer and the decode engine.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias),
+shared by the trainer and the decode engine.
 
 Module names follow transformers' `LlamaForCausalLM`, so checkpoints load without renaming and adapters
 export under peft's key names. Attention runs through torch SDPA (causal, whole sequences) unless the caller

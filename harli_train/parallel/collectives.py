@@ -76,7 +76,8 @@ class _Reduce(torch.autograd.Function):
 
 
 def copy_to_ranks(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Identity forward; the gradient is summed over ``group`` backward (the input of column-parallel work)."""
+    """Identity forward; the gradient is summed over ``group`` backward
+    (the input of column-parallel work)."""
     if not torch.is_grad_enabled() or not x.requires_grad:
         return x
     return _Copy.apply(x, group)

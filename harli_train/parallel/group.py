@@ -160,8 +160,8 @@ def spawn(fn: Callable[..., None], world: int, on_gpu: bool, args: tuple = ()) -
     it at once; the same signal again within ``REPEAT_S``, as `timeout` sends it to the command and to its
     group, is passed on once); rank 0 gets SIGTERM if this process dies. A rank that raises or dies makes
     the others be terminated (torch.multiprocessing's join), and this raises
-    torch.multiprocessing.spawn.ProcessException naming the rank; ``fn`` reports its own errors through whatever
-    its args give it (``parallel.command`` uses a result file per rank).
+    torch.multiprocessing.spawn.ProcessException naming the rank; ``fn`` reports its own errors through
+    whatever its args give it (``parallel.command`` uses a result file per rank).
     """
     import torch.multiprocessing as mp
 

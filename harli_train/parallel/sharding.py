@@ -94,7 +94,8 @@ def load_shards(
 ):
     """Fill rank ``rank``'s ``model`` (local shape, materialised) with its slices of ``source``'s weights:
     a preset's seeded random weights drawn exactly as the single-process loader draws them (each full
-    tensor in turn on the rank's device, then sliced), or an HF directory's safetensors read slice by slice."""
+    tensor in turn on the rank's device, then sliced),
+    or an HF directory's safetensors read slice by slice."""
     params = dict(model.named_parameters())
     rows = vocab_shard(full_cfg.vocab_size, world)
     if source in PRESETS:

@@ -1,10 +1,11 @@
 """One rank's slice of a Llama model, with its collectives: the trainer's and the engine's model under TP.
 
-``TPLlamaForCausalLM`` is a ``LlamaForCausalLM`` of the local shape (``sharding.local_config``) whose attention
-and MLP blocks sum their row-parallel outputs over the rank group (``collectives``), whose LM head holds this
-rank's vocabulary rows (``logits`` gathers them; ``token_loss`` is the vocab-parallel cross-entropy), and
-whose LoRA factors live with their base layer's slice (``sharding.lora_shard_dim``). The trainer and the
-engine each get a module tree over the same weight tensors, bound to their own group (``empty_like``).
+``TPLlamaForCausalLM`` is a ``LlamaForCausalLM`` of the local shape (``sharding.local_config``) whose
+attention and MLP blocks sum their row-parallel outputs over the rank group (``collectives``), whose LM head
+holds this rank's vocabulary rows (``logits`` gathers them; ``token_loss`` is the vocab-parallel
+cross-entropy), and whose LoRA factors live with their base layer's slice (``sharding.lora_shard_dim``).
+The trainer and the engine each get a module tree over the same weight tensors,
+bound to their own group (``empty_like``).
 
 The adapter equals the single-process one: ``add_lora`` draws every full factor in the same order with the
 same generator and keeps this rank's slice, gradients of the factors every rank holds whole are summed over

@@ -116,8 +116,9 @@ class Server:
         data = [{"id": m, "object": "model", "created": int(self.started), "owned_by": "harli-train"}
                 for m in (self._fixed or [])]  # fmt: skip
         for card in cards:
-            entry = {"id": card.id, "object": "model", "created": int(self.started), "owned_by": "harli-train",
-                     "root": card.root or card.id, "parent": card.parent}  # fmt: skip
+            entry = {"id": card.id, "object": "model", "created": int(self.started),
+                     "owned_by": "harli-train", "root": card.root or card.id,
+                     "parent": card.parent}  # fmt: skip
             if card.step is not None:
                 entry["step"] = card.step  # the optimizer step the live adapter reflects
             data.append(entry)

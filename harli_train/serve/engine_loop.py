@@ -7,7 +7,8 @@ so the adapter's version, to its end); ``call`` runs a change of the catalog (lo
 owner's thread and hands its result back as an asyncio future.
 
 One owner per piece of state: only the engine's owner touches the engine; a handler owns its
-``RequestHandle`` and reads the events posted to it (``loop.call_soon_threadsafe``); ``stats()`` is a snapshot.
+``RequestHandle`` and reads the events posted to it (``loop.call_soon_threadsafe``);
+``stats()`` is a snapshot.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class RequestPort:
         self._inbox.put(("abort", handle))
 
     def request_stop(self, grace_s: float) -> None:
-        """No more admissions; running requests have ``grace_s`` to finish (the owner reads ``closing_at``)."""
+        """No more admissions; running requests have ``grace_s`` to finish
+        (the owner reads ``closing_at``)."""
         self._inbox.put(("stop", time.perf_counter() + grace_s))
 
     def stats(self) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 see: TTFT (send to first token) and every token interval (one streamed token to the next), per request.
 
 Each trace line becomes one streamed ``/v1/completions`` request sent at its arrival time (times
-``time_scale``): its ``prompt`` text, or ``prompt_len`` random token ids; ``max_tokens`` its output length with
-``ignore_eos`` (every request streams exactly that many tokens, as in the in-process replay). The result holds
-each request's figures and, against ``tpot_ms``, the same objective figures the co-location summary reports.
-The server sends one chunk per engine step that drew a token (its text may be empty), so the client times
-every token.
+``time_scale``): its ``prompt`` text, or ``prompt_len`` random token ids; ``max_tokens`` its output length
+with ``ignore_eos`` (every request streams exactly that many tokens, as in the in-process replay). The result
+holds each request's figures and, against ``tpot_ms``, the same objective figures the co-location summary
+reports. The server sends one chunk per engine step that drew a token (its text may be empty), so the client
+times every token.
 """
 
 from __future__ import annotations

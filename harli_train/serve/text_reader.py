@@ -3,11 +3,11 @@
 Each ``feed`` decodes only a window of the last tokens (the previous step's and the new ones), as vLLM's
 incremental detokenizer does, and hands out what the window adds to the text; decoding the whole completion at
 every token would cost a request O(n^2) on the server's thread, host time the engine and the trainer share.
-The window starts one step back so that a tokenizer that drops a leading space at a slice's start (SentencePiece)
-drops it on both sides of the difference. A window ending in U+FFFD (a multi-byte character not complete yet)
-waits for more tokens. With stop strings, the last ``max(len(stop)) - 1`` characters are held back (a stop
-string may be cut between tokens) and the text is cut at the first stop string. ``finish`` decodes the whole
-completion once, so the text handed out in all is what decoding the whole would give.
+The window starts one step back so that a tokenizer that drops a leading space at a slice's start
+(SentencePiece) drops it on both sides of the difference. A window ending in U+FFFD (a multi-byte character
+not complete yet) waits for more tokens. With stop strings, the last ``max(len(stop)) - 1`` characters are
+held back (a stop string may be cut between tokens) and the text is cut at the first stop string. ``finish``
+decodes the whole completion once, so the text handed out in all is what decoding the whole would give.
 """
 
 from __future__ import annotations

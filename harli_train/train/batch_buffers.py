@@ -1,4 +1,5 @@
-"""The device buffers a micro-batch's inputs are copied into: allocated once per shape, refilled every time."""
+"""The device buffers a micro-batch's inputs are copied into:
+allocated once per shape, refilled every time."""
 
 from __future__ import annotations
 

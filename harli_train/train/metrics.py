@@ -122,8 +122,9 @@ class MetricsLogger:
         if evaluated:
             self.last_eval = f"eval {record['eval_loss']:.4f}  "
         status = (
-            f"loss {record['loss']:.4f}  {self.last_eval}lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
-            f"{record['tokens_per_s']:,.0f} tok/s  {record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}"
+            f"loss {record['loss']:.4f}  {self.last_eval}lr {record['lr']:.2e}  "
+            f"|g| {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
+            f"{record['memory_gib']:.2f} GiB  epoch {record['epoch']:.2f}"
         )
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)

@@ -35,7 +35,10 @@ def check_seq_len(cfg: RecipeConfig, model: ModelConfig) -> None:
     is defined up to it)."""
     context = model.max_position_embeddings
     if cfg.data.seq_len > context:
-        expected = f"an integer <= the context of model {cfg.model.name!r} ({context} tokens, its max_position_embeddings)"
+        expected = (
+            f"an integer <= the context of model {cfg.model.name!r} "
+            f"({context} tokens, its max_position_embeddings)"
+        )
         raise RecipeError(cfg.source, "data.seq_len", expected, repr(cfg.data.seq_len))
 
 
@@ -68,11 +71,13 @@ def run_length(cfg: RecipeConfig, batches_per_epoch: int) -> int:
 
 
 def check_cuda_graphs(cfg: RecipeConfig) -> None:
-    """train.cuda_graphs with what it needs: no LoRA dropout (a graph replays the random masks differently)."""
+    """train.cuda_graphs with what it needs: no LoRA dropout
+    (a graph replays the random masks differently)."""
     if cfg.train.cuda_graphs and cfg.lora.dropout > 0:
         raise RecipeError(
             cfg.source,
             "train.cuda_graphs",
-            "false while lora.dropout > 0 (a captured step would draw other dropout masks than the eager one)",
+            "false while lora.dropout > 0 "
+            "(a captured step would draw other dropout masks than the eager one)",
             f"true with lora.dropout {cfg.lora.dropout}",
         )

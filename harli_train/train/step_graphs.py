@@ -1,4 +1,5 @@
-"""StepGraphs: a training step's micro-steps as CUDA graphs, one graph per micro-step, captured once per shape.
+"""StepGraphs: a training step's micro-steps as CUDA graphs,
+one graph per micro-step, captured once per shape.
 
 Launched eagerly, a micro-step costs the host a launch per kernel plus autograd's bookkeeping; co-located,
 that host time is what the trainer's GPU work waits behind. Replayed, a micro-step is one graph launch.

@@ -201,7 +201,8 @@ class Trainer:
         if found != expected:
             raise CheckpointError(
                 f"checkpoint {path} was made with other LoRA settings (rank, alpha or targets) than "
-                f"this recipe; resume with the recipe it was trained with ({path.parent.parent / 'recipe.yaml'})"
+                f"this recipe; resume with the recipe it was trained with "
+                f"({path.parent.parent / 'recipe.yaml'})"
             )
         log.info("resuming from %s at step %d", path, state["step"])
         return state

@@ -36,14 +36,15 @@ def load_run_data(cfg: RecipeConfig, tokenizer: Tokenizer) -> tuple[list[Example
     if val is None:
         if cfg.train.eval_every:
             log.warning(
-                "train.eval_every is set, but there is no validation data (data.val_path or data.val_fraction)"
+                "train.eval_every is set, but there is no validation data "
+                "(data.val_path or data.val_fraction)"
             )
         return examples, None
     batches = eval_batches(val, cfg.train.batch_size, data.seq_len, tokenizer.pad_id, data.packing)
     if not sum(b["num_target_tokens"] for b in batches):
         raise DataError(
-            f"the validation data ({data.val_path or 'data.val_fraction of ' + data.path}) has no token to take "
-            f"a loss on within data.seq_len ({data.seq_len})"
+            f"the validation data ({data.val_path or 'data.val_fraction of ' + data.path}) "
+            f"has no token to take a loss on within data.seq_len ({data.seq_len})"
         )
     return examples, Validation(batches, cfg.train.eval_every, cfg.train.layers_per_microstep)
 

@@ -134,7 +134,8 @@ class Policy:
 
     def limit_trainer_streams(self, count: int) -> bool:
         """Launch the trainer on at most ``count`` streams besides the whole GPU's (each grows its own copy
-        of the trainer's working set in torch's cache); whether the policy dropped any. This one's are fixed."""
+        of the trainer's working set in torch's cache); whether the policy dropped any.
+        This one's are fixed."""
         return False
 
     def plan(self, preview: StepPreview) -> StepPlan:

@@ -60,8 +60,8 @@ class StaticPolicy(Policy):
 
 class ExclusivePolicy(Policy):
     """Decode alone on the whole GPU while there is load; the trainer runs alone once the load is over: on
-    the whole GPU, or with ``infer_sms`` (``exclusive:N``) on the trainer side of ``static:N``'s rung, decode's
-    side left idle (the trainer's standalone rate on that split's SMs)."""
+    the whole GPU, or with ``infer_sms`` (``exclusive:N``) on the trainer side of ``static:N``'s rung,
+    decode's side left idle (the trainer's standalone rate on that split's SMs)."""
 
     name = "exclusive"
     serve_alone = True

@@ -3,25 +3,25 @@
 Composed of three parts: the ``Controller`` (decode's share, with hysteresis, settling and a learnt margin),
 ``TrainerRungs`` (which rung the trainer launches on: the complement of decode's recent peak share) and
 ``PrefillPlacement`` (pure prefill steps). A mixed step (decode plus prefill chunks) takes the smallest share,
-at least decode's own, that fits ``prefill_floor`` prefill tokens within the budget, filled with as many as fit;
-the whole GPU with the trainer paused when none does. The whole GPU is the mixed step's only once the trainer
-has nothing left on it: a pause launches nothing new, but the micro-steps it queued run on (up to
+at least decode's own, that fits ``prefill_floor`` prefill tokens within the budget, filled with as many as
+fit; the whole GPU with the trainer paused when none does. The whole GPU is the mixed step's only once the
+trainer has nothing left on it: a pause launches nothing new, but the micro-steps it queued run on (up to
 ``max_in_flight`` of them, tens of milliseconds) on SMs the step counts as its own, so until they have ended
 decode steps alone on its share, the trainer paused, and the prefill waits (docs/design.md has the
 measurement).
 
-``prefill_floor`` (``harli:floor=N``, default 128) is that least chunk: a smaller one keeps the trainer running
-through more prompts, in more and smaller chunks. ``floor_match`` (``harli:floor=match``): where no share
-fits the floor, a share that fits as many prefill tokens as the whole GPU would (its graphs' token buckets
-can cap the whole GPU's chunk below the floor) is taken, the trainer running beside it, rather than pausing
-the trainer for no larger a chunk.
+``prefill_floor`` (``harli:floor=N``, default 128) is that least chunk: a smaller one keeps the trainer
+running through more prompts, in more and smaller chunks. ``floor_match`` (``harli:floor=match``): where no
+share fits the floor, a share that fits as many prefill tokens as the whole GPU would (its graphs' token
+buckets can cap the whole GPU's chunk below the floor) is taken, the trainer running beside it, rather than
+pausing the trainer for no larger a chunk.
 
 ``backward_aware`` (``harli:backward=on``) sizes a mixed step beside the trainer by the recent mixed steps
 planned with a trainer backward on the GPU, when one is there now (``LatencyPredictor.correction``).
 
 ``grow_headroom`` (``harli:grow=H``, ``grow=0`` off) anticipates a grow: while decode's predicted step on its
-share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger share
-too, since a grow would otherwise land on SMs where the trainer's queued work still runs.
+share is within ``H`` of the budget, the trainer's next micro-steps go to a rung clear of the next larger
+share too, since a grow would otherwise land on SMs where the trainer's queued work still runs.
 
 ``trainer_window_s`` (``harli:window=S``, default 0.3): how long the trainer's rung stays clear of a decode
 share after decode last used it (``TrainerRungs``).
@@ -157,9 +157,9 @@ class HarliPolicy(ControlledPolicy):
 
     def share_weights(self, contexts: tuple[int, ...] = (256, 1024, 4096)) -> dict[int, float]:
         """How much the objective calls for each spatial decode share: over every batch the predictor was
-        profiled for and each of ``contexts`` (cached tokens a sequence), 1 for the least share whose predicted
-        step meets the budget and 1/2 for the share above it (the one a grow, or the trainer's trail of the
-        recent peak, takes the trainer clear of)."""
+        profiled for and each of ``contexts`` (cached tokens a sequence), 1 for the least share whose
+        predicted step meets the budget and 1/2 for the share above it (the one a grow, or the trainer's trail
+        of the recent peak, takes the trainer clear of)."""
         weights: dict[int, float] = {}
         shares = [p.infer_sms for p in self.ladder.spatial]
         for batch in range(1, max(self.predictor.batch_max, 1) + 1):

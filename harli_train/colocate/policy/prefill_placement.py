@@ -6,10 +6,10 @@ A prefill is compute-bound and outside the decode model. Modes (``harli:prefill=
 - ``paused``: on the whole GPU with the trainer held back (what it has queued still runs).
 - ``beside``: on the whole GPU, the trainer still launching on its trailing rung beside it (the two share the
   trainer's SMs for the prefill's length).
-In ``rung`` and ``beside`` the plan is a transient detour: the trainer's rung does not trail it, and a backward
-whose forward's SMs the prefill covers waits there (it is not rebuilt). While the controller holds the whole
-GPU for decode, a prefill keeps the trainer paused: waking it would spill its micro-step into the decode
-steps after the prefill.
+In ``rung`` and ``beside`` the plan is a transient detour: the trainer's rung does not trail it, and a
+backward whose forward's SMs the prefill covers waits there (it is not rebuilt). While the controller holds
+the whole GPU for decode, a prefill keeps the trainer paused: waking it would spill its micro-step into the
+decode steps after the prefill.
 
 With ``ahead`` (``harli:ahead=on``) the placement looks past the prefill: when the decode step after it (its
 batch grown by the prompts the prefill finishes) needs more SMs than the trainer's rung leaves, the trainer
@@ -91,7 +91,8 @@ class PrefillPlacement:
         self, trainer: Partition, after: tuple[int, int] | None
     ) -> tuple[Partition, int | None]:
         """With ``ahead``: the trainer's rung clear of the share the decode step after the prefill needs (the
-        full rung when none leaves decode that much: the trainer then pauses), and that share when it moved."""
+        full rung when none leaves decode that much: the trainer then pauses),
+        and that share when it moved."""
         if not self.ahead or after is None or self.ladder.time_sliced:
             return trainer, None
         need = self.share_after(*after)
