@@ -61,6 +61,8 @@ while [ $i -lt ${#rest[@]} ]; do
   esac
 done
 work="$OUT/$TAG"
+# A machine may keep $OUT from an earlier call of this TAG: its step folders are not this call's.
+rm -rf "$work"
 mkdir -p "$work"
 log="$work/call.log"
 left() { echo $((CALL_S - ($(date +%s) - start))); }

@@ -923,6 +923,23 @@ def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_pa
     assert not any(n.endswith("-timelines.tar.gz") for n in names)
 
 
+def test_device_call_packs_only_what_this_call_wrote(tmp_path):
+    """A machine that kept $OUT from an earlier call of the same TAG: that call's step folders do not come
+    back in this call's archive."""
+    stale = tmp_path / "c" / "1-colocate"
+    stale.mkdir(parents=True)
+    (stale / "bench_colocate-bursty.json.gz").write_bytes(b"old")
+    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c", "CALL_S": "120", "DEVICE_CALL_INSTALL": "0"}
+    env["DEVICE_CALL_CACHE"] = str(tmp_path.parent / f"{tmp_path.name}-cache")
+    proc = subprocess.run(
+        ["bash", str(BENCH / "device_call.sh"), "cmd", "true"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with tarfile.open(tmp_path / "c.tar.gz") as tar:
+        names = tar.getnames()
+    assert "c/1-cmd/log" in names and not any(n.startswith("c/1-colocate") for n in names)
+
+
 def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tmp_path):
     """device_call.sh names the GPU by nvidia-smi: on an H100 it unpacks the H100's stored profile and passes
     the H100's standalone rates, on an H200 the H200's, and on a machine without a GPU the first stored
