@@ -895,13 +895,21 @@ def test_probe_corun_times_the_profile_points_on_the_command_lines_assembly(tmp_
     assert eager["fit_corun_mape_pct"] >= 0
 
 
+def _device_call_env(out: Path, tag: str, call_s: int, cache: Path) -> dict[str, str]:
+    """The environment of a `bench/device_call.sh` run here: its archive under ``out``, the project
+    installed already, the per-machine profile cache at ``cache``."""
+    return {
+        **os.environ, "OUT": str(out), "TAG": tag, "CALL_S": str(call_s), "DEVICE_CALL_INSTALL": "0",
+        "DEVICE_CALL_CACHE": str(cache),
+    }  # fmt: skip
+
+
 @pytest.mark.slow
 def test_device_call_runs_its_steps_within_the_call_and_packs_one_archive(tmp_path):
     """bench/device_call.sh (what a device call runs): an unknown step refused before anything runs; a
     dry-run bench step, then one skipped for want of time; everything in one archive (but a file over 4 MiB,
     such as a main job's adapter, left behind and named), nothing else under $OUT."""
-    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "125", "DEVICE_CALL_INSTALL": "0"}
-    env["DEVICE_CALL_CACHE"] = str(tmp_path.parent / f"{tmp_path.name}-cache")
+    env = _device_call_env(tmp_path, "c1", 125, tmp_path.parent / f"{tmp_path.name}-cache")
     call = ["bash", str(BENCH / "device_call.sh")]
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     typo = subprocess.run([*call, "colocate", dry, "smoek"], env=env, capture_output=True, text=True)
@@ -929,8 +937,7 @@ def test_device_call_packs_only_what_this_call_wrote(tmp_path):
     stale = tmp_path / "c" / "1-colocate"
     stale.mkdir(parents=True)
     (stale / "bench_colocate-bursty.json.gz").write_bytes(b"old")
-    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c", "CALL_S": "120", "DEVICE_CALL_INSTALL": "0"}
-    env["DEVICE_CALL_CACHE"] = str(tmp_path.parent / f"{tmp_path.name}-cache")
+    env = _device_call_env(tmp_path, "c", 120, tmp_path.parent / f"{tmp_path.name}-cache")
     proc = subprocess.run(
         ["bash", str(BENCH / "device_call.sh"), "cmd", "true"], env=env, capture_output=True, text=True
     )
@@ -955,8 +962,7 @@ def test_device_call_takes_the_stored_profile_and_standalone_rates_of_its_gpu(tm
         smi.write_text(f"#!/bin/sh\necho '{gpu}'\n" if gpu else "#!/bin/sh\nexit 9\n")
         smi.chmod(0o755)
         out = tmp_path / f"out-{len(seen)}"
-        env = {**os.environ, "OUT": str(out), "TAG": "c", "CALL_S": "120", "DEVICE_CALL_INSTALL": "0"}
-        env["DEVICE_CALL_CACHE"] = str(tmp_path / f"cache-{len(seen)}")
+        env = _device_call_env(out, "c", 120, tmp_path / f"cache-{len(seen)}")
         env["PATH"] = f"{fake}:{env['PATH']}"
         proc = subprocess.run(
             ["bash", str(BENCH / "device_call.sh"), "cmd", "true"], env=env, capture_output=True, text=True
@@ -990,8 +996,7 @@ def test_device_call_makes_the_profile_again_for_the_steps_after_it(tmp_path):
     """device_call.sh's ``profile`` step re-profiles (whatever the stored profile holds) into the call's
     profile: the bench step after it reuses that profile instead of profiling, it comes back in the
     archive, and a later call on the same machine starts from it."""
-    env = {**os.environ, "OUT": str(tmp_path), "TAG": "c1", "CALL_S": "300", "DEVICE_CALL_INSTALL": "0"}
-    env["DEVICE_CALL_CACHE"] = str(tmp_path / "cache")
+    env = _device_call_env(tmp_path, "c1", 300, tmp_path / "cache")
     dry = "--dry-run --trace steady --loads light --policies harli --objectives auto:2"
     steps = ["profile", "--dry-run", "colocate", dry]
     proc = subprocess.run(
