@@ -379,8 +379,13 @@ def test_lora_rows_past_the_layout_are_base_rows(swiglu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("expand_rows", [0, 64])
 @pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2)])
-def test_lora_expand_in_the_split_sum_before_the_residual_add_and_norm(dtype, slots, split):
+def test_lora_expand_before_the_residual_add_and_norm(dtype, expand_rows, slots, split, monkeypatch):
+    """The expand in the norm's launch (up to EXPAND_IN_NORM_ROWS rows) or in the split-sum kernel (0)."""
+    from harli_train.engine import decode_linear as dl
+
+    monkeypatch.setattr(dl, "EXPAND_IN_NORM_ROWS", expand_rows)
     k, n, m = 136, 48, len(slots)
     lora, delta = _gemv_lora(slots, k, (n,), dtype, seed=split + 3 * m)
     x, w = _randn(m, k, dtype=dtype, seed=split + 3 * m + 99), _randn(n, k, dtype=dtype, seed=51)
@@ -393,7 +398,7 @@ def test_lora_expand_in_the_split_sum_before_the_residual_add_and_norm(dtype, sl
 def _normed_with_shrink(slots, k, ns, dtype, seed, residual, laid_out=None):
     """(y, h, the GemvLoRA with its `shrunk`, the reference delta of y) from `rms_norm_shrink`, and the
     norm's reference outputs it must equal exactly."""
-    from harli_train.engine.decode_linear import rms_norm_shrink
+    from harli_train.engine.decode_norm_shrink import rms_norm_shrink
     from harli_train.kernels.rms_norm import rms_norm_fwd
 
     m = len(slots)
@@ -432,16 +437,48 @@ def test_rms_norm_shrink_is_the_norm_and_each_rows_scaled_shrink(dtype, residual
     k, ns = 72, (24, 16, 8)
     y, h, pre, want_y, want_h = _normed_with_shrink(slots, k, ns, dtype, 3 + len(slots), residual)
     assert torch.equal(y, want_y) and torch.equal(h, want_h)
-    s, r = pre.num_slots, pre.rank
-    got = pre.shrunk.view(len(slots), len(ns), s, r).float()
-    a = pre.a.view(len(ns), s, r, k).float()
+    _assert_shrunk(pre, y, slots, len(ns))
+
+
+def _assert_shrunk(pre, y, slots, n_slices):
+    """`pre.shrunk` holds each row's shrink of y for its slot (scaled, rounded to the adapters' dtype) in
+    that slot's columns and zeros in the other adapter slots' columns."""
+    s, r, k = pre.num_slots, pre.rank, y.shape[1]
+    got = pre.shrunk.view(len(slots), n_slices, s, r).float()
+    a = pre.a.view(n_slices, s, r, k).float()
     for row, slot in enumerate(slots):
         for j in range(1, s):
             if j != slot:
                 assert not got[row, :, j].any(), (row, j)
         if slot:
-            want = ((y[row].float() @ a[:, slot].transpose(1, 2)) * pre.scales[slot]).to(dtype).float()
-            torch.testing.assert_close(got[row, :, slot], want, **TOL[dtype])
+            want = ((y[row].float() @ a[:, slot].transpose(1, 2)) * pre.scales[slot]).to(y.dtype).float()
+            torch.testing.assert_close(got[row, :, slot], want, **TOL[y.dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("expand_rows", [0, 64])
+@pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2), ([0, 0], 2)])
+def test_the_norm_after_a_lora_projection_shrinks_for_the_next(dtype, expand_rows, slots, split, monkeypatch):
+    """`decode_linear_add_rms_norm_shrink`: y and h are the projection plus its reference delta, the
+    residual added and normed, and the next projection's LoRA comes back with each row's shrink of y, with
+    the expand in the norm's launch (up to EXPAND_IN_NORM_ROWS rows) and in the split-sum kernel (0)."""
+    from harli_train.engine import decode_linear as dl
+
+    monkeypatch.setattr(dl, "EXPAND_IN_NORM_ROWS", expand_rows)
+    k, n, m, seed = 136, 48, len(slots), 7 * split + len(slots)
+    lora, delta = _gemv_lora(slots, k, (n,), dtype, seed=seed)
+    ahead, _ = _gemv_lora(slots, n, (24, 16), dtype, seed=seed + 40)
+    x, w = _randn(m, k, dtype=dtype, seed=seed + 99), _randn(n, k, dtype=dtype, seed=61)
+    residual, norm_w = _randn(m, n, dtype=dtype, seed=62), _randn(n, dtype=dtype, seed=63)
+    base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
+    cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
+    y, h, pre = dl.decode_linear_add_rms_norm_shrink(x, w, residual, norm_w, 1e-5, lora, ahead, config=cfg)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x, [w], addend=delta), residual, norm_w, 1e-5
+    )
+    torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
+    torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
+    _assert_shrunk(pre, y, slots, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -136,9 +136,11 @@ def test_a_decode_step_with_adapters_runs_the_base_launches_plus_the_deltas(mode
 def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(models, monkeypatch):
     """With lora_kernel "gemv" an adapter step calls the base step's projections, each given its layer's
     LoRA (no separate delta kernel), and a base step gives none. Where q/k/v and gate/up run without
-    split-K (every projection of this tiny model), the norms before them compute their shrink
-    (`rms_norm_shrink`: one per layer's input norm and post-attention norm), so o and down run without
-    their fused add and norm."""
+    split-K (every projection of this tiny model), the norms before them compute their shrink: the first
+    layer's input norm alone (`rms_norm_shrink`), every other one in the launch that also sums the o or
+    down projection before it, adds that projection's own expand, the residual and norms
+    (`decode_linear_add_rms_norm_shrink`); the last down projection, before the final norm, has no shrink
+    ahead."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -159,6 +161,7 @@ def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(m
     for module, name in [
         (decode_forward, "decode_linear"),
         (decode_forward, "decode_linear_add_rms_norm"),
+        (decode_forward, "decode_linear_add_rms_norm_shrink"),
         (decode_forward, "rms_norm_shrink"),
         (lora_fused, "lora_delta_fused"),
         (lora_ops, "lora_delta_split"),
@@ -172,13 +175,12 @@ def test_the_gemv_kernel_runs_each_adapter_step_projection_in_its_own_launches(m
     engine.synthetic_decode(2, 4, "two_sms", lora_slots=2)
     layers = engine.model.config.num_layers
     assert not any("+lora" in c or "shrink" in c for c in base)
-    assert calls.count("rms_norm_shrink") == 2 * layers
+    assert calls.count("rms_norm_shrink") == 1
     projections = [c.removesuffix("+lora") for c in calls if c != "rms_norm_shrink"]
     fused = "decode_linear_add_rms_norm"
-    assert [c.replace(fused, "decode_linear") for c in projections] == [
-        c.replace(fused, "decode_linear") for c in base
-    ]
+    assert [c.replace(fused + "_shrink", fused) for c in projections] == base
     assert projections.count(fused) == 1  # the last down projection, before the final norm
+    assert projections.count(fused + "_shrink") == 2 * layers - 1
     assert sum(c.endswith("+lora") for c in calls) == 4 * layers  # all but the head
 
 

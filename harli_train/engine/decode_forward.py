@@ -8,10 +8,12 @@ model, so its output equals `model(...)` up to the order of fp32 sums. The model
 adapter (one would be skipped, so the runner uses it only when none is attached); served adapters come from
 the engine's `LoRASlots`, and each projection adds its rows' deltas to its fp32 sums before its epilogue.
 With lora_kernel "gemv" the projection's own launches compute them (`LoRASlots.gemv`): the shrink as extra
-row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split. Where
-K is not split for q/k/v or gate/up (batch 1-16 of an 8B model), the norm that makes their input computes
-the shrink instead (`rms_norm_shrink`, in the launch the norm takes anyway) and the GEMV adds the expand in
-its epilogue: those projections then take no launch more than the base's. Otherwise each delta is computed
+row tiles of the GEMV, the expand in the split-sum kernel, which then runs even where K is not split; for o
+and down (up to EXPAND_IN_NORM_ROWS rows) in the residual add and norm after them instead. Where K is not
+split for q/k/v or gate/up (batch 1-16 of an 8B model), the norm that makes their input computes the shrink
+instead (`rms_norm_shrink`, or the same launch that sums o or down with its expand:
+`decode_linear_add_rms_norm_shrink`) and the GEMV adds the expand in its epilogue: every projection then
+takes no launch more than the base's. Otherwise each delta is computed
 first (`LoRASlots.delta`: one launch a projection with "fused", two with "split") and handed to the
 projection as an addend. Past the GEMV's rows (mixed steps with a prefill chunk), cuBLAS computes the
 projection and the deltas are added into its outputs in place (`LoRAAdds`). A step without adapter rows
@@ -30,9 +32,10 @@ from harli_train.engine.decode_linear import (
     GemvLoRA,
     decode_linear,
     decode_linear_add_rms_norm,
+    decode_linear_add_rms_norm_shrink,
     expands_in_epilogue,
-    rms_norm_shrink,
 )
+from harli_train.engine.decode_norm_shrink import rms_norm_shrink
 from harli_train.engine.engine_config import MAX_GEMV_ROWS
 from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
@@ -241,10 +244,16 @@ class DecodeForward:
         x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm, adapters: dict, ahead
     ) -> tuple[torch.Tensor, torch.Tensor, GemvLoRA | None]:
         """(norm(x W^T + residual), x W^T + residual, `ahead` with its shrink of the normed rows): the
-        projection with the residual add and norm fused (`_project_add_norm`) without `ahead`; with it the
-        projection, then the add and norm that also shrink for the next projection (`rms_norm_shrink`)."""
+        projection with the residual add and norm fused (`_project_add_norm`) without `ahead`; with it and
+        the projection's own LoRA on the GEMV, the same with the next shrink in the norm's launch
+        (`decode_linear_add_rms_norm_shrink`); else the projection, then the add and norm that also shrink
+        for the next projection (`rms_norm_shrink`)."""
         if ahead is None:
             return (*_project_add_norm(x, weight, residual, norm, **adapters), None)
+        if "lora" in adapters:
+            return decode_linear_add_rms_norm_shrink(
+                x, weight, residual, norm.weight, norm.eps, lora=adapters["lora"], ahead=ahead
+            )
         p = _project(x, (weight,), **adapters)
         return rms_norm_shrink(p, residual, norm.weight, norm.eps, ahead)
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from harli_train import kernels
 from harli_train.engine.decode_linear_kernels import _decode_linear_kernel
+from harli_train.engine.decode_norm_shrink import SplitSums, norm_launch
 from harli_train.engine.decode_reduce_kernels import (
-    _rms_norm_shrink_kernel,
     _split_reduce_add_rms_norm_kernel,
     _split_reduce_kernel,
     _split_reduce_lora_kernel,
@@ -43,6 +43,11 @@ SMEM_PER_SM = 228 * 1024
 # tensor-core tiles, which is enough when the whole GPU's SMs share HBM's bandwidth but not when a partition's
 # few SMs must each draw more of it (docs/design.md, "Measured facts behind the defaults").
 FMA_MIN_SMS = 96
+# Up to this many rows a projection with its LoRA in its launches, followed by the residual add and norm
+# (o, down), adds each row's expand in the norm's launch (`norm_launch` with its split sums): one launch
+# less than the expand in the split-sum kernel's column tiles, at the cost of each norm program reading its
+# row's B^T. 0: never.
+EXPAND_IN_NORM_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +74,8 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True, slots=True)
 class GemvLoRA:
     """A projection's batched LoRA, run by its own launches (`lora_kernel` "gemv"): the shrink as extra row
-    tiles of the GEMV, the expand in the split-sum kernel's epilogue. With `shrunk` (made by the norm that
+    tiles of the GEMV, the expand in the split-sum kernel's epilogue (or, before a residual add and norm, in
+    the norm's launch: `decode_norm_shrink.norm_launch`). With `shrunk` (made by the norm that
     made the projection's input, `rms_norm_shrink`) the GEMV computes no shrink: without split-K it adds the
     expand in its own epilogue and writes its output directly (no launch more than the base projection),
     with split-K the split-sum kernel reads the shrink from `shrunk`.
@@ -187,15 +193,43 @@ def decode_linear_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.add_rms_norm(p, residual, norm_weight, eps)` -> (normed, p + residual) of the projection
     p = x @ weight^T (+ addend, or `lora`'s delta, in fp32 before p's cast). When K is split without `lora`
-    the split-sum kernel does the add and the norm too: one launch less. With `lora` the split sum and the
-    expand run over column tiles (one program a row would put the expand's N x R reads on one SM each), then
-    the add and norm as their own launch."""
+    the split-sum kernel does the add and the norm too: one launch less. With `lora`, up to
+    EXPAND_IN_NORM_ROWS rows, the norm's launch sums the splits and adds each row's expand (a program a row,
+    reading its slot's B^T); past them the split sum and the expand run over column tiles, then the add and
+    norm as their own launch."""
     m, n = x.shape[0], weight.shape[0]
     assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
     h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
     y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
+    y, h, _ = _decode_linear(
+        x, (weight,), False, None, num_sms, config, addend, (residual, norm_weight, eps, y, h, None), lora
+    )
+    return y, h
+
+
+def decode_linear_add_rms_norm_shrink(
+    x: torch.Tensor,  # shape [M, K], unit column stride
+    weight: torch.Tensor,  # shape [N, K] contiguous, x's dtype
+    residual: torch.Tensor,  # shape [M, N], unit column stride
+    norm_weight: torch.Tensor,  # shape [N]
+    eps: float,
+    lora: GemvLoRA,  # the projection's own LoRA, without `shrunk`
+    ahead: GemvLoRA,  # the LoRA of the projection that reads the normed rows
+    num_sms: int | None = None,
+    config: DecodeLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, GemvLoRA]:
+    """(y, h, `ahead` with `shrunk`): `decode_linear_add_rms_norm` with `lora`, whose norm also computes
+    the shrink of y for the next projection as `rms_norm_shrink` does. Up to EXPAND_IN_NORM_ROWS rows
+    in two launches (the GEMV with the shrink of `lora` in it, then one norm launch for the split sum,
+    the expand, the add, the norm and the next shrink); past them the expand runs in the split-sum
+    kernel and the norm after it."""
+    m, n = x.shape[0], weight.shape[0]
+    assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
+    assert lora.shrunk is None, "the projection computes its own shrink here"
+    h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
     return _decode_linear(
-        x, (weight,), False, None, num_sms, config, addend, (residual, norm_weight, eps, y, h), lora
+        x, (weight,), False, None, num_sms, config, None, (residual, norm_weight, eps, y, h, ahead), lora
     )
 
 
@@ -219,53 +253,6 @@ def expands_in_epilogue(
     return _k_split(k, cfg)[1] == 1
 
 
-def rms_norm_shrink(
-    x: torch.Tensor,  # shape [M, K], unit column stride
-    residual: torch.Tensor | None,  # shape [M, K], unit column stride, or None
-    weight: torch.Tensor,  # shape [K]
-    eps: float,
-    lora: GemvLoRA,  # the LoRA of the projection that takes the normed rows as its input
-    num_sms: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, GemvLoRA]:
-    """(y, h, `lora` with `shrunk`): y and h as `kernels.add_rms_norm(x, residual, weight, eps)` gives them
-    (`kernels.rms_norm(x, weight, eps)` and x itself without a residual), and the shrink of y for the
-    projection that reads it, scale_s * (y A_s^T) rounded to the adapters' dtype in each row's slot s, so
-    that its GEMV adds the expand in its own epilogue. One launch: the norm's, whose programs each also
-    compute a few ranks of one slice of the shrink (enough programs a row to spread A's read over the
-    SMs); base rows get zeros."""
-    m, k = x.shape
-    assert x.stride(1) == 1 and weight.shape == (k,), f"x [{m}, {k}] with unit column stride, weight [{k}]"
-    s_slots, rank = lora.num_slots, lora.rank
-    n_a = lora.a.shape[0]
-    assert lora.a.shape[1] == k and n_a % (s_slots * rank) == 0 and lora.a.is_contiguous(), "LoRA A stack"
-    slices = n_a // (s_slots * rank)
-    if residual is not None:
-        assert residual.shape == (m, k) and residual.stride(1) == 1, "residual [M, K], unit column stride"
-        h = torch.empty((m, k), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    else:
-        h = x
-    y = torch.empty((m, k), dtype=torch.promote_types(h.dtype, weight.dtype), device=x.device)
-    shrunk = torch.empty((m, n_a), dtype=lora.a.dtype, device=x.device)
-    if m == 0:
-        return y, h, replace(lora, shrunk=shrunk)
-    # A program loads its [block_a, K] tile of A at once beside the row: 2-4 ranks, about one program per
-    # SM over the step (a row's programs re-read it from L2, which costs less than a longer A stream).
-    rows_a = slices * _pow2(rank)
-    per_row = _cdiv(num_sms or current_num_sms(), m)
-    block_a = min(_pow2(rank), 4, max(2, 1 << max(0, (rows_a // per_row).bit_length() - 1)))
-    r_tiles = _cdiv(rank, block_a)
-    block_h = _pow2(k)
-    _rms_norm_shrink_kernel[(m, slices * r_tiles)](
-        x, x.stride(0), residual if residual is not None else x,
-        residual.stride(0) if residual is not None else 0, h, h.stride(0), weight, y, y.stride(0),
-        lora.a, lora.scales, lora.sorted_ids, lora.slot_start, shrunk, shrunk.stride(0),
-        k, eps, rank, s_slots, r_tiles,
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, BLOCK_A=block_a, BLOCK_S=_pow2(s_slots),
-        num_warps=max(4, min(16, block_h // 512)),
-    )  # fmt: skip
-    return y, h, replace(lora, shrunk=shrunk)
-
-
 def _decode_linear(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -274,7 +261,7 @@ def _decode_linear(
     num_sms: int | None,
     config: DecodeLinearConfig | None,
     addend: torch.Tensor | None,
-    add_norm: tuple | None = None,  # (residual, norm weight, eps, y out, h out): decode_linear_add_rms_norm
+    add_norm: tuple | None = None,  # (residual, norm weight, eps, y out, h out, the LoRA ahead or None)
     lora: GemvLoRA | None = None,
 ):
     assert 1 <= len(weights) <= 3 and x.dim() == 2 and x.stride(1) == 1, "x [M, K] and 1-3 weights"
@@ -298,8 +285,15 @@ def _decode_linear(
         _pow2(m) if m > 1 else 1, ns, k, num_sms or current_num_sms(), swiglu, x.element_size()
     )
     assert cfg.block_m >= m, f"config block_m {cfg.block_m} < M {m}"
+    if add_norm is not None:
+        assert add_norm[5] is None or lora is not None, "a shrink ahead comes with the projection's LoRA"
     if m == 0 or n_out == 0:
-        return out if add_norm is None else (add_norm[3], add_norm[4])
+        if add_norm is None:
+            return out
+        ahead = add_norm[5]
+        if ahead is not None:
+            ahead = replace(ahead, shrunk=ahead.a.new_empty(0, ahead.a.shape[0]))
+        return add_norm[3], add_norm[4], ahead
     w = list(weights) + [weights[0]] * (3 - len(weights))
     tiles = [_cdiv(n, cfg.block_n) for n in ns] + [0, 0]
     grid_n = tiles[0] if swiglu else sum(tiles[:3])
@@ -349,16 +343,20 @@ def _decode_linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if add_norm is not None and lora is None:
-        residual, norm_weight, eps, y, h = add_norm
+        residual, norm_weight, eps, y, h, _ = add_norm
         if not partial:
-            return kernels.add_rms_norm(out, residual, norm_weight, eps)
+            return (*kernels.add_rms_norm(out, residual, norm_weight, eps), None)
         block = _pow2(n_out)
         _split_reduce_add_rms_norm_kernel[(m,)](
             dest, stride, add, add_stride, residual, residual.stride(0), norm_weight, h, h.stride(0),
             y, y.stride(0), m, n_out, eps, SPLIT_K=split, HAS_ADDEND=addend is not None, BLOCK=block,
             num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
-        return y, h
+        return y, h, None
+    if add_norm is not None and partial and not pre and m <= EXPAND_IN_NORM_ROWS:
+        residual, norm_weight, eps, y, h, ahead = add_norm
+        sums = SplitSums(dest, stride, split, width, la, x.dtype)
+        return y, h, norm_launch(dest, stride, residual, norm_weight, eps, h, y, ahead, num_sms, sums)
     if lora is not None and partial:
         # BLOCK_M sorted rows by block_n columns a program, its accumulators (two with SwiGLU) within 4096.
         block_m = min(64, max(16, _pow2(m)))
@@ -377,7 +375,10 @@ def _decode_linear(
             SPLIT_K=split, SWIGLU=swiglu, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     if add_norm is not None:  # with `lora`: the expand ran over column tiles above, then the add and norm
-        return kernels.add_rms_norm(out, add_norm[0], add_norm[1], add_norm[2])
+        residual, norm_weight, eps, y, h, ahead = add_norm
+        if ahead is None:
+            return (*kernels.add_rms_norm(out, residual, norm_weight, eps), None)
+        return y, h, norm_launch(out, out.stride(0), residual, norm_weight, eps, h, y, ahead, num_sms)
     return out
 
 

@@ -4,7 +4,8 @@
 `_split_reduce_lora_kernel` does so with the batched LoRA's expand, rows grouped by adapter slot;
 `_split_reduce_add_rms_norm_kernel` adds the residual and norms the sum; `_rms_norm_shrink_kernel` is a
 norm whose programs also compute the shrink of the next projection's LoRA, so that its GEMV adds the expand
-in its own epilogue.
+in its own epilogue, and which may take a projection's split sums with that projection's own LoRA expand
+(one launch for the sum, the expand, the residual add, the norm and the next shrink).
 """
 
 from __future__ import annotations
@@ -214,7 +215,14 @@ def _split_reduce_add_rms_norm_kernel(
 # as _rms_norm_fwd_kernel does (t == 0 stores h and y), then, from the same registers, the shrink of slice
 # t // r_tiles, ranks BLOCK_A * (t % r_tiles) + [0, BLOCK_A), of the row's slot (one [BLOCK_A, N] tile of A,
 # loaded at once): scaled, rounded to the adapters' dtype, stored in that slot's columns, and zeros in the
-# other adapter slots' columns.
+# other adapter slots' columns. Without HAS_SHRINK (grid (M, 1)) it is the norm alone: a, scales and xa
+# are not read.
+# FROM_PARTIAL: x is a projection's fp32 GEMV workspace [SPLIT_K, M, stride_x] with its own LoRA in the
+# launch (`decode_linear`'s HAS_LORA): the row's value is the sum of its splits over columns [0, N), plus
+# its slot's expand, sum_r s_r bt[slot, r, :], where s_r is the shrink in columns e_col0 + slot * R + r
+# summed over the splits, scaled by e_scales[slot] and rounded to bt's dtype (bt: [S, R, N]); that value is
+# rounded to p_like's dtype (the projection's output as `decode_linear` stores it) before the residual add.
+# FROM_PARTIAL takes a residual. Both LoRAs share the step's slot layout, rank and slot count.
 @triton.jit
 def _rms_norm_shrink_kernel(
     x_ptr,
@@ -237,10 +245,19 @@ def _rms_norm_shrink_kernel(
     lora_rank,
     lora_slots,
     r_tiles,
+    M,
+    bt_ptr,
+    e_scales_ptr,
+    e_col0,
+    p_like_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SHRINK: tl.constexpr,
+    FROM_PARTIAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     p = tl.program_id(0)
     t = tl.program_id(1)
@@ -249,16 +266,37 @@ def _rms_norm_shrink_kernel(
     starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
     slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
     row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
-    piece = t // r_tiles
-    ra = (t % r_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
-    a_mask = ra < lora_rank
     cols = tl.arange(0, BLOCK_H)
     mask = cols < N
-    # The A tile's load does not wait on the norm (base rows load nothing).
-    a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
-    live = a_mask & ((tl.zeros_like(ra) + slot) > 0)  # a tensor: the interpreter's masks want one
-    a = tl.load(a_rows + cols[None, :], mask=live[:, None] & mask[None, :], other=0.0)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHRINK:
+        piece = t // r_tiles
+        ra = (t % r_tiles) * BLOCK_A + tl.arange(0, BLOCK_A)
+        a_mask = ra < lora_rank
+        # The A tile's load does not wait on the norm (base rows load nothing).
+        a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
+        live = a_mask & ((tl.zeros_like(ra) + slot) > 0)  # a tensor: the interpreter's masks want one
+        a = tl.load(a_rows + cols[None, :], mask=live[:, None] & mask[None, :], other=0.0)
+    if FROM_PARTIAL:
+        x = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            x += tl.load(x_ptr + (s * M + row) * stride_x + cols, mask=mask, other=0.0)
+        # The expand, 16 ranks at a time: [16, BLOCK_H] tiles of B^T, each thread summing its columns' ranks.
+        scale = tl.load(e_scales_ptr + slot)
+        for r0 in tl.static_range(0, BLOCK_R, 16):
+            rr = r0 + tl.arange(0, 16)
+            r_live = (rr < lora_rank) & ((tl.zeros_like(rr) + slot) > 0)
+            sr = tl.zeros((16,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                sr += tl.load(
+                    x_ptr + (s * M + row) * stride_x + e_col0 + slot * lora_rank + rr, mask=r_live, other=0.0
+                )
+            sr = (sr * scale).to(bt_ptr.dtype.element_ty).to(tl.float32)
+            b_rows = bt_ptr + (slot * lora_rank + rr).to(tl.int64)[:, None] * N
+            b = tl.load(b_rows + cols[None, :], mask=r_live[:, None] & mask[None, :], other=0.0)
+            x += tl.sum(sr[:, None] * b.to(tl.float32), axis=0)
+        x = x.to(p_like_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         h = (x + r).to(h_ptr.dtype.element_ty)
@@ -271,8 +309,9 @@ def _rms_norm_shrink_kernel(
     y = (normed * w).to(y_ptr.dtype.element_ty)
     if t == 0:
         tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
-    acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1) * tl.load(scales_ptr + slot)
-    out = xa_ptr + row * stride_xa + piece * lora_slots * lora_rank + ra
-    for j in range(1, lora_slots):
-        value = tl.where(slot == j, acc, 0.0)
-        tl.store(out + j * lora_rank, value.to(xa_ptr.dtype.element_ty), mask=a_mask)
+    if HAS_SHRINK:
+        acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1) * tl.load(scales_ptr + slot)
+        out = xa_ptr + row * stride_xa + piece * lora_slots * lora_rank + ra
+        for j in range(1, lora_slots):
+            value = tl.where(slot == j, acc, 0.0)
+            tl.store(out + j * lora_rank, value.to(xa_ptr.dtype.element_ty), mask=a_mask)

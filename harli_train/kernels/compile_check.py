@@ -155,7 +155,8 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
     """Every decode projection launch of Llama-3-8B on ``sms`` SMs, on meta tensors: batch buckets 1-64,
     without LoRA, with an addend, with the LoRA in its launches (4 adapters of rank 16 and the base: 5
     slots) and, up to SHRINK_AHEAD_ROWS rows, with its shrink made by the norm (and that norm); o and down
-    also with the residual add and norm."""
+    also with the residual add and norm, and with LoRA up to SHRINK_AHEAD_ROWS rows with the next
+    projection's shrink in that norm."""
     from dataclasses import replace
 
     from harli_train.engine.decode_forward import SHRINK_AHEAD_ROWS
@@ -163,8 +164,9 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
         GemvLoRA,
         decode_linear,
         decode_linear_add_rms_norm,
-        rms_norm_shrink,
+        decode_linear_add_rms_norm_shrink,
     )
+    from harli_train.engine.decode_norm_shrink import rms_norm_shrink
 
     def meta(*shape, dt=torch.float32):
         return torch.empty(*shape, device="meta", dtype=dt)
@@ -212,6 +214,17 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
                             addend=add,
                             lora=lo,
                         )
+                        if lo is not None and lo.shrunk is None and m <= SHRINK_AHEAD_ROWS:
+                            decode_linear_add_rms_norm_shrink(
+                                x,
+                                meta(4096, k, dt=dtype),
+                                meta(m, 4096, dt=dtype),
+                                meta(4096, dt=dtype),
+                                1e-5,
+                                lo,
+                                replace(lo, a=meta(3 * 80, 4096, dt=dtype)),
+                                num_sms=sms,
+                            )
 
     return run
 
