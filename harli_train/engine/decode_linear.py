@@ -36,6 +36,7 @@ from harli_train.engine.decode_reduce_kernels import (
     _split_reduce_kernel,
     _split_reduce_lora_kernel,
 )
+from harli_train.engine.lora_ops import _cdiv, _pow2
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 SMEM_PER_SM = 228 * 1024
@@ -61,14 +62,6 @@ class DecodeLinearConfig:
     num_warps: int
     num_stages: int
     use_dot: bool
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +190,7 @@ def decode_linear_add_rms_norm(
     EXPAND_IN_NORM_ROWS rows, the norm's launch sums the splits and adds each row's expand (a program a row,
     reading its slot's B^T); past them the split sum and the expand run over column tiles, then the add and
     norm as their own launch."""
-    m, n = x.shape[0], weight.shape[0]
-    assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
-    h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
-    y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
+    h, y = _add_norm_outputs(x, weight, residual, norm_weight)
     y, h, _ = _decode_linear(
         x, (weight,), False, None, num_sms, config, addend, (residual, norm_weight, eps, y, h, None), lora
     )
@@ -223,14 +213,23 @@ def decode_linear_add_rms_norm_shrink(
     in two launches (the GEMV with the shrink of `lora` in it, then one norm launch for the split sum,
     the expand, the add, the norm and the next shrink); past them the expand runs in the split-sum
     kernel and the norm after it."""
-    m, n = x.shape[0], weight.shape[0]
-    assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
     assert lora.shrunk is None, "the projection computes its own shrink here"
-    h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
-    y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
+    h, y = _add_norm_outputs(x, weight, residual, norm_weight)
     return _decode_linear(
         x, (weight,), False, None, num_sms, config, None, (residual, norm_weight, eps, y, h, ahead), lora
     )
+
+
+def _add_norm_outputs(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y) for the residual add and norm after the projection x @ weight^T: h [M, N] in the residual's
+    dtype, y in its promotion with the norm weight's."""
+    m, n = x.shape[0], weight.shape[0]
+    assert residual.shape == (m, n) and residual.stride(1) == 1 and norm_weight.shape == (n,)
+    h = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=torch.promote_types(residual.dtype, norm_weight.dtype), device=x.device)
+    return h, y
 
 
 def _k_split(k: int, cfg: DecodeLinearConfig) -> tuple[int, int]:
@@ -355,7 +354,7 @@ def _decode_linear(
         return y, h, None
     if add_norm is not None and partial and not pre and m <= EXPAND_IN_NORM_ROWS:
         residual, norm_weight, eps, y, h, ahead = add_norm
-        sums = SplitSums(dest, stride, split, width, la, x.dtype)
+        sums = SplitSums(dest, stride, split, width, la, x)
         return y, h, norm_launch(dest, stride, residual, norm_weight, eps, h, y, ahead, num_sms, sums)
     if lora is not None and partial:
         # BLOCK_M sorted rows by block_n columns a program, its accumulators (two with SwiGLU) within 4096.

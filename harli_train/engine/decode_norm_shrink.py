@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from harli_train.engine.decode_reduce_kernels import _rms_norm_shrink_kernel
+from harli_train.engine.lora_ops import _cdiv, _pow2
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 if TYPE_CHECKING:
@@ -26,23 +27,15 @@ if TYPE_CHECKING:
 class SplitSums(NamedTuple):
     """A projection's GEMV workspace with its LoRA in the launch: fp32 [split, M, >= col0 + S * R] (row stride
     `stride`), the sums of columns [0, N) then the unscaled shrink of slice 0 in columns col0 + (slot, r);
-    `lora` the projection's LoRA (its `bt` [S, R, N] and `scales`); `p_dtype` the projection's output
-    dtype (the sum plus the expand is rounded to it before the residual add)."""
+    `lora` the projection's LoRA (its `bt` [S, R, N] and `scales`); `p_like` a tensor of the projection's
+    output dtype, such as its input (the sum plus the expand is rounded to it before the residual add)."""
 
     part: torch.Tensor
     stride: int
     split: int
     col0: int
     lora: GemvLoRA
-    p_dtype: torch.dtype
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    p_like: torch.Tensor
 
 
 def rms_norm_shrink(
@@ -101,11 +94,11 @@ def norm_launch(
         # A program loads its [block_a, N] tile of A at once beside the row: 2-4 ranks, about one program
         # per SM over the step (a row's programs re-read it from L2, which costs less than a longer A
         # stream). With `sums` each program also reads its row's whole B^T tile: 4 ranks, fewer programs.
-        rows_a = slices * _pow2(rank)
-        per_row = _cdiv(num_sms or current_num_sms(), m)
-        block_a = min(_pow2(rank), 4, max(2, 1 << max(0, (rows_a // per_row).bit_length() - 1)))
-        if sums is not None:
-            block_a = min(_pow2(rank), 4)
+        block_a = min(_pow2(rank), 4)
+        if sums is None:
+            rows_a = slices * _pow2(rank)
+            per_row = _cdiv(num_sms or current_num_sms(), m)
+            block_a = min(block_a, max(2, 1 << max(0, (rows_a // per_row).bit_length() - 1)))
         r_tiles = _cdiv(rank, block_a)
     if sums is not None:
         lo = sums.lora
@@ -115,7 +108,7 @@ def norm_launch(
     if m == 0:
         return replace(ahead, shrunk=shrunk) if ahead is not None else None
     block_h = _pow2(n)
-    p_like = torch.empty(0, dtype=sums.p_dtype, device=h.device) if sums is not None else src
+    p_like = sums.p_like if sums is not None else src
     dummy = lead.scales
     _rms_norm_shrink_kernel[(m, slices * r_tiles)](
         src, stride, residual if residual is not None else src,
