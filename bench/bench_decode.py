@@ -15,10 +15,11 @@ primed at the given context without a prefill (decode time does not depend on th
 prefill + decode is checked against the model's own no-cache greedy output in the `sanity` section.
 
 `lora` (batched LoRA, bench/decode_lora.py): engines with 4 adapter slots of rank 16 on all seven
-projections, one per EngineConfig.lora_kernel: rows "lora_base", "lora_1", "lora_mix4" (the default, split
-kernels before each projection) and "lora_1_gemv", "lora_mix4_gemv" (inside its launches), batch 1-64, with their TPOT
-ratios to lora_base against the targets (issue 22: 1.10 for one adapter, 1.15 for four), and the LoRA delta kernels timed alone. `--only lora` runs just
-that section (and the copy bandwidth the rooflines need).
+projections: rows "lora_base", "lora_1", "lora_mix4" ("split" kernels before each projection),
+"lora_1_gemv", "lora_mix4_gemv" (the default "gemv": inside its launches) and "*_gemv_split" (the same with
+the norms after o and down split by columns), batch 1-64, with their TPOT ratios to lora_base against the
+targets (issue 22: 1.10 for one adapter, 1.15 for four), and the LoRA delta kernels timed alone. `--only
+lora` runs just that section (and the copy bandwidth the rooflines need).
 
 `gemv_by_share` (bench/gemv_by_share.py; `--only gemv_by_share`, ~1 min): batch 1's projections of one layer
 on green contexts of 16-132 SMs, with FMAs and with the tensor-core tiles, and the share from which the FMAs

@@ -3,12 +3,14 @@ LoRA delta kernels alone beside the projections they feed.
 
 Rows (4 random rank-16 adapters on all seven projections, batch 1-64): "lora_base" (every request on the
 base: must cost what "default" does), "lora_1" (every request on one adapter) and "lora_mix4" (requests
-spread over four adapters) on the default kernel ("split": the delta computed before the projection),
-then "lora_1_gemv" and "lora_mix4_gemv" on "gemv" (inside the projection's launches). Targets: TPOT within
-10 % (lora_1*) and 15 % (lora_mix4*) of lora_base's, compared in this run (`lora.ratios`). `lora.kernel` times one layer's
-projections at batch 1, 8 and 64 inside CUDA graphs: the GEMV alone, with an fp32 addend (what the delta
-costs the projection's epilogue), with the LoRA in its launches (`gemv_lora_*`), and each delta kernel on
-one adapter and on four.
+spread over four adapters) on the "split" kernel (the delta computed before the projection); "lora_1_gemv"
+and "lora_mix4_gemv" on "gemv" (inside the projection's launches; EngineConfig's default); and
+"lora_1_gemv_split" and "lora_mix4_gemv_split" on "gemv" with the norms after o and down split by columns
+(`decode_norm_shrink.SPLIT_NORM_ROWS` at `decode_linear.EXPAND_IN_NORM_ROWS`: the A/B that sets that
+default). Targets: TPOT within 10 % (lora_1*) and 15 % (lora_mix4*) of lora_base's, compared in this run
+(`lora.ratios`). `lora.kernel` times one layer's projections at batch 1, 8 and 64 inside CUDA graphs: the
+GEMV alone, with an fp32 addend (what the delta costs the projection's epilogue), with the LoRA in its
+launches (`gemv_lora_*`), and each delta kernel on one adapter and on four.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import traceback
 import common
 
 RANK, ADAPTERS = 16, 4
-TARGETS = {"lora_1": 1.10, "lora_mix4": 1.15, "lora_1_gemv": 1.10, "lora_mix4_gemv": 1.15}
+TARGETS = {
+    "lora_1": 1.10,
+    "lora_mix4": 1.15,
+    "lora_1_gemv": 1.10,
+    "lora_mix4_gemv": 1.15,
+    "lora_1_gemv_split": 1.10,
+    "lora_mix4_gemv_split": 1.15,
+}
 
 
 def random_adapters(model, n: int, rank: int, seed: int = 0) -> list[dict]:
@@ -46,20 +55,25 @@ def lora_sections(bench, device) -> dict:
 
     import torch
 
-    from harli_train.engine import DecodeEngine, EngineConfig
+    from harli_train.engine import DecodeEngine, EngineConfig, decode_norm_shrink
+    from harli_train.engine.decode_linear import EXPAND_IN_NORM_ROWS
 
     model = bench.load_model(device)
     batches = [b for b in bench.batches if b <= 64]
     adapters = random_adapters(model, ADAPTERS, RANK)
     mix = tuple(range(1, ADAPTERS + 1))
+    # (lora_kernel, the norm's split rows while the engine is built and run): the rows each engine serves.
     plan = {
-        "split": {"lora_base": (0,), "lora_1": (1,), "lora_mix4": mix},
-        "gemv": {"lora_1_gemv": (1,), "lora_mix4_gemv": mix},
+        ("split", 0): {"lora_base": (0,), "lora_1": (1,), "lora_mix4": mix},
+        ("gemv", 0): {"lora_1_gemv": (1,), "lora_mix4_gemv": mix},
+        ("gemv", EXPAND_IN_NORM_ROWS): {"lora_1_gemv_split": (1,), "lora_mix4_gemv_split": mix},
     }
     out: dict = {"rank": RANK, "adapters": ADAPTERS, "errors": {}}
     points = [(b, bench.ctx) for b in batches]
-    for kernel, variants in plan.items():
+    default_split = decode_norm_shrink.SPLIT_NORM_ROWS
+    for (kernel, split_rows), variants in plan.items():
         engine = None
+        decode_norm_shrink.SPLIT_NORM_ROWS = split_rows  # read as each graph is captured
         try:
             cfg = EngineConfig(
                 max_num_seqs=max(batches),
@@ -78,9 +92,10 @@ def lora_sections(bench, device) -> dict:
             for label, slots in variants.items():
                 out[label] = bench.sweep(engine, "default", points, label=label, slots=slots)
         except Exception as e:  # the other kernel's rows still count
-            out["errors"][kernel] = f"{type(e).__name__}: {e}"
+            out["errors"][f"{kernel}/{split_rows}"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
+            decode_norm_shrink.SPLIT_NORM_ROWS = default_split
             if engine is not None:
                 engine.close()
             del engine

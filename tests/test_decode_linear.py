@@ -378,14 +378,33 @@ def test_lora_rows_past_the_layout_are_base_rows(swiglu):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("expand_rows", [0, 64])
-@pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2)])
-def test_lora_expand_before_the_residual_add_and_norm(dtype, expand_rows, slots, split, monkeypatch):
-    """The expand in the norm's launch (up to EXPAND_IN_NORM_ROWS rows) or in the split-sum kernel (0)."""
-    from harli_train.engine import decode_linear as dl
+# Where the expand of a projection followed by the add and norm runs: the split-sum kernel's column tiles,
+# the norm's launch with a program a row's shrink tile, or the norm's launch with each row split by columns.
+EXPAND_PATHS = ["tiles", "norm", "split"]
 
-    monkeypatch.setattr(dl, "EXPAND_IN_NORM_ROWS", expand_rows)
+
+def _expand_path(path: str, monkeypatch) -> None:
+    from harli_train.engine import decode_linear as dl
+    from harli_train.engine import decode_norm_shrink as dns
+
+    monkeypatch.setattr(dl, "EXPAND_IN_NORM_ROWS", 0 if path == "tiles" else 64)
+    monkeypatch.setattr(dns, "SPLIT_NORM_ROWS", 64 if path == "split" else 0)
+    monkeypatch.setattr(dns, "SPLIT_NORM_COLUMNS", 32)  # 48 columns: two programs a row, the last masked
+
+
+def _assert_counters_reset(device) -> None:
+    from harli_train.engine.decode_norm_shrink import reserve_row_counters
+
+    assert not reserve_row_counters(torch.device(device)).any(), "each row's last program resets its count"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", EXPAND_PATHS)
+@pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2)])
+def test_lora_expand_before_the_residual_add_and_norm(dtype, path, slots, split, monkeypatch):
+    """The expand in the norm's launch (a program a row, or each row split by columns) or in the split-sum
+    kernel's column tiles."""
+    _expand_path(path, monkeypatch)
     k, n, m = 136, 48, len(slots)
     lora, delta = _gemv_lora(slots, k, (n,), dtype, seed=split + 3 * m)
     x, w = _randn(m, k, dtype=dtype, seed=split + 3 * m + 99), _randn(n, k, dtype=dtype, seed=51)
@@ -393,6 +412,7 @@ def test_lora_expand_before_the_residual_add_and_norm(dtype, expand_rows, slots,
     base = decode_linear_config(1 if m == 1 else 16, (n,), k, 132, False, x.element_size())
     cfg = with_config(base, split_k=split, block_n=16 if base.use_dot else 8, block_k=32)
     _check_add_norm(x, w, residual, norm_w, cfg, delta, lora=lora)
+    _assert_counters_reset(DEVICE)
 
 
 def _normed_with_shrink(slots, k, ns, dtype, seed, residual, laid_out=None):
@@ -456,15 +476,16 @@ def _assert_shrunk(pre, y, slots, n_slices):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("expand_rows", [0, 64])
+@pytest.mark.parametrize("path", EXPAND_PATHS)
 @pytest.mark.parametrize("slots,split", [([2], 1), ([1, 2, 0, 2, 1], 1), ([1, 2, 0, 2, 1], 2), ([0, 0], 2)])
-def test_the_norm_after_a_lora_projection_shrinks_for_the_next(dtype, expand_rows, slots, split, monkeypatch):
+def test_the_norm_after_a_lora_projection_shrinks_for_the_next(dtype, path, slots, split, monkeypatch):
     """`decode_linear_add_rms_norm_shrink`: y and h are the projection plus its reference delta, the
     residual added and normed, and the next projection's LoRA comes back with each row's shrink of y, with
-    the expand in the norm's launch (up to EXPAND_IN_NORM_ROWS rows) and in the split-sum kernel (0)."""
+    the expand in the norm's launch (a program a row, or each row split by columns) and in the split-sum
+    kernel's column tiles."""
     from harli_train.engine import decode_linear as dl
 
-    monkeypatch.setattr(dl, "EXPAND_IN_NORM_ROWS", expand_rows)
+    _expand_path(path, monkeypatch)
     k, n, m, seed = 136, 48, len(slots), 7 * split + len(slots)
     lora, delta = _gemv_lora(slots, k, (n,), dtype, seed=seed)
     ahead, _ = _gemv_lora(slots, n, (24, 16), dtype, seed=seed + 40)
@@ -479,6 +500,7 @@ def test_the_norm_after_a_lora_projection_shrinks_for_the_next(dtype, expand_row
     torch.testing.assert_close(h.float(), want_h.float(), **TOL[dtype])
     torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
     _assert_shrunk(pre, y, slots, 2)
+    _assert_counters_reset(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

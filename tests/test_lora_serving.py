@@ -75,12 +75,19 @@ def test_a_batch_mixing_base_and_two_adapters_gives_each_request_what_it_gets_al
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_kernel", ["gemv", "fused", "split"])
+@pytest.mark.parametrize("lora_kernel", ["gemv", "gemv-split-norm", "fused", "split"])
 def test_triton_kernels_serve_the_same_tokens_in_a_mixed_batch(models, monkeypatch, lora_kernel):
-    """The decode path with the GEMV kernels and the batched LoRA kernels (under the interpreter)."""
+    """The decode path with the GEMV kernels and the batched LoRA kernels (under the interpreter); on
+    "gemv" also with the norms after o and down split by columns (`decode_norm_shrink.SPLIT_NORM_ROWS`)."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if lora_kernel == "gemv-split-norm":
+        from harli_train.engine import decode_norm_shrink
+
+        lora_kernel = "gemv"
+        monkeypatch.setattr(decode_norm_shrink, "SPLIT_NORM_ROWS", 64)
+        monkeypatch.setattr(decode_norm_shrink, "SPLIT_NORM_COLUMNS", 16)  # several programs a row
     torch_engine = _catalog(models).engine
     triton_engine = _catalog(models, kernels="triton", lora_kernel=lora_kernel).engine
     assert triton_engine.runner.decode_forward is not None and triton_engine.lora.kernel == lora_kernel

@@ -35,7 +35,7 @@ from harli_train.engine.decode_linear import (
     decode_linear_add_rms_norm_shrink,
     expands_in_epilogue,
 )
-from harli_train.engine.decode_norm_shrink import rms_norm_shrink
+from harli_train.engine.decode_norm_shrink import reserve_row_counters, rms_norm_shrink
 from harli_train.engine.engine_config import MAX_GEMV_ROWS
 from harli_train.engine.lora_slots import GROUPS, LoRASlots
 from harli_train.model import LlamaForCausalLM
@@ -143,6 +143,8 @@ class DecodeForward:
         if not self.supports(model):
             raise ValueError("DecodeForward serves a base model only: detach the LoRA adapters first")
         self.model, self.lora = model, lora
+        if lora is not None:
+            reserve_row_counters(model.lm_head.weight.device)  # before any graph is captured
         cfg = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size

@@ -6,7 +6,8 @@ the projection that reads the normed rows, so that projection's GEMV adds the ex
 `norm_launch` is the one launcher behind it and behind `decode_linear_add_rms_norm` with a LoRA: there the
 norm also takes the projection's fp32 split sums and adds each row's expand of that projection's LoRA
 before the residual add (`SplitSums`), so the projection, its adapter, the add, the norm and the next
-projection's shrink take two launches.
+projection's shrink take two launches. Up to SPLIT_NORM_ROWS rows that norm splits each row's columns over
+programs (`decode_split_norm_kernel`), so that no program reads a slot's whole B^T or A.
 """
 
 from __future__ import annotations
@@ -17,11 +18,33 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from harli_train.engine.decode_reduce_kernels import _rms_norm_shrink_kernel
+from harli_train.engine.decode_split_norm_kernel import _split_norm_kernel
 from harli_train.engine.lora_ops import _cdiv, _pow2
 from harli_train.kernels.launch_config import num_sms as current_num_sms
 
 if TYPE_CHECKING:
     from harli_train.engine.decode_linear import GemvLoRA
+
+# Up to this many rows the norm after a projection with its LoRA in the launch splits each row over
+# programs of SPLIT_NORM_COLUMNS columns (the last of a row's programs to arrive finishes the row); past
+# them, one program a row's shrink tile reads the whole row and its slot's B^T. 0: never.
+SPLIT_NORM_ROWS = 0
+SPLIT_NORM_COLUMNS = 256
+COUNTER_ROWS = 1024  # rows of the split norm's arrival counters, made once per device
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def reserve_row_counters(device: torch.device) -> torch.Tensor:
+    """The split norm's arrival counters on `device` (int32 [COUNTER_ROWS], zero between launches: each
+    row's last program resets its own). One tensor per device for the process's life, since CUDA graphs
+    keep its address: make it before any capture (`DecodeForward` does); launches that use it must not
+    overlap on the device (an engine's steps never do)."""
+    have = _counters.get(device)
+    if have is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split norm's counters must be made before CUDA-graph capture")
+        have = _counters[device] = torch.zeros(COUNTER_ROWS, dtype=torch.int32, device=device)
+    return have
 
 
 class SplitSums(NamedTuple):
@@ -108,6 +131,9 @@ def norm_launch(
     if m == 0:
         return replace(ahead, shrunk=shrunk) if ahead is not None else None
     block_h = _pow2(n)
+    if sums is not None and m <= SPLIT_NORM_ROWS:
+        _split_norm(sums, residual, weight, eps, h, y, ahead, shrunk, slices, block_h)
+        return replace(ahead, shrunk=shrunk) if ahead is not None else None
     p_like = sums.p_like if sums is not None else src
     dummy = lead.scales
     _rms_norm_shrink_kernel[(m, slices * r_tiles)](
@@ -125,3 +151,43 @@ def norm_launch(
         num_warps=max(4, min(16, block_h // (256 if sums is not None else 512))),
     )  # fmt: skip
     return replace(ahead, shrunk=shrunk) if ahead is not None else None
+
+
+def _split_norm(
+    sums: SplitSums,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    ahead: GemvLoRA | None,
+    shrunk: torch.Tensor | None,
+    slices: int,
+    block_h: int,
+) -> None:
+    """`norm_launch`'s work with split sums, each row's columns split over programs (see
+    `decode_split_norm_kernel`): h, y and (with `ahead`) `shrunk` written."""
+    m, n = h.shape
+    counters = reserve_row_counters(h.device)
+    assert m <= counters.numel(), f"the split norm takes at most {counters.numel()} rows"
+    block_c = min(SPLIT_NORM_COLUMNS, block_h)
+    programs = _cdiv(n, block_c)
+    lo = sums.lora
+    block_sa = _pow2(slices * lo.rank) if ahead is not None else 1
+    ss = torch.empty((m, programs), dtype=torch.float32, device=h.device)
+    sh = (
+        torch.empty((m, programs, block_sa), dtype=torch.float32, device=h.device)
+        if ahead is not None
+        else ss
+    )
+    dummy = lo.scales
+    _split_norm_kernel[(m, programs)](
+        sums.part, sums.stride, residual, residual.stride(0), h, h.stride(0), weight, y, y.stride(0),
+        lo.bt, lo.scales, sums.col0, sums.p_like,
+        ahead.a if ahead is not None else dummy, ahead.scales if ahead is not None else dummy,
+        shrunk if shrunk is not None else dummy, shrunk.stride(0) if shrunk is not None else 0, slices,
+        lo.sorted_ids, lo.slot_start, ss, sh, counters, m, n, eps, lo.rank, lo.num_slots,
+        SPLIT_K=sums.split, BLOCK_C=block_c, BLOCK_H=block_h, BLOCK_R=max(16, _pow2(lo.rank)),
+        BLOCK_S=_pow2(lo.num_slots), BLOCK_SA=block_sa, BLOCK_P=_pow2(programs), HAS_SHRINK=ahead is not None,
+        num_warps=4 if block_sa <= 32 else 8,
+    )  # fmt: skip

@@ -159,8 +159,10 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
     projection's shrink in that norm."""
     from dataclasses import replace
 
+    from harli_train.engine import decode_norm_shrink
     from harli_train.engine.decode_forward import SHRINK_AHEAD_ROWS
     from harli_train.engine.decode_linear import (
+        EXPAND_IN_NORM_ROWS,
         GemvLoRA,
         decode_linear,
         decode_linear_add_rms_norm,
@@ -178,6 +180,21 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
         ((4096,), 14336, False),
         ((128256,), 4096, False),
     ]
+
+    def split_norm(x: torch.Tensor, lo: GemvLoRA) -> None:
+        """o / down's add and norm with their LoRA, each norm row split by columns (SPLIT_NORM_ROWS)."""
+        if lo.shrunk is not None or x.shape[0] > EXPAND_IN_NORM_ROWS:
+            return
+        k, m = x.shape[1], x.shape[0]
+        saved = decode_norm_shrink.SPLIT_NORM_ROWS
+        decode_norm_shrink.SPLIT_NORM_ROWS = EXPAND_IN_NORM_ROWS
+        try:
+            args = (x, meta(4096, k, dt=dtype), meta(m, 4096, dt=dtype), meta(4096, dt=dtype), 1e-5)
+            decode_linear_add_rms_norm(*args, num_sms=sms, lora=lo)
+            ahead = replace(lo, a=meta(3 * 80, 4096, dt=dtype))
+            decode_linear_add_rms_norm_shrink(*args, lo, ahead, num_sms=sms)
+        finally:
+            decode_norm_shrink.SPLIT_NORM_ROWS = saved
 
     def run() -> None:
         for m in (1, 2, 4, 8, 16, 32, 64):
@@ -203,6 +220,8 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
                         continue  # the LM head carries no adapter
                     weights = [meta(n, k, dt=dtype) for n in ns]
                     decode_linear(x, weights, swiglu=swiglu, num_sms=sms, addend=add, lora=lo)
+                    if len(ns) == 1 and ns[0] == 4096 and lo is not None:  # the norm's rows split, too
+                        split_norm(x, lo)
                     if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
                         decode_linear_add_rms_norm(
                             x,
