@@ -9,6 +9,7 @@ kernels they slow.
     python bench/probe_decode_lora.py            # H200: $OUT/probe_decode_lora.json, a table last
     python bench/probe_decode_lora.py --dry-run  # CPU: the tiny model, its eager step (the code path only)
     python bench/probe_decode_lora.py --shrink-ahead-rows 0   # the shrinks in the projections' launches
+    python bench/probe_decode_lora.py --split-norm-rows 64    # o/down's norms split each row by columns
     python bench/probe_decode_lora.py --mixed 24,56,120        # mixed steps: each batch plus a chunk of N
 
 ``--mixed``: instead of decode steps, mixed steps of each batch's decode rows plus one prefill chunk of each
@@ -77,12 +78,21 @@ def main() -> None:
         default=None,
         help="decode_forward.SHRINK_AHEAD_ROWS for this run (0: every shrink in its projection's launch)",
     )
+    ap.add_argument(
+        "--split-norm-rows",
+        type=int,
+        default=None,
+        help="decode_norm_shrink.SPLIT_NORM_ROWS for this run (the norms after o and down split by columns)",
+    )
     args = ap.parse_args()
-    from harli_train.engine import DecodeEngine, EngineConfig, decode_forward
+    from harli_train.engine import DecodeEngine, EngineConfig, decode_forward, decode_norm_shrink
 
     if args.shrink_ahead_rows is not None:
         decode_forward.SHRINK_AHEAD_ROWS = args.shrink_ahead_rows
     args.shrink_ahead_rows = decode_forward.SHRINK_AHEAD_ROWS
+    if args.split_norm_rows is not None:
+        decode_norm_shrink.SPLIT_NORM_ROWS = args.split_norm_rows
+    args.split_norm_rows = decode_norm_shrink.SPLIT_NORM_ROWS
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     bench = Bench(args.dry_run, steps=args.reps)

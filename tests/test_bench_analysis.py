@@ -852,7 +852,8 @@ def test_probe_decode_lora_dry_run_lists_kernels_per_variant_and_their_differenc
         assert row["total_us"] > 0 and all(k["launches"] > 0 for k in row["kernels"].values())
     assert set(result["diffs"]) == {f"b{b}_{v}" for b in (1, 4) for v in ("lora_1", "lora_mix4")}
     # --mixed: mixed steps of each batch plus a chunk of each size, every row on the variant's adapters.
-    mixed = probe("--reps", "1", "--mixed", "6")
+    mixed = probe("--reps", "1", "--mixed", "6", "--split-norm-rows", "64")
+    assert mixed["args"]["split_norm_rows"] == 64
     assert sorted(mixed["rows"]) == sorted(
         f"b{b}_n6_{v}" for b in (1, 4) for v in ("base", "lora_1", "lora_mix4")
     )
