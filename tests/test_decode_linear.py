@@ -503,6 +503,30 @@ def test_the_norm_after_a_lora_projection_shrinks_for_the_next(dtype, path, slot
     _assert_counters_reset(DEVICE)
 
 
+@pytest.mark.parametrize("path", EXPAND_PATHS)
+def test_the_norm_after_a_lora_projection_takes_rows_past_the_layout_as_base_rows(path, monkeypatch):
+    """A mixed graph's padding rows past its layout (sorted ids 0 there) come out of the projection, its
+    add and norm and the next shrink as base rows, whichever path the expand takes."""
+    from harli_train.engine import decode_linear as dl
+
+    _expand_path(path, monkeypatch)
+    k, n, slots, laid_out = 72, 48, [2, 1, 2, 3, 1, 1], 4
+    lora, delta = _gemv_lora(slots, k, (n,), torch.float32, seed=23, laid_out=laid_out)
+    ahead, _ = _gemv_lora(slots, n, (24, 16), torch.float32, seed=63, laid_out=laid_out)
+    x, w = _randn(len(slots), k, dtype=torch.float32, seed=23 + 99), _randn(n, k, dtype=torch.float32, seed=25)
+    residual = _randn(len(slots), n, dtype=torch.float32, seed=26)
+    norm_w = _randn(n, dtype=torch.float32, seed=27)
+    cfg = with_config(decode_linear_config(16, (n,), k, 132, False, 4), split_k=2, block_n=16, block_k=32)
+    y, h, pre = dl.decode_linear_add_rms_norm_shrink(x, w, residual, norm_w, 1e-5, lora, ahead, config=cfg)
+    want_y, want_h = kernel_reference.add_rms_norm(
+        decode_linear_reference(x, [w], addend=delta), residual, norm_w, 1e-5
+    )
+    torch.testing.assert_close(h, want_h, **TOL[torch.float32])
+    torch.testing.assert_close(y, want_y, **TOL[torch.float32])
+    _assert_shrunk(pre, y, slots[:laid_out] + [0] * (len(slots) - laid_out), 2)
+    _assert_counters_reset(DEVICE)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("slots,use_dot,split", LORA_CASES)
