@@ -513,7 +513,10 @@ def test_the_norm_after_a_lora_projection_takes_rows_past_the_layout_as_base_row
     k, n, slots, laid_out = 72, 48, [2, 1, 2, 3, 1, 1], 4
     lora, delta = _gemv_lora(slots, k, (n,), torch.float32, seed=23, laid_out=laid_out)
     ahead, _ = _gemv_lora(slots, n, (24, 16), torch.float32, seed=63, laid_out=laid_out)
-    x, w = _randn(len(slots), k, dtype=torch.float32, seed=23 + 99), _randn(n, k, dtype=torch.float32, seed=25)
+    x, w = (
+        _randn(len(slots), k, dtype=torch.float32, seed=23 + 99),
+        _randn(n, k, dtype=torch.float32, seed=25),
+    )
     residual = _randn(len(slots), n, dtype=torch.float32, seed=26)
     norm_w = _randn(n, dtype=torch.float32, seed=27)
     cfg = with_config(decode_linear_config(16, (n,), k, 132, False, 4), split_k=2, block_n=16, block_k=32)
