@@ -208,6 +208,59 @@ def _split_reduce_add_rms_norm_kernel(
     tl.store(y_ptr + m * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _slot_and_row(p, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S: tl.constexpr):
+    """(slot, row) at position `p` of a step's slot layout (sorted_ids; positions past slot_start[S] are
+    their own base rows, slot 0)."""
+    laid = p < tl.load(slot_start_ptr + lora_slots)
+    js = tl.arange(0, BLOCK_S)
+    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
+    slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
+    row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    return slot, row
+
+
+@triton.jit
+def _sum_with_expand(
+    part_ptr,
+    stride_part,
+    M,
+    row,
+    slot,
+    cols,
+    mask,
+    N,
+    e_col0,
+    bt_ptr,
+    e_scales_ptr,
+    lora_rank,
+    p_like_ptr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """fp32 [BLOCK]: a projection's output at `cols` of `row` from its GEMV workspace with its LoRA in the
+    launch (see `_rms_norm_shrink_kernel`'s FROM_PARTIAL): the splits' sum plus the slot's expand (the
+    shrink summed over the splits, scaled, rounded to bt's dtype), rounded to p_like's dtype. The expand
+    takes 16 ranks at a time: [16, BLOCK] tiles of B^T, each thread summing its columns' ranks."""
+    x = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        x += tl.load(part_ptr + (s * M + row) * stride_part + cols, mask=mask, other=0.0)
+    scale = tl.load(e_scales_ptr + slot)
+    for r0 in tl.static_range(0, BLOCK_R, 16):
+        rr = r0 + tl.arange(0, 16)
+        r_live = (rr < lora_rank) & ((tl.zeros_like(rr) + slot) > 0)
+        sr = tl.zeros((16,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            shrink = part_ptr + (s * M + row) * stride_part + e_col0 + slot * lora_rank
+            sr += tl.load(shrink + rr, mask=r_live, other=0.0)
+        sr = (sr * scale).to(bt_ptr.dtype.element_ty).to(tl.float32)
+        b_rows = bt_ptr + (slot * lora_rank + rr).to(tl.int64)[:, None] * N
+        b = tl.load(b_rows + cols[None, :], mask=r_live[:, None] & mask[None, :], other=0.0)
+        x += tl.sum(sr[:, None] * b.to(tl.float32), axis=0)
+    return x.to(p_like_ptr.dtype.element_ty).to(tl.float32)
+
+
 # x, res, h, y: [M, N] (row strides given; h aliases x without a residual); w: [N]; a: the stacked LoRA A
 # [n_slices * S * R, N] contiguous, rows (slice, slot, r); xa: [M, n_slices * S * R] (row stride stride_xa)
 # in the adapters' dtype. Grid (M, n_slices * r_tiles): program (p, t) takes the row at position p of the
@@ -261,11 +314,7 @@ def _rms_norm_shrink_kernel(
 ):
     p = tl.program_id(0)
     t = tl.program_id(1)
-    laid = p < tl.load(slot_start_ptr + lora_slots)
-    js = tl.arange(0, BLOCK_S)
-    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
-    slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
-    row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    slot, row = _slot_and_row(p, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < N
     if HAS_SHRINK:
@@ -277,24 +326,10 @@ def _rms_norm_shrink_kernel(
         live = a_mask & ((tl.zeros_like(ra) + slot) > 0)  # a tensor: the interpreter's masks want one
         a = tl.load(a_rows + cols[None, :], mask=live[:, None] & mask[None, :], other=0.0)
     if FROM_PARTIAL:
-        x = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            x += tl.load(x_ptr + (s * M + row) * stride_x + cols, mask=mask, other=0.0)
-        # The expand, 16 ranks at a time: [16, BLOCK_H] tiles of B^T, each thread summing its columns' ranks.
-        scale = tl.load(e_scales_ptr + slot)
-        for r0 in tl.static_range(0, BLOCK_R, 16):
-            rr = r0 + tl.arange(0, 16)
-            r_live = (rr < lora_rank) & ((tl.zeros_like(rr) + slot) > 0)
-            sr = tl.zeros((16,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                sr += tl.load(
-                    x_ptr + (s * M + row) * stride_x + e_col0 + slot * lora_rank + rr, mask=r_live, other=0.0
-                )
-            sr = (sr * scale).to(bt_ptr.dtype.element_ty).to(tl.float32)
-            b_rows = bt_ptr + (slot * lora_rank + rr).to(tl.int64)[:, None] * N
-            b = tl.load(b_rows + cols[None, :], mask=r_live[:, None] & mask[None, :], other=0.0)
-            x += tl.sum(sr[:, None] * b.to(tl.float32), axis=0)
-        x = x.to(p_like_ptr.dtype.element_ty).to(tl.float32)
+        x = _sum_with_expand(
+            x_ptr, stride_x, M, row, slot, cols, mask, N, e_col0, bt_ptr, e_scales_ptr, lora_rank, p_like_ptr,
+            SPLIT_K, BLOCK_R, BLOCK_H,
+        )  # fmt: skip
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from harli_train.engine.decode_reduce_kernels import _slot_and_row, _sum_with_expand
+
 
 # part: a projection's fp32 GEMV workspace [SPLIT_K, M, stride_part] with its LoRA in the launch: columns
 # [0, N) the split sums, columns e_col0 + slot * R + r the unscaled shrink of its slot. res, h, y: [M, N] (row
@@ -69,11 +71,7 @@ def _split_norm_kernel(
     p = tl.program_id(0)
     j = tl.program_id(1)
     num_p = tl.num_programs(1)
-    laid = p < tl.load(slot_start_ptr + lora_slots)
-    js = tl.arange(0, BLOCK_S)
-    starts = tl.load(slot_start_ptr + js, mask=(js >= 1) & (js < lora_slots), other=2147483647)
-    slot = tl.where(laid, tl.sum((starts <= p).to(tl.int32), axis=0), 0)
-    row = tl.where(laid, tl.load(sorted_ids_ptr + p, mask=laid, other=0), p).to(tl.int64)
+    slot, row = _slot_and_row(p, sorted_ids_ptr, slot_start_ptr, lora_slots, BLOCK_S)
     cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < N
     if HAS_SHRINK:  # the A tile's load does not wait on the sums (base rows load nothing)
@@ -83,25 +81,10 @@ def _split_norm_kernel(
         live = (sa < n_slices * lora_rank) & ((tl.zeros_like(sa) + slot) > 0)
         a_rows = a_ptr + ((piece * lora_slots + slot) * lora_rank + ra).to(tl.int64)[:, None] * N
         a = tl.load(a_rows + cols[None, :], mask=live[:, None] & mask[None, :], other=0.0)
-    x = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        x += tl.load(part_ptr + (s * M + row) * stride_part + cols, mask=mask, other=0.0)
-    scale = tl.load(e_scales_ptr + slot)
-    for r0 in tl.static_range(0, BLOCK_R, 16):
-        rr = r0 + tl.arange(0, 16)
-        r_live = (rr < lora_rank) & ((tl.zeros_like(rr) + slot) > 0)
-        sr = tl.zeros((16,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            sr += tl.load(
-                part_ptr + (s * M + row) * stride_part + e_col0 + slot * lora_rank + rr,
-                mask=r_live,
-                other=0.0,
-            )
-        sr = (sr * scale).to(bt_ptr.dtype.element_ty).to(tl.float32)
-        b_rows = bt_ptr + (slot * lora_rank + rr).to(tl.int64)[:, None] * N
-        b = tl.load(b_rows + cols[None, :], mask=r_live[:, None] & mask[None, :], other=0.0)
-        x += tl.sum(sr[:, None] * b.to(tl.float32), axis=0)
-    x = x.to(p_like_ptr.dtype.element_ty).to(tl.float32)
+    x = _sum_with_expand(
+        part_ptr, stride_part, M, row, slot, cols, mask, N, e_col0, bt_ptr, e_scales_ptr, lora_rank, p_like_ptr,
+        SPLIT_K, BLOCK_R, BLOCK_C,
+    )  # fmt: skip
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
