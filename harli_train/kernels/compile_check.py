@@ -156,7 +156,7 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
     without LoRA, with an addend, with the LoRA in its launches (4 adapters of rank 16 and the base: 5
     slots) and, up to SHRINK_AHEAD_ROWS rows, with its shrink made by the norm (and that norm); o and down
     also with the residual add and norm, and with LoRA up to SHRINK_AHEAD_ROWS rows with the next
-    projection's shrink in that norm."""
+    projection's shrink in that norm; with LoRA that norm also in its split form (`SPLIT_NORM_ROWS`)."""
     from dataclasses import replace
 
     from harli_train.engine import decode_norm_shrink
