@@ -398,6 +398,38 @@ def test_host_profiles_of_the_trainer_thread_and_the_decode_loop(tmp_path, monke
         assert any(t.name == "harli-host-sampler" for t in threading.enumerate())
 
 
+def test_a_torn_stack_walk_drops_the_sample_and_the_sampler_lives_on(tmp_path, monkeypatch):
+    """Another thread's frames are read while it runs, so a walk may meet something that is not a frame
+    (CPython 3.11 gave a dict for an `f_back`): that sample is dropped and counted, the sampler goes on,
+    and once its thread ends the next block starts another."""
+    import sys
+
+    from harli_train.colocate import host_profile
+
+    assert host_profile._stack({}) is None
+    assert host_profile._stack(sys._getframe())[-1].startswith("test_a_torn_stack_walk")
+    sampler = host_profile.Sampler(interval_s=1e-3)
+    real, me = sys._current_frames, threading.get_ident()
+    monkeypatch.setattr(sys, "_current_frames", lambda: {**real(), me: {}})
+    entry = sampler.add(me, "torn")
+    deadline = time.monotonic() + 2.0
+    while entry.torn < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert entry.torn >= 3 and entry.samples == 0 and sampler._thread.is_alive()
+    sampler.remove(me)
+    host_profile.write_profile(entry, tmp_path, 0.1)
+    assert "torn and dropped" in (tmp_path / "torn.txt").read_text()
+    while sampler._thread is not None and time.monotonic() < deadline + 2.0:
+        time.sleep(0.005)
+    assert sampler._thread is None
+    monkeypatch.setattr(sys, "_current_frames", real)
+    again = sampler.add(me, "again")
+    while again.samples == 0 and time.monotonic() < deadline + 4.0:
+        time.sleep(0.005)
+    sampler.remove(me)
+    assert again.samples > 0 and again.torn == 0
+
+
 def test_prepared_synthetic_prompts_are_the_ones_submit_would_make():
     """The runtime makes a load's synthetic prompts before serving (EngineAdapter.prepare); a prepared
     request and an unprepared one get the same token ids, and a prepared prompt is used once."""

@@ -43,12 +43,29 @@ class _Thread:
         self.name = name
         self.stacks: collections.Counter[tuple[str, ...]] = collections.Counter()  # outermost first
         self.samples = 0
+        self.torn = 0  # samples dropped: the thread's frames changed while they were read (`_stack`)
         self.t0 = time.perf_counter()
 
 
 def _where(frame: FrameType) -> str:
     code = frame.f_code
     return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def _stack(frame: object) -> tuple[str, ...] | None:
+    """The functions on the stack from `frame` outwards, outermost first; None when the walk meets something
+    that is not a frame. Another thread's frames are read while it runs: if the sampler loses the GIL in the
+    walk, a frame the thread has since left can point anywhere (CPython 3.11 gave a dict for its `f_back`)."""
+    stack = []
+    while frame is not None and len(stack) < MAX_DEPTH:
+        if not isinstance(frame, FrameType):
+            return None
+        try:
+            stack.append(_where(frame))
+            frame = frame.f_back
+        except (AttributeError, TypeError):
+            return None
+    return tuple(reversed(stack))
 
 
 class Sampler:
@@ -74,25 +91,30 @@ class Sampler:
             self._threads.pop(ident, None)
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.interval_s)
+        try:
+            while True:
+                time.sleep(self.interval_s)
+                with self._lock:
+                    watched = dict(self._threads)
+                    if not watched:
+                        self._thread = None
+                        return
+                frames = sys._current_frames()
+                for ident, entry in watched.items():
+                    frame = frames.get(ident)
+                    if frame is None:
+                        continue
+                    stack = _stack(frame)
+                    if stack is None:
+                        entry.torn += 1
+                        continue
+                    entry.stacks[stack] += 1
+                    entry.samples += 1
+                del frames
+        finally:  # however this thread ends, the next `add` starts another
             with self._lock:
-                watched = dict(self._threads)
-                if not watched:
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    return
-            frames = sys._current_frames()
-            for ident, entry in watched.items():
-                frame = frames.get(ident)
-                if frame is None:
-                    continue
-                stack = []
-                while frame is not None and len(stack) < MAX_DEPTH:
-                    stack.append(_where(frame))
-                    frame = frame.f_back
-                entry.stacks[tuple(reversed(stack))] += 1
-                entry.samples += 1
-            del frames
 
 
 _SAMPLER = Sampler()
@@ -132,7 +154,8 @@ def write_profile(entry: _Thread, directory: Path, seconds: float) -> Path:
     per_sample_ms = 1e3 * seconds / total
     lines = [
         f"{entry.name}: {entry.samples} samples over {seconds:.2f} s "
-        f"(one per {per_sample_ms:.2f} ms); share of the samples each function was running in",
+        f"(one per {per_sample_ms:.2f} ms; {entry.torn} torn and dropped); share of the samples each "
+        "function was running in",
     ]
     for title, counts in (("own (innermost frame)", own), ("inclusive (anywhere on the stack)", inclusive)):
         lines += ["", f"=== by {title} ===", f"{'share':>7} {'samples':>8}  function"]
