@@ -181,20 +181,15 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
         ((128256,), 4096, False),
     ]
 
-    def split_norm(x: torch.Tensor, lo: GemvLoRA) -> None:
-        """o / down's add and norm with their LoRA, each norm row split by columns (SPLIT_NORM_ROWS)."""
-        if lo.shrunk is not None or x.shape[0] > EXPAND_IN_NORM_ROWS:
-            return
-        k, m = x.shape[1], x.shape[0]
-        saved = decode_norm_shrink.SPLIT_NORM_ROWS
-        decode_norm_shrink.SPLIT_NORM_ROWS = EXPAND_IN_NORM_ROWS
-        try:
-            args = (x, meta(4096, k, dt=dtype), meta(m, 4096, dt=dtype), meta(4096, dt=dtype), 1e-5)
-            decode_linear_add_rms_norm(*args, num_sms=sms, lora=lo)
+    def add_norm(x: torch.Tensor, add: torch.Tensor | None, lo: GemvLoRA | None) -> None:
+        """o / down with the residual add and norm, and with LoRA up to SHRINK_AHEAD_ROWS rows with the next
+        projection's shrink in that norm."""
+        m, k = x.shape
+        args = (x, meta(4096, k, dt=dtype), meta(m, 4096, dt=dtype), meta(4096, dt=dtype), 1e-5)
+        decode_linear_add_rms_norm(*args, num_sms=sms, addend=add, lora=lo)
+        if lo is not None and lo.shrunk is None and m <= SHRINK_AHEAD_ROWS:
             ahead = replace(lo, a=meta(3 * 80, 4096, dt=dtype))
             decode_linear_add_rms_norm_shrink(*args, lo, ahead, num_sms=sms)
-        finally:
-            decode_norm_shrink.SPLIT_NORM_ROWS = saved
 
     def run() -> None:
         for m in (1, 2, 4, 8, 16, 32, 64):
@@ -220,30 +215,15 @@ def decode_workload(sms: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[
                         continue  # the LM head carries no adapter
                     weights = [meta(n, k, dt=dtype) for n in ns]
                     decode_linear(x, weights, swiglu=swiglu, num_sms=sms, addend=add, lora=lo)
-                    if len(ns) == 1 and ns[0] == 4096 and lo is not None:  # the norm's rows split, too
-                        split_norm(x, lo)
-                    if len(ns) == 1 and ns[0] == 4096:  # o and down, with the residual add and norm
-                        decode_linear_add_rms_norm(
-                            x,
-                            meta(4096, k, dt=dtype),
-                            meta(m, 4096, dt=dtype),
-                            meta(4096, dt=dtype),
-                            1e-5,
-                            num_sms=sms,
-                            addend=add,
-                            lora=lo,
-                        )
-                        if lo is not None and lo.shrunk is None and m <= SHRINK_AHEAD_ROWS:
-                            decode_linear_add_rms_norm_shrink(
-                                x,
-                                meta(4096, k, dt=dtype),
-                                meta(m, 4096, dt=dtype),
-                                meta(4096, dt=dtype),
-                                1e-5,
-                                lo,
-                                replace(lo, a=meta(3 * 80, 4096, dt=dtype)),
-                                num_sms=sms,
-                            )
+                    if len(ns) == 1 and ns[0] == 4096:  # o and down
+                        add_norm(x, add, lo)
+                        if lo is not None and lo.shrunk is None:  # again, the norm's rows split
+                            saved = decode_norm_shrink.SPLIT_NORM_ROWS
+                            decode_norm_shrink.SPLIT_NORM_ROWS = EXPAND_IN_NORM_ROWS
+                            try:
+                                add_norm(x, add, lo)
+                            finally:
+                                decode_norm_shrink.SPLIT_NORM_ROWS = saved
 
     return run
 
